@@ -1,0 +1,111 @@
+"""Reads tensors from a GGUF file by their Hugging Face names, dequantising only the rows (or
+block-aligned columns) a rank asks for. The file is memory-mapped, so untouched parts are never
+read."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.experts.down_proj": "ffn_down_exps.weight",
+}
+_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_UNQUANTISED = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name in _GLOBAL:
+        return _GLOBAL[hf_name]
+    parts = hf_name.split(".", 3)
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _LAYER:
+        return f"blk.{parts[2]}.{_LAYER[parts[3]]}"
+    raise KeyError(f"no GGUF name for {hf_name!r}")
+
+
+class GgufSource:
+    def __init__(self, path: str, *, num_heads: int, num_kv_heads: int) -> None:
+        self.reader = GGUFReader(path)
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        arch = self.reader.fields["general.architecture"].contents()
+        # llama.cpp's converter permutes llama Q/K rows for its RoPE layout; we undo it per head.
+        self._permuted = {"attn_q": num_heads, "attn_k": num_kv_heads} if arch == "llama" else {}
+
+    def has(self, name: str) -> bool:
+        if name.endswith("experts.gate_up_proj"):
+            return self.has(name.replace("gate_up_proj", "down_proj"))
+        try:
+            return gguf_name(name) in self.tensors
+        except KeyError:
+            return False
+
+    def get(self, name: str, *, dim: int | None = None, part: range | None = None) -> torch.Tensor:
+        if name.endswith("experts.gate_up_proj"):
+            layer = name.split(".")[2]
+            gate = self._read(f"blk.{layer}.ffn_gate_exps.weight", dim, part)
+            up = self._read(f"blk.{layer}.ffn_up_exps.weight", dim, part)
+            return torch.from_numpy(np.concatenate([gate, up], axis=1))
+        gname = gguf_name(name)
+        data = self._read(gname, dim, part)
+        kind = gname.split(".")[-2]
+        if kind in self._permuted:
+            data = _unpermute(data, self._permuted[kind], self._rows(gname), part if dim in (0, None) else None)
+        return torch.from_numpy(data if data.flags.writeable and data.flags.c_contiguous else np.array(data))
+
+    def _rows(self, gname: str) -> int:
+        return int(self.tensors[gname].data.shape[0])
+
+    def _read(self, gname: str, dim: int | None, part: range | None) -> np.ndarray:
+        t = self.tensors.get(gname)
+        if t is None:
+            raise KeyError(f"tensor {gname!r} is not in the GGUF file")
+        qtype = GGMLQuantizationType(t.tensor_type)
+        raw = t.data
+        if part is not None and (dim or 0) < raw.ndim - 1:
+            index = [slice(None)] * raw.ndim
+            index[dim or 0] = slice(part.start, part.stop)
+            return self._dequant(raw[tuple(index)], qtype)
+        if part is not None:
+            block, size = GGML_QUANT_SIZES[qtype]
+            cols = int(t.shape[0])
+            if qtype not in _UNQUANTISED and part.start % block == 0 and (part.stop % block == 0 or part.stop == cols):
+                sliced = raw[..., part.start // block * size: -(-part.stop // block) * size]
+                return self._dequant(sliced, qtype)
+            full = self._dequant(raw, qtype)
+            return full[..., part.start: part.stop]
+        return self._dequant(raw, qtype)
+
+    @staticmethod
+    def _dequant(raw: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+        if qtype == GGMLQuantizationType.F32:
+            return np.asarray(raw, dtype=np.float32)
+        return dequantize(np.ascontiguousarray(raw), qtype).astype(np.float32, copy=False)
+
+
+def _unpermute(w: np.ndarray, n_head: int, total_rows: int, part: range | None) -> np.ndarray:
+    head_dim = total_rows // n_head
+    heads = w.shape[0] // head_dim
+    if part is not None and part.start % head_dim:
+        raise ValueError("a Q/K slice must hold whole heads")
+    return w.reshape(heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

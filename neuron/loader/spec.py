@@ -1,0 +1,119 @@
+"""Everything the leader knows about a model before any rank exists: its files, architecture,
+tokenizer, chat template, stop tokens and sampling defaults. No torch here."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from protocol import ModelConfig
+
+from .errors import BadModelConfig, LoadError
+from .model_config import config_from_gguf, config_from_hf, read_config_json
+from .resolve import DEFAULT_MODEL, ModelFiles, resolve_model
+from .tokenizer import TokenizerInfo, tokenizer_from_gguf
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@dataclass
+class ModelSpec:
+    id: str
+    files: ModelFiles
+    config: ModelConfig
+    tokenizer: TokenizerInfo
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def context_length(self) -> int:
+        return self.config.max_position_embeddings
+
+
+def model_id_for(ref: str) -> str:
+    if ref.endswith(".gguf"):
+        return Path(ref).stem
+    path = Path(ref)
+    if path.is_dir():
+        return path.resolve().name
+    return ref.split("/")[-1] if ref.startswith(("/", ".", "~")) else ref
+
+
+def load_spec(ref: str, *, model_id: str | None = None, hf_cache: str | None = None) -> ModelSpec:
+    files = resolve_model(ref, hf_cache=hf_cache)
+    mid = model_id or (DEFAULT_MODEL if ref.startswith(("HuggingFaceTB/", DEFAULT_MODEL)) else model_id_for(ref))
+    if files.format == "gguf":
+        return _gguf_spec(mid, files)
+    return _hf_spec(mid, files)
+
+
+def _gguf_spec(mid: str, files: ModelFiles) -> ModelSpec:
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(files.paths[0])
+    except Exception as exc:
+        raise BadModelConfig(f"{files.paths[0].name} is not a readable GGUF file: {exc}") from None
+    fields = {name: f.contents() for name, f in reader.fields.items()}
+    names = {t.name for t in reader.tensors}
+    tokens = fields.get("tokenizer.ggml.tokens") or []
+    config = config_from_gguf(fields, names, len(tokens))
+    tk = tokenizer_from_gguf(fields)
+    eos = [int(fields[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in fields]
+    bos_id = fields.get("tokenizer.ggml.bos_token_id")
+    info = TokenizerInfo(
+        tokenizer=tk,
+        bos_token=tk.id_to_token(int(bos_id)) if bos_id is not None else None,
+        eos_token_ids=sorted(set(eos)),
+        chat_template=fields.get("tokenizer.chat_template"),
+        add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+    )
+    return ModelSpec(mid, files, config, info)
+
+
+def _hf_spec(mid: str, files: ModelFiles) -> ModelSpec:
+    from tokenizers import Tokenizer
+
+    d = files.directory
+    raw = read_config_json(d / "config.json")
+    config = config_from_hf(raw)
+    if not (d / "tokenizer.json").is_file():
+        raise LoadError(f"model {mid!r} has no tokenizer.json")
+    tk = Tokenizer.from_file(str(d / "tokenizer.json"))
+    tk_cfg = _optional_json(d / "tokenizer_config.json")
+    gen = _optional_json(d / "generation_config.json")
+    template = tk_cfg.get("chat_template")
+    if isinstance(template, list):  # named templates: take the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if (d / "chat_template.jinja").is_file():
+        template = (d / "chat_template.jinja").read_text()
+
+    def token_text(value: Any) -> str | None:
+        return value.get("content") if isinstance(value, dict) else value
+
+    eos: set[int] = set()
+    for source in (raw.get("eos_token_id"), gen.get("eos_token_id")):
+        eos.update([source] if isinstance(source, int) else [i for i in source or [] if isinstance(i, int)])
+    eos_text = token_text(tk_cfg.get("eos_token"))
+    if eos_text and tk.token_to_id(eos_text) is not None:
+        eos.add(tk.token_to_id(eos_text))
+    info = TokenizerInfo(
+        tokenizer=tk,
+        bos_token=token_text(tk_cfg.get("bos_token")),
+        eos_token_ids=sorted(eos),
+        chat_template=template,
+        add_bos=bool(tk_cfg.get("add_bos_token", False)),
+    )
+    defaults = {k: float(gen[k]) for k in SAMPLING_KEYS if isinstance(gen.get(k), (int, float))}
+    return ModelSpec(mid, files, config, info, defaults)
+
+
+def _optional_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise BadModelConfig(f"{path.name} does not parse: {exc}") from None
+    return data if isinstance(data, dict) else {}

@@ -1,0 +1,162 @@
+"""Building blocks written for tensor parallelism: every layer holds only its rank's share and
+names the one collective it needs. At world 1 the collectives are no-ops."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from protocol import ModelConfig
+
+
+class WeightSource(Protocol):
+    """Reads checkpoint tensors by their Hugging Face names, optionally only a slice."""
+
+    def get(self, name: str, *, dim: int | None = None, part: range | None = None) -> torch.Tensor: ...
+
+    def has(self, name: str) -> bool: ...
+
+
+class Collectives:
+    def __init__(self, world: int) -> None:
+        self.world = world
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            dist.all_reduce(x)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's ``x`` along the last dim (equal shapes on every rank)."""
+        if self.world == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=-1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the attention scaling of the model's RoPE variant."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling or {}
+    kind = str(scaling.get("rope_type", scaling.get("type", "default")))
+    if kind in ("default", ""):
+        return inv_freq, 1.0
+    factor = float(scaling.get("factor", 1.0))
+    if kind == "linear":
+        return inv_freq / factor, 1.0
+    if kind == "llama3":
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if kind == "yarn":
+        return _yarn(inv_freq, cfg, scaling, factor)
+    raise ValueError(f"unsupported rope scaling {kind!r} (supported: default, linear, llama3, yarn)")
+
+
+def _yarn(inv_freq: torch.Tensor, cfg: ModelConfig, s: dict, factor: float) -> tuple[torch.Tensor, float]:
+    dim = cfg.head_dim
+    old_len = float(s.get("original_max_position_embeddings", cfg.max_position_embeddings / factor))
+    beta_fast, beta_slow = float(s.get("beta_fast", 32)), float(s.get("beta_slow", 1))
+    attention_factor = float(s.get("attention_factor", 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0))
+
+    def correction(rot: float) -> float:
+        return (dim * math.log(old_len / (rot * 2 * math.pi))) / (2 * math.log(cfg.rope_theta))
+
+    low = max(math.floor(correction(beta_fast)), 0)
+    high = min(math.ceil(correction(beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    inv = (inv_freq / factor) * (1 - extrapolation) + inv_freq * extrapolation
+    return inv, attention_factor
+
+
+def rope_tables(cfg: ModelConfig, max_len: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq, scale = rope_inv_freq(cfg)
+    pos = torch.arange(max_len, dtype=torch.float32)
+    freqs = torch.outer(pos, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scale).to(device, dtype), (emb.sin() * scale).to(device, dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos/sin: [T, head_dim] (already indexed by position)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+@dataclass
+class AttentionBatch:
+    """Where the tokens of one step sit: built once per step, shared by every layer."""
+
+    slot_of_token: torch.Tensor  # [T] KV slot of each flattened token
+    pos_of_token: torch.Tensor  # [T] absolute position of each token
+    seq_slots: torch.Tensor  # [B] KV slot of each sequence
+    batch_index: torch.Tensor  # [T] which sequence a token belongs to
+    row_index: torch.Tensor  # [T] its row inside that sequence's padded block
+    max_rows: int
+    ctx_len: int  # keys to read: the longest sequence's end position
+    mask: torch.Tensor  # [B, 1, max_rows, ctx_len] True where a query may attend
+
+
+def attention_batch(seqs: list[tuple[int, int, int]], device: torch.device) -> AttentionBatch:
+    """``seqs``: (slot, start_pos, n_tokens) per sequence, in the order tokens are flattened."""
+    slots, pos, bidx, ridx = [], [], [], []
+    for b, (slot, start, n) in enumerate(seqs):
+        slots += [slot] * n
+        pos += range(start, start + n)
+        bidx += [b] * n
+        ridx += range(n)
+    max_rows = max(n for _, _, n in seqs)
+    ctx = max(start + n for _, start, n in seqs)
+    q_pos = torch.tensor([[s + min(r, n - 1) for r in range(max_rows)] for _, s, n in seqs], device=device)
+    k_pos = torch.arange(ctx, device=device)
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]).unsqueeze(1)
+    return AttentionBatch(
+        slot_of_token=torch.tensor(slots, device=device),
+        pos_of_token=torch.tensor(pos, device=device),
+        seq_slots=torch.tensor([s for s, _, _ in seqs], device=device),
+        batch_index=torch.tensor(bidx, device=device),
+        row_index=torch.tensor(ridx, device=device),
+        max_rows=max_rows,
+        ctx_len=ctx,
+        mask=mask,
+    )
+
+
+class KvCache:
+    """K and V for every layer, slot and position of this rank's KV heads."""
+
+    def __init__(self, layers: int, slots: int, max_len: int, kv_heads: int, head_dim: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        shape = (layers, slots, max_len, kv_heads, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.slots = slots
+        self.max_len = max_len
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2

@@ -1,0 +1,177 @@
+"""The llama-family decoder (llama 1/2/3, qwen3 with q/k norm, qwen3_moe with sparse experts),
+holding one tensor-parallel rank's share of the weights.
+
+Column-parallel: q/k/v (whole KV-head groups), gate/up. Row-parallel with one all-reduce each:
+the attention output and the MLP (or MoE block). Embedding and LM head are vocab-parallel.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from protocol import ModelConfig
+
+from .layers import AttentionBatch, Collectives, KvCache, WeightSource, apply_rope, rms_norm, rope_tables
+from .moe import SparseMoe
+from .sharding import ShardPlan
+
+
+def _rows(r: range, width: int) -> range:
+    return range(r.start * width, r.stop * width)
+
+
+class Attention:
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan, src: WeightSource, prefix: str, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        hd = cfg.head_dim
+        self.cfg = cfg
+        self.n_q, self.n_kv = len(plan.q_heads), len(plan.kv_heads)
+
+        def load(name: str, part: range, dim: int) -> torch.Tensor:
+            return src.get(f"{prefix}.{name}", dim=dim, part=part).to(device, dtype)
+
+        self.wq = load("q_proj.weight", _rows(plan.q_heads, hd), 0)
+        self.wk = load("k_proj.weight", _rows(plan.kv_heads, hd), 0)
+        self.wv = load("v_proj.weight", _rows(plan.kv_heads, hd), 0)
+        self.wo = load("o_proj.weight", _rows(plan.q_heads, hd), 1)
+        self.bq = self.bk = self.bv = self.bo = None
+        if cfg.attention_bias:
+            self.bq = load("q_proj.bias", _rows(plan.q_heads, hd), 0)
+            self.bk = load("k_proj.bias", _rows(plan.kv_heads, hd), 0)
+            self.bv = load("v_proj.bias", _rows(plan.kv_heads, hd), 0)
+        # The row-parallel output bias is added by one rank only, so the all-reduce counts it once.
+        if plan.rank == 0 and src.has(f"{prefix}.o_proj.bias"):
+            self.bo = load("o_proj.bias", range(cfg.hidden_size), 0)
+        if cfg.qk_norm:
+            self.q_norm = src.get(f"{prefix}.q_norm.weight").to(device, dtype)
+            self.k_norm = src.get(f"{prefix}.k_norm.weight").to(device, dtype)
+        groups = self.n_q // self.n_kv if self.n_q % self.n_kv == 0 else 0
+        uniform = groups and plan.kv_of_q == tuple(i // groups for i in range(self.n_q))
+        self.gqa_repeat = groups if uniform else 0
+        self.kv_index = torch.tensor(plan.kv_of_q, device=device)
+        self.scale = hd ** -0.5
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in vars(self).values() if isinstance(t, torch.Tensor) and t is not self.kv_index]
+
+    def __call__(self, x: torch.Tensor, layer: int, kv: KvCache, batch: AttentionBatch,
+                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        T, hd = x.shape[0], self.cfg.head_dim
+        q = F.linear(x, self.wq, self.bq).view(T, self.n_q, hd)
+        k = F.linear(x, self.wk, self.bk).view(T, self.n_kv, hd)
+        v = F.linear(x, self.wv, self.bv).view(T, self.n_kv, hd)
+        if self.cfg.qk_norm:
+            q = rms_norm(q, self.q_norm, self.cfg.rms_norm_eps)
+            k = rms_norm(k, self.k_norm, self.cfg.rms_norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        kv.k[layer, batch.slot_of_token, batch.pos_of_token] = k
+        kv.v[layer, batch.slot_of_token, batch.pos_of_token] = v
+
+        B = batch.seq_slots.shape[0]
+        keys = kv.k[layer, batch.seq_slots, : batch.ctx_len]  # [B, C, n_kv, hd]
+        values = kv.v[layer, batch.seq_slots, : batch.ctx_len]
+        if self.gqa_repeat != 1:
+            if self.gqa_repeat:
+                keys = keys.repeat_interleave(self.gqa_repeat, dim=2)
+                values = values.repeat_interleave(self.gqa_repeat, dim=2)
+            else:
+                keys, values = keys[:, :, self.kv_index], values[:, :, self.kv_index]
+        queries = q.new_zeros(B, batch.max_rows, self.n_q, hd)
+        queries[batch.batch_index, batch.row_index] = q
+        out = F.scaled_dot_product_attention(
+            queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=batch.mask, scale=self.scale,
+        )  # [B, n_q, rows, hd]
+        out = out.transpose(1, 2)[batch.batch_index, batch.row_index].reshape(T, self.n_q * hd)
+        return F.linear(out, self.wo, self.bo)
+
+
+class Mlp:
+    def __init__(self, src: WeightSource, prefix: str, part: range, dtype: torch.dtype, device: torch.device) -> None:
+        self.gate = src.get(f"{prefix}.gate_proj.weight", dim=0, part=part).to(device, dtype)
+        self.up = src.get(f"{prefix}.up_proj.weight", dim=0, part=part).to(device, dtype)
+        self.down = src.get(f"{prefix}.down_proj.weight", dim=1, part=part).to(device, dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.gate, self.up, self.down]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.silu(F.linear(x, self.gate)) * F.linear(x, self.up), self.down)
+
+
+class DecoderLayer:
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan, src: WeightSource, index: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        p = f"model.layers.{index}"
+        self.cfg = cfg
+        self.attn_norm = src.get(f"{p}.input_layernorm.weight").to(device, dtype)
+        self.mlp_norm = src.get(f"{p}.post_attention_layernorm.weight").to(device, dtype)
+        self.attn = Attention(cfg, plan, src, f"{p}.self_attn", dtype, device)
+        sparse = (cfg.num_experts > 0 and index not in cfg.mlp_only_layers
+                  and (index + 1) % cfg.decoder_sparse_step == 0)
+        self.mlp: Mlp | SparseMoe = (
+            SparseMoe(cfg, plan, src, f"{p}.mlp", dtype, device) if sparse
+            else Mlp(src, f"{p}.mlp", plan.mlp, dtype, device)
+        )
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.attn_norm, self.mlp_norm, *self.attn.tensors(), *self.mlp.tensors()]
+
+
+class CausalLM:
+    """One rank's shard of a llama-family model, with its KV cache."""
+
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan, src: WeightSource, *, dtype: torch.dtype,
+                 device: torch.device, max_slots: int, max_len: int) -> None:
+        self.cfg, self.plan, self.dtype, self.device = cfg, plan, dtype, device
+        self.comm = Collectives(plan.world)
+        vocab_rows = range(plan.vocab.start, min(plan.vocab.stop, cfg.vocab_size))
+        self.embed = self._vocab_shard(src, "model.embed_tokens.weight", vocab_rows)
+        if cfg.tie_word_embeddings or not src.has("lm_head.weight"):
+            self.lm_head = self.embed
+        else:
+            self.lm_head = self._vocab_shard(src, "lm_head.weight", vocab_rows)
+        self.layers = [DecoderLayer(cfg, plan, src, i, dtype, device) for i in range(cfg.num_layers)]
+        self.norm = src.get("model.norm.weight").to(device, dtype)
+        self.cos, self.sin = rope_tables(cfg, max_len, device, dtype)
+        self.kv = KvCache(cfg.num_layers, max_slots, max_len, len(plan.kv_heads), cfg.head_dim, device, dtype)
+
+    def _vocab_shard(self, src: WeightSource, name: str, rows: range) -> torch.Tensor:
+        """This rank's vocabulary rows, zero-padded to the common shard length."""
+        out = torch.zeros(len(self.plan.vocab), self.cfg.hidden_size, device=self.device, dtype=self.dtype)
+        if len(rows):
+            out[: len(rows)] = src.get(name, dim=0, part=rows).to(self.device, self.dtype)
+        return out
+
+    def weight_bytes(self) -> int:
+        seen: set[int] = set()
+        total = 0
+        tensors = [self.embed, self.lm_head, self.norm] + [t for layer in self.layers for t in layer.tensors()]
+        for t in tensors:
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+        return total
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.plan.vocab.start
+        inside = (local >= 0) & (local < len(self.plan.vocab))
+        h = F.embedding(local.clamp(0, len(self.plan.vocab) - 1), self.embed) * inside[:, None].to(self.dtype)
+        return self.comm.all_reduce(h)
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, batch: AttentionBatch, last_index: torch.Tensor) -> torch.Tensor:
+        """Run the step's flattened tokens; return full-vocabulary logits (float32) of the rows
+        ``last_index`` (on every rank, identical)."""
+        x = self.embed_tokens(ids)
+        cos, sin = self.cos[batch.pos_of_token], self.sin[batch.pos_of_token]
+        eps = self.cfg.rms_norm_eps
+        for i, layer in enumerate(self.layers):
+            h = layer.attn(rms_norm(x, layer.attn_norm, eps), i, self.kv, batch, cos, sin)
+            x = x + self.comm.all_reduce(h)
+            h = layer.mlp(rms_norm(x, layer.mlp_norm, eps))
+            x = x + self.comm.all_reduce(h)
+        x = rms_norm(x[last_index], self.norm, eps)
+        logits = self.comm.all_gather_last(F.linear(x, self.lm_head).float())
+        return logits[:, : self.cfg.vocab_size]

@@ -1,0 +1,3 @@
+from .process import main
+
+main()

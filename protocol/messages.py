@@ -1,0 +1,202 @@
+"""The frames exchanged between the leader and its rank processes.
+
+Every frame is a msgspec Struct tagged by ``op`` and carries ``id`` (the correlation id; a reply
+names the id it answers) and ``epoch`` (the rank group's generation; it changes at every
+respawn, so a late reply from an old group can never be taken for an answer of the new one).
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+
+class Frame(msgspec.Struct, tag_field="op", array_like=True, gc=False, frozen=True):
+    id: int
+    epoch: int
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared payloads
+
+
+class ModelConfig(msgspec.Struct, frozen=True):
+    """The architecture a rank builds; parsed by the leader from config.json or GGUF metadata."""
+
+    family: str  # llama | qwen3 | qwen3_moe
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope_scaling: dict[str, float | str | int] | None = None
+    qk_norm: bool = False
+    attention_bias: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = []
+
+
+class Sampling(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    prompt_len: int = 0
+    logprobs: int = 0  # how many top alternatives to return; 0 = none
+
+
+class StepSeq(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """One sequence's share of a step: ``tokens`` go into KV slot ``slot`` from ``start_pos``.
+
+    ``sampling`` is None for a prefill chunk that is not the prompt's last: no token comes back.
+    """
+
+    slot: int
+    tokens: list[int]
+    start_pos: int
+    sampling: Sampling | None = None
+
+
+class StepTimings(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    forward_ms: float
+    sample_ms: float
+
+
+# ---------------------------------------------------------------------------------------------
+# Leader -> rank
+
+
+class Ping(Frame, tag="ping"):
+    pass
+
+
+class InitDist(Frame, tag="init_dist"):
+    backend: str
+    rendezvous: str
+    world: int
+    rank: int
+    timeout_s: float = 60.0
+
+
+class SanityCheck(Frame, tag="sanity_check"):
+    pass
+
+
+class LoadShard(Frame, tag="load_shard"):
+    model: str
+    format: str  # safetensors | gguf
+    paths: list[str]
+    config: ModelConfig
+    dtype: str
+    max_slots: int
+    max_len: int
+    quant: str | None = None
+
+
+class Step(Frame, tag="step"):
+    step_id: int
+    seqs: list[StepSeq]
+
+
+class Free(Frame, tag="free"):
+    slots: list[int]
+
+
+class Memory(Frame, tag="memory"):
+    pass
+
+
+class Unload(Frame, tag="unload"):
+    model: str
+
+
+class Shutdown(Frame, tag="shutdown"):
+    pass
+
+
+class InjectFault(Frame, tag="inject_fault"):
+    """Test hook, honoured only by ranks started with fault injection enabled."""
+
+    kind: str  # oom: the next step raises an out-of-memory error on this rank
+
+
+# ---------------------------------------------------------------------------------------------
+# Rank -> leader
+
+
+class Pong(Frame, tag="pong"):
+    rank: int
+    world: int
+    device: str
+    pid: int
+
+
+class InitOk(Frame, tag="init_ok"):
+    pass
+
+
+class SanityResult(Frame, tag="sanity_result"):
+    observed: float
+
+
+class LoadOk(Frame, tag="load_ok"):
+    kv_capacity: int  # tokens of KV cache this rank holds (slots * max_len)
+    bytes: int  # resident weight bytes of this rank's shard
+    kv_bytes: int = 0
+
+
+class StepResult(Frame, tag="step_result"):
+    step_id: int
+    tokens: list[int]  # one per seq of the step; -1 where the seq sampled nothing
+    timings: StepTimings
+    logprobs: list[list[tuple[int, float]]] | None = None
+
+
+class Freed(Frame, tag="freed"):
+    pass
+
+
+class MemoryInfo(Frame, tag="memory_info"):
+    free: int
+    total: int
+    kv_used: int
+
+
+class Unloaded(Frame, tag="unloaded"):
+    pass
+
+
+class Bye(Frame, tag="bye"):
+    pass
+
+
+class Error(Frame, tag="error"):
+    kind: str  # oom | device_fault | bad_request | unknown_op | load_failed | ...
+    message: str
+
+
+class Heartbeat(Frame, tag="heartbeat"):
+    rank: int
+    busy_step: int  # the step id in flight on the device thread, -1 when idle
+
+
+Request = Union[Ping, InitDist, SanityCheck, LoadShard, Step, Free, Memory, Unload, Shutdown, InjectFault]
+Reply = Union[Pong, InitOk, SanityResult, LoadOk, StepResult, Freed, MemoryInfo, Unloaded, Bye, Error, Heartbeat]
+
+REQUEST_TYPES: tuple[type[Frame], ...] = Request.__args__  # type: ignore[attr-defined]
+REPLY_TYPES: tuple[type[Frame], ...] = Reply.__args__  # type: ignore[attr-defined]
