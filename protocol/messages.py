@@ -57,7 +57,7 @@ class Sampling(msgspec.Struct, array_like=True, gc=False, frozen=True):
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     prompt_len: int = 0
-    logprobs: int = 0  # how many top alternatives to return; 0 = none
+    logprobs: int = 0  # 0: none; n > 0: the chosen token's logprob and the n - 1 most likely
 
 
 class StepSeq(msgspec.Struct, array_like=True, gc=False, frozen=True):

@@ -47,7 +47,7 @@ class Sampler:
             tokens.append(token)
             if want_logprobs:
                 lp = torch.log_softmax(x, dim=-1)
-                top = torch.topk(lp, p.logprobs) if p.logprobs else None
+                top = torch.topk(lp, p.logprobs - 1) if p.logprobs > 1 else None
                 entry = [(token, float(lp[token]))]
                 if top is not None:
                     entry += list(zip(top.indices.tolist(), top.values.tolist()))

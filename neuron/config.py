@@ -1,0 +1,183 @@
+"""The one typed configuration object: ``conf/neuron.toml``, then ``NEURON_SECTION__KEY``
+environment overrides, then command-line flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 13131
+    max_body_bytes: int = 4 * 1024 * 1024
+    api_key: str = ""
+    admin_api_key: str = ""
+    drain_timeout_s: float = 15.0
+    log_level: str = "info"
+
+
+@dataclass
+class ModelEntry:
+    model: str = "SmolLM2-135M-Instruct"
+    id: str = ""
+    tensor_parallel: int = 1
+    device: str = "auto"
+    devices: list[int] = field(default_factory=list)
+    dtype: str = "auto"
+    max_model_len: int = 2048
+    max_slots: int = 8
+
+
+@dataclass
+class EngineConfig:
+    max_batch_tokens: int = 1024
+    prefill_chunk: int = 256
+    queue_size: int = 64
+    max_queue_wait_s: float = 60.0
+
+
+@dataclass
+class TimeoutConfig:
+    spawn_s: float = 90.0
+    control_s: float = 30.0
+    load_s: float = 600.0
+    step_base_s: float = 30.0
+    step_per_token_s: float = 0.05
+    heartbeat_timeout_s: float = 5.0
+    recovery_attempts: int = 3
+
+
+@dataclass
+class RuntimeConfig:
+    dir: str = ""
+    hf_cache: str = ""
+
+
+@dataclass
+class DebugConfig:
+    tap: str = ""
+    fault_injection: bool = False
+
+
+@dataclass
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    models: list[ModelEntry] = field(default_factory=lambda: [ModelEntry()])
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+
+
+def _coerce(kind: Any, value: Any, where: str) -> Any:
+    if kind is bool:
+        if isinstance(value, str):
+            if value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if value.lower() in ("0", "false", "no", "off", ""):
+                return False
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if kind in (int, float):
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        try:
+            return kind(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected {kind.__name__}, got {value!r}") from None
+    if kind is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    if kind == list[int]:
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return [_coerce(int, v, where) for v in value]
+    raise ConfigError(f"{where}: unsupported type")
+
+
+def _fill(cls: type, data: dict[str, Any], where: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"[{where}] must be a table")
+    hints = get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - known
+    if unknown:
+        raise ConfigError(f"[{where}] has unknown keys: {', '.join(sorted(unknown))} (known: {', '.join(sorted(known))})")
+    return cls(**{k: _coerce(hints[k], v, f"{where}.{k}") for k, v in data.items()})
+
+
+def load_config(path: str | Path | None = None, env: dict[str, str] | None = None) -> Config:
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read config {path}: {exc}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+    sections: dict[str, type] = {"server": ServerConfig, "engine": EngineConfig, "timeouts": TimeoutConfig,
+                                 "runtime": RuntimeConfig, "debug": DebugConfig}
+    unknown = set(data) - set(sections) - {"models"}
+    if unknown:
+        raise ConfigError(f"unknown config sections: {', '.join(sorted(unknown))}")
+    cfg = Config()
+    for name, cls in sections.items():
+        setattr(cfg, name, _fill(cls, data.get(name, {}), name))
+    if "models" in data:
+        if not isinstance(data["models"], list):
+            raise ConfigError("models must be an array of tables ([[models]])")
+        cfg.models = [_fill(ModelEntry, m, f"models[{i}]") for i, m in enumerate(data["models"])]
+    _apply_env(cfg, os.environ if env is None else env)
+    validate(cfg)
+    return cfg
+
+
+def _apply_env(cfg: Config, env: dict[str, str]) -> None:
+    """``NEURON_SERVER__PORT=8080`` sets ``[server] port``; ``NEURON_MODELS__0__DTYPE`` a model's."""
+    for key, value in env.items():
+        if not key.startswith("NEURON_") or "__" not in key:
+            continue
+        parts = key[len("NEURON_"):].lower().split("__")
+        if parts[0] == "models" and len(parts) == 3 and parts[1].isdigit():
+            index = int(parts[1])
+            while len(cfg.models) <= index:
+                cfg.models.append(ModelEntry())
+            target, name, where = cfg.models[index], parts[2], f"{key}"
+        elif len(parts) == 2 and hasattr(cfg, parts[0]) and parts[0] != "models":
+            target, name, where = getattr(cfg, parts[0]), parts[1], key
+        else:
+            raise ConfigError(f"environment variable {key} names no config key")
+        hints = get_type_hints(type(target))
+        if name not in hints:
+            raise ConfigError(f"environment variable {key} names no config key")
+        setattr(target, name, _coerce(hints[name], value, where))
+
+
+def validate(cfg: Config) -> None:
+    for i, m in enumerate(cfg.models):
+        if m.tensor_parallel < 1:
+            raise ConfigError(f"models[{i}].tensor_parallel must be at least 1")
+        if m.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"models[{i}].device must be auto, cpu or cuda")
+        if m.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"models[{i}].dtype must be auto, float32, bfloat16 or float16")
+        if m.max_slots < 1 or m.max_model_len < 16:
+            raise ConfigError(f"models[{i}]: max_slots must be >= 1 and max_model_len >= 16")
+    if cfg.debug.tap and not (cfg.debug.tap.startswith("ipc://") or cfg.debug.tap.startswith("tcp://127.")):
+        raise ConfigError("debug.tap must be an ipc:// or tcp://127.x endpoint (the tap is local only)")
+    if cfg.engine.queue_size < 1 or cfg.engine.max_batch_tokens < 1 or cfg.engine.prefill_chunk < 1:
+        raise ConfigError("engine sizes must be positive")

@@ -1,0 +1,71 @@
+"""A generation request as the Engine tracks it, and the events it emits. Streaming and
+non-streaming responses are two views of the same event stream."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from protocol import Sampling
+
+from .detokenizer import Detokenizer
+from .stops import StopMatcher
+
+_ids = itertools.count(1)
+
+
+@dataclass
+class TokenEvent:
+    text: str
+    token_ids: list[int]
+    logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass
+class FinishEvent:
+    reason: str  # stop | length | abort
+    prompt_tokens: int
+    completion_tokens: int
+    error: str | None = None  # set when reason is abort because something failed
+    error_kind: str | None = None
+
+
+Event = TokenEvent | FinishEvent
+
+
+@dataclass
+class GenRequest:
+    prompt: list[int]
+    sampling: Sampling
+    max_tokens: int
+    stop: list[str]
+    stop_token_ids: frozenset[int]
+    detokenizer: Detokenizer
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    output: list[int] = field(default_factory=list)
+    slot: int = -1
+    computed: int = 0  # tokens already in the KV cache
+    finished: bool = False
+    cancelled: bool = False
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    admitted: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    stop_matcher: StopMatcher = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stop_matcher = StopMatcher(self.stop)
+
+    def abort(self) -> None:
+        """The client went away: the scheduler drops the sequence at the next step."""
+        self.cancelled = True
+
+
+def pending_tokens(req: GenRequest) -> list[int]:
+    """The tokens of ``req`` not yet in the KV cache."""
+    n = len(req.prompt)
+    if req.computed < n:
+        return req.prompt[req.computed:] + req.output
+    return req.output[req.computed - n:]

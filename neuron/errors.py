@@ -1,0 +1,27 @@
+"""Errors as values with a kind; one mapping to HTTP status lives in ``neuron.server.errors``."""
+
+from __future__ import annotations
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, code: str, message: str, *, param: str | None = None,
+                 retry_after: int | None = None, type: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.param = param
+        self.retry_after = retry_after
+        self.type = type or _type_for(status)
+
+
+def _type_for(status: int) -> str:
+    if status == 401:
+        return "authentication_error"
+    if status == 404:
+        return "not_found_error"
+    if status == 429:
+        return "rate_limit_error"
+    if status >= 500:
+        return "server_error" if status == 500 else "service_unavailable"
+    return "invalid_request_error"

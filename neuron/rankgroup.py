@@ -1,0 +1,348 @@
+"""RankGroup: the leader's side of one model's rank processes.
+
+It spawns the ranks, owns the ROUTER socket they connect to, correlates every reply with its
+request by ``id`` (each wait has a deadline), and watches liveness (process exit, heartbeats).
+The first failure fails the whole group: every pending call raises ``GroupFailed`` and the
+processes are killed, so no collective a dead peer will never join can hold anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+import protocol as p
+from protocol.sockets import bind_router, identity_rank, ipc_endpoint, rank_identity
+
+from .config import TimeoutConfig
+
+log = logging.getLogger("neuron.group")
+
+_epochs = itertools.count(1)
+_ids = itertools.count(1)
+
+
+class GroupFailed(Exception):
+    """The group can no longer serve; it must be respawned."""
+
+
+class RankError(Exception):
+    """A rank answered with ``error{kind, message}``."""
+
+    def __init__(self, rank: int, kind: str, message: str) -> None:
+        super().__init__(f"rank {rank}: {kind}: {message}")
+        self.rank, self.kind, self.message = rank, kind, message
+
+
+@dataclass
+class _Call:
+    future: asyncio.Future
+    waiting: set[int]
+    replies: dict[int, p.Reply] = field(default_factory=dict)
+
+
+class TapMirror:
+    """Publishes a copy of every frame on a PUB socket for ``scripts/neuron-tap``. Read-only:
+    nothing that arrives on it is ever read."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str) -> None:
+        self.sock = ctx.socket(zmq.PUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 10000)
+        self.sock.bind(endpoint)
+        if endpoint.startswith("ipc://"):
+            os.chmod(endpoint[len("ipc://"):], 0o600)
+        self._enc = msgspec.msgpack.Encoder()
+
+    def publish(self, direction: str, model: str, epoch: int, rank: int, frame: bytes) -> None:
+        envelope = {"t": time.time(), "dir": direction, "model": model, "epoch": epoch, "rank": rank, "frame": frame}
+        try:
+            self.sock.send_multipart([b"frame", self._enc.encode(envelope)], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RankGroup:
+    def __init__(self, *, model_id: str, devices: list[str], timeouts: TimeoutConfig, runtime_dir: Path,
+                 ctx: zmq.asyncio.Context, tap: TapMirror | None = None, allow_faults: bool = False,
+                 on_failure: Callable[["RankGroup", str], None] | None = None) -> None:
+        self.model_id = model_id
+        self.devices = devices
+        self.world = len(devices)
+        self.timeouts = timeouts
+        self.epoch = next(_epochs)
+        self.ctx = ctx
+        self.tap = tap
+        self.allow_faults = allow_faults
+        self.on_failure = on_failure
+        self.endpoint = ipc_endpoint(runtime_dir, f"group-{self.epoch}.sock")
+        self.sock: zmq.asyncio.Socket | None = None
+        self.procs: list[asyncio.subprocess.Process] = []
+        self.pids: list[int] = []
+        self.last_seen: dict[int, float] = {}
+        self.busy_step: dict[int, int] = {}
+        self.dropped = 0
+        self.failure: str | None = None
+        self._calls: dict[int, _Call] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._hello = asyncio.Event()
+        self._closing = False
+
+    # ----------------------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        """Spawn, connect, ping, init the collective group and check it; raises on failure."""
+        self.sock = bind_router(self.ctx, self.endpoint)
+        self._tasks.append(asyncio.create_task(self._receive(), name=f"recv-{self.model_id}"))
+        backend = "nccl" if self.devices[0].startswith("cuda") else "gloo"
+        env = dict(os.environ)
+        if backend == "gloo":
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.world)))
+        for rank, device in enumerate(self.devices):
+            cmd = [sys.executable, "-m", "neuron.rank", "--endpoint", self.endpoint, "--rank", str(rank),
+                   "--world", str(self.world), "--epoch", str(self.epoch), "--device", device]
+            if self.allow_faults:
+                cmd.append("--allow-faults")
+            proc = await asyncio.create_subprocess_exec(*cmd, env=env, stdin=asyncio.subprocess.DEVNULL)
+            self.procs.append(proc)
+            self.pids.append(proc.pid)
+            self._tasks.append(asyncio.create_task(self._watch_exit(rank, proc)))
+        log.info("%s: spawned %d rank(s) (epoch %d, pids %s)", self.model_id, self.world, self.epoch, self.pids)
+        await self._wait_for(self._all_connected(), self.timeouts.spawn_s, "ranks to connect")
+        self._tasks.append(asyncio.create_task(self._watchdog()))
+        pongs = await self.broadcast(lambda i: p.Ping(id=i, epoch=self.epoch), self.timeouts.control_s)
+        for rank, pong in pongs.items():
+            if not isinstance(pong, p.Pong) or pong.rank != rank or pong.world != self.world:
+                raise GroupFailed(f"rank {rank} answered ping with {pong!r}")
+        rendezvous = f"tcp://127.0.0.1:{free_port()}"
+        await self.broadcast(lambda i: None, self.timeouts.control_s, per_rank=lambda i, r: p.InitDist(
+            id=i, epoch=self.epoch, backend=backend, rendezvous=rendezvous, world=self.world, rank=r,
+            timeout_s=self.timeouts.control_s))
+        sums = await self.broadcast(lambda i: p.SanityCheck(id=i, epoch=self.epoch), self.timeouts.control_s)
+        bad = {r: s.observed for r, s in sums.items() if s.observed != self.world}
+        if bad:
+            raise GroupFailed(f"sanity check failed: all-reduce of ones gave {bad}, expected {self.world}")
+
+    async def _all_connected(self) -> None:
+        while len(self.last_seen) < self.world:
+            self._hello.clear()
+            await self._hello.wait()
+
+    async def load(self, msg_for: Callable[[int], p.LoadShard]) -> dict[int, p.LoadOk]:
+        return await self.broadcast(msg_for, self.timeouts.load_s)
+
+    async def step(self, step_id: int, seqs: list[p.StepSeq]) -> p.StepResult:
+        """Broadcast one step; rank 0 answers with tokens, the others only with errors."""
+        tokens = sum(len(s.tokens) for s in seqs)
+        deadline = self.timeouts.step_base_s + self.timeouts.step_per_token_s * tokens
+        cid = next(_ids)
+        call = self._open(cid, {0})
+        frame = p.encode(p.Step(id=cid, epoch=self.epoch, step_id=step_id, seqs=seqs))
+        for rank in range(self.world):
+            await self._send(rank, frame)
+        replies = await self._await(cid, call, deadline, f"step {step_id}")
+        result = replies[0]
+        if not isinstance(result, p.StepResult):
+            raise GroupFailed(f"rank 0 answered a step with {type(result).__name__}")
+        return result
+
+    async def free(self, slots: list[int]) -> None:
+        await self.broadcast(lambda i: p.Free(id=i, epoch=self.epoch, slots=slots), self.timeouts.control_s)
+
+    async def memory(self) -> dict[int, p.MemoryInfo]:
+        return await self.broadcast(lambda i: p.Memory(id=i, epoch=self.epoch), self.timeouts.control_s)
+
+    async def request(self, rank: int, frame_for: Callable[[int], p.Frame], timeout: float) -> p.Reply:
+        cid = next(_ids)
+        call = self._open(cid, {rank})
+        await self._send(rank, p.encode(frame_for(cid)))
+        return (await self._await(cid, call, timeout, type(frame_for(0)).__name__))[rank]
+
+    async def broadcast(self, frame_for: Callable[[int], p.Frame | None], timeout: float,
+                        per_rank: Callable[[int, int], p.Frame] | None = None) -> dict[int, p.Reply]:
+        cid = next(_ids)
+        call = self._open(cid, set(range(self.world)))
+        name = "request"
+        for rank in range(self.world):
+            frame = per_rank(cid, rank) if per_rank else frame_for(cid)
+            name = type(frame).__name__
+            await self._send(rank, p.encode(frame))
+        return await self._await(cid, call, timeout, name)
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Ask every rank to leave, then make sure none is left."""
+        self._closing = True
+        if self.failure is None and self.sock is not None:
+            try:
+                await self.broadcast(lambda i: p.Shutdown(id=i, epoch=self.epoch), timeout)
+            except (GroupFailed, RankError, asyncio.TimeoutError) as exc:
+                log.warning("%s: shutdown was not clean: %s", self.model_id, exc)
+        await self._reap(timeout)
+        self._close_socket()
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.returncode is None:
+                try:
+                    proc.send_signal(signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    async def _reap(self, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(asyncio.gather(*(proc.wait() for proc in self.procs)), timeout)
+        except asyncio.TimeoutError:
+            log.warning("%s: ranks did not exit in %.0fs, killing them", self.model_id, timeout)
+        self.kill()
+        await asyncio.gather(*(proc.wait() for proc in self.procs))
+
+    def _close_socket(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self.sock is not None:
+            self.sock.close(0)
+            self.sock = None
+        path = self.endpoint[len("ipc://"):]
+        if os.path.exists(path):
+            os.unlink(path)
+
+    async def close_after_failure(self) -> None:
+        self._closing = True
+        self.kill()
+        await self._reap(5.0)
+        self._close_socket()
+
+    # ----------------------------------------------------------------------------- failure
+    def fail(self, reason: str) -> None:
+        if self.failure is not None or self._closing:
+            return
+        self.failure = reason
+        log.error("%s: rank group (epoch %d) failed: %s", self.model_id, self.epoch, reason)
+        self.kill()
+        for call in self._calls.values():
+            if not call.future.done():
+                call.future.set_exception(GroupFailed(reason))
+        self._calls.clear()
+        if self.on_failure is not None:
+            self.on_failure(self, reason)
+
+    async def _watch_exit(self, rank: int, proc: asyncio.subprocess.Process) -> None:
+        code = await proc.wait()
+        self.fail(f"rank {rank} (pid {proc.pid}) exited with code {code}")
+
+    async def _watchdog(self) -> None:
+        while self.failure is None:
+            await asyncio.sleep(0.25)
+            now = time.monotonic()
+            for rank in range(self.world):
+                silent = now - self.last_seen.get(rank, now)
+                if silent > self.timeouts.heartbeat_timeout_s:
+                    self.fail(f"rank {rank} sent no heartbeat for {silent:.1f}s")
+                    return
+
+    # ----------------------------------------------------------------------------- plumbing
+    def _open(self, cid: int, ranks: set[int]) -> _Call:
+        if self.failure is not None:
+            raise GroupFailed(self.failure)
+        call = _Call(asyncio.get_running_loop().create_future(), set(ranks))
+        self._calls[cid] = call
+        return call
+
+    async def _await(self, cid: int, call: _Call, timeout: float, what: str) -> dict[int, p.Reply]:
+        try:
+            return await asyncio.wait_for(asyncio.shield(call.future), timeout)
+        except asyncio.TimeoutError:
+            self.fail(f"no reply to {what} within {timeout:.1f}s")
+            raise GroupFailed(self.failure or "timeout") from None
+        finally:
+            self._calls.pop(cid, None)
+
+    async def _wait_for(self, aw, timeout: float, what: str) -> None:
+        try:
+            await asyncio.wait_for(aw, timeout)
+        except asyncio.TimeoutError:
+            self.fail(f"timed out after {timeout:.0f}s waiting for {what}")
+            raise GroupFailed(self.failure or what) from None
+        if self.failure is not None:
+            raise GroupFailed(self.failure)
+
+    async def _send(self, rank: int, frame: bytes) -> None:
+        if self.failure is not None or self.sock is None:
+            raise GroupFailed(self.failure or "group is closed")
+        try:
+            await self.sock.send_multipart([rank_identity(rank), frame])
+        except zmq.ZMQError as exc:
+            self.fail(f"cannot send to rank {rank}: {exc}")
+            raise GroupFailed(self.failure or str(exc)) from None
+        if self.tap is not None:
+            self.tap.publish("send", self.model_id, self.epoch, rank, frame)
+
+    async def _receive(self) -> None:
+        assert self.sock is not None
+        while True:
+            parts = await self.sock.recv_multipart()
+            if len(parts) != 2:
+                self.dropped += 1
+                continue
+            identity, data = parts
+            rank = identity_rank(identity)
+            if rank is None or rank >= self.world:
+                self.dropped += 1
+                continue
+            if self.tap is not None:
+                self.tap.publish("recv", self.model_id, self.epoch, rank, data)
+            try:
+                reply = p.decode_reply(data)
+            except p.FrameError as exc:
+                self.dropped += 1
+                log.warning("%s: undecodable frame from rank %d: %s", self.model_id, rank, exc.message)
+                continue
+            self._deliver(rank, reply)
+
+    def _deliver(self, rank: int, reply: p.Reply) -> None:
+        if reply.epoch != self.epoch:
+            self.dropped += 1
+            return
+        if isinstance(reply, p.Heartbeat):
+            self.last_seen[rank] = time.monotonic()
+            self.busy_step[rank] = reply.busy_step
+            self._hello.set()
+            return
+        self.last_seen[rank] = time.monotonic()
+        call = self._calls.get(reply.id)
+        if call is None or call.future.done():
+            self.dropped += 1
+            if isinstance(reply, p.Error):
+                log.warning("%s: rank %d error outside any call: %s: %s", self.model_id, rank, reply.kind, reply.message)
+            return
+        if isinstance(reply, p.Error):
+            call.future.set_exception(RankError(rank, reply.kind, reply.message))
+            return
+        if rank not in call.waiting:
+            self.dropped += 1
+            return
+        call.waiting.discard(rank)
+        call.replies[rank] = reply
+        if not call.waiting:
+            call.future.set_result(call.replies)

@@ -1,0 +1,217 @@
+"""The Registry actor: models by id, their load/unload, status and automatic recovery.
+
+A model's status moves ``loading -> loaded``; when its rank group fails it becomes
+``poisoned`` (in-flight requests end at once), then ``recovering`` while the group is killed,
+respawned and reloaded, then ``loaded`` again (or ``failed`` after the configured attempts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import zmq.asyncio
+
+import protocol as p
+from protocol.sockets import runtime_dir
+
+from .config import Config, ModelEntry
+from .devices import choose_devices, default_dtype
+from .engine.engine import Engine
+from .engine.request import FinishEvent, GenRequest
+from .errors import ApiError
+from .loader.errors import LoadError
+from .loader.spec import ModelSpec, load_spec, model_id_for
+from .models.sharding import ShardingError, check_plan
+from .rankgroup import GroupFailed, RankError, RankGroup, TapMirror
+
+log = logging.getLogger("neuron.registry")
+
+
+@dataclass
+class ModelHandle:
+    id: str
+    entry: ModelEntry
+    spec: ModelSpec
+    devices: list[str]
+    dtype: str
+    max_len: int
+    engine: Engine
+    status: str = "loading"
+    group: RankGroup | None = None
+    error: str | None = None
+    shard_bytes: list[int] = field(default_factory=list)
+    load_seconds: float = 0.0
+    recoveries: int = 0
+
+    def describe(self) -> dict:
+        stats = self.engine.stats()
+        return {
+            "id": self.id, "status": self.status, "error": self.error, "format": self.spec.files.format,
+            "family": self.spec.config.family, "devices": self.devices, "tensor_parallel": len(self.devices),
+            "dtype": self.dtype, "max_model_len": self.max_len, "max_slots": self.entry.max_slots,
+            "shard_bytes": self.shard_bytes, "load_seconds": round(self.load_seconds, 3),
+            "recoveries": self.recoveries,
+            "pids": self.group.pids if self.group else [], "epoch": self.group.epoch if self.group else None,
+            "running": stats.running, "waiting": stats.waiting, "slots_used": stats.slots_used,
+            "dropped_frames": self.group.dropped if self.group else 0,
+        }
+
+
+class Registry:
+    def __init__(self, cfg: Config, on_finish: Callable[[str, GenRequest, FinishEvent], None] | None = None) -> None:
+        self.cfg = cfg
+        self.on_finish = on_finish
+        self.ctx = zmq.asyncio.Context()
+        self.runtime = runtime_dir(cfg.runtime.dir or None)
+        self.tap = TapMirror(self.ctx, cfg.debug.tap) if cfg.debug.tap else None
+        self.models: dict[str, ModelHandle] = {}
+        self._loading: dict[str, asyncio.Task] = {}
+        self._recovering: set[asyncio.Task] = set()
+        self.closing = False
+
+    def get(self, model_id: str) -> ModelHandle:
+        handle = self.models.get(model_id)
+        if handle is None:
+            raise ApiError(404, "model_not_found", f"model {model_id!r} is not loaded", param="model")
+        return handle
+
+    # ----------------------------------------------------------------------------- load
+    async def load(self, entry: ModelEntry) -> ModelHandle:
+        """Load a model; concurrent loads of the same id share one load."""
+        if self.closing:
+            raise ApiError(503, "shutting_down", "the server is shutting down")
+        model_id = entry.id or model_id_for(entry.model)
+        existing = self.models.get(model_id)
+        if existing is not None and existing.status in ("loaded", "poisoned", "recovering"):
+            return existing
+        task = self._loading.get(model_id)
+        if task is None:
+            task = asyncio.create_task(self._load(model_id, entry))
+            self._loading[model_id] = task
+            task.add_done_callback(lambda _: self._loading.pop(model_id, None))
+        return await asyncio.shield(task)
+
+    async def _load(self, model_id: str, entry: ModelEntry) -> ModelHandle:
+        t0 = time.monotonic()
+        spec = await asyncio.to_thread(load_spec, entry.model, model_id=model_id,
+                                       hf_cache=self.cfg.runtime.hf_cache or None)
+        try:
+            devices = choose_devices(entry.device, entry.tensor_parallel, entry.devices)
+        except ValueError as exc:
+            raise LoadError(str(exc)) from None
+        try:
+            check_plan(spec.config, entry.tensor_parallel)
+        except ShardingError as exc:
+            raise LoadError(f"model {model_id!r} cannot be split: {exc}") from None
+        max_len = min(entry.max_model_len, spec.context_length)
+        handle = ModelHandle(model_id, entry, spec, devices, default_dtype(devices, entry.dtype), max_len,
+                             Engine(model_id, self.cfg.engine, max_slots=entry.max_slots, max_len=max_len))
+        if self.on_finish is not None:
+            hook = self.on_finish
+            handle.engine.on_finish = lambda req, fin: hook(model_id, req, fin)
+        self.models[model_id] = handle
+        try:
+            handle.group = await self._start_group(handle)
+        except (GroupFailed, RankError) as exc:
+            self.models.pop(model_id, None)
+            raise ApiError(500, "load_failed", f"model {model_id!r} failed to load: {exc}") from None
+        handle.engine.attach(handle.group)
+        handle.status = "loaded"
+        handle.load_seconds = time.monotonic() - t0
+        log.info("%s loaded in %.2fs on %s (%s), shard bytes %s", model_id, handle.load_seconds, devices,
+                 handle.dtype, handle.shard_bytes)
+        return handle
+
+    async def _start_group(self, handle: ModelHandle) -> RankGroup:
+        group = RankGroup(model_id=handle.id, devices=handle.devices, timeouts=self.cfg.timeouts,
+                          runtime_dir=self.runtime, ctx=self.ctx, tap=self.tap,
+                          allow_faults=self.cfg.debug.fault_injection, on_failure=self._on_group_failure)
+        spec = handle.spec
+        try:
+            await group.start()
+            oks = await group.load(lambda i: p.LoadShard(
+                id=i, epoch=group.epoch, model=handle.id, format=spec.files.format,
+                paths=[str(x) for x in spec.files.paths], config=spec.config, dtype=handle.dtype,
+                max_slots=handle.entry.max_slots, max_len=handle.max_len))
+        except BaseException:
+            await group.close_after_failure()
+            raise
+        handle.shard_bytes = [oks[r].bytes for r in range(group.world)]
+        return group
+
+    # ----------------------------------------------------------------------------- recovery
+    def _on_group_failure(self, group: RankGroup, reason: str) -> None:
+        handle = next((h for h in self.models.values() if h.group is group), None)
+        if handle is None or self.closing or handle.status not in ("loaded",):
+            return
+        handle.status = "poisoned"
+        handle.error = reason
+        handle.engine.detach(f"model {handle.id!r} failed: {reason}")
+        task = asyncio.create_task(self._recover(handle, group))
+        self._recovering.add(task)
+        task.add_done_callback(self._recovering.discard)
+
+    async def _recover(self, handle: ModelHandle, old: RankGroup) -> None:
+        await old.close_after_failure()
+        handle.status = "recovering"
+        for attempt in range(1, self.cfg.timeouts.recovery_attempts + 1):
+            if self.closing or self.models.get(handle.id) is not handle:
+                return
+            t0 = time.monotonic()
+            try:
+                handle.group = await self._start_group(handle)
+            except (GroupFailed, RankError) as exc:
+                log.error("%s: recovery attempt %d failed: %s", handle.id, attempt, exc)
+                await asyncio.sleep(min(2.0 * attempt, 10.0))
+                continue
+            handle.engine.attach(handle.group)
+            handle.recoveries += 1
+            handle.status = "loaded"
+            log.info("%s recovered in %.2fs (attempt %d)", handle.id, time.monotonic() - t0, attempt)
+            return
+        handle.status = "failed"
+        handle.group = None
+
+    # ----------------------------------------------------------------------------- unload
+    async def unload(self, model_id: str, drain_s: float = 30.0) -> None:
+        handle = self.get(model_id)
+        handle.status = "unloading"
+        handle.engine.accepting = False
+        if not await handle.engine.wait_idle(drain_s):
+            handle.engine.detach(f"model {model_id!r} was unloaded", "unloaded")
+        handle.engine.detach(f"model {model_id!r} was unloaded", "unloaded")
+        await handle.engine.stop()
+        self.models.pop(model_id, None)
+        if handle.group is not None:
+            await handle.group.shutdown()
+        log.info("%s unloaded", model_id)
+
+    def stop_admission(self) -> None:
+        for handle in self.models.values():
+            handle.engine.accepting = False
+
+    async def drain(self, timeout: float) -> bool:
+        results = await asyncio.gather(*(h.engine.wait_idle(timeout) for h in self.models.values()))
+        return all(results)
+
+    async def shutdown(self) -> None:
+        self.closing = True
+        for task in list(self._loading.values()) + list(self._recovering):
+            task.cancel()
+        for model_id in list(self.models):
+            handle = self.models.pop(model_id)
+            handle.engine.detach("the server is shutting down", "shutting_down")
+            await handle.engine.stop()
+            if handle.group is not None:
+                await handle.group.shutdown(timeout=5.0)
+        if self.tap is not None:
+            self.tap.close()
+        self.ctx.term()
+        try:
+            self.runtime.rmdir()
+        except OSError:
+            pass

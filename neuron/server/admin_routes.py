@@ -1,0 +1,74 @@
+"""Operations: ``/health``, ``/metrics``, ``/models``, ``/models/load``, ``/models/unload``."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from neuron.config import Config, ConfigError, ModelEntry, validate
+from neuron.errors import ApiError
+from neuron.loader.errors import LoadError
+
+from .errors import from_load_error
+from .requests import read_json
+from .schemas import LoadRequest, UnloadRequest
+from .state import AppState, require_key
+
+
+async def health(request: Request) -> Response:
+    state: AppState = request.app.state.neuron
+    models = {h.id: h.status for h in state.registry.models.values()}
+    if state.draining:
+        return JSONResponse({"status": "shutting_down", "models": models}, status_code=503)
+    if state.startup_error:
+        return JSONResponse({"status": "failed", "reason": state.startup_error, "models": models}, status_code=503)
+    if state.starting:
+        return JSONResponse({"status": "starting", "models": models}, status_code=503)
+    bad = {k: v for k, v in models.items() if v != "loaded"}
+    if bad:
+        reason = "; ".join(f"model {k!r} is {v}" for k, v in bad.items())
+        return JSONResponse({"status": "degraded", "reason": reason, "models": models}, status_code=503)
+    return JSONResponse({"status": "ok", "models": models})
+
+
+async def metrics(request: Request) -> Response:
+    state: AppState = request.app.state.neuron
+    require_key(request, state, admin=True)
+    return Response(state.metrics.render(state.registry.models), media_type="text/plain; version=0.0.4")
+
+
+async def list_models(request: Request) -> Response:
+    state: AppState = request.app.state.neuron
+    require_key(request, state, admin=True)
+    return JSONResponse({"models": [h.describe() for h in state.registry.models.values()]})
+
+
+async def load_model(request: Request) -> Response:
+    state: AppState = request.app.state.neuron
+    require_key(request, state, admin=True)
+    body = await read_json(request, LoadRequest, state.cfg.server.max_body_bytes)
+    if body.quant is not None:
+        raise ApiError(400, "invalid_request", "run-time quantisation is not supported; quant must be null",
+                       param="quant")
+    base = ModelEntry()
+    try:
+        entry = ModelEntry(model=body.model, id=body.id or "", tensor_parallel=body.tensor_parallel,
+                           device=body.device, devices=body.devices or [], dtype=body.dtype,
+                           max_model_len=body.max_model_len or base.max_model_len,
+                           max_slots=body.max_slots or base.max_slots)
+        validate(Config(models=[entry]))
+    except ConfigError as exc:
+        raise ApiError(400, "invalid_request", str(exc).replace("models[0].", "")) from None
+    try:
+        handle = await state.registry.load(entry)
+    except LoadError as exc:
+        raise from_load_error(exc) from None
+    return JSONResponse(handle.describe())
+
+
+async def unload_model(request: Request) -> Response:
+    state: AppState = request.app.state.neuron
+    require_key(request, state, admin=True)
+    body = await read_json(request, UnloadRequest, state.cfg.server.max_body_bytes)
+    await state.registry.unload(body.model, state.cfg.server.drain_timeout_s)
+    return JSONResponse({"model": body.model, "status": "unloaded"})

@@ -1,0 +1,41 @@
+"""The one place where failures become HTTP responses: the OpenAI error envelope."""
+
+from __future__ import annotations
+
+import logging
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from neuron.errors import ApiError
+from neuron.loader.errors import LoadError
+
+log = logging.getLogger("neuron.server")
+
+
+def envelope(err: ApiError) -> dict:
+    return {"error": {"message": err.message, "type": err.type, "code": err.code, "param": err.param}}
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    headers = {"Retry-After": str(err.retry_after)} if err.retry_after is not None else None
+    return JSONResponse(envelope(err), status_code=err.status, headers=headers)
+
+
+def from_load_error(exc: LoadError) -> ApiError:
+    return ApiError(exc.status, exc.code, exc.message, param="model")
+
+
+async def api_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ApiError)
+    return error_response(exc)
+
+
+async def load_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, LoadError)
+    return error_response(from_load_error(exc))
+
+
+async def internal_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("internal error on %s %s", request.method, request.url.path)
+    return error_response(ApiError(500, "internal_error", f"internal error: {type(exc).__name__}"))

@@ -1,0 +1,154 @@
+"""``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, AsyncIterator, Awaitable, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from neuron.engine.request import FinishEvent, GenRequest, TokenEvent
+from neuron.errors import ApiError
+from neuron.registry import ModelHandle
+
+from .errors import envelope
+from .requests import chat_prompt, completion_prompt, make_request, read_json
+from .schemas import ChatRequest, CompletionRequest
+from .state import AppState, require_key
+from .views import ChatView, CompletionView, View
+
+T = TypeVar("T")
+KEEPALIVE_S = 1.0
+
+
+def _serving(state: AppState, model: str) -> ModelHandle:
+    if state.draining:
+        raise ApiError(503, "shutting_down", "the server is shutting down")
+    handle = state.registry.get(model)
+    if handle.status != "loaded":
+        raise ApiError(503, "model_unavailable", f"model {model!r} is {handle.status}", retry_after=5)
+    return handle
+
+
+async def chat_completions(request: Request) -> Response:
+    state: AppState = request.app.state.neuron
+    require_key(request, state, admin=False)
+    body = await read_json(request, ChatRequest, state.cfg.server.max_body_bytes)
+    handle = _serving(state, body.model)
+    top = None
+    if body.logprobs:
+        top = body.top_logprobs or 0
+        if not 0 <= top <= 20:
+            raise ApiError(400, "invalid_request", "top_logprobs must be in [0, 20]", param="top_logprobs")
+    prompt = chat_prompt(body, handle)
+    req = make_request(body, handle, prompt, 0 if top is None else top + 1)
+    view = ChatView(model=handle.id, tokenizer=handle.spec.tokenizer.tokenizer, top_logprobs=top)
+    return await _respond(request, state, handle, req, view, body.stream,
+                          bool(body.stream_options and body.stream_options.include_usage))
+
+
+async def completions(request: Request) -> Response:
+    state: AppState = request.app.state.neuron
+    require_key(request, state, admin=False)
+    body = await read_json(request, CompletionRequest, state.cfg.server.max_body_bytes)
+    handle = _serving(state, body.model)
+    top = body.logprobs
+    if top is not None and not 0 <= top <= 20:
+        raise ApiError(400, "invalid_request", "logprobs must be in [0, 20]", param="logprobs")
+    prompt = completion_prompt(body, handle)
+    req = make_request(body, handle, prompt, 0 if top is None else top + 1)
+    view = CompletionView(model=handle.id, tokenizer=handle.spec.tokenizer.tokenizer, top_logprobs=top)
+    return await _respond(request, state, handle, req, view, body.stream,
+                          bool(body.stream_options and body.stream_options.include_usage))
+
+
+async def list_models(request: Request) -> Response:
+    state: AppState = request.app.state.neuron
+    require_key(request, state, admin=False)
+    data = [{"id": h.id, "object": "model", "created": 0, "owned_by": "neuron",
+             "max_model_len": h.max_len, "status": h.status} for h in state.registry.models.values()]
+    return JSONResponse({"object": "list", "data": data})
+
+
+async def _unless_disconnected(request: Request, aw: Awaitable[T], req: GenRequest, handle: ModelHandle) -> T:
+    """Await ``aw``; if the client goes away first, abort the request and raise CancelledError."""
+    task = asyncio.ensure_future(aw)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                handle.engine.abort(req)
+                raise asyncio.CancelledError("client disconnected")
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+async def _respond(request: Request, state: AppState, handle: ModelHandle, req: GenRequest, view: View,
+                   stream: bool, include_usage: bool) -> Response:
+    state.metrics.request_started(handle.id)
+    handle.engine.submit(req)
+    try:
+        await _unless_disconnected(request, asyncio.shield(req.admitted), req, handle)
+    except asyncio.CancelledError:
+        return Response(status_code=499)
+    except ApiError:
+        handle.engine.abort(req)
+        raise
+    if stream:
+        return StreamingResponse(_sse(handle, req, view, include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        events, fin = await _unless_disconnected(request, _collect(req), req, handle)
+    except asyncio.CancelledError:
+        return Response(status_code=499)
+    if fin.error is not None:
+        code = "insufficient_memory" if fin.error_kind == "oom" else "model_unavailable"
+        raise ApiError(503, code, fin.error, retry_after=5)
+    text = "".join(ev.text for ev in events)
+    return JSONResponse(view.whole(text, events, fin))
+
+
+async def _collect(req: GenRequest) -> tuple[list[TokenEvent], FinishEvent]:
+    events: list[TokenEvent] = []
+    while True:
+        ev = await req.events.get()
+        if isinstance(ev, FinishEvent):
+            return events, ev
+        events.append(ev)
+
+
+def _data(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _sse(handle: ModelHandle, req: GenRequest, view: View, include_usage: bool) -> AsyncIterator[str]:
+    try:
+        first = view.first()
+        if first is not None:
+            yield _data(first)
+        while True:
+            try:
+                ev = await asyncio.wait_for(req.events.get(), KEEPALIVE_S)
+            except asyncio.TimeoutError:
+                yield ": keep-alive\n\n"
+                continue
+            if isinstance(ev, TokenEvent):
+                chunk = view.delta(ev)
+                if chunk is not None:
+                    yield _data(chunk)
+                continue
+            yield _data(view.finish(ev))
+            if ev.error is not None:
+                code = "insufficient_memory" if ev.error_kind == "oom" else "model_unavailable"
+                yield _data(envelope(ApiError(503, code, ev.error)))
+            if include_usage:
+                yield _data(view.usage_chunk(ev))
+            yield "data: [DONE]\n\n"
+            return
+    finally:
+        handle.engine.abort(req)

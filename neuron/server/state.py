@@ -1,0 +1,39 @@
+"""What every route shares: the config, the Registry, metrics, and whether we are draining."""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+from typing import Callable
+
+from starlette.requests import Request
+
+from neuron.config import Config
+from neuron.errors import ApiError
+from neuron.registry import Registry
+
+from .metrics import Metrics
+
+
+@dataclass
+class AppState:
+    cfg: Config
+    registry: Registry
+    metrics: Metrics
+    starting: bool = True
+    draining: bool = False
+    startup_error: str | None = None
+    on_startup_failure: Callable[[str], None] | None = None
+
+
+def require_key(request: Request, state: AppState, *, admin: bool) -> None:
+    """Bearer-key check in constant time. Admin routes take the admin key (or, when none is
+    set, the inference key); with no key configured the route is open."""
+    server = state.cfg.server
+    key = (server.admin_api_key or server.api_key) if admin else server.api_key
+    if not key:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+        raise ApiError(401, "invalid_api_key", "missing or invalid API key")
