@@ -31,6 +31,7 @@ _GLOBAL = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
+    "rope_freqs": "rope_freqs.weight",  # llama3 rope scaling, stored as per-frequency divisors
 }
 _UNQUANTISED = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 

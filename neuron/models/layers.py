@@ -92,8 +92,11 @@ def _yarn(inv_freq: torch.Tensor, cfg: ModelConfig, s: dict, factor: float) -> t
     return inv, attention_factor
 
 
-def rope_tables(cfg: ModelConfig, max_len: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(cfg: ModelConfig, max_len: int, device: torch.device, dtype: torch.dtype,
+                freq_divisors: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq, scale = rope_inv_freq(cfg)
+    if freq_divisors is not None:
+        inv_freq = inv_freq / freq_divisors.float()
     pos = torch.arange(max_len, dtype=torch.float32)
     freqs = torch.outer(pos, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)

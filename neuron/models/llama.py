@@ -134,7 +134,8 @@ class CausalLM:
             self.lm_head = self._vocab_shard(src, "lm_head.weight", vocab_rows)
         self.layers = [DecoderLayer(cfg, plan, src, i, dtype, device) for i in range(cfg.num_layers)]
         self.norm = src.get("model.norm.weight").to(device, dtype)
-        self.cos, self.sin = rope_tables(cfg, max_len, device, dtype)
+        divisors = src.get("rope_freqs") if src.has("rope_freqs") else None
+        self.cos, self.sin = rope_tables(cfg, max_len, device, dtype, divisors)
         self.kv = KvCache(cfg.num_layers, max_slots, max_len, len(plan.kv_heads), cfg.head_dim, device, dtype)
 
     def _vocab_shard(self, src: WeightSource, name: str, rows: range) -> torch.Tensor:

@@ -44,7 +44,8 @@ async def chat_completions(request: Request) -> Response:
             raise ApiError(400, "invalid_request", "top_logprobs must be in [0, 20]", param="top_logprobs")
     prompt = chat_prompt(body, handle)
     req = make_request(body, handle, prompt, 0 if top is None else top + 1)
-    view = ChatView(model=handle.id, tokenizer=handle.spec.tokenizer.tokenizer, top_logprobs=top)
+    view = ChatView(model=handle.id, tokenizer=handle.spec.tokenizer.tokenizer, top_logprobs=top,
+                    return_token_ids=body.return_token_ids)
     return await _respond(request, state, handle, req, view, body.stream,
                           bool(body.stream_options and body.stream_options.include_usage))
 
@@ -59,7 +60,8 @@ async def completions(request: Request) -> Response:
         raise ApiError(400, "invalid_request", "logprobs must be in [0, 20]", param="logprobs")
     prompt = completion_prompt(body, handle)
     req = make_request(body, handle, prompt, 0 if top is None else top + 1)
-    view = CompletionView(model=handle.id, tokenizer=handle.spec.tokenizer.tokenizer, top_logprobs=top)
+    view = CompletionView(model=handle.id, tokenizer=handle.spec.tokenizer.tokenizer, top_logprobs=top,
+                          return_token_ids=body.return_token_ids)
     return await _respond(request, state, handle, req, view, body.stream,
                           bool(body.stream_options and body.stream_options.include_usage))
 

@@ -111,7 +111,8 @@ def completion_prompt(body: CompletionRequest, handle: ModelHandle) -> list[int]
         _check(all(0 <= t < vocab for t in prompt), "prompt", f"token ids must be in [0, {vocab})")
         return list(prompt)  # type: ignore[arg-type]
     if isinstance(prompt, list):
-        _check(len(prompt) == 1, "prompt", "only one prompt per request is supported")
+        _check(len(prompt) == 1 and isinstance(prompt[0], str), "prompt",
+               "prompt must be a string, one string in a list, or a list of token ids")
         prompt = prompt[0]
     _check(isinstance(prompt, str) and prompt != "", "prompt", "prompt must be a non-empty string")
     return _with_bos(info, info.tokenizer.encode(prompt, add_special_tokens=True).ids)
@@ -149,6 +150,6 @@ def make_request(body: SamplingFields, handle: ModelHandle, prompt: list[int], l
         sampling=sampling,
         max_tokens=max_tokens if max_tokens is not None else limit - len(prompt),
         stop=stops,
-        stop_token_ids=frozenset(info.eos_token_ids),
+        stop_token_ids=frozenset() if body.ignore_eos else frozenset(info.eos_token_ids),
         detokenizer=Detokenizer(info.tokenizer),
     )

@@ -43,6 +43,9 @@ class SamplingFields(msgspec.Struct):
     repetition_penalty: float | None = None
     n: int | None = None
     user: str | None = None
+    # vLLM extensions: generate past EOS (benchmarks), and return the token ids alongside text
+    ignore_eos: bool = False
+    return_token_ids: bool = False
 
 
 class ChatRequest(SamplingFields):
@@ -55,7 +58,7 @@ class ChatRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | None = None
+    prompt: str | list[str | int] | None = None
     logprobs: int | None = None
     echo: bool | None = None
 

@@ -22,12 +22,18 @@ class View:
     model: str
     tokenizer: Tokenizer
     top_logprobs: int | None  # None: no logprobs asked
+    return_token_ids: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     prefix: ClassVar[str] = "cmpl"
 
     def __post_init__(self) -> None:
         self.id = f"{self.prefix}-{uuid.uuid4().hex[:24]}"
         self.offset = 0  # characters of completion text so far, for text_offset
+
+    def _with_ids(self, body: dict[str, Any], events: list[TokenEvent]) -> dict[str, Any]:
+        if self.return_token_ids:
+            body["choices"][0]["token_ids"] = [t for ev in events for t in ev.token_ids]
+        return body
 
     def usage(self, fin: FinishEvent) -> dict[str, int]:
         return {"prompt_tokens": fin.prompt_tokens, "completion_tokens": fin.completion_tokens,
@@ -61,10 +67,10 @@ class ChatView(View):
         lp = None
         if self.top_logprobs is not None:
             lp = {"content": [c for ev in events for c in (self._logprobs(ev) or {}).get("content", [])]}
-        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+        return self._with_ids({"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                              "finish_reason": fin.reason}],
-                "usage": self.usage(fin)}
+                "usage": self.usage(fin)}, events)
 
     def _logprobs(self, ev: TokenEvent) -> dict[str, Any] | None:
         if self.top_logprobs is None or not ev.logprobs:
@@ -109,9 +115,9 @@ class CompletionView(View):
             parts = [self._logprobs(ev) for ev in events]
             lp = {k: [x for part in parts if part for x in part[k]]
                   for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+        return self._with_ids({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": fin.reason}],
-                "usage": self.usage(fin)}
+                "usage": self.usage(fin)}, events)
 
     def _logprobs(self, ev: TokenEvent) -> dict[str, Any] | None:
         if self.top_logprobs is None or not ev.logprobs:

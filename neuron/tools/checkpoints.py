@@ -536,19 +536,24 @@ def _add_hparams(writer: Any, spec: _Family, config: dict[str, Any]) -> None:
         writer.add_rope_dimension_count(_head_dim(config))
 
 
+def _rope_type(rope_scaling: dict[str, Any] | None) -> str:
+    scaling = rope_scaling or {}
+    return str(scaling.get("rope_type", scaling.get("type", "default")))
+
+
 def _add_rope_scaling(writer: Any, rope_scaling: dict[str, Any] | None) -> None:
     import gguf
 
-    rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+    rope_type, scaling = _rope_type(rope_scaling), rope_scaling or {}
     if rope_type in ("default", "llama3"):
         return  # llama3 is carried by the rope_freqs tensor instead
     if rope_type == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(rope_scaling["factor"])
+        writer.add_rope_scaling_factor(scaling["factor"])
     elif rope_type == "yarn":
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        writer.add_rope_scaling_factor(rope_scaling["factor"])
-        writer.add_rope_scaling_orig_ctx_len(rope_scaling["original_max_position_embeddings"])
+        writer.add_rope_scaling_factor(scaling["factor"])
+        writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
     else:
         raise ValueError(f"no GGUF encoding for rope_type {rope_type!r}")
 
@@ -593,8 +598,7 @@ def _gguf_tensors(
 ) -> list[tuple[str, np.ndarray]]:
     """(gguf name, float32 array) in llama.cpp's layout, experts stacked, llama q/k permuted."""
     result: list[tuple[str, np.ndarray]] = []
-    rope_scaling = config.get("rope_scaling") or {}
-    if rope_scaling.get("rope_type") == "llama3":
+    if _rope_type(config.get("rope_scaling")) == "llama3":
         result.append(("rope_freqs.weight", llama3_rope_factors(config)))
 
     experts: dict[tuple[int, str], dict[int, np.ndarray]] = {}

@@ -1,0 +1,124 @@
+"""Shared test fixtures: real `neuron serve` processes on loopback ports."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def children_of(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    url: str
+    log_path: Path
+
+    @property
+    def base(self) -> str:
+        return f"{self.url}/v1"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def rank_pids(self) -> list[int]:
+        return children_of(self.proc.pid)
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start_server(tmp: Path, *, config: str = "", args: list[str] = (), env: dict | None = None,
+                 wait: float = 180, healthy: bool = True) -> Server:
+    port = free_port()
+    conf = tmp / f"neuron-{port}.toml"
+    conf.write_text(config)
+    log_path = tmp / f"server-{port}.log"
+    cmd = [sys.executable, "-m", "neuron.cli", "serve", "--config", str(conf), "--port", str(port), *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,
+                            env={**os.environ, **(env or {})}, start_new_session=True)
+    server = Server(proc, f"http://127.0.0.1:{port}", log_path)
+    if not healthy:
+        return server
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()[-4000:]}")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    server.stop()
+    raise RuntimeError(f"server not healthy after {wait}s:\n{server.log()[-4000:]}")
+
+
+SMALL = """
+[[models]]
+model = "SmolLM2-135M-Instruct"
+max_model_len = 1024
+max_slots = 8
+"""
+
+
+@pytest.fixture(scope="session")
+def server_tmp(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("servers")
+
+
+@pytest.fixture(scope="session")
+def tap_endpoint(server_tmp) -> str:
+    return f"ipc://{server_tmp}/tap.sock"
+
+
+@pytest.fixture(scope="session")
+def tp1(server_tmp, tap_endpoint):
+    """The default model at TP=1, with the tap on; shared by the API tests."""
+    server = start_server(server_tmp, config=SMALL + f'\n[debug]\ntap = "{tap_endpoint}"\n')
+    yield server
+    server.stop()
+
+
+def chat(server: Server, content: str, **extra) -> httpx.Response:
+    body = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": content}], "temperature": 0, **extra}
+    return httpx.post(f"{server.base}/chat/completions", json=body, timeout=120)
