@@ -1,0 +1,66 @@
+"""On NVIDIA GPUs, the same code path (`--device cuda`, NCCL between ranks) gives the same
+greedy tokens as the CPU run of the same checkpoint. Skipped where no GPU is visible."""
+
+from __future__ import annotations
+
+import glob
+
+import httpx
+import pytest
+
+from conftest import start_server
+
+pytestmark = pytest.mark.gpu
+
+
+def _gpus() -> int:
+    try:
+        import torch
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:
+        return len(glob.glob("/dev/nvidia[0-9]*"))
+
+
+needs_gpu = pytest.mark.skipif(_gpus() < 1, reason="no NVIDIA GPU visible")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from neuron.tools.checkpoints import make_checkpoint
+    # 6 query heads over 3 KV heads: TP=2 splits the KV groups unevenly (2+1), as on the CPU.
+    return make_checkpoint("llama", tmp_path_factory.mktemp("gpu-ckpt"), seed=7, num_attention_heads=6,
+                           num_key_value_heads=3, hidden_size=96)
+
+
+PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [300, 301, 302], list(range(40, 120))]
+
+
+def greedy_tokens(tmp, checkpoint, args) -> list[list[int]]:
+    config = f'[[models]]\nmodel = "{checkpoint}"\nid = "ckpt"\ndtype = "float32"\nmax_model_len = 256\nmax_slots = 4\n'
+    server = start_server(tmp, config=config, args=args)
+    try:
+        out = []
+        for prompt in PROMPTS:
+            r = httpx.post(f"{server.base}/completions", timeout=120, json={
+                "model": "ckpt", "prompt": prompt, "max_tokens": 32, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            out.append(r.json()["choices"][0]["token_ids"])
+        info = httpx.get(f"{server.url}/models", timeout=10).json()["models"][0]
+        expect = "cuda" if "cuda" in args else "cpu"
+        assert all(d.startswith(expect) for d in info["devices"])
+        return out
+    finally:
+        assert server.stop() == 0
+
+
+@needs_gpu
+def test_one_gpu_matches_the_cpu(tmp_path, checkpoint):
+    cpu = greedy_tokens(tmp_path, checkpoint, ["--device", "cpu"])
+    assert greedy_tokens(tmp_path, checkpoint, ["--device", "cuda"]) == cpu
+
+
+@pytest.mark.skipif(_gpus() < 2, reason="needs two NVIDIA GPUs")
+def test_two_gpus_over_nccl_match_the_cpu(tmp_path, checkpoint):
+    cpu = greedy_tokens(tmp_path, checkpoint, ["--device", "cpu"])
+    assert greedy_tokens(tmp_path, checkpoint, ["--device", "cuda", "--tensor-parallel", "2"]) == cpu
