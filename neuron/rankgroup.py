@@ -136,9 +136,9 @@ class RankGroup:
             if not isinstance(pong, p.Pong) or pong.rank != rank or pong.world != self.world:
                 raise GroupFailed(f"rank {rank} answered ping with {pong!r}")
         rendezvous = f"tcp://127.0.0.1:{free_port()}"
-        await self.broadcast(lambda i: None, self.timeouts.control_s, per_rank=lambda i, r: p.InitDist(
+        await self.broadcast_each(lambda i, r: p.InitDist(
             id=i, epoch=self.epoch, backend=backend, rendezvous=rendezvous, world=self.world, rank=r,
-            timeout_s=self.timeouts.control_s))
+            timeout_s=self.timeouts.control_s), self.timeouts.control_s)
         sums = await self.broadcast(lambda i: p.SanityCheck(id=i, epoch=self.epoch), self.timeouts.control_s)
         bad = {r: s.observed for r, s in sums.items() if s.observed != self.world}
         if bad:
@@ -176,16 +176,20 @@ class RankGroup:
     async def request(self, rank: int, frame_for: Callable[[int], p.Frame], timeout: float) -> p.Reply:
         cid = next(_ids)
         call = self._open(cid, {rank})
-        await self._send(rank, p.encode(frame_for(cid)))
-        return (await self._await(cid, call, timeout, type(frame_for(0)).__name__))[rank]
+        frame = frame_for(cid)
+        await self._send(rank, p.encode(frame))
+        return (await self._await(cid, call, timeout, type(frame).__name__))[rank]
 
-    async def broadcast(self, frame_for: Callable[[int], p.Frame | None], timeout: float,
-                        per_rank: Callable[[int, int], p.Frame] | None = None) -> dict[int, p.Reply]:
+    async def broadcast(self, frame_for: Callable[[int], p.Frame], timeout: float) -> dict[int, p.Reply]:
+        return await self.broadcast_each(lambda cid, rank: frame_for(cid), timeout)
+
+    async def broadcast_each(self, frame_for: Callable[[int, int], p.Frame], timeout: float) -> dict[int, p.Reply]:
+        """Send each rank its own frame (all under one id) and wait for every reply."""
         cid = next(_ids)
         call = self._open(cid, set(range(self.world)))
         name = "request"
         for rank in range(self.world):
-            frame = per_rank(cid, rank) if per_rank else frame_for(cid)
+            frame = frame_for(cid, rank)
             name = type(frame).__name__
             await self._send(rank, p.encode(frame))
         return await self._await(cid, call, timeout, name)

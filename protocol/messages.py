@@ -185,6 +185,10 @@ class Bye(Frame, tag="bye"):
     pass
 
 
+class FaultArmed(Frame, tag="fault_armed"):
+    kind: str
+
+
 class Error(Frame, tag="error"):
     kind: str  # oom | device_fault | bad_request | unknown_op | load_failed | ...
     message: str
@@ -196,7 +200,9 @@ class Heartbeat(Frame, tag="heartbeat"):
 
 
 Request = Union[Ping, InitDist, SanityCheck, LoadShard, Step, Free, Memory, Unload, Shutdown, InjectFault]
-Reply = Union[Pong, InitOk, SanityResult, LoadOk, StepResult, Freed, MemoryInfo, Unloaded, Bye, Error, Heartbeat]
+Reply = Union[
+    Pong, InitOk, SanityResult, LoadOk, StepResult, Freed, MemoryInfo, Unloaded, Bye, FaultArmed, Error, Heartbeat
+]
 
 REQUEST_TYPES: tuple[type[Frame], ...] = Request.__args__  # type: ignore[attr-defined]
 REPLY_TYPES: tuple[type[Frame], ...] = Reply.__args__  # type: ignore[attr-defined]

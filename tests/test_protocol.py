@@ -29,6 +29,7 @@ def all_frames():
         p.StepResult(id=1, epoch=2, step_id=9, tokens=[3, -1], timings=p.StepTimings(1.0, 0.1),
                      logprobs=[[(3, -0.5)], []]),
         p.Freed(id=1, epoch=2),
+        p.FaultArmed(id=1, epoch=2, kind="oom"),
         p.MemoryInfo(id=1, epoch=2, free=1, total=2, kv_used=0),
         p.Unloaded(id=1, epoch=2),
         p.Bye(id=1, epoch=2),

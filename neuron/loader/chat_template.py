@@ -1,5 +1,6 @@
 """Rendering a conversation with the model's own Jinja2 chat template, the way transformers
-does (sandboxed, trim_blocks/lstrip_blocks, ``raise_exception``, ``tojson``, ``strftime_now``)."""
+does (sandboxed, trim_blocks/lstrip_blocks, ``raise_exception``, ``tojson``, ``strftime_now``,
+the ``{% generation %}`` block, ``tools``/``documents`` always defined, reasoning aliases)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from functools import lru_cache
 from typing import Any
 
 import jinja2
-from jinja2.ext import loopcontrols
+from jinja2 import nodes
+from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 CHATML = (
@@ -20,6 +22,36 @@ CHATML = (
 
 class TemplateError(ValueError):
     """The template refused the conversation (its ``raise_exception``) or failed to render."""
+
+
+class _GenerationBlock(Extension):
+    """``{% generation %}...{% endgeneration %}`` marks assistant text for training masks in
+    transformers; for inference it renders its body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return caller()
+
+
+# Names a message's reasoning goes by; templates read ``reasoning_content`` (gpt-oss: ``thinking``).
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _alias_reasoning(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for message in messages:
+        if isinstance(message, dict):
+            reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+            if reasoning is not None:
+                message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        out.append(message)
+    return out
 
 
 def _raise(message: str) -> None:
@@ -33,7 +65,7 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, s
 
 @lru_cache(maxsize=32)
 def _compile(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -46,11 +78,10 @@ def _compile(source: str) -> jinja2.Template:
 def render_chat(template: str | None, messages: list[dict[str, Any]], *, tools: list[dict] | None = None,
                 add_generation_prompt: bool = True, bos_token: str | None = None, eos_token: str | None = None,
                 extra: dict[str, Any] | None = None) -> str:
-    context = dict(extra or {})
-    context.update(messages=messages, add_generation_prompt=add_generation_prompt,
-                   bos_token=bos_token or "", eos_token=eos_token or "")
-    if tools:
-        context["tools"] = tools
+    context = {"bos_token": bos_token or "", "eos_token": eos_token or "", **(extra or {})}
+    # As transformers: ``tools`` and ``documents`` are always defined (None when not given).
+    context.update(messages=_alias_reasoning(messages), tools=tools, documents=None,
+                   add_generation_prompt=add_generation_prompt)
     try:
         return _compile(template or CHATML).render(**context)
     except TemplateError:

@@ -33,7 +33,6 @@ _GLOBAL = {
     "lm_head.weight": "output.weight",
     "rope_freqs": "rope_freqs.weight",  # llama3 rope scaling, stored as per-frequency divisors
 }
-_UNQUANTISED = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 
 
 def gguf_name(hf_name: str) -> str:
@@ -88,14 +87,18 @@ class GgufSource:
             index[dim or 0] = slice(part.start, part.stop)
             return self._dequant(raw[tuple(index)], qtype)
         if part is not None:
-            block, size = GGML_QUANT_SIZES[qtype]
-            cols = int(t.shape[0])
-            if qtype not in _UNQUANTISED and part.start % block == 0 and (part.stop % block == 0 or part.stop == cols):
-                sliced = raw[..., part.start // block * size: -(-part.stop // block) * size]
-                return self._dequant(sliced, qtype)
-            full = self._dequant(raw, qtype)
-            return full[..., part.start: part.stop]
+            return self._dequant_columns(raw, qtype, part)
         return self._dequant(raw, qtype)
+
+    def _dequant_columns(self, raw: np.ndarray, qtype: GGMLQuantizationType, part: range) -> np.ndarray:
+        """Columns ``part`` of every row: only the blocks that hold them are dequantised."""
+        if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):  # raw holds elements
+            return self._dequant(raw[..., part.start: part.stop], qtype)
+        block, size = GGML_QUANT_SIZES[qtype]  # raw holds bytes, ``size`` per ``block`` elements
+        first, end = part.start // block, -(-part.stop // block)
+        values = self._dequant(raw[..., first * size: end * size], qtype)
+        skip = part.start - first * block
+        return values[..., skip: skip + len(part)]
 
     @staticmethod
     def _dequant(raw: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:

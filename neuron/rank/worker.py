@@ -83,7 +83,7 @@ class DeviceWorker:
                 if not self.allow_faults:
                     raise RankFailure("bad_request", "fault injection is not enabled on this rank")
                 self.pending_fault = msg.kind
-                return p.Freed(**ids)
+                return p.FaultArmed(**ids, kind=msg.kind)
         raise RankFailure("unknown_op", f"rank cannot handle {type(msg).__name__}")
 
     def _init_dist(self, msg: p.InitDist) -> None:
@@ -118,10 +118,23 @@ class DeviceWorker:
                               max_slots=msg.max_slots, max_len=msg.max_len)
         self.model_id = msg.model
         del src
+        self._warm_up()
         log.info("rank %d loaded %s shard in %.2fs: %d weight bytes", self.rank, msg.model,
                  time.perf_counter() - t0, self.model.weight_bytes())
         return p.LoadOk(id=msg.id, epoch=msg.epoch, kv_capacity=msg.max_slots * msg.max_len,
                         bytes=self.model.weight_bytes(), kv_bytes=self.model.kv.nbytes)
+
+    def _warm_up(self) -> None:
+        """One prefill and one decode through every layer, so the first request does not pay for
+        lazy allocations and kernel selection. Every rank runs it (the collectives pair up)."""
+        assert self.model is not None
+        n = min(8, self.model.kv.max_len - 1)
+        for start, count in ((0, n), (n, 1)):
+            batch = attention_batch([(0, start, count)], self.device)
+            ids = torch.zeros(count, dtype=torch.long, device=self.device)
+            self.model.forward(ids, batch, torch.tensor([count - 1], device=self.device))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _unload(self) -> None:
         self.model = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import protocol as p
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -11,7 +12,7 @@ from neuron.loader.errors import LoadError
 
 from .errors import from_load_error
 from .requests import read_json
-from .schemas import LoadRequest, UnloadRequest
+from .schemas import FaultRequest, LoadRequest, UnloadRequest
 from .state import AppState, require_key
 
 
@@ -72,3 +73,18 @@ async def unload_model(request: Request) -> Response:
     body = await read_json(request, UnloadRequest, state.cfg.server.max_body_bytes)
     await state.registry.unload(body.model, state.cfg.server.drain_timeout_s)
     return JSONResponse({"model": body.model, "status": "unloaded"})
+
+
+async def inject_fault(request: Request) -> Response:
+    """Test hook (only with ``[debug] fault_injection = true``): the rank fails its next step."""
+    state: AppState = request.app.state.neuron
+    require_key(request, state, admin=True)
+    if not state.cfg.debug.fault_injection:
+        raise ApiError(404, "not_found", "fault injection is disabled")
+    body = await read_json(request, FaultRequest, state.cfg.server.max_body_bytes)
+    handle = state.registry.get(body.model)
+    if handle.group is None or not 0 <= body.rank < handle.group.world:
+        raise ApiError(400, "invalid_request", f"model {body.model!r} has no rank {body.rank}", param="rank")
+    reply = await handle.group.request(
+        body.rank, lambda i: p.InjectFault(id=i, epoch=handle.group.epoch, kind=body.kind), 10.0)
+    return JSONResponse({"model": body.model, "rank": body.rank, "kind": body.kind, "armed": type(reply).__name__})

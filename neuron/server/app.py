@@ -44,6 +44,7 @@ def create_app(cfg: Config) -> Starlette:
         Route("/models", admin_routes.list_models, methods=["GET"]),
         Route("/models/load", admin_routes.load_model, methods=["POST"]),
         Route("/models/unload", admin_routes.unload_model, methods=["POST"]),
+        Route("/debug/fault", admin_routes.inject_fault, methods=["POST"]),
     ]
     app = Starlette(
         routes=routes,

@@ -77,3 +77,9 @@ class LoadRequest(msgspec.Struct, forbid_unknown_fields=True):
 
 class UnloadRequest(msgspec.Struct):
     model: str
+
+
+class FaultRequest(msgspec.Struct):
+    model: str
+    rank: int = 0
+    kind: str = "oom"

@@ -20,6 +20,9 @@ CONFIG_STYLES: tuple[str, ...] = ("hub", "rope_parameters")
 
 # What gguf-py 0.19 can quantise itself; the K-quants (Q4_K, Q5_K, Q6_K, ...) only dequantise.
 GGUF_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+# K-quants that `write_random_kquant_gguf` fills with random, valid blocks (not the checkpoint's
+# weights): enough to check that two readers dequantise the same bits the same way.
+KQUANT_TYPES: tuple[str, ...] = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -475,10 +478,54 @@ _EXPERT_RE = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.we
 
 def write_gguf(out_dir: str | Path, gguf_type: str) -> Path:
     """Convert the checkpoint in `out_dir` to `out_dir/model-<TYPE>.gguf` and return its path."""
+    (type_name,) = parse_gguf_types(gguf_type)
+    return _write_gguf(Path(out_dir), type_name, None)
+
+
+def write_random_kquant_gguf(out_dir: str | Path, gguf_type: str, *, seed: int = 0) -> Path:
+    """`out_dir/model-<TYPE>.gguf` for a K-quant TYPE (Q2_K ... Q6_K), laid out like `write_gguf`'s
+    files, but every tensor that would be quantised holds random valid blocks (scales drawn so the
+    weights stay around +-0.1) instead of the checkpoint's weights; norms and the router keep the
+    checkpoint's values. Rows must be multiples of 256 to be quantised (else they stay F16), so
+    use a config with hidden_size and intermediate sizes in multiples of 256."""
+    type_name = gguf_type.strip().upper()
+    if type_name not in KQUANT_TYPES:
+        raise ValueError(f"{gguf_type!r} is not one of {list(KQUANT_TYPES)}")
+    return _write_gguf(Path(out_dir), type_name, np.random.default_rng(seed))
+
+
+# Byte offsets of the float16 scale fields in one block of each K-quant (ggml-common.h).
+# Typical magnitudes: w = d*scale*q (- dmin*min), with dmin about mean(q)*d so the weights have
+# mean ~0 (otherwise the logits hardly depend on the prompt).
+_KQUANT_F16_FIELDS: dict[str, tuple[tuple[int, float], ...]] = {
+    "Q2_K": ((80, 4e-3), (82, 6e-3)),  # scales[16] qs[64] d dmin; q in 0..3
+    "Q3_K": ((108, 8e-4),),  # hmask[32] qs[64] scales[12] d; signed
+    "Q4_K": ((0, 2e-4), (2, 1.5e-3)),  # d dmin scales[12] qs[128]; q in 0..15
+    "Q5_K": ((0, 1e-4), (2, 1.55e-3)),  # d dmin scales[12] qh[32] qs[128]; q in 0..31
+    "Q6_K": ((208, 2.5e-5),),  # ql[128] qh[64] scales[16] d; signed
+}
+
+
+def random_quant_blocks(type_name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """Random bytes for a tensor of logical `shape` (last dim a multiple of the block size) in the
+    K-quant `type_name`, as GGUFWriter.add_tensor(..., raw_dtype=...) takes them: uint8, the last
+    dim in bytes. The float16 scales are set to small positive values so nothing is inf/nan."""
     import gguf
 
-    (type_name,) = parse_gguf_types(gguf_type)
-    out = Path(out_dir)
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
+    if shape[-1] % block:
+        raise ValueError(f"row length {shape[-1]} is not a multiple of {type_name}'s block of {block}")
+    n_blocks = int(np.prod(shape[:-1])) * (shape[-1] // block)
+    raw = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
+    for offset, scale in _KQUANT_F16_FIELDS[type_name]:
+        values = (scale * rng.uniform(0.5, 1.5, size=n_blocks)).astype(np.float16)
+        raw[:, offset:offset + 2] = values.view(np.uint8).reshape(n_blocks, 2)
+    return raw.reshape(*shape[:-1], shape[-1] // block * size)
+
+
+def _write_gguf(out: Path, type_name: str, rng: np.random.Generator | None) -> Path:
+    import gguf
+
     config = _to_hub_rope(_hub_names(_read_json(out / "config.json")))
     spec = _family(_family_of(config["model_type"]))
     qtype = gguf.GGMLQuantizationType[type_name]
@@ -493,7 +540,11 @@ def write_gguf(out_dir: str | Path, gguf_type: str) -> Path:
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for name, array in _gguf_tensors(spec, config, read_safetensors(out)):
         tensor_type = _tensor_type(name, array, qtype)
-        writer.add_tensor(name, gguf.quants.quantize(array, tensor_type), raw_dtype=tensor_type)
+        if rng is not None and tensor_type == qtype:
+            data = random_quant_blocks(type_name, array.shape, rng)
+        else:
+            data = gguf.quants.quantize(array, tensor_type)
+        writer.add_tensor(name, data, raw_dtype=tensor_type)
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -561,7 +612,10 @@ def _add_rope_scaling(writer: Any, rope_scaling: dict[str, Any] | None) -> None:
 def _file_type(type_name: str) -> int:
     import gguf
 
-    return gguf.LlamaFileType.ALL_F32 if type_name == "F32" else gguf.LlamaFileType[f"MOSTLY_{type_name}"]
+    if type_name == "F32":
+        return gguf.LlamaFileType.ALL_F32
+    names = {"Q3_K": "MOSTLY_Q3_K_M", "Q4_K": "MOSTLY_Q4_K_M", "Q5_K": "MOSTLY_Q5_K_M"}
+    return gguf.LlamaFileType[names.get(type_name, f"MOSTLY_{type_name}")]
 
 
 def _add_vocab(writer: Any, out: Path, vocab_size: int) -> None:
@@ -676,7 +730,9 @@ def load_gguf_with_transformers(out_dir: str | Path, gguf_type: str, **kwargs: A
     from transformers import AutoConfig, AutoModelForCausalLM
 
     out = Path(out_dir)
-    (type_name,) = parse_gguf_types(gguf_type)
+    type_name = gguf_type.strip().upper()
+    if type_name not in KQUANT_TYPES:
+        (type_name,) = parse_gguf_types(gguf_type)
     config = AutoConfig.from_pretrained(out)
     return AutoModelForCausalLM.from_pretrained(out, gguf_file=f"model-{type_name}.gguf", config=config, **kwargs)
 

@@ -1,0 +1,157 @@
+"""Running our model code the way a rank does, outside the server, for parity checks against HF
+transformers: last-position logits and greedy tokens of a few prompts, at TP=1 in this process or
+at TP>1 in real processes joined by gloo (one process per rank, as the server runs them).
+
+    jobs = [ParityJob("qwen3", fmt="safetensors", paths=[...], config=cfg, prompts=[[1, 2, 3]], new_tokens=8)]
+    results = run_parity(jobs, world=2)   # one ParityResult per job, from rank 0 (+ every rank's bytes)
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from protocol import ModelConfig
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class ParityJob:
+    name: str
+    fmt: str  # safetensors | gguf
+    paths: list[str]
+    config: ModelConfig
+    prompts: list[list[int]]
+    new_tokens: int = 0
+    dtype: str = "float32"
+    max_len: int = 128
+
+
+@dataclass
+class ParityResult:
+    name: str
+    logits: list[Any]  # per prompt: float32 tensor [vocab], the last prompt position's logits
+    greedy: list[list[int]]  # per prompt: ``new_tokens`` argmax tokens, decoded through the KV cache
+    load_seconds: float
+    weight_bytes: list[int] = field(default_factory=list)  # one per rank
+
+
+def open_source(fmt: str, paths: list[str], config: ModelConfig) -> Any:
+    if fmt == "gguf":
+        from neuron.loader.gguf_source import GgufSource
+
+        return GgufSource(paths[0], num_heads=config.num_heads, num_kv_heads=config.num_kv_heads)
+    from neuron.loader.safetensors_source import SafetensorsSource
+
+    return SafetensorsSource(list(paths))
+
+
+def build(job: ParityJob, world: int = 1, rank: int = 0) -> tuple[Any, float]:
+    """This rank's CausalLM for ``job`` and the seconds it took to build."""
+    import torch
+
+    from neuron.models.llama import CausalLM
+    from neuron.models.sharding import plan_shard
+
+    t0 = time.perf_counter()
+    src = open_source(job.fmt, job.paths, job.config)
+    model = CausalLM(job.config, plan_shard(job.config, world, rank), src, dtype=getattr(torch, job.dtype),
+                     device=torch.device("cpu"), max_slots=max(1, len(job.prompts)), max_len=job.max_len)
+    return model, time.perf_counter() - t0
+
+
+def run_model(model: Any, job: ParityJob) -> tuple[list[Any], list[list[int]]]:
+    """Prefill every prompt in one batched step (one KV slot each), then decode greedily one
+    token per sequence per step, all sequences batched together, as the engine does."""
+    import torch
+
+    from neuron.models.layers import attention_batch
+
+    cpu = torch.device("cpu")
+    prompts = job.prompts
+    ids = torch.tensor([t for p in prompts for t in p])
+    batch = attention_batch([(slot, 0, len(p)) for slot, p in enumerate(prompts)], cpu)
+    last = torch.tensor(list(_ends(prompts)))
+    logits = model.forward(ids, batch, last)
+    first = [row.clone() for row in logits]
+    greedy: list[list[int]] = [[] for _ in prompts]
+    positions = [len(p) for p in prompts]
+    for _ in range(job.new_tokens):
+        nxt = logits.argmax(dim=-1).tolist()
+        for out, tok in zip(greedy, nxt):
+            out.append(int(tok))
+        if len(greedy[0]) == job.new_tokens:
+            break
+        batch = attention_batch([(slot, positions[slot], 1) for slot in range(len(prompts))], cpu)
+        logits = model.forward(torch.tensor(nxt), batch, torch.arange(len(prompts)))
+        positions = [p + 1 for p in positions]
+    return first, greedy
+
+
+def _ends(prompts: list[list[int]]) -> list[int]:
+    offset, ends = 0, []
+    for p in prompts:
+        offset += len(p)
+        ends.append(offset - 1)
+    return ends
+
+
+def run_parity(jobs: list[ParityJob], world: int = 1, timeout: float = 300.0) -> list[ParityResult]:
+    """Every job at tensor-parallel ``world``: in this process at 1, else in ``world`` spawned
+    processes joined by a gloo group; the results are rank 0's, with every rank's weight bytes."""
+    if world == 1:
+        results = []
+        for job in jobs:
+            model, seconds = build(job)
+            logits, greedy = run_model(model, job)
+            results.append(ParityResult(job.name, logits, greedy, seconds, [model.weight_bytes()]))
+        return results
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="neuron-parity-") as tmp:
+        port = _free_port()
+        ctx = mp.start_processes(_rank_main, args=(world, port, jobs, tmp), nprocs=world, join=False,
+                                 start_method="spawn")
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                for proc in ctx.processes:
+                    if proc.is_alive():
+                        proc.kill()
+                raise TimeoutError(f"TP={world} parity run did not finish in {timeout}s")
+        per_rank = [pickle.loads((Path(tmp) / f"rank{r}.pkl").read_bytes()) for r in range(world)]
+    results = per_rank[0]
+    for i, res in enumerate(results):
+        res.weight_bytes = [per_rank[r][i].weight_bytes[0] for r in range(world)]
+    return results
+
+
+def _rank_main(rank: int, world: int, port: int, jobs: list[ParityJob], out_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=rank)
+    try:
+        results = []
+        for job in jobs:
+            model, seconds = build(job, world, rank)
+            logits, greedy = run_model(model, job)
+            results.append(ParityResult(job.name, logits, greedy, seconds, [model.weight_bytes()]))
+            del model
+        (Path(out_dir) / f"rank{rank}.pkl").write_bytes(pickle.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
