@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
+
+from .gguf_file import GgufFile
 
 _LAYER = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -46,9 +48,9 @@ def gguf_name(hf_name: str) -> str:
 
 class GgufSource:
     def __init__(self, path: str, *, num_heads: int, num_kv_heads: int) -> None:
-        self.reader = GGUFReader(path)
-        self.tensors = {t.name: t for t in self.reader.tensors}
-        arch = self.reader.fields["general.architecture"].contents()
+        self.file = GgufFile(path)
+        self.tensors = self.file.tensors
+        arch = self.file.fields.get("general.architecture")
         # llama.cpp's converter permutes llama Q/K rows for its RoPE layout; we undo it per head.
         self._permuted = {"attn_q": num_heads, "attn_k": num_kv_heads} if arch == "llama" else {}
 
@@ -80,8 +82,7 @@ class GgufSource:
         t = self.tensors.get(gname)
         if t is None:
             raise KeyError(f"tensor {gname!r} is not in the GGUF file")
-        qtype = GGMLQuantizationType(t.tensor_type)
-        raw = t.data
+        qtype, raw = t.qtype, t.data
         if part is not None and (dim or 0) < raw.ndim - 1:
             index = [slice(None)] * raw.ndim
             index[dim or 0] = slice(part.start, part.stop)

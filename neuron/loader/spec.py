@@ -49,14 +49,14 @@ def load_spec(ref: str, *, model_id: str | None = None, hf_cache: str | None = N
 
 
 def _gguf_spec(mid: str, files: ModelFiles) -> ModelSpec:
-    from gguf import GGUFReader
+    from .gguf_file import GgufFile, GgufFormatError
 
     try:
-        reader = GGUFReader(files.paths[0])
-    except Exception as exc:
+        gguf = GgufFile(files.paths[0])  # also checks every tensor lies inside the file
+    except GgufFormatError as exc:
         raise BadModelConfig(f"{files.paths[0].name} is not a readable GGUF file: {exc}") from None
-    fields = {name: f.contents() for name, f in reader.fields.items()}
-    names = {t.name for t in reader.tensors}
+    fields = gguf.fields
+    names = set(gguf.tensors)
     tokens = fields.get("tokenizer.ggml.tokens") or []
     config = config_from_gguf(fields, names, len(tokens))
     tk = tokenizer_from_gguf(fields)

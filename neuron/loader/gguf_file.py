@@ -1,0 +1,133 @@
+"""A fast reader of a GGUF file's layout: metadata as plain Python values and each tensor as a
+memory-mapped numpy array (the same arrays ``gguf.GGUFReader`` gives: elements for F32/F16/
+integer types, bytes with the last dimension in bytes for BF16 and the quantised types).
+
+``gguf.GGUFReader`` builds numpy views for every part of every metadata value; a tokenizer of
+50k-150k strings costs it seconds, here tens of milliseconds. Only little-endian GGUF v2/v3.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+GGUF_MAGIC = b"GGUF"
+_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
+_STRING, _ARRAY = 8, 9
+_ELEMENT_TYPES = {
+    GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
+    GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8, GGMLQuantizationType.I16: np.int16,
+    GGMLQuantizationType.I32: np.int32, GGMLQuantizationType.I64: np.int64,
+}
+
+
+class GgufFormatError(ValueError):
+    """Not a GGUF file we can read."""
+
+
+@dataclass(frozen=True)
+class GgufTensor:
+    name: str
+    qtype: GGMLQuantizationType
+    shape: tuple[int, ...]  # numpy order: rows first (GGUF stores the dims reversed)
+    data: np.ndarray  # memory-mapped; for quantised types and BF16 the last dim is in bytes
+
+
+class GgufFile:
+    def __init__(self, path: str | Path, *, read_tensors: bool = True) -> None:
+        self.path = Path(path)
+        try:
+            self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+        except (OSError, ValueError) as exc:
+            raise GgufFormatError(f"{self.path.name} cannot be mapped: {exc}") from None
+        self._buf = memoryview(self._mm)
+        self._pos = 0
+        try:
+            self._parse(read_tensors)
+        except (struct.error, IndexError, UnicodeDecodeError, KeyError, ValueError) as exc:
+            if isinstance(exc, GgufFormatError):
+                raise
+            raise GgufFormatError(f"{self.path.name} is not a readable GGUF file: {exc}") from None
+
+    # ------------------------------------------------------------------------------ parsing
+    def _take(self, fmt: str) -> Any:
+        value = struct.unpack_from(fmt, self._buf, self._pos)[0]
+        self._pos += struct.calcsize(fmt)
+        return value
+
+    def _string(self) -> str:
+        n = self._take("<Q")
+        end = self._pos + n
+        if end > len(self._buf):
+            raise GgufFormatError(f"{self.path.name}: a string runs past the end of the file")
+        text = bytes(self._buf[self._pos:end]).decode("utf-8", errors="replace")
+        self._pos = end
+        return text
+
+    def _value(self, vtype: int) -> Any:
+        if vtype in _SCALAR:
+            return self._take(_SCALAR[vtype])
+        if vtype == _STRING:
+            return self._string()
+        if vtype == _ARRAY:
+            etype, count = self._take("<I"), self._take("<Q")
+            if etype in _NUMPY:
+                dt = np.dtype(_NUMPY[etype])
+                end = self._pos + count * dt.itemsize
+                if end > len(self._buf):
+                    raise GgufFormatError(f"{self.path.name}: an array runs past the end of the file")
+                values = np.frombuffer(self._buf[self._pos:end], dtype=dt).tolist()
+                self._pos = end
+                return values
+            return [self._value(etype) for _ in range(count)]
+        raise GgufFormatError(f"{self.path.name}: unknown metadata value type {vtype}")
+
+    def _parse(self, read_tensors: bool) -> None:
+        if bytes(self._buf[:4]) != GGUF_MAGIC:
+            raise GgufFormatError(f"{self.path.name} is not a GGUF file (no GGUF magic)")
+        self._pos = 4
+        self.version = self._take("<I")
+        if self.version not in (2, 3):
+            raise GgufFormatError(f"{self.path.name}: GGUF version {self.version} is not supported (2 or 3; "
+                                  f"big-endian files are not supported)")
+        n_tensors, n_kv = self._take("<Q"), self._take("<Q")
+        self.fields: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = self._string()
+            self.fields[key] = self._value(self._take("<I"))
+        infos = []
+        for _ in range(n_tensors):
+            name = self._string()
+            n_dims = self._take("<I")
+            dims = [self._take("<Q") for _ in range(n_dims)]
+            qtype = GGMLQuantizationType(self._take("<I"))
+            infos.append((name, tuple(reversed(dims)), qtype, self._take("<Q")))
+        alignment = int(self.fields.get("general.alignment", 32))
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise GgufFormatError(f"{self.path.name}: alignment {alignment} is not a power of two")
+        self.data_offset = -(-self._pos // alignment) * alignment
+        self.tensors: dict[str, GgufTensor] = {}
+        for name, shape, qtype, offset in infos:
+            data = self._tensor_array(shape, qtype, self.data_offset + offset) if read_tensors else np.empty(0)
+            self.tensors[name] = GgufTensor(name, qtype, shape, data)
+
+    def _tensor_array(self, shape: tuple[int, ...], qtype: GGMLQuantizationType, start: int) -> np.ndarray:
+        block, size = GGML_QUANT_SIZES[qtype]
+        if shape and shape[-1] % block:
+            raise GgufFormatError(f"{self.path.name}: a row of {shape[-1]} is not whole {qtype.name} blocks")
+        if qtype in _ELEMENT_TYPES:
+            dt, byte_shape = np.dtype(_ELEMENT_TYPES[qtype]), shape
+        else:
+            dt, byte_shape = np.dtype(np.uint8), (*shape[:-1], shape[-1] // block * size)
+        count = int(np.prod(byte_shape, dtype=np.int64)) if byte_shape else 1
+        end = start + count * dt.itemsize
+        if end > len(self._mm):
+            raise GgufFormatError(f"{self.path.name} is truncated: a tensor ends at byte {end}, "
+                                  f"the file has {len(self._mm)}")
+        return self._mm[start:end].view(dt).reshape(byte_shape)
