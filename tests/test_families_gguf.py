@@ -59,8 +59,6 @@ def one_thread():
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[tuple[str, str], Path]:
     """(family, type) -> GGUF file."""
-    import time
-    t0 = time.time()
     root = tmp_path_factory.mktemp("gguf")
     out = {}
     for family in FAMILIES:
@@ -69,7 +67,6 @@ def files(tmp_path_factory) -> dict[tuple[str, str], Path]:
         sizes = dict(KQUANT_SIZES, moe_intermediate_size=256) if family == "qwen3_moe" else KQUANT_SIZES
         k = make_checkpoint(family, root / f"{family}-k", seed=12, **sizes)
         out |= {(family, t): write_random_kquant_gguf(k, t, seed=13) for t in KQUANT_TYPES}
-    print("FILES", time.time() - t0)
     return out
 
 
@@ -91,13 +88,10 @@ def hf_reference(model, prompts, new_tokens):
 
 @pytest.fixture(scope="module")
 def references(files):
-    import time
-    t0 = time.time()
     out = {}
     for (family, gguf_type), path in files.items():
         model = load_gguf_with_transformers(path.parent, gguf_type, dtype=torch.float32).eval()
         out[family, gguf_type] = hf_reference(model, PROMPTS, NEW_TOKENS)
-    print("REFS", time.time() - t0)
     return out
 
 
@@ -132,14 +126,8 @@ def jobs_for(files, smol) -> list[ParityJob]:
 @pytest.fixture(scope="module")
 def runs(files, smol):
     """Every GGUF (and SmolLM2) at TP=1 in this process and at TP=2 in one gloo group."""
-    import time
     jobs = jobs_for(files, smol)
-    out = {}
-    for world in (1, 2):
-        t0 = time.time()
-        out[world] = {r.name: r for r in run_parity(jobs, world)}
-        print("RUNS", world, time.time() - t0)
-    return out
+    return {world: {r.name: r for r in run_parity(jobs, world)} for world in (1, 2)}
 
 
 def max_diff(ours, theirs) -> float:
