@@ -1,0 +1,75 @@
+"""API keys: every protected route refuses a missing or wrong key with 401, in constant time,
+and the keys never show up in logs or error messages."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import httpx
+import pytest
+
+from conftest import DEFAULT_MODEL, SMALL, start_server
+
+API_KEY = "sk-inference-7c1f0e"
+ADMIN_KEY = "sk-admin-93b2aa"
+
+CHAT = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+INFERENCE_ROUTES = [("POST", "/v1/chat/completions", CHAT),
+                    ("POST", "/v1/completions", {"model": DEFAULT_MODEL, "prompt": "Hi", "max_tokens": 2}),
+                    ("GET", "/v1/models", None)]
+ADMIN_ROUTES = [("GET", "/models", None), ("GET", "/metrics", None),
+                ("POST", "/models/load", {"model": "/nonexistent/model"}),
+                ("POST", "/models/unload", {"model": "nonexistent"})]
+
+
+@pytest.fixture(scope="module")
+def keyed(server_tmp):
+    # The keys come from the environment, which also exercises NEURON_* overrides.
+    server = start_server(server_tmp, config=SMALL, env={"NEURON_SERVER__API_KEY": API_KEY,
+                                                          "NEURON_SERVER__ADMIN_API_KEY": ADMIN_KEY})
+    yield server
+    server.stop()
+
+
+def call(server, method, path, body, key):
+    headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+    return httpx.request(method, server.url + path, json=body, headers=headers, timeout=60)
+
+
+@pytest.mark.parametrize("method,path,body", INFERENCE_ROUTES + ADMIN_ROUTES)
+@pytest.mark.parametrize("key", [None, "wrong", API_KEY + "x", "Basic " + API_KEY])
+def test_a_missing_or_wrong_key_gets_401_on_every_protected_route(keyed, method, path, body, key):
+    r = call(keyed, method, path, body, key)
+    assert r.status_code == 401
+    assert r.json()["error"]["code"] == "invalid_api_key"
+
+
+@pytest.mark.parametrize("method,path,body", ADMIN_ROUTES)
+def test_the_inference_key_does_not_open_admin_routes(keyed, method, path, body):
+    assert call(keyed, method, path, body, API_KEY).status_code == 401
+
+
+def test_the_right_keys_open_their_routes_and_health_stays_open(keyed):
+    for method, path, body in INFERENCE_ROUTES:
+        assert call(keyed, method, path, body, API_KEY).status_code == 200, path
+    assert call(keyed, "GET", "/models", None, ADMIN_KEY).status_code == 200
+    assert call(keyed, "GET", "/metrics", None, ADMIN_KEY).status_code == 200
+    assert call(keyed, "POST", "/models/load", {"model": "/nonexistent/model"}, ADMIN_KEY).status_code == 404
+    assert httpx.get(f"{keyed.url}/health", timeout=10).status_code == 200
+
+
+def test_keys_never_appear_in_logs(keyed):
+    call(keyed, "GET", "/models", None, "wrong")
+    log = keyed.log()
+    assert API_KEY not in log and ADMIN_KEY not in log
+
+
+def test_rank_sockets_live_in_a_private_directory(keyed):
+    pid = httpx.get(f"{keyed.url}/models", headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+                    timeout=10).json()["models"][0]["pids"][0]
+    cmdline = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+    endpoint = cmdline[cmdline.index(b"--endpoint") + 1].decode()
+    assert endpoint.startswith("ipc://")
+    directory = os.path.dirname(endpoint[len("ipc://"):])
+    assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
