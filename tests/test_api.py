@@ -201,3 +201,29 @@ def test_token_ids_and_ignore_eos_extensions(tp1):
     out = httpx.post(f"{tp1.base}/completions", json=body, timeout=120).json()
     assert out["usage"]["completion_tokens"] == 40 and len(out["choices"][0]["token_ids"]) == 40
     assert out["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_reader_that_never_reads_does_not_slow_other_streams(tp1):
+    import socket
+
+    host, port = tp1.url.removeprefix("http://").split(":")
+    stalled = socket.socket()
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stalled.connect((host, int(port)))
+    payload = json.dumps({"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "Write a long poem."}],
+                          "temperature": 0, "max_tokens": 600, "ignore_eos": True, "stream": True,
+                          "logprobs": True, "top_logprobs": 20}).encode()
+    stalled.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    try:
+        time.sleep(2.0)
+        t0 = time.monotonic()
+        answers = [chat(tp1, QUESTION, max_tokens=16).json()["choices"][0]["message"]["content"] for _ in range(3)]
+        assert all("Paris" in a for a in answers)
+        assert time.monotonic() - t0 < 30
+    finally:
+        stalled.close()
+    deadline = time.monotonic() + 30
+    while slots_in_use(tp1) != (0, 0, 0) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert slots_in_use(tp1) == (0, 0, 0)

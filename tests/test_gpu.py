@@ -64,3 +64,55 @@ def test_one_gpu_matches_the_cpu(tmp_path, checkpoint):
 def test_two_gpus_over_nccl_match_the_cpu(tmp_path, checkpoint):
     cpu = greedy_tokens(tmp_path, checkpoint, ["--device", "cpu"])
     assert greedy_tokens(tmp_path, checkpoint, ["--device", "cuda", "--tensor-parallel", "2"]) == cpu
+
+
+@pytest.mark.skipif(_gpus() < 2, reason="needs two NVIDIA GPUs")
+def test_killing_a_rank_while_its_peer_waits_in_an_nccl_all_reduce_recovers_the_group(tmp_path, checkpoint):
+    import os
+    import signal
+    import threading
+    import time
+
+    from conftest import alive
+
+    config = (f'[[models]]\nmodel = "{checkpoint}"\nid = "ckpt"\ndtype = "float32"\nmax_model_len = 2048\n'
+              f'max_slots = 4\n[timeouts]\nheartbeat_timeout_s = 3.0\n')
+    server = start_server(tmp_path, config=config, args=["--device", "cuda", "--tensor-parallel", "2"])
+    try:
+        old = httpx.get(f"{server.url}/models", timeout=10).json()["models"][0]
+        ended: dict = {}
+
+        def stream() -> None:
+            body = {"model": "ckpt", "prompt": [5, 6, 7], "max_tokens": 2000, "temperature": 0,
+                    "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", f"{server.base}/completions", json=body, timeout=120) as r:
+                lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+            ended.update(at=time.monotonic(), lines=lines)
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        time.sleep(2.0)
+        # Freeze rank 1 so rank 0 blocks inside the next step's NCCL all-reduce, then kill rank 1.
+        os.kill(old["pids"][1], signal.SIGSTOP)
+        time.sleep(0.5)
+        t_kill = time.monotonic()
+        os.kill(old["pids"][1], signal.SIGKILL)
+        reader.join(30)
+        assert "error" in "".join(ended["lines"]) and ended["lines"][-1] == "data: [DONE]"
+        detect_s = ended["at"] - t_kill
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            info = httpx.get(f"{server.url}/models", timeout=10).json()["models"][0]
+            if info["status"] == "loaded" and info["epoch"] != old["epoch"]:
+                break
+            time.sleep(0.2)
+        recover_s = time.monotonic() - t_kill
+        assert info["status"] == "loaded" and info["recoveries"] == 1
+        assert not any(alive(pid) for pid in old["pids"])
+        r = httpx.post(f"{server.base}/completions", timeout=60, json={
+            "model": "ckpt", "prompt": [5, 6, 7], "max_tokens": 16, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16
+        print(f"\nNCCL peer killed mid all-reduce: stream ended after {detect_s:.2f}s, "
+              f"model loaded again after {recover_s:.2f}s")
+    finally:
+        assert server.stop() == 0
