@@ -107,7 +107,14 @@ class Engine:
             await self._wake.wait()
             self._wake.clear()
             while self.group is not None and not self.sched.idle:
-                await self._iterate(self.group)
+                try:
+                    await self._iterate(self.group)
+                except Exception as exc:  # a bug here must fail requests loudly, never strand them
+                    log.exception("%s: scheduler iteration failed", self.model_id)
+                    for req in list(self.sched.running) + list(self.sched.waiting):
+                        self._fail(req, f"internal error in the scheduler: {type(exc).__name__}", "internal")
+                    if self.group is not None:
+                        self.group.fail(f"scheduler error: {exc}")
             if self.sched.idle:
                 self._idle.set()
 
