@@ -61,6 +61,7 @@ class TimeoutConfig:
 class RuntimeConfig:
     dir: str = ""
     hf_cache: str = ""
+    transport: str = "ipc"  # ipc: sockets in a private directory; tcp: 127.0.0.1 with CURVE
 
 
 @dataclass
@@ -179,5 +180,7 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"models[{i}]: max_slots must be >= 1 and max_model_len >= 16")
     if cfg.debug.tap and not (cfg.debug.tap.startswith("ipc://") or cfg.debug.tap.startswith("tcp://127.")):
         raise ConfigError("debug.tap must be an ipc:// or tcp://127.x endpoint (the tap is local only)")
+    if cfg.runtime.transport not in ("ipc", "tcp"):
+        raise ConfigError("runtime.transport must be ipc or tcp")
     if cfg.engine.queue_size < 1 or cfg.engine.max_batch_tokens < 1 or cfg.engine.prefill_chunk < 1:
         raise ConfigError("engine sizes must be positive")

@@ -25,7 +25,7 @@ import zmq
 import zmq.asyncio
 
 import protocol as p
-from protocol.sockets import bind_router, identity_rank, ipc_endpoint, rank_identity
+from protocol.sockets import CURVE_ENV, bind_router, identity_rank, ipc_endpoint, rank_identity
 
 from .config import TimeoutConfig
 
@@ -78,6 +78,28 @@ class TapMirror:
         self.sock.close(0)
 
 
+class CurveGate:
+    """The leader's ZAP handler for tcp:// rank endpoints: only the CURVE client keys the leader
+    minted for its own ranks may connect."""
+
+    def __init__(self, ctx: zmq.asyncio.Context) -> None:
+        from zmq.auth.asyncio import AsyncioAuthenticator
+
+        self.allowed: set[bytes] = set()
+        self.auth = AsyncioAuthenticator(ctx)
+        self.auth.start()
+        self.auth.configure_curve_callback(domain="*", credentials_provider=self)
+
+    def allow(self, public_key: bytes) -> None:
+        self.allowed.add(public_key)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.allowed
+
+    def stop(self) -> None:
+        self.auth.stop()
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -87,7 +109,8 @@ def free_port() -> int:
 class RankGroup:
     def __init__(self, *, model_id: str, devices: list[str], timeouts: TimeoutConfig, runtime_dir: Path,
                  ctx: zmq.asyncio.Context, tap: TapMirror | None = None, allow_faults: bool = False,
-                 on_failure: Callable[["RankGroup", str], None] | None = None) -> None:
+                 on_failure: Callable[["RankGroup", str], None] | None = None,
+                 curve: "CurveGate | None" = None) -> None:
         self.model_id = model_id
         self.devices = devices
         self.world = len(devices)
@@ -97,7 +120,8 @@ class RankGroup:
         self.tap = tap
         self.allow_faults = allow_faults
         self.on_failure = on_failure
-        self.endpoint = ipc_endpoint(runtime_dir, f"group-{self.epoch}.sock")
+        self.curve = curve
+        self.endpoint = "tcp://127.0.0.1" if curve else ipc_endpoint(runtime_dir, f"group-{self.epoch}.sock")
         self.sock: zmq.asyncio.Socket | None = None
         self.procs: list[asyncio.subprocess.Process] = []
         self.pids: list[int] = []
@@ -113,10 +137,16 @@ class RankGroup:
     # ----------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
         """Spawn, connect, ping, init the collective group and check it; raises on failure."""
-        self.sock = bind_router(self.ctx, self.endpoint)
+        server_keys = client_keys = None
+        if self.curve is not None:
+            server_keys, client_keys = zmq.curve_keypair(), zmq.curve_keypair()
+            self.curve.allow(client_keys[0])
+        self.sock, self.endpoint = bind_router(self.ctx, self.endpoint, server_keys)
         self._tasks.append(asyncio.create_task(self._receive(), name=f"recv-{self.model_id}"))
         backend = "nccl" if self.devices[0].startswith("cuda") else "gloo"
         env = dict(os.environ)
+        if server_keys and client_keys:
+            env.update(zip(CURVE_ENV, (k.decode() for k in (server_keys[0], *client_keys))))
         if backend == "gloo":
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.world)))
         for rank, device in enumerate(self.devices):
@@ -227,9 +257,8 @@ class RankGroup:
         if self.sock is not None:
             self.sock.close(0)
             self.sock = None
-        path = self.endpoint[len("ipc://"):]
-        if os.path.exists(path):
-            os.unlink(path)
+        if self.endpoint.startswith("ipc://") and os.path.exists(self.endpoint[len("ipc://"):]):
+            os.unlink(self.endpoint[len("ipc://"):])
 
     async def close_after_failure(self) -> None:
         self._closing = True

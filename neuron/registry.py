@@ -26,7 +26,7 @@ from .errors import ApiError
 from .loader.errors import LoadError
 from .loader.spec import ModelSpec, load_spec, model_id_for
 from .models.sharding import ShardingError, check_plan
-from .rankgroup import GroupFailed, RankError, RankGroup, TapMirror
+from .rankgroup import CurveGate, GroupFailed, RankError, RankGroup, TapMirror
 
 log = logging.getLogger("neuron.registry")
 
@@ -68,6 +68,7 @@ class Registry:
         self.ctx = zmq.asyncio.Context()
         self.runtime = runtime_dir(cfg.runtime.dir or None)
         self.tap = TapMirror(self.ctx, cfg.debug.tap) if cfg.debug.tap else None
+        self.curve = CurveGate(self.ctx) if cfg.runtime.transport == "tcp" else None
         self.models: dict[str, ModelHandle] = {}
         self._loading: dict[str, asyncio.Task] = {}
         self._recovering: set[asyncio.Task] = set()
@@ -129,7 +130,8 @@ class Registry:
     async def _start_group(self, handle: ModelHandle) -> RankGroup:
         group = RankGroup(model_id=handle.id, devices=handle.devices, timeouts=self.cfg.timeouts,
                           runtime_dir=self.runtime, ctx=self.ctx, tap=self.tap,
-                          allow_faults=self.cfg.debug.fault_injection, on_failure=self._on_group_failure)
+                          allow_faults=self.cfg.debug.fault_injection, on_failure=self._on_group_failure,
+                          curve=self.curve)
         spec = handle.spec
         try:
             await group.start()
@@ -210,6 +212,8 @@ class Registry:
                 await handle.group.shutdown(timeout=5.0)
         if self.tap is not None:
             self.tap.close()
+        if self.curve is not None:
+            self.curve.stop()
         self.ctx.term()
         try:
             self.runtime.rmdir()

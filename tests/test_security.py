@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 
 import httpx
 import pytest
@@ -73,3 +74,51 @@ def test_rank_sockets_live_in_a_private_directory(keyed):
     assert endpoint.startswith("ipc://")
     directory = os.path.dirname(endpoint[len("ipc://"):])
     assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+
+
+def test_tcp_rank_endpoints_are_curve_encrypted_and_admit_only_the_leaders_ranks(server_tmp):
+    import zmq
+
+    import protocol as p
+
+    server = start_server(server_tmp, config=SMALL + '\n[runtime]\ntransport = "tcp"\n')
+    try:
+        info = httpx.get(f"{server.url}/models", timeout=10).json()["models"][0]
+        cmdline = open(f"/proc/{info['pids'][0]}/cmdline", "rb").read().split(b"\0")
+        endpoint = cmdline[cmdline.index(b"--endpoint") + 1].decode()
+        assert endpoint.startswith("tcp://127.0.0.1:")
+        assert not any(b"CURVE" in arg for arg in cmdline)  # keys travel in the environment only
+        start_env = dict(kv.split(b"=", 1) for kv in open(f"/proc/{info['pids'][0]}/environ", "rb").read().split(b"\0") if b"=" in kv)
+        server_public = start_env[b"NEURON_CURVE_SERVER_KEY"]
+        forged = p.encode(p.StepResult(id=10**9, epoch=info["epoch"], step_id=1, tokens=[0],
+                                       timings=p.StepTimings(0.0, 0.0)))
+        ctx = zmq.Context()
+        intruders = []
+        # Without keys; with the right server key but a client key the leader never minted.
+        for keys in (None, zmq.curve_keypair()):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.IDENTITY, b"rank-0")
+            sock.setsockopt(zmq.LINGER, 0)
+            if keys is not None:
+                sock.curve_serverkey = server_public
+                sock.curve_publickey, sock.curve_secretkey = keys
+            sock.connect(endpoint)
+            intruders.append(sock)
+        time.sleep(1.0)
+        for sock in intruders:
+            for _ in range(5):
+                try:
+                    sock.send(forged, zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+        time.sleep(1.0)
+        for sock in intruders:
+            sock.close(0)
+        ctx.term()
+        r = httpx.post(f"{server.base}/chat/completions", json=CHAT | {"max_tokens": 8, "temperature": 0}, timeout=60)
+        assert r.status_code == 200
+        after = httpx.get(f"{server.url}/models", timeout=10).json()["models"][0]
+        # An admitted intruder's frames would reach the leader and be counted as dropped.
+        assert after["dropped_frames"] == 0 and after["epoch"] == info["epoch"]
+    finally:
+        assert server.stop() == 0

@@ -17,7 +17,7 @@ import zmq
 import zmq.asyncio
 
 import protocol as p
-from protocol.sockets import connect_dealer, rank_identity
+from protocol.sockets import CURVE_ENV, connect_dealer, rank_identity
 
 log = logging.getLogger("neuron.rank")
 
@@ -38,7 +38,9 @@ class RankProcess:
         self.args = args
         self.rank, self.world, self.epoch = args.rank, args.world, args.epoch
         self.ctx = zmq.asyncio.Context()
-        self.sock = connect_dealer(self.ctx, args.endpoint, rank_identity(args.rank))
+        keys = [os.environ.pop(name, "") for name in CURVE_ENV]
+        curve = tuple(k.encode() for k in keys) if all(keys) else None
+        self.sock = connect_dealer(self.ctx, args.endpoint, rank_identity(args.rank), curve)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"device-{args.rank}")
         self.worker = None
         self.parent = os.getppid()
