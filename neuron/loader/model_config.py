@@ -27,6 +27,8 @@ def read_config_json(path: Path) -> dict[str, Any]:
 
 def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
     model_type = raw.get("model_type")
+    if model_type is None:
+        raise UnsupportedModel(f"config.json has no model_type (supported: {', '.join(SUPPORTED)})")
     if model_type not in SUPPORTED:
         raise UnsupportedModel(
             f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED)})")

@@ -1,0 +1,164 @@
+"""Models that cannot be loaded are refused by the leader, before any rank exists, with an
+error that names the problem: the LoadError class fixes the HTTP status (400/404/422) and code.
+(The same refusals over HTTP, on a running server: test_families_server.)"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from neuron.loader.errors import BadModelConfig, LoadError, ModelNotFound, UnsupportedModel
+from neuron.loader.spec import load_spec
+from neuron.models.sharding import ShardingError, check_plan
+from neuron.tools.checkpoints import make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory) -> Path:
+    return make_checkpoint("qwen3", tmp_path_factory.mktemp("refusals") / "good", seed=3, gguf_types="Q8_0")
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory) -> Path:
+    return make_checkpoint("qwen3", tmp_path_factory.mktemp("refusals") / "sharded", seed=3, shards=3)
+
+
+def copy(src: Path, dst: Path, *, without: tuple[str, ...] = ()) -> Path:
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(*without))
+    return dst
+
+
+def edit_json(path: Path, **changes) -> None:
+    data = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    path.write_text(json.dumps(data))
+
+
+def refused(ref: str, kind: type[LoadError], status: int, code: str, *words: str) -> LoadError:
+    with pytest.raises(LoadError) as info:
+        load_spec(ref)
+    err = info.value
+    assert type(err) is kind, f"{type(err).__name__}: {err.message}"
+    assert err.status == status and err.code == code
+    for w in words:
+        assert w in err.message, (w, err.message)
+    return err
+
+
+def test_unsupported_model_type_names_the_supported_ones(good, tmp_path):
+    d = copy(good, tmp_path / "m", without=("*.gguf",))
+    edit_json(d / "config.json", model_type="mistral")
+    refused(str(d), UnsupportedModel, 422, "unsupported_model", "'mistral'", "llama, qwen3, qwen3_moe")
+    edit_json(d / "config.json", model_type=None)
+    refused(str(d), UnsupportedModel, 422, "unsupported_model", "config.json has no model_type", "qwen3_moe")
+
+
+def test_unsupported_gguf_architecture(tmp_path):
+    import gguf
+
+    path = tmp_path / "gemma.gguf"
+    writer = gguf.GGUFWriter(path, "gemma2")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file(progress=False)
+    writer.close()
+    refused(str(path), UnsupportedModel, 422, "unsupported_model", "'gemma2'", "llama", "qwen3moe")
+
+
+def test_config_json_that_does_not_parse(good, tmp_path):
+    d = copy(good, tmp_path / "m", without=("*.gguf",))
+    (d / "config.json").write_text('{"model_type": "qwen3", "hidden_size": ')
+    refused(str(d), BadModelConfig, 422, "invalid_model_config", "config.json does not parse")
+    (d / "config.json").write_text("[1, 2]")
+    refused(str(d), BadModelConfig, 422, "invalid_model_config", "config.json is not a JSON object")
+
+
+def test_config_json_without_a_needed_value(good, tmp_path):
+    d = copy(good, tmp_path / "m", without=("*.gguf",))
+    edit_json(d / "config.json", hidden_size=None)
+    refused(str(d), BadModelConfig, 422, "invalid_model_config", "hidden_size")
+    edit_json(d / "config.json", hidden_size="wide")
+    refused(str(d), BadModelConfig, 422, "invalid_model_config", "wide")
+
+
+def test_moe_config_without_experts(tmp_path):
+    d = make_checkpoint("qwen3_moe", tmp_path / "moe", seed=1)
+    edit_json(d / "config.json", num_experts=None, num_local_experts=None)
+    refused(str(d), BadModelConfig, 422, "invalid_model_config", "num_experts")
+
+
+def test_no_safetensors_weights(good, tmp_path):
+    d = copy(good, tmp_path / "m", without=("*.gguf", "*.safetensors"))
+    refused(str(d), ModelNotFound, 404, "model_not_found", "config.json but no .safetensors weights")
+
+
+def test_a_shard_named_in_the_index_is_missing(sharded, tmp_path):
+    d = copy(sharded, tmp_path / "m")
+    (d / "model-00002-of-00003.safetensors").unlink()
+    refused(str(d), ModelNotFound, 404, "model_not_found", "model-00002-of-00003.safetensors",
+            "model.safetensors.index.json")
+
+
+def test_an_index_that_does_not_parse(sharded, tmp_path):
+    d = copy(sharded, tmp_path / "m")
+    (d / "model.safetensors.index.json").write_text("{not json")
+    refused(str(d), BadModelConfig, 422, "invalid_model_config", "model.safetensors.index.json does not parse")
+    (d / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    refused(str(d), BadModelConfig, 422, "invalid_model_config", "weight_map")
+    (d / "model.safetensors.index.json").write_text('{"weight_map": {"a": "../../etc/passwd"}}')
+    refused(str(d), BadModelConfig, 422, "invalid_model_config", "outside the model directory")
+
+
+def test_truncated_or_foreign_weight_files(good, tmp_path):
+    d = copy(good, tmp_path / "m", without=("*.gguf",))
+    weights = d / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    refused(str(d), LoadError, 400, "invalid_model", "model.safetensors is truncated")
+    weights.write_bytes(b"PK\x03\x04 this is a zip file")
+    refused(str(d), LoadError, 400, "invalid_model", "model.safetensors is not a safetensors file")
+
+    gguf = tmp_path / "cut.gguf"
+    raw = (good / "model-Q8_0.gguf").read_bytes()
+    gguf.write_bytes(raw[: len(raw) - 1000])
+    refused(str(gguf), BadModelConfig, 422, "invalid_model_config", "cut.gguf", "truncated")
+    gguf.write_bytes(b"not a gguf at all")
+    refused(str(gguf), BadModelConfig, 422, "invalid_model_config", "cut.gguf is not a readable GGUF file")
+
+
+def test_missing_tokenizer(good, tmp_path):
+    d = copy(good, tmp_path / "m", without=("*.gguf", "tokenizer.json"))
+    refused(str(d), LoadError, 400, "invalid_model", "no tokenizer.json")
+
+
+def test_paths_that_hold_no_model(good, tmp_path):
+    refused(str(tmp_path / "nowhere"), ModelNotFound, 404, "model_not_found", "does not exist")
+    refused(str(tmp_path / "nowhere.gguf"), ModelNotFound, 404, "model_not_found", "does not exist")
+    refused("not-a-repo-id", ModelNotFound, 404, "model_not_found", "neither a path nor a Hugging Face repo id")
+    (tmp_path / "empty").mkdir()
+    refused(str(tmp_path / "empty"), ModelNotFound, 404, "model_not_found", "holds no model")
+    two = tmp_path / "two"
+    two.mkdir()
+    for name in ("a.gguf", "b.gguf"):
+        shutil.copy(good / "model-Q8_0.gguf", two / name)
+    refused(str(two), ModelNotFound, 404, "model_not_found", "2 .gguf files", "a.gguf", "b.gguf")
+
+
+def test_tensor_parallel_sizes_the_heads_cannot_be_spread_over(good):
+    cfg = load_spec(str(good)).config  # 8 query heads, 4 KV heads
+    check_plan(cfg, 8)  # one query head per rank still works (KV replicated)
+    with pytest.raises(ShardingError, match="tensor_parallel=9 is more ranks than the model's 8 attention heads"):
+        check_plan(cfg, 9)
+    import msgspec
+
+    odd = msgspec.structs.replace(cfg, num_kv_heads=3)
+    with pytest.raises(ShardingError, match="8 query heads do not form groups over 3 KV heads"):
+        check_plan(odd, 1)
