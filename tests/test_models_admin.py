@@ -61,3 +61,16 @@ def test_a_long_prompt_keeps_the_stream_alive_while_it_prefills(server_tmp):
         assert lines[-1] == "data: [DONE]"
     finally:
         server.stop()
+
+
+def test_a_startup_model_that_cannot_load_stops_the_daemon_with_a_clear_message(server_tmp):
+    server = start_server(server_tmp, config=CONFIG, args=["--model", "/nonexistent/model.gguf"], healthy=False)
+    code = server.proc.wait(60)
+    assert code == 1
+    assert "model path '/nonexistent/model.gguf' does not exist" in server.log()
+
+
+def test_a_bad_config_file_is_refused_before_anything_starts(server_tmp):
+    server = start_server(server_tmp, config="[server]\nport = 'eighty'\n", healthy=False)
+    assert server.proc.wait(30) == 2
+    assert "server.port: expected int" in server.log()
