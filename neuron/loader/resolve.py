@@ -39,8 +39,9 @@ def hf_cache_dirs(explicit: str | None = None) -> list[Path]:
     dirs: list[Path] = []
     if explicit:
         dirs.append(Path(explicit).expanduser())
-    if os.environ.get("HF_HUB_CACHE"):
-        dirs.append(Path(os.environ["HF_HUB_CACHE"]))
+    hub_cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")  # the latter: legacy name
+    if hub_cache:
+        dirs.append(Path(hub_cache))
     if os.environ.get("HF_HOME"):
         dirs.append(Path(os.environ["HF_HOME"]) / "hub")
     dirs.append(Path.home() / ".cache" / "huggingface" / "hub")
