@@ -206,6 +206,13 @@ def test_token_ids_and_ignore_eos_extensions(tp1):
 def test_a_reader_that_never_reads_does_not_slow_other_streams(tp1):
     import socket
 
+    def three_answers() -> float:
+        t0 = time.monotonic()
+        answers = [chat(tp1, QUESTION, max_tokens=16).json()["choices"][0]["message"]["content"] for _ in range(3)]
+        assert all("Paris" in a for a in answers)
+        return time.monotonic() - t0
+
+    alone = three_answers()
     host, port = tp1.url.removeprefix("http://").split(":")
     stalled = socket.socket()
     stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -217,10 +224,8 @@ def test_a_reader_that_never_reads_does_not_slow_other_streams(tp1):
                     + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
     try:
         time.sleep(2.0)
-        t0 = time.monotonic()
-        answers = [chat(tp1, QUESTION, max_tokens=16).json()["choices"][0]["message"]["content"] for _ in range(3)]
-        assert all("Paris" in a for a in answers)
-        assert time.monotonic() - t0 < 30
+        # The stalled stream still decodes beside them (a batch of two), but nothing waits on it.
+        assert three_answers() < 2.5 * alone + 5
     finally:
         stalled.close()
     deadline = time.monotonic() + 30

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, AsyncIterator, Awaitable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -15,11 +15,12 @@ from neuron.registry import ModelHandle
 
 from .errors import envelope
 from .requests import chat_prompt, completion_prompt, make_request, read_json
-from .schemas import ChatRequest, CompletionRequest
+from .schemas import ChatRequest, CompletionRequest, SamplingFields
 from .state import AppState, require_key
 from .views import ChatView, CompletionView, View
 
 T = TypeVar("T")
+B = TypeVar("B", bound=SamplingFields)
 KEEPALIVE_S = 1.0
 
 
@@ -33,35 +34,32 @@ def _serving(state: AppState, model: str) -> ModelHandle:
 
 
 async def chat_completions(request: Request) -> Response:
-    state: AppState = request.app.state.neuron
-    require_key(request, state, admin=False)
-    body = await read_json(request, ChatRequest, state.cfg.server.max_body_bytes)
-    handle = _serving(state, body.model)
-    top = None
-    if body.logprobs:
-        top = body.top_logprobs or 0
-        if not 0 <= top <= 20:
-            raise ApiError(400, "invalid_request", "top_logprobs must be in [0, 20]", param="top_logprobs")
-    prompt = chat_prompt(body, handle)
-    req = make_request(body, handle, prompt, 0 if top is None else top + 1)
-    view = ChatView(model=handle.id, tokenizer=handle.spec.tokenizer.tokenizer, top_logprobs=top,
-                    return_token_ids=body.return_token_ids)
-    return await _respond(request, state, handle, req, view, body.stream,
-                          bool(body.stream_options and body.stream_options.include_usage))
+    def top(body: ChatRequest) -> tuple[int | None, str]:
+        return ((body.top_logprobs or 0) if body.logprobs else None), "top_logprobs"
+
+    return await _complete(request, ChatRequest, chat_prompt, ChatView, top)
 
 
 async def completions(request: Request) -> Response:
+    def top(body: CompletionRequest) -> tuple[int | None, str]:
+        return body.logprobs, "logprobs"
+
+    return await _complete(request, CompletionRequest, completion_prompt, CompletionView, top)
+
+
+async def _complete(request: Request, kind: type[B], build_prompt: Callable[[B, ModelHandle], list[int]],
+                    view_kind: type[View], top_of: Callable[[B], tuple[int | None, str]]) -> Response:
+    """The one path of both completion routes: validate, tokenize, submit, respond."""
     state: AppState = request.app.state.neuron
     require_key(request, state, admin=False)
-    body = await read_json(request, CompletionRequest, state.cfg.server.max_body_bytes)
+    body = await read_json(request, kind, state.cfg.server.max_body_bytes)
     handle = _serving(state, body.model)
-    top = body.logprobs
+    top, param = top_of(body)
     if top is not None and not 0 <= top <= 20:
-        raise ApiError(400, "invalid_request", "logprobs must be in [0, 20]", param="logprobs")
-    prompt = completion_prompt(body, handle)
-    req = make_request(body, handle, prompt, 0 if top is None else top + 1)
-    view = CompletionView(model=handle.id, tokenizer=handle.spec.tokenizer.tokenizer, top_logprobs=top,
-                          return_token_ids=body.return_token_ids)
+        raise ApiError(400, "invalid_request", f"{param} must be in [0, 20]", param=param)
+    req = make_request(body, handle, build_prompt(body, handle), 0 if top is None else top + 1)
+    view = view_kind(model=handle.id, tokenizer=handle.spec.tokenizer.tokenizer, top_logprobs=top,
+                     return_token_ids=body.return_token_ids)
     return await _respond(request, state, handle, req, view, body.stream,
                           bool(body.stream_options and body.stream_options.include_usage))
 
