@@ -162,3 +162,39 @@ def test_tensor_parallel_sizes_the_heads_cannot_be_spread_over(good):
     odd = msgspec.structs.replace(cfg, num_kv_heads=3)
     with pytest.raises(ShardingError, match="8 query heads do not form groups over 3 KV heads"):
         check_plan(odd, 1)
+
+
+def test_weights_that_do_not_match_the_config(good, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    d = copy(good, tmp_path / "m", without=("*.gguf",))
+    tensors = load_file(d / "model.safetensors")
+    del tensors["model.layers.2.mlp.up_proj.weight"]
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    refused(str(d), BadModelConfig, 422, "invalid_model_config", "does not match its config.json",
+            "model.layers.2.mlp.up_proj.weight")
+    edit_json(d / "config.json", num_hidden_layers=6)  # more layers than the weights hold
+    err = refused(str(d), BadModelConfig, 422, "invalid_model_config", "model.layers.4.input_layernorm.weight")
+    assert "more" in err.message  # a long list is cut short, with a count
+
+
+def test_gguf_tensors_that_do_not_match_its_metadata(good):
+    from neuron.loader.gguf_file import GgufFile, missing_gguf_tensors
+    from neuron.loader.model_config import required_tensors
+
+    cfg = load_spec(str(good / "model-Q8_0.gguf")).config
+    names = set(GgufFile(good / "model-Q8_0.gguf").tensors)
+    assert missing_gguf_tensors(required_tensors(cfg), names) == []
+    names.discard("blk.1.attn_k_norm.weight")
+    assert missing_gguf_tensors(required_tensors(cfg), names) == ["blk.1.attn_k_norm.weight"]
+
+
+def test_moe_weights_missing_an_expert(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    d = make_checkpoint("qwen3_moe", tmp_path / "moe", seed=1)
+    load_spec(str(d))
+    tensors = load_file(d / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.3.up_proj.weight"]
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    refused(str(d), BadModelConfig, 422, "invalid_model_config", "model.layers.1.mlp.experts.{0..7}")

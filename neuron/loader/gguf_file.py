@@ -27,6 +27,55 @@ _ELEMENT_TYPES = {
 }
 
 
+# Hugging Face tensor names -> GGUF names (llama.cpp's convert_hf_to_gguf.py).
+_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.experts.down_proj": "ffn_down_exps.weight",
+}
+_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    "rope_freqs": "rope_freqs.weight",  # llama3 rope scaling, stored as per-frequency divisors
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name in _GLOBAL:
+        return _GLOBAL[hf_name]
+    parts = hf_name.split(".", 3)
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _LAYER:
+        return f"blk.{parts[2]}.{_LAYER[parts[3]]}"
+    raise KeyError(f"no GGUF name for {hf_name!r}")
+
+
+def missing_gguf_tensors(required: list[str], present: set[str] | dict[str, Any]) -> list[str]:
+    """Which of the Hugging Face names ``required`` (``experts.*`` for a layer's experts) have no
+    tensor in a GGUF holding ``present``; named the GGUF way."""
+    missing = []
+    for name in required:
+        if name.endswith(".experts.*"):
+            block = f"blk.{name.split('.')[2]}"
+            missing += [g for g in (f"{block}.ffn_{x}_exps.weight" for x in ("gate", "up", "down")) if g not in present]
+        elif gguf_name(name) not in present:
+            missing.append(gguf_name(name))
+    return missing
+
+
 class GgufFormatError(ValueError):
     """Not a GGUF file we can read."""
 

@@ -130,3 +130,39 @@ def config_from_gguf(fields: dict[str, Any], tensor_names: set[str], n_tokens: i
         moe_intermediate_size=int(fields.get(f"{arch}.expert_feed_forward_length", 0)),
         norm_topk_prob=True,
     )
+
+
+def required_tensors(cfg: ModelConfig) -> list[str]:
+    """The Hugging Face tensor names a checkpoint of ``cfg`` must hold. (An untied model
+    without ``lm_head.weight`` reuses the embedding, so the LM head is not required.) MoE
+    experts may be stored per expert or fused; ``experts.*`` names stand for either."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}"
+        names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
+        names += [f"{p}.self_attn.{x}_proj.weight" for x in "qkvo"]
+        if cfg.attention_bias:
+            names += [f"{p}.self_attn.{x}_proj.bias" for x in "qkv"]
+        if cfg.qk_norm:
+            names += [f"{p}.self_attn.q_norm.weight", f"{p}.self_attn.k_norm.weight"]
+        sparse = cfg.num_experts > 0 and i not in cfg.mlp_only_layers and (i + 1) % cfg.decoder_sparse_step == 0
+        if sparse:
+            names += [f"{p}.mlp.gate.weight", f"{p}.mlp.experts.*"]
+        else:
+            names += [f"{p}.mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+    return names
+
+
+def missing_tensors(cfg: ModelConfig, present: set[str] | frozenset[str]) -> list[str]:
+    missing = []
+    for name in required_tensors(cfg):
+        if name.endswith(".experts.*"):
+            prefix = name[:-1]
+            fused = {prefix + "gate_up_proj", prefix + "down_proj"} <= present
+            split = all(f"{prefix}{e}.{x}_proj.weight" in present
+                        for e in range(cfg.num_experts) for x in ("gate", "up", "down"))
+            if not (fused or split):
+                missing.append(prefix + "{0..%d}.{gate,up,down}_proj.weight" % (cfg.num_experts - 1))
+        elif name not in present:
+            missing.append(name)
+    return missing

@@ -20,6 +20,7 @@ class ModelFiles:
     format: str  # safetensors | gguf
     directory: Path
     paths: tuple[Path, ...]
+    tensor_names: frozenset[str] = frozenset()  # safetensors: every tensor the files hold
 
 
 def default_model_path() -> Path:
@@ -89,9 +90,10 @@ def _from_directory(directory: Path, ref: str) -> ModelFiles:
             if missing:
                 named = f" (named in its {INDEX})" if (directory / INDEX).is_file() else ""
                 raise ModelNotFound(f"model {ref!r} is missing {', '.join(f.name for f in missing)}{named}")
+            names: set[str] = set()
             for f in files:
-                check_safetensors_header(f)
-            return ModelFiles("safetensors", directory, tuple(files))
+                names |= check_safetensors_header(f)
+            return ModelFiles("safetensors", directory, tuple(files), frozenset(names))
     ggufs = sorted(directory.glob("*.gguf"))
     if len(ggufs) == 1:
         return ModelFiles("gguf", directory, (ggufs[0],))

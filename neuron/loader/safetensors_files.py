@@ -28,9 +28,10 @@ def safetensors_files(directory: Path) -> list[Path]:
     return sorted(directory.glob("*.safetensors"))
 
 
-def check_safetensors_header(path: Path) -> None:
+def check_safetensors_header(path: Path) -> set[str]:
     """Refuse a file that cannot be a safetensors file (truncated, empty, another format)
-    before any rank tries to map it: 8 bytes of header length, then that much JSON."""
+    before any rank tries to map it: 8 bytes of header length, then that much JSON. Returns the
+    names of the tensors it holds."""
     try:
         size = path.stat().st_size
         with path.open("rb") as f:
@@ -53,3 +54,4 @@ def check_safetensors_header(path: Path) -> None:
     if 8 + length + end > size:
         raise LoadError(f"{path.name} is truncated: its tensors need {8 + length + end} bytes, "
                         f"the file has {size}")
+    return {k for k in header if k != "__metadata__"}

@@ -11,7 +11,7 @@ from typing import Any
 from protocol import ModelConfig
 
 from .errors import BadModelConfig, LoadError
-from .model_config import config_from_gguf, config_from_hf, read_config_json
+from .model_config import config_from_gguf, config_from_hf, missing_tensors, read_config_json, required_tensors
 from .resolve import DEFAULT_MODEL, ModelFiles, resolve_model
 from .tokenizer import TokenizerInfo, tokenizer_from_gguf
 
@@ -49,7 +49,7 @@ def load_spec(ref: str, *, model_id: str | None = None, hf_cache: str | None = N
 
 
 def _gguf_spec(mid: str, files: ModelFiles) -> ModelSpec:
-    from .gguf_file import GgufFile, GgufFormatError
+    from .gguf_file import GgufFile, GgufFormatError, missing_gguf_tensors
 
     try:
         gguf = GgufFile(files.paths[0])  # also checks every tensor lies inside the file
@@ -59,6 +59,7 @@ def _gguf_spec(mid: str, files: ModelFiles) -> ModelSpec:
     names = set(gguf.tensors)
     tokens = fields.get("tokenizer.ggml.tokens") or []
     config = config_from_gguf(fields, names, len(tokens))
+    _refuse_missing(mid, missing_gguf_tensors(required_tensors(config), names), "GGUF metadata")
     tk = tokenizer_from_gguf(fields)
     eos = [int(fields[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in fields]
     bos_id = fields.get("tokenizer.ggml.bos_token_id")
@@ -78,6 +79,7 @@ def _hf_spec(mid: str, files: ModelFiles) -> ModelSpec:
     d = files.directory
     raw = read_config_json(d / "config.json")
     config = config_from_hf(raw)
+    _refuse_missing(mid, missing_tensors(config, files.tensor_names), "config.json")
     if not (d / "tokenizer.json").is_file():
         raise LoadError(f"model {mid!r} has no tokenizer.json")
     tk = Tokenizer.from_file(str(d / "tokenizer.json"))
@@ -107,6 +109,12 @@ def _hf_spec(mid: str, files: ModelFiles) -> ModelSpec:
     )
     defaults = {k: float(gen[k]) for k in SAMPLING_KEYS if isinstance(gen.get(k), (int, float))}
     return ModelSpec(mid, files, config, info, defaults)
+
+
+def _refuse_missing(mid: str, missing: list[str], described_by: str) -> None:
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise BadModelConfig(f"model {mid!r} does not match its {described_by}: its weights lack {shown}")
 
 
 def _optional_json(path: Path) -> dict[str, Any]:
