@@ -47,6 +47,10 @@ CASES: dict[str, tuple[str, dict, tuple[int, ...]]] = {
     "qwen3_moe_6q_2kv_5e": ("qwen3_moe", dict(num_attention_heads=6, num_key_value_heads=2, num_experts=5), (2, 3)),
     # the same architecture as "qwen3", saved in three safetensors files with an index
     "qwen3_3_shards": ("qwen3", dict(shards=3, seed=7), (2,)),
+    # the other RoPE scalings; prompts + 32 tokens run past original_max_position_embeddings
+    "qwen3_yarn": ("qwen3", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 16.0,
+                                               "original_max_position_embeddings": 64}), ()),
+    "llama_linear": ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), ()),
 }
 WORLDS = {w: [n for n, (_, _, ws) in CASES.items() if w == 1 or w in ws] for w in (1, 2, 3)}
 

@@ -291,3 +291,16 @@ def test_partial_reads_equal_slices_of_the_full_dequantisation(slice_file, monke
     got = src.get(hf3, dim=0, part=range(1, 3)).numpy()
     assert np.array_equal(got, full[g3][1:3])
     assert sum(seen) == (0 if SLICE_TYPES[layer] == "F32" else full[g3][1:3].size)
+
+
+def test_yarn_scaling_from_gguf_metadata(tmp_path):
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    d = make_checkpoint("qwen3", tmp_path / "yarn", seed=2, rope_scaling=scaling, gguf_types="F32")
+    spec = load_spec(str(d / "model-F32.gguf"))
+    assert spec.config == load_spec(str(d)).config and spec.config.rope_scaling == scaling
+    prompt = [list(range(3, 100))]  # past the original 64 positions
+    model = load_gguf_with_transformers(d, "F32", dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = model(torch.tensor(prompt)).logits[0, -1]
+    (result,) = run_parity([ParityJob("yarn", "gguf", [str(d / "model-F32.gguf")], spec.config, prompt, max_len=128)])
+    assert float((result.logits[0] - ref).abs().max()) <= LOGIT_TOL

@@ -60,6 +60,12 @@ def test_unsupported_model_type_names_the_supported_ones(good, tmp_path):
     refused(str(d), UnsupportedModel, 422, "unsupported_model", "config.json has no model_type", "qwen3_moe")
 
 
+def test_unsupported_rope_scaling(good, tmp_path):
+    d = copy(good, tmp_path / "m", without=("*.gguf",))
+    edit_json(d / "config.json", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    refused(str(d), UnsupportedModel, 422, "unsupported_model", "rope scaling 'dynamic'", "linear, llama3, yarn")
+
+
 def test_unsupported_gguf_architecture(tmp_path):
     import gguf
 

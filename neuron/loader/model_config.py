@@ -12,6 +12,7 @@ from protocol import ModelConfig
 from .errors import BadModelConfig, UnsupportedModel
 
 SUPPORTED = ("llama", "qwen3", "qwen3_moe")
+ROPE_SCALINGS = ("linear", "llama3", "yarn")  # what neuron.models.layers.rope_inv_freq computes
 _GGUF_ARCH = {"llama": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
 
 
@@ -82,6 +83,8 @@ def _clean_scaling(scaling: Any) -> dict[str, float | str | int] | None:
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind in (None, "default"):
         return None
+    if kind not in ROPE_SCALINGS:
+        raise UnsupportedModel(f"rope scaling {kind!r} is not supported (supported: default, {', '.join(ROPE_SCALINGS)})")
     out = {k: v for k, v in scaling.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
     out["rope_type"] = str(kind)
     return out
@@ -108,6 +111,10 @@ def config_from_gguf(fields: dict[str, Any], tensor_names: set[str], n_tokens: i
         scaling = {"rope_type": str(kind), "factor": float(key("rope.scaling.factor", 1.0))}
         if fields.get(f"{arch}.rope.scaling.original_context_length"):
             scaling["original_max_position_embeddings"] = int(fields[f"{arch}.rope.scaling.original_context_length"])
+        for name in ("beta_fast", "beta_slow"):
+            if fields.get(f"{arch}.rope.scaling.yarn_{name}") is not None:
+                scaling[name] = float(fields[f"{arch}.rope.scaling.yarn_{name}"])
+        scaling = _clean_scaling(scaling)
     return ModelConfig(
         family=family,
         vocab_size=int(fields.get(f"{arch}.vocab_size") or n_tokens),

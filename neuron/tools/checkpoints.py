@@ -7,6 +7,7 @@ way llama.cpp's convert_hf_to_gguf.py lays them out.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from dataclasses import dataclass
@@ -224,7 +225,7 @@ def tiny_config(family: str, *, vocab_size: int, **overrides: Any) -> dict[str, 
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
         }
-    config.update(overrides)
+    config.update(copy.deepcopy(overrides))  # transformers edits rope dicts in place; keep the caller's
     return _to_hub_rope(config)
 
 
