@@ -51,6 +51,9 @@ CASES: dict[str, tuple[str, dict, tuple[int, ...]]] = {
     "qwen3_yarn": ("qwen3", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 16.0,
                                                "original_max_position_embeddings": 64}), ()),
     "llama_linear": ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), ()),
+    # biases: q/k/v/o (attention_bias) and llama's mlp_bias; row-parallel biases added once
+    "llama_biases": ("llama", dict(attention_bias=True, mlp_bias=True), (2,)),
+    "qwen3_attention_bias": ("qwen3", dict(attention_bias=True), (2,)),
 }
 WORLDS = {w: [n for n, (_, _, ws) in CASES.items() if w == 1 or w in ws] for w in (1, 2, 3)}
 
@@ -219,8 +222,14 @@ def expected_share(tensors: dict[str, tuple[tuple[int, ...], int]], cfg: ModelCo
             replicated += nbytes * max(0.0, share - 1 / world)
         elif m := re.search(r"mlp\.experts\.(\d+)\.", name):
             sharded += nbytes if int(m[1]) in plan.experts else 0
-        elif re.search(r"mlp\.(gate|up|down)_proj\.weight$", name):
+        elif re.search(r"mlp\.(gate|up|down)_proj\.weight$", name) or re.search(r"mlp\.(gate|up)_proj\.bias$", name):
             sharded += nbytes * len(plan.mlp) / cfg.intermediate_size
+        elif re.search(r"self_attn\.q_proj\.bias$", name):
+            sharded += nbytes * len(plan.q_heads) / cfg.num_heads
+        elif re.search(r"self_attn\.(k|v)_proj\.bias$", name):
+            sharded += nbytes * len(plan.kv_heads) / cfg.num_kv_heads
+        elif re.search(r"(o_proj|down_proj)\.bias$", name):  # row-parallel: rank 0 adds it
+            sharded += nbytes if rank == 0 else 0
         elif name.endswith("norm.weight") or name.endswith("mlp.gate.weight"):
             replicated += nbytes
         else:

@@ -67,11 +67,17 @@ def files(tmp_path_factory) -> dict[tuple[str, str], Path]:
         sizes = dict(KQUANT_SIZES, moe_intermediate_size=256) if family == "qwen3_moe" else KQUANT_SIZES
         k = make_checkpoint(family, root / f"{family}-k", seed=12, **sizes)
         out |= {(family, t): write_random_kquant_gguf(k, t, seed=13) for t in KQUANT_TYPES}
+    for name, (family, gguf_type, kwargs) in BIASED.items():
+        d = make_checkpoint(family, root / name, seed=14, gguf_types=gguf_type, **kwargs)
+        out[name, gguf_type] = d / f"model-{gguf_type}.gguf"
     return out
 
 
 TYPES = GGUF_TYPES + KQUANT_TYPES
-CASES = [(f, t) for f in FAMILIES for t in TYPES]
+# biases: llama.cpp permutes llama's q/k biases like the weights; mlp_bias is llama's option
+BIASED = {"llama_biases": ("llama", "Q8_0", dict(attention_bias=True, mlp_bias=True)),
+          "qwen3_attention_bias": ("qwen3", "Q4_1", dict(attention_bias=True))}
+CASES = [(f, t) for f in FAMILIES for t in TYPES] + [(name, t) for name, (_, t, _) in BIASED.items()]
 
 
 @torch.no_grad()

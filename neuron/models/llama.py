@@ -88,16 +88,27 @@ class Attention:
 
 
 class Mlp:
-    def __init__(self, src: WeightSource, prefix: str, part: range, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, src: WeightSource, prefix: str, part: range, dtype: torch.dtype, device: torch.device,
+                 rank: int = 0) -> None:
         self.gate = src.get(f"{prefix}.gate_proj.weight", dim=0, part=part).to(device, dtype)
         self.up = src.get(f"{prefix}.up_proj.weight", dim=0, part=part).to(device, dtype)
         self.down = src.get(f"{prefix}.down_proj.weight", dim=1, part=part).to(device, dtype)
+        # llama's mlp_bias: column-parallel biases are sliced; the row-parallel one is added by
+        # rank 0 only, so the all-reduce counts it once.
+        self.gate_bias = self.up_bias = self.down_bias = None
+        if src.has(f"{prefix}.gate_proj.bias"):
+            self.gate_bias = src.get(f"{prefix}.gate_proj.bias", dim=0, part=part).to(device, dtype)
+            self.up_bias = src.get(f"{prefix}.up_proj.bias", dim=0, part=part).to(device, dtype)
+        if rank == 0 and src.has(f"{prefix}.down_proj.bias"):
+            self.down_bias = src.get(f"{prefix}.down_proj.bias").to(device, dtype)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.gate, self.up, self.down]
+        return [t for t in (self.gate, self.up, self.down, self.gate_bias, self.up_bias, self.down_bias)
+                if t is not None]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.silu(F.linear(x, self.gate)) * F.linear(x, self.up), self.down)
+        h = F.silu(F.linear(x, self.gate, self.gate_bias)) * F.linear(x, self.up, self.up_bias)
+        return F.linear(h, self.down, self.down_bias)
 
 
 class DecoderLayer:
@@ -112,7 +123,7 @@ class DecoderLayer:
                   and (index + 1) % cfg.decoder_sparse_step == 0)
         self.mlp: Mlp | SparseMoe = (
             SparseMoe(cfg, plan, src, f"{p}.mlp", dtype, device) if sparse
-            else Mlp(src, f"{p}.mlp", plan.mlp, dtype, device)
+            else Mlp(src, f"{p}.mlp", plan.mlp, dtype, device, plan.rank)
         )
 
     def tensors(self) -> list[torch.Tensor]:

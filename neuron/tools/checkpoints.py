@@ -461,6 +461,13 @@ _LAYER_TENSORS = {
     "self_attn.k_proj.weight": "attn_k.weight",
     "self_attn.v_proj.weight": "attn_v.weight",
     "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.bias": "attn_output.bias",
+    "mlp.gate_proj.bias": "ffn_gate.bias",
+    "mlp.up_proj.bias": "ffn_up.bias",
+    "mlp.down_proj.bias": "ffn_down.bias",
     "self_attn.q_norm.weight": "attn_q_norm.weight",
     "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
@@ -671,9 +678,9 @@ def _gguf_tensors(
             continue
         if rest not in _LAYER_TENSORS:
             raise ValueError(f"no GGUF name for tensor {name!r}")
-        if spec.permute_qk and rest == "self_attn.q_proj.weight":
+        if spec.permute_qk and rest in ("self_attn.q_proj.weight", "self_attn.q_proj.bias"):
             array = permute_qk(array, config["num_attention_heads"])
-        elif spec.permute_qk and rest == "self_attn.k_proj.weight":
+        elif spec.permute_qk and rest in ("self_attn.k_proj.weight", "self_attn.k_proj.bias"):
             array = permute_qk(array, config["num_key_value_heads"])
         result.append((f"blk.{block}.{_LAYER_TENSORS[rest]}", array))
 
