@@ -66,6 +66,14 @@ def test_unsupported_rope_scaling(good, tmp_path):
     refused(str(d), UnsupportedModel, 422, "unsupported_model", "rope scaling 'dynamic'", "linear, llama3, yarn")
 
 
+def test_architecture_options_the_model_cannot_compute(good, tmp_path):
+    d = copy(good, tmp_path / "m", without=("*.gguf",))
+    edit_json(d / "config.json", hidden_act="gelu_pytorch_tanh")
+    refused(str(d), UnsupportedModel, 422, "unsupported_model", "hidden_act 'gelu_pytorch_tanh'", "silu")
+    edit_json(d / "config.json", hidden_act="silu", use_sliding_window=True, sliding_window=32)
+    refused(str(d), UnsupportedModel, 422, "unsupported_model", "sliding-window attention")
+
+
 def test_unsupported_gguf_architecture(tmp_path):
     import gguf
 

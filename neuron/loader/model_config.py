@@ -34,6 +34,11 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
         raise UnsupportedModel(
             f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED)})")
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    act = text.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise UnsupportedModel(f"hidden_act {act!r} is not supported (supported: silu)")
+    if text.get("use_sliding_window"):
+        raise UnsupportedModel("sliding-window attention (use_sliding_window: true) is not supported")
     try:
         heads = int(text["num_attention_heads"])
         hidden = int(text["hidden_size"])
