@@ -228,10 +228,16 @@ class RankGroup:
         """Ask every rank to leave, then make sure none is left."""
         self._closing = True
         if self.failure is None and self.sock is not None:
-            try:
-                await self.broadcast(lambda i: p.Shutdown(id=i, epoch=self.epoch), timeout)
-            except (GroupFailed, RankError, asyncio.TimeoutError) as exc:
-                log.warning("%s: shutdown was not clean: %s", self.model_id, exc)
+            byes = asyncio.ensure_future(self.broadcast(lambda i: p.Shutdown(id=i, epoch=self.epoch), timeout))
+            exits = asyncio.ensure_future(asyncio.gather(*(proc.wait() for proc in self.procs)))
+            # Every rank saying bye, or every rank having exited, is a clean shutdown.
+            await asyncio.wait({byes, exits}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            exited = exits.done() and all(code == 0 for code in exits.result())
+            if not exited and not (byes.done() and byes.exception() is None):
+                reason = byes.exception() if byes.done() else "timeout"
+                log.warning("%s: shutdown was not clean: %s", self.model_id, reason)
+            for task in (byes, exits):
+                task.cancel()
         await self._reap(timeout)
         self._close_socket()
 

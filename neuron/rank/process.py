@@ -65,6 +65,8 @@ class RankProcess:
                 await self._on_frame(data)
         finally:
             beat.cancel()
+            # Flush what is queued (the ``bye``) before the process exits without joining threads.
+            self.sock.close(linger=1000)
         return 0
 
     async def _on_frame(self, data: bytes) -> None:
