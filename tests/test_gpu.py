@@ -67,15 +67,18 @@ def test_two_gpus_over_nccl_match_the_cpu(tmp_path, checkpoint):
 
 
 @pytest.mark.skipif(_gpus() < 2, reason="needs two NVIDIA GPUs")
-def test_killing_a_rank_while_its_peer_waits_in_an_nccl_all_reduce_recovers_the_group(tmp_path, checkpoint):
+def test_killing_a_rank_while_its_peer_waits_in_an_nccl_all_reduce_recovers_the_group(tmp_path):
     import os
     import signal
     import threading
     import time
 
     from conftest import alive
+    from neuron.tools.checkpoints import make_checkpoint
 
-    config = (f'[[models]]\nmodel = "{checkpoint}"\nid = "ckpt"\ndtype = "float32"\nmax_model_len = 2048\n'
+    checkpoint = make_checkpoint("llama", tmp_path / "long", seed=7, num_attention_heads=6, num_key_value_heads=3,
+                                 hidden_size=96, max_position_embeddings=8192)
+    config = (f'[[models]]\nmodel = "{checkpoint}"\nid = "ckpt"\ndtype = "float32"\nmax_model_len = 8192\n'
               f'max_slots = 4\n[timeouts]\nheartbeat_timeout_s = 3.0\n')
     server = start_server(tmp_path, config=config, args=["--device", "cuda", "--tensor-parallel", "2"])
     try:
@@ -83,7 +86,7 @@ def test_killing_a_rank_while_its_peer_waits_in_an_nccl_all_reduce_recovers_the_
         ended: dict = {}
 
         def stream() -> None:
-            body = {"model": "ckpt", "prompt": [5, 6, 7], "max_tokens": 2000, "temperature": 0,
+            body = {"model": "ckpt", "prompt": [5, 6, 7], "max_tokens": 8000, "temperature": 0,
                     "ignore_eos": True, "stream": True}
             with httpx.stream("POST", f"{server.base}/completions", json=body, timeout=120) as r:
                 lines = [line for line in r.iter_lines() if line.startswith("data: ")]
