@@ -55,15 +55,16 @@ def decode_any(data: bytes) -> Request | Reply:
 def _decode(data: bytes, decoder: msgspec.msgpack.Decoder, ops: frozenset[str]) -> Any:
     try:
         return decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    # msgspec also raises UnicodeDecodeError (bad UTF-8 in a str) and RecursionError (deep nesting)
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError) as exc:
         raise _explain(data, ops, exc) from None
 
 
 def _explain(data: bytes, ops: frozenset[str], exc: Exception) -> FrameError:
     try:
         raw = _raw_decoder.decode(data)
-    except msgspec.DecodeError:
-        return FrameError("bad_request", f"malformed frame: {exc}")
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+        return FrameError("bad_request", f"malformed frame: {type(exc).__name__}: {str(exc)[:200]}")
     if not isinstance(raw, list) or not raw or not isinstance(raw[0], str):
         return FrameError("bad_request", "malformed frame: expected [op, id, epoch, ...]")
     op = raw[0]

@@ -62,11 +62,15 @@ class RankProcess:
                     data = await asyncio.wait_for(self.sock.recv(), timeout=HEARTBEAT_S)
                 except asyncio.TimeoutError:
                     continue
-                await self._on_frame(data)
+                try:
+                    await self._on_frame(data)
+                except Exception:  # nothing a peer sends may take the rank down
+                    log.exception("rank %d: failed to handle a frame", self.rank)
         finally:
             beat.cancel()
             # Flush what is queued (the ``bye``) before the process exits without joining threads.
             self.sock.close(linger=1000)
+            self.ctx.term()
         return 0
 
     async def _on_frame(self, data: bytes) -> None:

@@ -10,6 +10,8 @@ import torch
 
 from protocol import Sampling
 
+GREEDY_BELOW = 1e-5  # temperatures this small are greedy: dividing by them overflows float32
+
 
 class Sampler:
     def __init__(self, device: torch.device) -> None:
@@ -33,14 +35,16 @@ class Sampler:
         tokens: list[int] = []
         want_logprobs = any(p.logprobs for p in params)
         logprobs: list[list[tuple[int, float]]] = []
-        greedy = [p.temperature <= 0 and not _has_penalty(p) for p in params]
+        greedy = [p.temperature < GREEDY_BELOW and not _has_penalty(p) for p in params]
         if all(greedy) and not want_logprobs:
             return logits.argmax(dim=-1).tolist(), None
         for row, (slot, p) in enumerate(zip(slots, params)):
             x = logits[row]
             if _has_penalty(p):
                 x = self._penalise(x.clone(), slot, p)
-            if p.temperature <= 0:
+                # Extreme penalties overflow; an overflowed logit must not poison the batch.
+                x = torch.nan_to_num(x, nan=float("-inf"), posinf=torch.finfo(x.dtype).max)
+            if p.temperature < GREEDY_BELOW:
                 token = int(x.argmax())
             else:
                 token = self._draw(x / p.temperature, slot, p)
@@ -67,6 +71,7 @@ class Sampler:
         return x
 
     def _draw(self, x: torch.Tensor, slot: int, p: Sampling) -> int:
+        x = torch.nan_to_num(x, nan=float("-inf"), posinf=torch.finfo(x.dtype).max)
         if p.top_k > 0 and p.top_k < x.shape[-1]:
             kth = torch.topk(x, p.top_k).values[-1]
             x = x.masked_fill(x < kth, float("-inf"))
@@ -79,6 +84,8 @@ class Sampler:
             drop = cumulative - sorted_probs > p.top_p
             sorted_probs[drop] = 0.0
             probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+        if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
+            return int(x.argmax())
         generator = None
         if p.seed is not None:
             generator = self.generators.get(slot)

@@ -40,8 +40,10 @@ async def read_json(request: Request, kind: type[T], limit: int) -> T:
         message = str(exc)
         param = message.rsplit("at `$.", 1)[1].rstrip("`") if "at `$." in message else None
         raise ApiError(400, "invalid_request", f"invalid request: {message}", param=param) from None
-    except msgspec.DecodeError as exc:
-        raise ApiError(400, "invalid_request", f"malformed JSON body: {exc}") from None
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, "invalid_request", f"malformed JSON body: {str(exc)[:200]}") from None
+    except RecursionError:
+        raise ApiError(400, "invalid_request", "JSON body is nested too deeply") from None
 
 
 def _check(ok: bool, param: str, message: str) -> None:
@@ -71,6 +73,8 @@ def resolve_sampling(body: SamplingFields, handle: ModelHandle, prompt_len: int,
     _check(-2.0 <= pres <= 2.0, "presence_penalty", "presence_penalty must be in [-2, 2]")
     if body.seed is not None:
         _check(-(2**63) <= body.seed < 2**64, "seed", "seed is out of range")
+    if top_k >= handle.spec.config.vocab_size:
+        top_k = 0  # keeping every token is no filter at all
     return Sampling(temperature=temperature, top_p=top_p, top_k=max(top_k, 0), min_p=min_p,
                     seed=None if body.seed is None else body.seed % (2**63),
                     frequency_penalty=freq, presence_penalty=pres, repetition_penalty=rep,
