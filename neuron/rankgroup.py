@@ -228,8 +228,11 @@ class RankGroup:
         """Ask every rank to leave, then make sure none is left."""
         self._closing = True
         if self.failure is None and self.sock is not None:
+            async def all_exited() -> list[int]:
+                return [await proc.wait() for proc in self.procs]
+
             byes = asyncio.ensure_future(self.broadcast(lambda i: p.Shutdown(id=i, epoch=self.epoch), timeout))
-            exits = asyncio.ensure_future(asyncio.gather(*(proc.wait() for proc in self.procs)))
+            exits = asyncio.ensure_future(all_exited())
             # Every rank saying bye, or every rank having exited, is a clean shutdown.
             await asyncio.wait({byes, exits}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             exited = exits.done() and all(code == 0 for code in exits.result())

@@ -119,7 +119,7 @@ def test_a_frozen_rank_mid_step_fails_the_group_within_the_deadline(tp2):
 
 @pytest.fixture(scope="module")
 def small_queue(server_tmp):
-    config = FAULTS.replace("max_slots = 4", "max_slots = 2") + "\n[engine]\nqueue_size = 8\n"
+    config = FAULTS.replace("max_slots = 4", "max_slots = 2") + "\n[engine]\nqueue_size = 8\nmax_queue_wait_s = 600\n"
     server = start_server(server_tmp, config=config)
     yield server
     server.stop()

@@ -42,6 +42,8 @@ class ShardPlan:
 def plan_shard(cfg: ModelConfig, world: int, rank: int) -> ShardPlan:
     if world < 1 or not 0 <= rank < world:
         raise ShardingError(f"rank {rank} is not in a group of {world}")
+    if not 0 < cfg.num_kv_heads <= cfg.num_heads <= 1 << 16:
+        raise ShardingError(f"implausible head counts: {cfg.num_heads} query, {cfg.num_kv_heads} KV")
     if cfg.num_heads % cfg.num_kv_heads:
         raise ShardingError(f"{cfg.num_heads} query heads do not form groups over {cfg.num_kv_heads} KV heads")
     if world > cfg.num_heads:

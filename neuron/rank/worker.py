@@ -163,7 +163,8 @@ class DeviceWorker:
         try:
             t0 = time.perf_counter()
             for s in msg.seqs:
-                if s.start_pos + len(s.tokens) > model.kv.max_len or not 0 <= s.slot < model.kv.slots or not s.tokens:
+                if (s.start_pos < 0 or s.start_pos + len(s.tokens) > model.kv.max_len
+                        or not 0 <= s.slot < model.kv.slots or not s.tokens):
                     raise RankFailure("bad_request", f"seq in slot {s.slot} does not fit the KV cache")
             ids = torch.tensor([t for s in msg.seqs for t in s.tokens], device=self.device)
             batch = attention_batch([(s.slot, s.start_pos, len(s.tokens)) for s in msg.seqs], self.device)

@@ -57,7 +57,9 @@ async def _complete(request: Request, kind: type[B], build_prompt: Callable[[B, 
     top, param = top_of(body)
     if top is not None and not 0 <= top <= 20:
         raise ApiError(400, "invalid_request", f"{param} must be in [0, 20]", param=param)
-    req = make_request(body, handle, build_prompt(body, handle), 0 if top is None else top + 1)
+    # Templating and tokenizing a long prompt takes a while: keep it off the event loop.
+    prompt = await asyncio.to_thread(build_prompt, body, handle)
+    req = make_request(body, handle, prompt, 0 if top is None else top + 1)
     view = view_kind(model=handle.id, tokenizer=handle.spec.tokenizer.tokenizer, top_logprobs=top,
                      return_token_ids=body.return_token_ids)
     return await _respond(request, state, handle, req, view, body.stream,
