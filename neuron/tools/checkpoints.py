@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from neuron.loader.gguf_file import _GLOBAL, _LAYER
+
 FAMILIES: tuple[str, ...] = ("llama", "qwen3", "qwen3_moe")
 CONFIG_STYLES: tuple[str, ...] = ("hub", "rope_parameters")
 
@@ -449,32 +451,9 @@ def _write_tokenizer(out: Path, tokenizer: Any, config: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------------------------
 # GGUF
 
-_GLOBAL_TENSORS = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
-_LAYER_TENSORS = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_proj.bias": "attn_q.bias",
-    "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.bias": "attn_v.bias",
-    "self_attn.o_proj.bias": "attn_output.bias",
-    "mlp.gate_proj.bias": "ffn_gate.bias",
-    "mlp.up_proj.bias": "ffn_up.bias",
-    "mlp.down_proj.bias": "ffn_down.bias",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-    "mlp.gate.weight": "ffn_gate_inp.weight",
-}
+# The same HF -> GGUF names the loader reads (llama.cpp's convert_hf_to_gguf.py layout).
+_GLOBAL_TENSORS = {k: v for k, v in _GLOBAL.items() if k != "rope_freqs"}
+_LAYER_TENSORS = {k: v for k, v in _LAYER.items() if not k.startswith("mlp.experts.")}
 _EXPERT_TENSORS = {
     "gate_proj": "ffn_gate_exps.weight",
     "up_proj": "ffn_up_exps.weight",
