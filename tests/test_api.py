@@ -231,3 +231,10 @@ def test_a_reader_that_never_reads_does_not_slow_other_streams(tp1):
     while slots_in_use(tp1) != (0, 0, 0) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert slots_in_use(tp1) == (0, 0, 0)
+
+
+def test_unknown_paths_and_methods_get_the_error_envelope(tp1):
+    r = httpx.get(f"{tp1.url}/v1/nothing-here", timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = httpx.get(f"{tp1.base}/chat/completions", timeout=10)
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"

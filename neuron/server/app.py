@@ -7,6 +7,7 @@ import logging
 from contextlib import asynccontextmanager
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.routing import Route
 
 from neuron.config import Config
@@ -15,7 +16,7 @@ from neuron.loader.errors import LoadError
 from neuron.registry import Registry
 
 from . import admin_routes, openai_routes
-from .errors import api_error_handler, internal_error_handler, load_error_handler
+from .errors import api_error_handler, http_error_handler, internal_error_handler, load_error_handler
 from .metrics import Metrics
 from .state import AppState
 
@@ -50,7 +51,7 @@ def create_app(cfg: Config) -> Starlette:
         routes=routes,
         lifespan=lifespan,
         exception_handlers={ApiError: api_error_handler, LoadError: load_error_handler,
-                            Exception: internal_error_handler},
+                            HTTPException: http_error_handler, Exception: internal_error_handler},
     )
     app.state.neuron = state
     return app

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
@@ -34,6 +35,13 @@ async def api_error_handler(request: Request, exc: Exception) -> JSONResponse:
 async def load_error_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, LoadError)
     return error_response(from_load_error(exc))
+
+
+async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    """Starlette's own refusals (unknown path, wrong method) in the same envelope."""
+    assert isinstance(exc, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
+    return error_response(ApiError(exc.status_code, code, str(exc.detail)))
 
 
 async def internal_error_handler(request: Request, exc: Exception) -> JSONResponse:
