@@ -122,3 +122,14 @@ def tp1(server_tmp, tap_endpoint):
 def chat(server: Server, content: str, **extra) -> httpx.Response:
     body = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": content}], "temperature": 0, **extra}
     return httpx.post(f"{server.base}/chat/completions", json=body, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny matrices: a second OpenMP thread only adds wake-up latency on a busy 2-core box."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

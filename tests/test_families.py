@@ -58,13 +58,7 @@ CASES: dict[str, tuple[str, dict, tuple[int, ...]]] = {
 WORLDS = {w: [n for n, (_, _, ws) in CASES.items() if w == 1 or w in ws] for w in (1, 2, 3)}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices: a second OpenMP thread only adds wake-up latency on a busy 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
