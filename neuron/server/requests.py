@@ -35,6 +35,9 @@ async def read_json(request: Request, kind: type[T], limit: int) -> T:
         chunks.append(chunk)
     data = b"".join(chunks)
     try:
+        # JSON text is UTF-8 (RFC 8259). msgspec skips unknown keys without checking their bytes,
+        # so a broken byte inside a key ("max_to\xc3kens") would silently drop that field.
+        data.decode("utf-8")
         return msgspec.json.decode(data, type=kind)
     except msgspec.ValidationError as exc:
         message = str(exc)
