@@ -201,6 +201,13 @@ def test_token_ids_and_ignore_eos_extensions(tp1):
     out = httpx.post(f"{tp1.base}/completions", json=body, timeout=120).json()
     assert out["usage"]["completion_tokens"] == 40 and len(out["choices"][0]["token_ids"]) == 40
     assert out["choices"][0]["finish_reason"] == "length"
+    streamed: list[int] = []
+    with httpx.stream("POST", f"{tp1.base}/completions", json=body | {"stream": True}, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    streamed += choice.get("token_ids", [])
+    assert streamed == out["choices"][0]["token_ids"]
 
 
 def test_a_reader_that_never_reads_does_not_slow_other_streams(tp1):

@@ -260,3 +260,30 @@ def test_cli_rejects_types_gguf_py_cannot_write(tmp_path: Path, capsys: pytest.C
     assert "Q6_K" in capsys.readouterr().err
     assert cli.parse_override("rope_scaling=null") == ("rope_scaling", None)
     assert cli.parse_override("name=tiny") == ("name", "tiny")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_shaped_checkpoint_loads_strictly_in_transformers_and_in_neuron(tmp_path: Path, family: str,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The perf tool's writer (real shapes, written tensor by tensor), at a tiny shape: every
+    tensor name and shape is what transformers expects, and neuron's model gives its logits."""
+    from transformers import AutoModelForCausalLM
+
+    from neuron.loader.model_config import config_from_hf
+    from neuron.tools import checkpoints
+    from neuron.tools.parity import ParityJob, run_parity
+
+    monkeypatch.setitem(checkpoints.SHAPES, "tiny", {
+        "model_type": family, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 600, "tie_word_embeddings": family == "llama"})
+    out = checkpoints.make_shaped_checkpoint("tiny", tmp_path / "m", dtype="float32", seed=5)
+    model, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == family and config["eos_token_id"] < 600
+    with torch.no_grad():
+        want = model.eval()(PROMPT).logits[0, -1]
+    paths = [str(p) for p in sorted(out.glob("*.safetensors"))]
+    job = ParityJob("tiny", "safetensors", paths, config_from_hf(config), [PROMPT[0].tolist()])
+    got = run_parity([job])[0].logits[0]
+    assert float((got - want).abs().max()) < 1e-4

@@ -31,6 +31,8 @@ class View:
         self.offset = 0  # characters of completion text so far, for text_offset
 
     def _with_ids(self, body: dict[str, Any], events: list[TokenEvent]) -> dict[str, Any]:
+        """``return_token_ids``: the generated ids, whole or per chunk (a streamed chunk is sent for
+        every token then, also one whose text is still held back by the detokenizer)."""
         if self.return_token_ids:
             body["choices"][0]["token_ids"] = [t for ev in events for t in ev.token_ids]
         return body
@@ -52,9 +54,9 @@ class ChatView(View):
 
     def delta(self, ev: TokenEvent) -> dict[str, Any] | None:
         lp = self._logprobs(ev)
-        if not ev.text and lp is None:
+        if not ev.text and lp is None and not self.return_token_ids:
             return None
-        return self._chunk({"content": ev.text}, logprobs=lp)
+        return self._with_ids(self._chunk({"content": ev.text}, logprobs=lp), [ev])
 
     def finish(self, fin: FinishEvent) -> dict[str, Any]:
         return self._chunk({}, fin.reason)
@@ -97,9 +99,9 @@ class CompletionView(View):
 
     def delta(self, ev: TokenEvent) -> dict[str, Any] | None:
         lp = self._logprobs(ev)
-        if not ev.text and lp is None:
+        if not ev.text and lp is None and not self.return_token_ids:
             return None
-        return self._chunk(ev.text, logprobs=lp)
+        return self._with_ids(self._chunk(ev.text, logprobs=lp), [ev])
 
     def finish(self, fin: FinishEvent) -> dict[str, Any]:
         return self._chunk("", fin.reason)
