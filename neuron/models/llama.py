@@ -9,12 +9,18 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from protocol import ModelConfig
 
 from .layers import AttentionBatch, Collectives, KvCache, WeightSource, apply_rope, rms_norm, rope_tables
 from .moe import SparseMoe
 from .sharding import ShardPlan
+
+
+# cuDNN's attention builds an execution plan for every new shape, tens of milliseconds each on an
+# H200, and a decode step's key length is new at every step. The others take any shape as it comes.
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def _rows(r: range, width: int) -> range:
@@ -31,15 +37,16 @@ class Attention:
         def load(name: str, part: range, dim: int) -> torch.Tensor:
             return src.get(f"{prefix}.{name}", dim=dim, part=part).to(device, dtype)
 
-        self.wq = load("q_proj.weight", _rows(plan.q_heads, hd), 0)
-        self.wk = load("k_proj.weight", _rows(plan.kv_heads, hd), 0)
-        self.wv = load("v_proj.weight", _rows(plan.kv_heads, hd), 0)
+        # q, k and v in one matrix: one GEMM (and one launch) instead of three.
+        self.wqkv = torch.cat([load("q_proj.weight", _rows(plan.q_heads, hd), 0),
+                               load("k_proj.weight", _rows(plan.kv_heads, hd), 0),
+                               load("v_proj.weight", _rows(plan.kv_heads, hd), 0)])
         self.wo = load("o_proj.weight", _rows(plan.q_heads, hd), 1)
-        self.bq = self.bk = self.bv = self.bo = None
+        self.bqkv = self.bo = None
         if cfg.attention_bias:
-            self.bq = load("q_proj.bias", _rows(plan.q_heads, hd), 0)
-            self.bk = load("k_proj.bias", _rows(plan.kv_heads, hd), 0)
-            self.bv = load("v_proj.bias", _rows(plan.kv_heads, hd), 0)
+            self.bqkv = torch.cat([load("q_proj.bias", _rows(plan.q_heads, hd), 0),
+                                   load("k_proj.bias", _rows(plan.kv_heads, hd), 0),
+                                   load("v_proj.bias", _rows(plan.kv_heads, hd), 0)])
         # The row-parallel output bias is added by one rank only, so the all-reduce counts it once.
         if plan.rank == 0 and src.has(f"{prefix}.o_proj.bias"):
             self.bo = load("o_proj.bias", range(cfg.hidden_size), 0)
@@ -58,9 +65,8 @@ class Attention:
     def __call__(self, x: torch.Tensor, layer: int, kv: KvCache, batch: AttentionBatch,
                  cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         T, hd = x.shape[0], self.cfg.head_dim
-        q = F.linear(x, self.wq, self.bq).view(T, self.n_q, hd)
-        k = F.linear(x, self.wk, self.bk).view(T, self.n_kv, hd)
-        v = F.linear(x, self.wv, self.bv).view(T, self.n_kv, hd)
+        q, k, v = F.linear(x, self.wqkv, self.bqkv).view(T, self.n_q + 2 * self.n_kv, hd).split(
+            (self.n_q, self.n_kv, self.n_kv), dim=1)
         if self.cfg.qk_norm:
             q = rms_norm(q, self.q_norm, self.cfg.rms_norm_eps)
             k = rms_norm(k, self.k_norm, self.cfg.rms_norm_eps)
@@ -90,25 +96,26 @@ class Attention:
 class Mlp:
     def __init__(self, src: WeightSource, prefix: str, part: range, dtype: torch.dtype, device: torch.device,
                  rank: int = 0) -> None:
-        self.gate = src.get(f"{prefix}.gate_proj.weight", dim=0, part=part).to(device, dtype)
-        self.up = src.get(f"{prefix}.up_proj.weight", dim=0, part=part).to(device, dtype)
+        def pair(kind: str) -> torch.Tensor:  # gate and up in one matrix: one GEMM instead of two
+            return torch.cat([src.get(f"{prefix}.{name}.{kind}", dim=0, part=part).to(device, dtype)
+                              for name in ("gate_proj", "up_proj")])
+
+        self.width = len(part)
+        self.gate_up = pair("weight")
         self.down = src.get(f"{prefix}.down_proj.weight", dim=1, part=part).to(device, dtype)
         # llama's mlp_bias: column-parallel biases are sliced; the row-parallel one is added by
         # rank 0 only, so the all-reduce counts it once.
-        self.gate_bias = self.up_bias = self.down_bias = None
-        if src.has(f"{prefix}.gate_proj.bias"):
-            self.gate_bias = src.get(f"{prefix}.gate_proj.bias", dim=0, part=part).to(device, dtype)
-            self.up_bias = src.get(f"{prefix}.up_proj.bias", dim=0, part=part).to(device, dtype)
+        self.gate_up_bias = pair("bias") if src.has(f"{prefix}.gate_proj.bias") else None
+        self.down_bias = None
         if rank == 0 and src.has(f"{prefix}.down_proj.bias"):
             self.down_bias = src.get(f"{prefix}.down_proj.bias").to(device, dtype)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.gate, self.up, self.down, self.gate_bias, self.up_bias, self.down_bias)
-                if t is not None]
+        return [t for t in (self.gate_up, self.down, self.gate_up_bias, self.down_bias) if t is not None]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.silu(F.linear(x, self.gate, self.gate_bias)) * F.linear(x, self.up, self.up_bias)
-        return F.linear(h, self.down, self.down_bias)
+        gate, up = F.linear(x, self.gate_up, self.gate_up_bias).split(self.width, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down, self.down_bias)
 
 
 class DecoderLayer:
@@ -179,11 +186,12 @@ class CausalLM:
         x = self.embed_tokens(ids)
         cos, sin = self.cos[batch.pos_of_token], self.sin[batch.pos_of_token]
         eps = self.cfg.rms_norm_eps
-        for i, layer in enumerate(self.layers):
-            h = layer.attn(rms_norm(x, layer.attn_norm, eps), i, self.kv, batch, cos, sin)
-            x = x + self.comm.all_reduce(h)
-            h = layer.mlp(rms_norm(x, layer.mlp_norm, eps))
-            x = x + self.comm.all_reduce(h)
+        with sdpa_kernel(SDPA_BACKENDS):
+            for i, layer in enumerate(self.layers):
+                h = layer.attn(rms_norm(x, layer.attn_norm, eps), i, self.kv, batch, cos, sin)
+                x = x + self.comm.all_reduce(h)
+                h = layer.mlp(rms_norm(x, layer.mlp_norm, eps))
+                x = x + self.comm.all_reduce(h)
         x = rms_norm(x[last_index], self.norm, eps)
         logits = self.comm.all_gather_last(F.linear(x, self.lm_head).float())
         return logits[:, : self.cfg.vocab_size]
