@@ -37,16 +37,14 @@ class Attention:
         def load(name: str, part: range, dim: int) -> torch.Tensor:
             return src.get(f"{prefix}.{name}", dim=dim, part=part).to(device, dtype)
 
-        # q, k and v in one matrix: one GEMM (and one launch) instead of three.
-        self.wqkv = torch.cat([load("q_proj.weight", _rows(plan.q_heads, hd), 0),
-                               load("k_proj.weight", _rows(plan.kv_heads, hd), 0),
-                               load("v_proj.weight", _rows(plan.kv_heads, hd), 0)])
+        def fused(kind: str) -> torch.Tensor:  # q, k and v in one matrix: one GEMM instead of three
+            return torch.cat([load(f"{name}_proj.{kind}", _rows(heads, hd), 0)
+                              for name, heads in (("q", plan.q_heads), ("k", plan.kv_heads), ("v", plan.kv_heads))])
+
+        self.wqkv = fused("weight")
         self.wo = load("o_proj.weight", _rows(plan.q_heads, hd), 1)
-        self.bqkv = self.bo = None
-        if cfg.attention_bias:
-            self.bqkv = torch.cat([load("q_proj.bias", _rows(plan.q_heads, hd), 0),
-                                   load("k_proj.bias", _rows(plan.kv_heads, hd), 0),
-                                   load("v_proj.bias", _rows(plan.kv_heads, hd), 0)])
+        self.bqkv = fused("bias") if cfg.attention_bias else None
+        self.bo = None
         # The row-parallel output bias is added by one rank only, so the all-reduce counts it once.
         if plan.rank == 0 and src.has(f"{prefix}.o_proj.bias"):
             self.bo = load("o_proj.bias", range(cfg.hidden_size), 0)
