@@ -58,18 +58,24 @@ class Sampling(msgspec.Struct, array_like=True, gc=False, frozen=True):
     repetition_penalty: float = 1.0
     prompt_len: int = 0
     logprobs: int = 0  # 0: none; n > 0: the chosen token's logprob and the n - 1 most likely
+    logit_bias: list[tuple[int, float]] = []  # added to those tokens' logits before anything else
+    min_tokens: int = 0  # while fewer tokens than this are generated, `stop_token_ids` cannot be drawn
+    stop_token_ids: list[int] = []
 
 
 class StepSeq(msgspec.Struct, array_like=True, gc=False, frozen=True):
     """One sequence's share of a step: ``tokens`` go into KV slot ``slot`` from ``start_pos``.
 
     ``sampling`` is None for a prefill chunk that is not the prompt's last: no token comes back.
+    ``allowed`` (structured output) is a bitmask over the vocabulary, ceil(vocab / 32) little-endian
+    uint32 words, bit ``t`` set when token ``t`` may be drawn next; None allows every token.
     """
 
     slot: int
     tokens: list[int]
     start_pos: int
     sampling: Sampling | None = None
+    allowed: bytes | None = None
 
 
 class StepTimings(msgspec.Struct, array_like=True, gc=False, frozen=True):

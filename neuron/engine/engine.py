@@ -148,7 +148,9 @@ class Engine:
                 return
             self._step_ids += 1
             seqs = [p.StepSeq(slot=x.req.slot, tokens=x.tokens, start_pos=x.start_pos,
-                              sampling=x.req.sampling if x.sample else None) for x in planned]
+                              sampling=x.req.sampling if x.sample else None,
+                              allowed=x.req.constraint.allowed() if x.sample and x.req.constraint else None)
+                    for x in planned]
             result = await group.step(self._step_ids, seqs)
         except RankError as exc:
             self._on_rank_error(group, planned, exc)
@@ -178,6 +180,8 @@ class Engine:
             req.first_token_at = time.monotonic()
         req.output.append(token)
         self.tokens_generated += 1
+        if req.constraint is not None:
+            req.constraint.accept(token)
         if token in req.stop_token_ids:
             self._emit(req, req.stop_matcher.flush(), [token], logprobs)
             self._finish(req, "stop")

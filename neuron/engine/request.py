@@ -7,6 +7,7 @@ import asyncio
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from protocol import Sampling
 
@@ -35,6 +36,17 @@ class FinishEvent:
 Event = TokenEvent | FinishEvent
 
 
+class TokenConstraint(Protocol):
+    """Structured output: which tokens may come next. The engine asks ``allowed`` before every
+    step that samples the sequence and reports each token it drew with ``accept``; a sequence
+    with a constraint never has a step in flight whose token it has not yet seen."""
+
+    def allowed(self) -> bytes | None:
+        """A bitmask over the vocabulary (ceil(vocab / 32) little-endian uint32 words), or None."""
+
+    def accept(self, token: int) -> None: ...
+
+
 @dataclass
 class GenRequest:
     prompt: list[int]
@@ -53,6 +65,7 @@ class GenRequest:
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     admitted: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    constraint: TokenConstraint | None = None
     stop_matcher: StopMatcher = field(init=False)
 
     def __post_init__(self) -> None:

@@ -30,16 +30,21 @@ class Sampler:
         self.history.pop(slot, None)
         self.generators.pop(slot, None)
 
-    def sample(self, logits: torch.Tensor, slots: list[int], params: list[Sampling]) -> tuple[list[int], list[list[tuple[int, float]]] | None]:
+    def sample(self, logits: torch.Tensor, slots: list[int], params: list[Sampling],
+               allowed: list[bytes | None] | None = None) -> tuple[list[int], list[list[tuple[int, float]]] | None]:
         """One token per row of ``logits`` [B, V] (float32)."""
         tokens: list[int] = []
+        allowed = allowed or [None] * len(params)
         want_logprobs = any(p.logprobs for p in params)
         logprobs: list[list[tuple[int, float]]] = []
-        greedy = [p.temperature < GREEDY_BELOW and not _has_penalty(p) for p in params]
-        if all(greedy) and not want_logprobs:
+        plain = [p.temperature < GREEDY_BELOW and not _has_penalty(p) and not _constrains(p) and mask is None
+                 for p, mask in zip(params, allowed)]
+        if all(plain) and not want_logprobs:
             return logits.argmax(dim=-1).tolist(), None
         for row, (slot, p) in enumerate(zip(slots, params)):
             x = logits[row]
+            if allowed[row] is not None or _constrains(p):
+                x = self._constrain(x.clone(), slot, p, allowed[row])
             if _has_penalty(p):
                 x = self._penalise(x.clone(), slot, p)
                 # Extreme penalties overflow; an overflowed logit must not poison the batch.
@@ -57,6 +62,19 @@ class Sampler:
                     entry += list(zip(top.indices.tolist(), top.values.tolist()))
                 logprobs.append(entry)
         return tokens, logprobs if want_logprobs else None
+
+    def _constrain(self, x: torch.Tensor, slot: int, p: Sampling, allowed: bytes | None) -> torch.Tensor:
+        """Structured-output mask, min_tokens and logit_bias, in that order (as vLLM applies them)."""
+        if allowed is not None:
+            x = x.masked_fill(~unpack_mask(allowed, x.shape[-1], x.device), float("-inf"))
+        generated = len(self.history.get(slot, [])) - p.prompt_len
+        if p.min_tokens and p.stop_token_ids and generated < p.min_tokens:
+            banned = [t for t in p.stop_token_ids if 0 <= t < x.shape[-1]]
+            x[banned] = float("-inf")
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias], device=x.device)
+            x.index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], device=x.device, dtype=x.dtype))
+        return x
 
     def _penalise(self, x: torch.Tensor, slot: int, p: Sampling) -> torch.Tensor:
         seen = self.history.get(slot, [])
@@ -94,6 +112,20 @@ class Sampler:
                 generator.manual_seed(p.seed)
                 self.generators[slot] = generator
         return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def unpack_mask(allowed: bytes, vocab: int, device: torch.device) -> torch.Tensor:
+    """A token bitmask (little-endian uint32 words, bit t = token t) as a bool tensor [vocab]."""
+    words = (vocab + 31) // 32
+    if len(allowed) != 4 * words:
+        raise ValueError(f"a token mask for {vocab} tokens has {4 * words} bytes, not {len(allowed)}")
+    packed = torch.frombuffer(bytearray(allowed), dtype=torch.uint8).to(device)
+    bits = (packed[:, None] >> torch.arange(8, device=device, dtype=torch.uint8)) & 1
+    return bits.flatten()[:vocab].bool()
+
+
+def _constrains(p: Sampling) -> bool:
+    return bool(p.logit_bias) or (p.min_tokens > 0 and bool(p.stop_token_ids))
 
 
 def _has_penalty(p: Sampling) -> bool:

@@ -166,6 +166,10 @@ class DeviceWorker:
                 if (s.start_pos < 0 or s.start_pos + len(s.tokens) > model.kv.max_len
                         or not 0 <= s.slot < model.kv.slots or not s.tokens):
                     raise RankFailure("bad_request", f"seq in slot {s.slot} does not fit the KV cache")
+                if s.sampling is not None and any(not 0 <= t < model.cfg.vocab_size for t, _ in s.sampling.logit_bias):
+                    raise RankFailure("bad_request", f"logit_bias of slot {s.slot} names a token outside the vocabulary")
+                if s.allowed is not None and len(s.allowed) != 4 * ((model.cfg.vocab_size + 31) // 32):
+                    raise RankFailure("bad_request", f"token mask of slot {s.slot} does not match the vocabulary")
             ids = torch.tensor([t for s in msg.seqs for t in s.tokens], device=self.device)
             batch = attention_batch([(s.slot, s.start_pos, len(s.tokens)) for s in msg.seqs], self.device)
             sampled = [i for i, s in enumerate(msg.seqs) if s.sampling is not None]
@@ -186,7 +190,8 @@ class DeviceWorker:
             logprobs = None
             if sampled:
                 chosen, lps = self.sampler.sample(
-                    logits, [msg.seqs[i].slot for i in sampled], [msg.seqs[i].sampling for i in sampled])
+                    logits, [msg.seqs[i].slot for i in sampled], [msg.seqs[i].sampling for i in sampled],
+                    [msg.seqs[i].allowed for i in sampled])
                 for i, tok in zip(sampled, chosen):
                     tokens[i] = tok
                 if lps is not None:
