@@ -13,6 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from protocol import ModelConfig
 
+from .linear import Linear
 from .layers import AttentionBatch, Collectives, KvCache, WeightSource, apply_rope, rms_norm, rope_tables
 from .moe import SparseMoe
 from .sharding import ShardPlan
@@ -41,13 +42,12 @@ class Attention:
             return torch.cat([load(f"{name}_proj.{kind}", _rows(heads, hd), 0)
                               for name, heads in (("q", plan.q_heads), ("k", plan.kv_heads), ("v", plan.kv_heads))])
 
-        self.wqkv = fused("weight")
-        self.wo = load("o_proj.weight", _rows(plan.q_heads, hd), 1)
-        self.bqkv = fused("bias") if cfg.attention_bias else None
-        self.bo = None
+        self.qkv = Linear(fused("weight"), fused("bias") if cfg.attention_bias else None)
         # The row-parallel output bias is added by one rank only, so the all-reduce counts it once.
+        bo = None
         if plan.rank == 0 and src.has(f"{prefix}.o_proj.bias"):
-            self.bo = load("o_proj.bias", range(cfg.hidden_size), 0)
+            bo = load("o_proj.bias", range(cfg.hidden_size), 0)
+        self.o = Linear(load("o_proj.weight", _rows(plan.q_heads, hd), 1), bo)
         if cfg.qk_norm:
             self.q_norm = src.get(f"{prefix}.q_norm.weight").to(device, dtype)
             self.k_norm = src.get(f"{prefix}.k_norm.weight").to(device, dtype)
@@ -58,12 +58,13 @@ class Attention:
         self.scale = hd ** -0.5
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in vars(self).values() if isinstance(t, torch.Tensor) and t is not self.kv_index]
+        norms = [self.q_norm, self.k_norm] if self.cfg.qk_norm else []
+        return [*self.qkv.tensors(), *self.o.tensors(), *norms]
 
     def __call__(self, x: torch.Tensor, layer: int, kv: KvCache, batch: AttentionBatch,
                  cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         T, hd = x.shape[0], self.cfg.head_dim
-        q, k, v = F.linear(x, self.wqkv, self.bqkv).view(T, self.n_q + 2 * self.n_kv, hd).split(
+        q, k, v = self.qkv(x).view(T, self.n_q + 2 * self.n_kv, hd).split(
             (self.n_q, self.n_kv, self.n_kv), dim=1)
         if self.cfg.qk_norm:
             q = rms_norm(q, self.q_norm, self.cfg.rms_norm_eps)
@@ -88,7 +89,7 @@ class Attention:
             attn_mask=batch.mask, scale=self.scale,
         )  # [B, n_q, rows, hd]
         out = out.transpose(1, 2)[batch.batch_index, batch.row_index].reshape(T, self.n_q * hd)
-        return F.linear(out, self.wo, self.bo)
+        return self.o(out)
 
 
 class Mlp:
@@ -99,21 +100,20 @@ class Mlp:
                               for name in ("gate_proj", "up_proj")])
 
         self.width = len(part)
-        self.gate_up = pair("weight")
-        self.down = src.get(f"{prefix}.down_proj.weight", dim=1, part=part).to(device, dtype)
         # llama's mlp_bias: column-parallel biases are sliced; the row-parallel one is added by
         # rank 0 only, so the all-reduce counts it once.
-        self.gate_up_bias = pair("bias") if src.has(f"{prefix}.gate_proj.bias") else None
-        self.down_bias = None
+        self.gate_up = Linear(pair("weight"), pair("bias") if src.has(f"{prefix}.gate_proj.bias") else None)
+        down_bias = None
         if rank == 0 and src.has(f"{prefix}.down_proj.bias"):
-            self.down_bias = src.get(f"{prefix}.down_proj.bias").to(device, dtype)
+            down_bias = src.get(f"{prefix}.down_proj.bias").to(device, dtype)
+        self.down = Linear(src.get(f"{prefix}.down_proj.weight", dim=1, part=part).to(device, dtype), down_bias)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.gate_up, self.down, self.gate_up_bias, self.down_bias) if t is not None]
+        return [*self.gate_up.tensors(), *self.down.tensors()]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up, self.gate_up_bias).split(self.width, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down, self.down_bias)
+        gate, up = self.gate_up(x).split(self.width, dim=-1)
+        return self.down(F.silu(gate) * up)
 
 
 class DecoderLayer:
@@ -145,9 +145,9 @@ class CausalLM:
         vocab_rows = range(plan.vocab.start, min(plan.vocab.stop, cfg.vocab_size))
         self.embed = self._vocab_shard(src, "model.embed_tokens.weight", vocab_rows)
         if cfg.tie_word_embeddings or not src.has("lm_head.weight"):
-            self.lm_head = self.embed
+            self.lm_head = Linear(self.embed)
         else:
-            self.lm_head = self._vocab_shard(src, "lm_head.weight", vocab_rows)
+            self.lm_head = Linear(self._vocab_shard(src, "lm_head.weight", vocab_rows))
         self.layers = [DecoderLayer(cfg, plan, src, i, dtype, device) for i in range(cfg.num_layers)]
         self.norm = src.get("model.norm.weight").to(device, dtype)
         divisors = src.get("rope_freqs") if src.has("rope_freqs") else None
@@ -164,7 +164,7 @@ class CausalLM:
     def weight_bytes(self) -> int:
         seen: set[int] = set()
         total = 0
-        tensors = [self.embed, self.lm_head, self.norm] + [t for layer in self.layers for t in layer.tensors()]
+        tensors = [self.embed, *self.lm_head.tensors(), self.norm] + [t for layer in self.layers for t in layer.tensors()]
         for t in tensors:
             if id(t) not in seen:
                 seen.add(id(t))
@@ -191,5 +191,5 @@ class CausalLM:
                 h = layer.mlp(rms_norm(x, layer.mlp_norm, eps))
                 x = x + self.comm.all_reduce(h)
         x = rms_norm(x[last_index], self.norm, eps)
-        logits = self.comm.all_gather_last(F.linear(x, self.lm_head).float())
+        logits = self.comm.all_gather_last(self.lm_head(x).float())
         return logits[:, : self.cfg.vocab_size]
