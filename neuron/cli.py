@@ -53,13 +53,11 @@ def apply_flags(cfg: Config, args: argparse.Namespace) -> Config:
     if args.port is not None:
         cfg.server.port = args.port
     if args.model:
-        first = cfg.models[0] if cfg.models else None
+        import dataclasses
+
         from .config import ModelEntry
-        entry = ModelEntry(model=args.model)
-        if first is not None:
-            entry.max_model_len, entry.max_slots, entry.dtype = first.max_model_len, first.max_slots, first.dtype
-            entry.device, entry.tensor_parallel = first.device, first.tensor_parallel
-        cfg.models = [entry]
+        first = cfg.models[0] if cfg.models else ModelEntry()
+        cfg.models = [dataclasses.replace(first, model=args.model, id="")]
     for entry in cfg.models:
         if args.tensor_parallel is not None:
             entry.tensor_parallel = args.tensor_parallel

@@ -36,14 +36,19 @@ class ModelEntry:
     dtype: str = "auto"
     max_model_len: int = 2048
     max_slots: int = 8
+    block_size: int = 16
+    kv_cache_tokens: int = 0
+    gpu_memory_utilization: float = 0.9
+    cuda_graphs: bool = True
 
 
 @dataclass
 class EngineConfig:
-    max_batch_tokens: int = 1024
-    prefill_chunk: int = 256
+    max_batch_tokens: int = 0  # 0: by device (see engine_sizes)
+    prefill_chunk: int = 0
     queue_size: int = 64
     max_queue_wait_s: float = 60.0
+    overlap_steps: bool = True
 
 
 @dataclass
@@ -176,11 +181,24 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"models[{i}].device must be auto, cpu or cuda")
         if m.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"models[{i}].dtype must be auto, float32, bfloat16 or float16")
-        if m.max_slots < 1 or m.max_model_len < 16:
-            raise ConfigError(f"models[{i}]: max_slots must be >= 1 and max_model_len >= 16")
+        if not 1 <= m.max_slots <= 4096 or m.max_model_len < 16:
+            raise ConfigError(f"models[{i}]: max_slots must be in 1..4096 and max_model_len >= 16")
+        if m.block_size not in (8, 16, 32, 64, 128, 256):
+            raise ConfigError(f"models[{i}].block_size must be one of 8, 16, 32, 64, 128, 256")
+        if m.kv_cache_tokens < 0 or not 0.05 <= m.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"models[{i}]: kv_cache_tokens must be >= 0 and gpu_memory_utilization in [0.05, 1]")
     if cfg.debug.tap and not (cfg.debug.tap.startswith("ipc://") or cfg.debug.tap.startswith("tcp://127.")):
         raise ConfigError("debug.tap must be an ipc:// or tcp://127.x endpoint (the tap is local only)")
     if cfg.runtime.transport not in ("ipc", "tcp"):
         raise ConfigError("runtime.transport must be ipc or tcp")
-    if cfg.engine.queue_size < 1 or cfg.engine.max_batch_tokens < 1 or cfg.engine.prefill_chunk < 1:
-        raise ConfigError("engine sizes must be positive")
+    if cfg.engine.queue_size < 1 or cfg.engine.max_batch_tokens < 0 or cfg.engine.prefill_chunk < 0:
+        raise ConfigError("engine sizes must be positive (0 for the device's default)")
+
+
+def engine_sizes(engine: EngineConfig, entry: ModelEntry, on_gpu: bool) -> tuple[int, int]:
+    """(max_batch_tokens, prefill_chunk) for a model: the configured values, or the device's
+    defaults. On a GPU a 512-token chunk already keeps the matrix units busy, and a step
+    carries at most one chunk beside the decodes, so running streams stall little."""
+    chunk = engine.prefill_chunk or (512 if on_gpu else 256)
+    budget = engine.max_batch_tokens or (chunk + entry.max_slots if on_gpu else 4 * chunk)
+    return budget, min(chunk, budget)

@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Awaitable, Callable
 
 import msgspec
 import zmq
@@ -182,20 +182,30 @@ class RankGroup:
     async def load(self, msg_for: Callable[[int], p.LoadShard]) -> dict[int, p.LoadOk]:
         return await self.broadcast(msg_for, self.timeouts.load_s)
 
-    async def step(self, step_id: int, seqs: list[p.StepSeq]) -> p.StepResult:
-        """Broadcast one step; rank 0 answers with tokens, the others only with errors."""
+    async def send_step(self, step_id: int, seqs: list[p.StepSeq]) -> Callable[[], Awaitable[p.StepResult]]:
+        """Broadcast one step and return how to wait for its result (rank 0 answers with tokens,
+        the others only with errors). The caller may send the next step before waiting."""
         tokens = sum(len(s.tokens) for s in seqs)
-        deadline = self.timeouts.step_base_s + self.timeouts.step_per_token_s * tokens
+        # A step may queue behind one other on the ranks (overlapped steps): its deadline covers both.
+        deadline = 2 * (self.timeouts.step_base_s + self.timeouts.step_per_token_s * tokens)
         cid = next(_ids)
         call = self._open(cid, {0})
         frame = p.encode(p.Step(id=cid, epoch=self.epoch, step_id=step_id, seqs=seqs))
         for rank in range(self.world):
             await self._send(rank, frame)
-        replies = await self._await(cid, call, deadline, f"step {step_id}")
-        result = replies[0]
-        if not isinstance(result, p.StepResult):
-            raise GroupFailed(f"rank 0 answered a step with {type(result).__name__}")
+
+        async def result() -> p.StepResult:
+            replies = await self._await(cid, call, deadline, f"step {step_id}")
+            reply = replies[0]
+            if not isinstance(reply, p.StepResult):
+                raise GroupFailed(f"rank 0 answered a step with {type(reply).__name__}")
+            return reply
+
         return result
+
+    async def step(self, step_id: int, seqs: list[p.StepSeq]) -> p.StepResult:
+        """Broadcast one step and wait for its result."""
+        return await (await self.send_step(step_id, seqs))()
 
     async def free(self, slots: list[int]) -> None:
         await self.broadcast(lambda i: p.Free(id=i, epoch=self.epoch, slots=slots), self.timeouts.control_s)

@@ -18,9 +18,9 @@ import zmq.asyncio
 import protocol as p
 from protocol.sockets import runtime_dir
 
-from .config import Config, ModelEntry
+from .config import Config, ModelEntry, engine_sizes
 from .devices import choose_devices, default_dtype
-from .engine.engine import Engine
+from .engine.engine import Engine, Sizing
 from .engine.request import FinishEvent, GenRequest
 from .errors import ApiError
 from .loader.errors import LoadError
@@ -44,11 +44,14 @@ class ModelHandle:
     group: RankGroup | None = None
     error: str | None = None
     shard_bytes: list[int] = field(default_factory=list)
+    kv_bytes: list[int] = field(default_factory=list)
+    graphs: list[int] = field(default_factory=list)
     load_seconds: float = 0.0
     recoveries: int = 0
 
     def describe(self) -> dict:
         stats = self.engine.stats()
+        z = self.engine.sizing
         return {
             "id": self.id, "status": self.status, "error": self.error, "format": self.spec.files.format,
             "family": self.spec.config.family, "devices": self.devices, "tensor_parallel": len(self.devices),
@@ -58,6 +61,10 @@ class ModelHandle:
             "pids": self.group.pids if self.group else [], "epoch": self.group.epoch if self.group else None,
             "running": stats.running, "waiting": stats.waiting, "slots_used": stats.slots_used,
             "dropped_frames": self.group.dropped if self.group else 0,
+            "kv_blocks": stats.kv_blocks, "block_size": self.entry.block_size, "kv_usage": round(stats.kv_usage, 4),
+            "kv_bytes": self.kv_bytes, "cuda_graphs": self.graphs, "preemptions": stats.preemptions,
+            "max_batch_tokens": z.max_batch_tokens, "prefill_chunk": z.prefill_chunk,
+            "leader_ms_per_step": round(stats.leader_ms_per_step, 4), "step_ms": round(stats.step_ms, 3),
         }
 
 
@@ -109,8 +116,9 @@ class Registry:
         except ShardingError as exc:
             raise LoadError(f"model {model_id!r} cannot be split: {exc}") from None
         max_len = min(entry.max_model_len, spec.context_length)
+        budget, chunk = engine_sizes(self.cfg.engine, entry, devices[0].startswith("cuda"))
         handle = ModelHandle(model_id, entry, spec, devices, default_dtype(devices, entry.dtype), max_len,
-                             Engine(model_id, self.cfg.engine, max_slots=entry.max_slots, max_len=max_len))
+                             Engine(model_id, self.cfg.engine, Sizing(entry.max_slots, max_len, budget, chunk)))
         if self.on_finish is not None:
             hook = self.on_finish
             handle.engine.on_finish = lambda req, fin: hook(model_id, req, fin)
@@ -120,7 +128,6 @@ class Registry:
         except (GroupFailed, RankError) as exc:
             self.models.pop(model_id, None)
             raise ApiError(500, "load_failed", f"model {model_id!r} failed to load: {exc}") from None
-        handle.engine.attach(handle.group)
         handle.status = "loaded"
         handle.load_seconds = time.monotonic() - t0
         log.info("%s loaded in %.2fs on %s (%s), shard bytes %s", model_id, handle.load_seconds, devices,
@@ -132,17 +139,32 @@ class Registry:
                           runtime_dir=self.runtime, ctx=self.ctx, tap=self.tap,
                           allow_faults=self.cfg.debug.fault_injection, on_failure=self._on_group_failure,
                           curve=self.curve)
-        spec = handle.spec
+        spec, entry, z = handle.spec, handle.entry, handle.engine.sizing
+        gpu = handle.devices[0].startswith("cuda")
+        # On the CPU the KV cache holds every slot at full length unless told otherwise; on a GPU
+        # it takes what the memory left after the weights allows.
+        kv_tokens = entry.kv_cache_tokens or (0 if gpu else entry.max_slots * z.max_len)
         try:
             await group.start()
             oks = await group.load(lambda i: p.LoadShard(
                 id=i, epoch=group.epoch, model=handle.id, format=spec.files.format,
                 paths=[str(x) for x in spec.files.paths], config=spec.config, dtype=handle.dtype,
-                max_slots=handle.entry.max_slots, max_len=handle.max_len))
+                max_slots=entry.max_slots, max_len=z.max_len, block_size=entry.block_size, kv_tokens=kv_tokens,
+                memory_fraction=entry.gpu_memory_utilization, max_step_tokens=z.max_batch_tokens + entry.max_slots,
+                cuda_graphs=entry.cuda_graphs))
         except BaseException:
             await group.close_after_failure()
             raise
         handle.shard_bytes = [oks[r].bytes for r in range(group.world)]
+        handle.kv_bytes = [oks[r].kv_bytes for r in range(group.world)]
+        handle.graphs = oks[0].graphs
+        blocks = min(ok.kv_blocks for ok in oks.values())
+        if blocks * entry.block_size < handle.max_len:
+            log.warning("%s: the KV cache holds %d tokens; max_model_len lowered from %d", handle.id,
+                        blocks * entry.block_size, handle.max_len)
+            handle.max_len = blocks * entry.block_size
+            handle.engine.max_len = handle.max_len
+        handle.engine.attach(group, blocks, entry.block_size)
         return group
 
     # ----------------------------------------------------------------------------- recovery
@@ -170,7 +192,6 @@ class Registry:
                 log.error("%s: recovery attempt %d failed: %s", handle.id, attempt, exc)
                 await asyncio.sleep(min(2.0 * attempt, 10.0))
                 continue
-            handle.engine.attach(handle.group)
             handle.recoveries += 1
             handle.status = "loaded"
             log.info("%s recovered in %.2fs (attempt %d)", handle.id, time.monotonic() - t0, attempt)

@@ -64,23 +64,34 @@ class Sampling(msgspec.Struct, array_like=True, gc=False, frozen=True):
 
 
 class StepSeq(msgspec.Struct, array_like=True, gc=False, frozen=True):
-    """One sequence's share of a step: ``tokens`` go into KV slot ``slot`` from ``start_pos``.
+    """One sequence's share of a step: ``tokens`` at positions ``start_pos``.. of the sequence in
+    ``slot`` (the rank's row for it: its block table and sampler state).
 
-    ``sampling`` is None for a prefill chunk that is not the prompt's last: no token comes back.
-    ``allowed`` (structured output) is a bitmask over the vocabulary, ceil(vocab / 32) little-endian
-    uint32 words, bit ``t`` set when token ``t`` may be drawn next; None allows every token.
+    - ``tokens == [-1]``: a decode whose input is the token the rank drew last for this slot, still
+      on the device (overlapped steps: the leader has not seen it yet).
+    - ``sample``: draw a token after the last of ``tokens`` (False for a prompt chunk that is not
+      the prompt's last).
+    - ``blocks``: KV-cache blocks that fill the slot's block table from entry ``block_start`` on
+      (the blocks the sequence gained since its last step; all of them from entry 0 at its start).
+    - ``sampling``: set on the first step of a sequence in this slot; it resets the slot's sampler
+      state, and the slot keeps these parameters until the next sequence starts there.
+    - ``allowed`` (structured output): a bitmask over the vocabulary, ceil(vocab / 32)
+      little-endian uint32 words, bit ``t`` set when token ``t`` may be drawn next; None: any.
     """
 
     slot: int
     tokens: list[int]
     start_pos: int
+    sample: bool = False
+    blocks: list[int] = []
+    block_start: int = 0
     sampling: Sampling | None = None
     allowed: bytes | None = None
 
 
 class StepTimings(msgspec.Struct, array_like=True, gc=False, frozen=True):
-    forward_ms: float
-    sample_ms: float
+    forward_ms: float  # from the step's arrival on the device thread to its tokens on the host
+    host_ms: float  # of which the rank's host work to prepare and launch it
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,9 +120,14 @@ class LoadShard(Frame, tag="load_shard"):
     paths: list[str]
     config: ModelConfig
     dtype: str
-    max_slots: int
+    max_slots: int  # sequences a step may hold (slots)
     max_len: int
     quant: str | None = None
+    block_size: int = 16
+    kv_tokens: int = 0  # KV-cache capacity; 0: as much as memory_fraction of the device allows
+    memory_fraction: float = 0.9
+    max_step_tokens: int = 2048  # the largest step the leader will send (sizes the activations)
+    cuda_graphs: bool = True
 
 
 class Step(Frame, tag="step"):
@@ -161,9 +177,11 @@ class SanityResult(Frame, tag="sanity_result"):
 
 
 class LoadOk(Frame, tag="load_ok"):
-    kv_capacity: int  # tokens of KV cache this rank holds (slots * max_len)
+    kv_capacity: int  # tokens of KV cache this rank holds (kv_blocks * block_size)
     bytes: int  # resident weight bytes of this rank's shard
     kv_bytes: int = 0
+    kv_blocks: int = 0
+    graphs: list[int] = []  # decode batch sizes captured as CUDA graphs
 
 
 class StepResult(Frame, tag="step_result"):

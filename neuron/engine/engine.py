@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import protocol as p
@@ -27,14 +28,35 @@ class EngineStats:
     slots_total: int
     steps: int
     tokens_generated: int
+    kv_usage: float = 0.0  # fraction of the KV-cache blocks in use
+    kv_blocks: int = 0
+    preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    leader_ms_per_step: float = 0.0  # the leader's own time per step (planning, frames, tokens)
+    step_ms: float = 0.0  # time between consecutive step results
+
+
+@dataclass
+class Sizing:
+    """How a model's steps are shaped: set at load, from the device the model runs on."""
+
+    max_slots: int
+    max_len: int
+    max_batch_tokens: int
+    prefill_chunk: int
 
 
 class Engine:
-    def __init__(self, model_id: str, cfg: EngineConfig, *, max_slots: int, max_len: int) -> None:
+    def __init__(self, model_id: str, cfg: EngineConfig, sizing: Sizing) -> None:
         self.model_id = model_id
         self.cfg = cfg
-        self.max_len = max_len
-        self.sched = Scheduler(max_slots, cfg.max_batch_tokens, cfg.prefill_chunk)
+        self.sizing = sizing
+        self.max_len = sizing.max_len
+        self.sched = self._scheduler(1, 16)
+        # Steps in flight: the next is sent before the last one's reply is in (overlapped steps).
+        self.depth = 2 if cfg.overlap_steps else 1
+        self.inflight: deque[tuple[list[Planned], asyncio.Future]] = deque()
         self.group: RankGroup | None = None
         self.accepting = True
         self._wake = asyncio.Event()
@@ -42,14 +64,22 @@ class Engine:
         self._idle.set()
         self._task: asyncio.Task | None = None
         self._step_ids = 0
-        self._to_free: list[int] = []
         self.steps = 0
         self.tokens_generated = 0
+        self.leader_s = 0.0
+        self._last_result: float | None = None
+        self.step_ms = 0.0
         self.on_finish = None  # callable(req, FinishEvent) for metrics
 
+    def _scheduler(self, num_blocks: int, block_size: int) -> Scheduler:
+        z = self.sizing
+        return Scheduler(z.max_slots, self.max_len, num_blocks, block_size, z.max_batch_tokens, z.prefill_chunk)
+
     # ----------------------------------------------------------------------------- control
-    def attach(self, group: RankGroup) -> None:
+    def attach(self, group: RankGroup, num_blocks: int, block_size: int) -> None:
+        """Serve on ``group``, whose ranks hold ``num_blocks`` KV blocks each."""
         self.group = group
+        self.sched = self._scheduler(num_blocks, block_size)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name=f"engine-{self.model_id}")
         self._wake.set()
@@ -59,9 +89,9 @@ class Engine:
         self.group = None
         for req in list(self.sched.running) + list(self.sched.waiting):
             self._fail(req, reason, kind)
-        self._to_free.clear()
-        self.sched.free_slots.clear()
-        self.sched.free_slots.extend(range(self.sched.max_slots))
+        for _, future in self.inflight:
+            future.cancel()
+        self.inflight.clear()
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -97,16 +127,18 @@ class Engine:
             return False
 
     def stats(self) -> EngineStats:
-        return EngineStats(len(self.sched.running), len(self.sched.waiting),
-                           self.sched.max_slots - len(self.sched.free_slots), self.sched.max_slots,
-                           self.steps, self.tokens_generated)
+        s = self.sched
+        return EngineStats(len(s.running), len(s.waiting), s.max_slots - len(s.free_slots), s.max_slots,
+                           self.steps, self.tokens_generated, kv_usage=s.blocks.used / s.blocks.num_blocks,
+                           kv_blocks=s.blocks.num_blocks, preemptions=s.preemptions,
+                           leader_ms_per_step=1e3 * self.leader_s / max(1, self.steps), step_ms=self.step_ms)
 
     # ----------------------------------------------------------------------------- the loop
     async def _run(self) -> None:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self.group is not None and not self.sched.idle:
+            while self.group is not None and (not self.sched.idle or self.inflight):
                 try:
                     await self._iterate(self.group)
                 except Exception as exc:  # a bug here must fail requests loudly, never strand them
@@ -119,51 +151,82 @@ class Engine:
                 self._idle.set()
 
     async def _iterate(self, group: RankGroup) -> None:
+        t0 = time.perf_counter()
+        self._housekeeping()
+        try:
+            while len(self.inflight) < self.depth:
+                plan = self.sched.schedule()
+                if not plan:
+                    break
+                self._step_ids += 1
+                seqs = [p.StepSeq(slot=x.req.slot, tokens=x.tokens, start_pos=x.start_pos, sample=x.sample,
+                                  blocks=x.blocks, block_start=x.block_start,
+                                  sampling=x.req.sampling if x.start else None,
+                                  allowed=x.req.constraint.allowed() if x.sample and x.req.constraint else None)
+                        for x in plan]
+                waiter = await group.send_step(self._step_ids, seqs)
+                self.inflight.append((plan, asyncio.ensure_future(waiter())))
+        except GroupFailed as exc:
+            self.detach(f"model {self.model_id!r} failed: {exc}", "model_unavailable")
+            return
+        finally:
+            self.leader_s += time.perf_counter() - t0
+        if not self.inflight:
+            if self.sched.waiting:  # nothing can start yet (blocks, or a token still in flight)
+                await asyncio.sleep(0.005)
+            return
+        plan, future = self.inflight[0]
+        try:
+            result = await future
+        except RankError as exc:
+            self.inflight.popleft()
+            self._on_rank_error(group, plan, exc)
+            return
+        except GroupFailed as exc:
+            if self.group is group:
+                self.detach(f"model {self.model_id!r} failed: {exc}", "model_unavailable")
+            return
+        except asyncio.CancelledError:
+            if future.cancelled() and self.group is not group:  # detached while the step was out
+                return
+            raise
+        self.inflight.popleft()
+        t1 = time.perf_counter()
+        if self._last_result is not None:
+            self.step_ms = 0.9 * self.step_ms + 0.1 * (t1 - self._last_result) * 1e3 if self.step_ms else \
+                (t1 - self._last_result) * 1e3
+        self._last_result = t1
+        self.steps += 1
+        for i, x in enumerate(plan):
+            if x.sample:
+                x.req.pending -= 1
+                if not x.req.finished:
+                    lp = result.logprobs[i] if result.logprobs else None
+                    self._on_token(x.req, result.tokens[i], lp)
+        if not self.inflight:
+            self._last_result = None  # the pipeline ran dry: the next gap is not a step
+        self.leader_s += time.perf_counter() - t1
+
+    def _housekeeping(self) -> None:
         now = time.monotonic()
         for req in list(self.sched.running):
             if req.cancelled:
                 self._finish(req, "abort")
         for req in list(self.sched.waiting):
             if req.cancelled:
-                self.sched.release(req)
-            elif now - req.arrival > self.cfg.max_queue_wait_s:
+                if req.admitted.done():  # preempted: it had started
+                    self._finish(req, "abort")
+                else:
+                    self.sched.release(req)
+            elif not req.admitted.done() and now - req.arrival > self.cfg.max_queue_wait_s:
                 self.sched.release(req)
                 req.finished = True
-                if not req.admitted.done():
-                    req.admitted.set_exception(ApiError(
-                        429, "rate_limit_exceeded", f"waited over {self.cfg.max_queue_wait_s:.0f}s for a free slot",
-                        retry_after=5))
+                req.admitted.set_exception(ApiError(
+                    429, "rate_limit_exceeded", f"waited over {self.cfg.max_queue_wait_s:.0f}s for a free slot",
+                    retry_after=5))
         for req in self.sched.admit():
             if not req.admitted.done():
                 req.admitted.set_result(True)
-        planned: list[Planned] = []
-        try:
-            if self._to_free:
-                slots, self._to_free = self._to_free, []
-                await group.free(slots)
-            planned = self.sched.plan()
-            if not planned:
-                if self.sched.waiting:  # all slots busy with cancelled work just freed: loop again
-                    await asyncio.sleep(0.01)
-                return
-            self._step_ids += 1
-            seqs = [p.StepSeq(slot=x.req.slot, tokens=x.tokens, start_pos=x.start_pos,
-                              sampling=x.req.sampling if x.sample else None,
-                              allowed=x.req.constraint.allowed() if x.sample and x.req.constraint else None)
-                    for x in planned]
-            result = await group.step(self._step_ids, seqs)
-        except RankError as exc:
-            self._on_rank_error(group, planned, exc)
-            return
-        except GroupFailed as exc:
-            self.detach(f"model {self.model_id!r} failed: {exc}", "model_unavailable")
-            return
-        self.steps += 1
-        for i, x in enumerate(planned):
-            x.req.computed += len(x.tokens)
-            if x.sample and not x.req.finished:
-                lp = result.logprobs[i] if result.logprobs else None
-                self._on_token(x.req, result.tokens[i], lp)
 
     def _on_rank_error(self, group: RankGroup, planned: list[Planned], exc: RankError) -> None:
         if group.world > 1:
@@ -173,6 +236,8 @@ class Engine:
             return
         log.warning("%s: step failed (%s); failing its %d request(s)", self.model_id, exc, len(planned))
         for x in planned:
+            if x.sample:
+                x.req.pending -= 1
             self._fail(x.req, f"step failed: {exc.kind}: {exc.message}", exc.kind)
 
     def _on_token(self, req: GenRequest, token: int, logprobs: list[tuple[int, float]] | None) -> None:
@@ -205,8 +270,6 @@ class Engine:
         if req.finished:
             return
         req.finished = True
-        if req.slot >= 0 and req in self.sched.running:
-            self._to_free.append(req.slot)
         self.sched.release(req)
         event = FinishEvent(reason, len(req.prompt), len(req.output), error, kind)
         req.events.put_nowait(event)

@@ -58,8 +58,13 @@ class GenRequest:
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     output: list[int] = field(default_factory=list)
-    slot: int = -1
-    computed: int = 0  # tokens already in the KV cache
+    slot: int = -1  # the rank-side row of the running sequence (-1: not running)
+    blocks: list[int] = field(default_factory=list)  # its KV-cache block table
+    sent_blocks: int = 0  # entries of ``blocks`` the ranks have been sent
+    computed: int = 0  # tokens in the KV cache, or on their way in a step in flight
+    pending: int = 0  # tokens drawn in steps still in flight (not in ``output`` yet)
+    order: int = 0  # admission order: the newest running request is preempted first
+    preempted: int = 0
     finished: bool = False
     cancelled: bool = False
     arrival: float = field(default_factory=time.monotonic)
@@ -74,11 +79,3 @@ class GenRequest:
     def abort(self) -> None:
         """The client went away: the scheduler drops the sequence at the next step."""
         self.cancelled = True
-
-
-def pending_tokens(req: GenRequest) -> list[int]:
-    """The tokens of ``req`` not yet in the KV cache."""
-    n = len(req.prompt)
-    if req.computed < n:
-        return req.prompt[req.computed:] + req.output
-    return req.output[req.computed - n:]

@@ -1,16 +1,27 @@
-"""Continuous batching: which sequences run in the next step, and how many tokens each.
+"""Continuous batching over a paged KV cache: which sequences run in the next step, with how many
+tokens, and in which KV blocks.
 
-Every step first carries one decode token for each running sequence, then fills the rest of
-the token budget with prompt chunks (chunked prefill), so a long prompt never stalls the
-streams already decoding.
+Every step first carries one decode token for each running sequence, then fills the rest of the
+token budget with prompt chunks (chunked prefill), so a long prompt never stalls the streams
+already decoding. A request is admitted when a slot is free and its prompt's blocks fit (it
+waits otherwise); a decode that needs a block when none is free preempts the newest running
+request, which goes back to the front of the queue and is recomputed later (its client sees
+nothing but a pause).
+
+Steps overlap: the next step is planned while the last is still running. A decode whose input
+token is still in flight (``pending``) is sent as ``-1``, which the rank resolves on the device.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
-from .request import GenRequest, pending_tokens
+from .blocks import BlockManager, OutOfBlocks
+from .request import GenRequest
+
+DEVICE_TOKEN = -1
 
 
 @dataclass
@@ -19,54 +30,127 @@ class Planned:
     tokens: list[int]
     start_pos: int
     sample: bool
+    blocks: list[int]  # table entries the rank has not seen yet, from entry ``block_start``
+    block_start: int
+    start: bool  # the sequence's first step in its slot: the rank resets the slot's sampler
 
 
 class Scheduler:
-    def __init__(self, max_slots: int, max_batch_tokens: int, prefill_chunk: int) -> None:
+    def __init__(self, max_slots: int, max_len: int, num_blocks: int, block_size: int, max_batch_tokens: int,
+                 prefill_chunk: int) -> None:
+        self.max_slots, self.max_len = max_slots, max_len
+        self.max_batch_tokens, self.prefill_chunk = max_batch_tokens, prefill_chunk
+        self.blocks = BlockManager(num_blocks, block_size)
         self.free_slots: deque[int] = deque(range(max_slots))
-        self.max_slots = max_slots
-        self.max_batch_tokens = max_batch_tokens
-        self.prefill_chunk = prefill_chunk
         self.waiting: deque[GenRequest] = deque()
-        self.running: list[GenRequest] = []
+        self.running: list[GenRequest] = []  # in admission order: the last is the newest
+        self.preemptions = 0
+        self._order = itertools.count()
 
+    @property
+    def idle(self) -> bool:
+        return not self.running and not self.waiting
+
+    # ----------------------------------------------------------------------------- admission
     def admit(self) -> list[GenRequest]:
-        """Give free slots to waiting requests, oldest first."""
+        """Give slots and blocks to waiting requests, oldest (and preempted) first."""
         admitted = []
         while self.waiting and self.free_slots:
-            req = self.waiting.popleft()
-            if req.cancelled:
+            req = self.waiting[0]
+            if req.cancelled or req.finished:
+                self.waiting.popleft()
                 continue
+            if req.pending:  # preempted with a token in flight: recompute once it is known
+                break
+            known = len(req.prompt) + len(req.output)
+            # Keep a block in hand for each running sequence, which may cross into a new one next.
+            if self.blocks.blocks_for(known) > self.blocks.free_count - len(self.running):
+                break
+            self.waiting.popleft()
             req.slot = self.free_slots.popleft()
+            self.blocks.grow(req.blocks, known)
+            req.sent_blocks, req.computed = 0, 0
+            req.order = next(self._order)
             self.running.append(req)
             admitted.append(req)
         return admitted
 
     def release(self, req: GenRequest) -> None:
+        """The request is done (finished, aborted or failed): its slot and blocks are free now.
+        A step still in flight may write them once more; the rank runs steps in order, so
+        whoever gets them next overwrites that before reading."""
         if req in self.running:
             self.running.remove(req)
             self.free_slots.append(req.slot)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self.blocks.release(req.blocks)
+        req.slot = -1
 
-    def plan(self) -> list[Planned]:
+    def _preempt(self, req: GenRequest) -> None:
+        self.running.remove(req)
+        self.free_slots.append(req.slot)
+        self.blocks.release(req.blocks)
+        req.slot, req.computed, req.sent_blocks = -1, 0, 0
+        req.preempted += 1
+        self.preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ----------------------------------------------------------------------------- planning
+    def schedule(self) -> list[Planned]:
+        """The next step. Its plan is already counted in each request (computed, pending,
+        blocks): the step after it can be planned before this one's reply arrives."""
         budget = self.max_batch_tokens
-        steps: list[Planned] = []
-        decoding = [r for r in self.running if r.computed >= len(r.prompt)]
-        prefilling = [r for r in self.running if r.computed < len(r.prompt)]
-        for req in decoding:
-            tokens = pending_tokens(req)
-            steps.append(Planned(req, tokens, req.computed, True))
-            budget -= len(tokens)
-        for req in prefilling:
+        plan: list[Planned] = []
+        for req in list(self.running):  # decodes are never held back by the budget
+            if req not in self.running or not self._may_decode(req):
+                continue
+            if not self._room_for(req, req.computed + 1):
+                continue
+            token = req.output[-1] if not req.pending else DEVICE_TOKEN
+            plan.append(self._plan(req, [token], True))
+            budget -= 1
+        for req in self.running:
             if budget <= 0:
                 break
-            remaining = pending_tokens(req)
-            n = min(len(remaining), self.prefill_chunk, budget)
-            steps.append(Planned(req, remaining[:n], req.computed, n == len(remaining)))
+            known = req.prompt + req.output
+            if req.pending or req.computed >= len(known) or any(x.req is req for x in plan):
+                continue
+            n = min(len(known) - req.computed, self.prefill_chunk, budget)
+            last = req.computed + n == len(known)
+            plan.append(self._plan(req, known[req.computed: req.computed + n], last and self._may_sample(req)))
             budget -= n
-        return steps
+        return plan
 
-    @property
-    def idle(self) -> bool:
-        return not self.running and not self.waiting
+    def _may_sample(self, req: GenRequest) -> bool:
+        drawn = len(req.output) + req.pending
+        return (not req.finished and not req.cancelled and drawn < req.max_tokens
+                and len(req.prompt) + drawn < self.max_len
+                and not (req.constraint is not None and req.pending))
+
+    def _may_decode(self, req: GenRequest) -> bool:
+        """All its tokens but the last (known or in flight) are in the KV cache."""
+        total = len(req.prompt) + len(req.output) + req.pending
+        return req.computed == total - 1 and bool(req.output or req.pending) and self._may_sample(req)
+
+    def _room_for(self, req: GenRequest, tokens: int) -> bool:
+        """Blocks for ``tokens`` positions of ``req``, preempting the newest running requests
+        until they fit; False if ``req`` itself had to go."""
+        while True:
+            try:
+                self.blocks.grow(req.blocks, tokens)
+                return True
+            except OutOfBlocks:
+                victim = max(self.running, key=lambda r: r.order)
+                self._preempt(victim)
+                if victim is req:
+                    return False
+
+    def _plan(self, req: GenRequest, tokens: list[int], sample: bool) -> Planned:
+        x = Planned(req, tokens, req.computed, sample, req.blocks[req.sent_blocks:], req.sent_blocks,
+                    start=req.computed == 0)
+        req.sent_blocks = len(req.blocks)
+        req.computed += len(tokens)
+        if sample:
+            req.pending += 1
+        return x

@@ -4,14 +4,14 @@ names the one collective it needs. At world 1 the collectives are no-ops."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from protocol import ModelConfig
+
+from .ops import RopeTables
 
 
 class WeightSource(Protocol):
@@ -31,6 +31,12 @@ class Collectives:
             dist.all_reduce(x)
         return x
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``x`` on every rank (in place)."""
+        if self.world > 1:
+            dist.broadcast(x, src=0)
+        return x
+
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's ``x`` along the last dim (equal shapes on every rank)."""
         if self.world == 1:
@@ -38,13 +44,6 @@ class Collectives:
         parts = [torch.empty_like(x) for _ in range(self.world)]
         dist.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim=-1)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -93,73 +92,11 @@ def _yarn(inv_freq: torch.Tensor, cfg: ModelConfig, s: dict, factor: float) -> t
 
 
 def rope_tables(cfg: ModelConfig, max_len: int, device: torch.device, dtype: torch.dtype,
-                freq_divisors: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                freq_divisors: torch.Tensor | None = None) -> RopeTables:
     inv_freq, scale = rope_inv_freq(cfg)
     if freq_divisors is not None:
         inv_freq = inv_freq / freq_divisors.float()
     pos = torch.arange(max_len, dtype=torch.float32)
     freqs = torch.outer(pos, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
-    return (emb.cos() * scale).to(device, dtype), (emb.sin() * scale).to(device, dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; cos/sin: [T, head_dim] (already indexed by position)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
-@dataclass
-class AttentionBatch:
-    """Where the tokens of one step sit: built once per step, shared by every layer."""
-
-    slot_of_token: torch.Tensor  # [T] KV slot of each flattened token
-    pos_of_token: torch.Tensor  # [T] absolute position of each token
-    seq_slots: torch.Tensor  # [B] KV slot of each sequence
-    batch_index: torch.Tensor  # [T] which sequence a token belongs to
-    row_index: torch.Tensor  # [T] its row inside that sequence's padded block
-    max_rows: int
-    ctx_len: int  # keys to read: the longest sequence's end position
-    mask: torch.Tensor  # [B, 1, max_rows, ctx_len] True where a query may attend
-
-
-def attention_batch(seqs: list[tuple[int, int, int]], device: torch.device) -> AttentionBatch:
-    """``seqs``: (slot, start_pos, n_tokens) per sequence, in the order tokens are flattened."""
-    slots, pos, bidx, ridx = [], [], [], []
-    for b, (slot, start, n) in enumerate(seqs):
-        slots += [slot] * n
-        pos += range(start, start + n)
-        bidx += [b] * n
-        ridx += range(n)
-    max_rows = max(n for _, _, n in seqs)
-    ctx = max(start + n for _, start, n in seqs)
-    q_pos = torch.tensor([[s + min(r, n - 1) for r in range(max_rows)] for _, s, n in seqs], device=device)
-    k_pos = torch.arange(ctx, device=device)
-    mask = (k_pos[None, None, :] <= q_pos[:, :, None]).unsqueeze(1)
-    return AttentionBatch(
-        slot_of_token=torch.tensor(slots, device=device),
-        pos_of_token=torch.tensor(pos, device=device),
-        seq_slots=torch.tensor([s for s, _, _ in seqs], device=device),
-        batch_index=torch.tensor(bidx, device=device),
-        row_index=torch.tensor(ridx, device=device),
-        max_rows=max_rows,
-        ctx_len=ctx,
-        mask=mask,
-    )
-
-
-class KvCache:
-    """K and V for every layer, slot and position of this rank's KV heads."""
-
-    def __init__(self, layers: int, slots: int, max_len: int, kv_heads: int, head_dim: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
-        shape = (layers, slots, max_len, kv_heads, head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.slots = slots
-        self.max_len = max_len
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
+    return RopeTables((emb.cos() * scale).to(device, dtype), (emb.sin() * scale).to(device, dtype))

@@ -7,21 +7,38 @@ the attention output and the MLP (or MoE block). Embedding and LM head are vocab
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from protocol import ModelConfig
 
+from .layers import Collectives, WeightSource, rope_tables
 from .linear import Linear
-from .layers import AttentionBatch, Collectives, KvCache, WeightSource, apply_rope, rms_norm, rope_tables
 from .moe import SparseMoe
+from .ops import RopeTables, TorchOps
 from .sharding import ShardPlan
 
 
-# cuDNN's attention builds an execution plan for every new shape, tens of milliseconds each on an
-# H200, and a decode step's key length is new at every step. The others take any shape as it comes.
-SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+@dataclass(frozen=True)
+class AttentionShape:
+    """What an attention implementation must know of one rank's heads (equal in every layer)."""
+
+    n_q: int
+    n_kv: int
+    head_dim: int
+    scale: float
+    kv_of_q: tuple[int, ...]  # for each local query head, its local KV head
+    gqa_repeat: int  # query heads per KV head when kv_of_q is the uniform grouping, else 0
+
+
+class AttentionFn(Protocol):
+    """Stores this step's k/v of ``layer`` in the KV cache and attends each token's query over its
+    sequence's keys (causally). q [T, n_q, hd], k/v [T, n_kv, hd] -> [T, n_q * hd]."""
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
 
 def _rows(r: range, width: int) -> range:
@@ -51,45 +68,22 @@ class Attention:
         if cfg.qk_norm:
             self.q_norm = src.get(f"{prefix}.q_norm.weight").to(device, dtype)
             self.k_norm = src.get(f"{prefix}.k_norm.weight").to(device, dtype)
+        else:
+            self.q_norm = self.k_norm = None
         groups = self.n_q // self.n_kv if self.n_q % self.n_kv == 0 else 0
         uniform = groups and plan.kv_of_q == tuple(i // groups for i in range(self.n_q))
-        self.gqa_repeat = groups if uniform else 0
-        self.kv_index = torch.tensor(plan.kv_of_q, device=device)
-        self.scale = hd ** -0.5
+        self.shape = AttentionShape(self.n_q, self.n_kv, hd, hd ** -0.5, plan.kv_of_q, groups if uniform else 0)
 
     def tensors(self) -> list[torch.Tensor]:
         norms = [self.q_norm, self.k_norm] if self.cfg.qk_norm else []
         return [*self.qkv.tensors(), *self.o.tensors(), *norms]
 
-    def __call__(self, x: torch.Tensor, layer: int, kv: KvCache, batch: AttentionBatch,
-                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, layer: int, positions: torch.Tensor, rope: RopeTables,
+                 attend: AttentionFn, ops: TorchOps) -> torch.Tensor:
         T, hd = x.shape[0], self.cfg.head_dim
-        q, k, v = self.qkv(x).view(T, self.n_q + 2 * self.n_kv, hd).split(
-            (self.n_q, self.n_kv, self.n_kv), dim=1)
-        if self.cfg.qk_norm:
-            q = rms_norm(q, self.q_norm, self.cfg.rms_norm_eps)
-            k = rms_norm(k, self.k_norm, self.cfg.rms_norm_eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        kv.k[layer, batch.slot_of_token, batch.pos_of_token] = k
-        kv.v[layer, batch.slot_of_token, batch.pos_of_token] = v
-
-        B = batch.seq_slots.shape[0]
-        keys = kv.k[layer, batch.seq_slots, : batch.ctx_len]  # [B, C, n_kv, hd]
-        values = kv.v[layer, batch.seq_slots, : batch.ctx_len]
-        if self.gqa_repeat != 1:
-            if self.gqa_repeat:
-                keys = keys.repeat_interleave(self.gqa_repeat, dim=2)
-                values = values.repeat_interleave(self.gqa_repeat, dim=2)
-            else:
-                keys, values = keys[:, :, self.kv_index], values[:, :, self.kv_index]
-        queries = q.new_zeros(B, batch.max_rows, self.n_q, hd)
-        queries[batch.batch_index, batch.row_index] = q
-        out = F.scaled_dot_product_attention(
-            queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=batch.mask, scale=self.scale,
-        )  # [B, n_q, rows, hd]
-        out = out.transpose(1, 2)[batch.batch_index, batch.row_index].reshape(T, self.n_q * hd)
-        return self.o(out)
+        q, k, v = self.qkv(x).view(T, self.n_q + 2 * self.n_kv, hd).split((self.n_q, self.n_kv, self.n_kv), dim=1)
+        q, k = ops.qk_norm_rope(q, k, positions, rope, self.q_norm, self.k_norm, self.cfg.rms_norm_eps)
+        return self.o(attend(layer, q, k, v))
 
 
 class Mlp:
@@ -111,9 +105,8 @@ class Mlp:
     def tensors(self) -> list[torch.Tensor]:
         return [*self.gate_up.tensors(), *self.down.tensors()]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).split(self.width, dim=-1)
-        return self.down(F.silu(gate) * up)
+    def __call__(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
+        return self.down(ops.silu_mul(self.gate_up(x)))
 
 
 class DecoderLayer:
@@ -136,12 +129,14 @@ class DecoderLayer:
 
 
 class CausalLM:
-    """One rank's shard of a llama-family model, with its KV cache."""
+    """One rank's shard of a llama-family model. It holds weights only: the KV cache and how a
+    step runs (attention kernels, fused ops, CUDA graphs) belong to the rank's runner."""
 
     def __init__(self, cfg: ModelConfig, plan: ShardPlan, src: WeightSource, *, dtype: torch.dtype,
-                 device: torch.device, max_slots: int, max_len: int) -> None:
+                 device: torch.device, max_len: int) -> None:
         self.cfg, self.plan, self.dtype, self.device = cfg, plan, dtype, device
         self.comm = Collectives(plan.world)
+        self.ops = TorchOps()
         vocab_rows = range(plan.vocab.start, min(plan.vocab.stop, cfg.vocab_size))
         self.embed = self._vocab_shard(src, "model.embed_tokens.weight", vocab_rows)
         if cfg.tie_word_embeddings or not src.has("lm_head.weight"):
@@ -151,8 +146,10 @@ class CausalLM:
         self.layers = [DecoderLayer(cfg, plan, src, i, dtype, device) for i in range(cfg.num_layers)]
         self.norm = src.get("model.norm.weight").to(device, dtype)
         divisors = src.get("rope_freqs") if src.has("rope_freqs") else None
-        self.cos, self.sin = rope_tables(cfg, max_len, device, dtype, divisors)
-        self.kv = KvCache(cfg.num_layers, max_slots, max_len, len(plan.kv_heads), cfg.head_dim, device, dtype)
+        self.rope = rope_tables(cfg, max_len, device, dtype, divisors)
+        self.attention_shape = self.layers[0].attn.shape
+        # A sparse MoE block routes with data-dependent shapes: it cannot be captured in a CUDA graph.
+        self.capturable = not any(isinstance(layer.mlp, SparseMoe) for layer in self.layers)
 
     def _vocab_shard(self, src: WeightSource, name: str, rows: range) -> torch.Tensor:
         """This rank's vocabulary rows, zero-padded to the common shard length."""
@@ -172,24 +169,26 @@ class CausalLM:
         return total
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.plan.world == 1:
+            return F.embedding(ids, self.embed)
         local = ids - self.plan.vocab.start
         inside = (local >= 0) & (local < len(self.plan.vocab))
         h = F.embedding(local.clamp(0, len(self.plan.vocab) - 1), self.embed) * inside[:, None].to(self.dtype)
         return self.comm.all_reduce(h)
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, batch: AttentionBatch, last_index: torch.Tensor) -> torch.Tensor:
-        """Run the step's flattened tokens; return full-vocabulary logits (float32) of the rows
-        ``last_index`` (on every rank, identical)."""
-        x = self.embed_tokens(ids)
-        cos, sin = self.cos[batch.pos_of_token], self.sin[batch.pos_of_token]
-        eps = self.cfg.rms_norm_eps
-        with sdpa_kernel(SDPA_BACKENDS):
-            for i, layer in enumerate(self.layers):
-                h = layer.attn(rms_norm(x, layer.attn_norm, eps), i, self.kv, batch, cos, sin)
-                x = x + self.comm.all_reduce(h)
-                h = layer.mlp(rms_norm(x, layer.mlp_norm, eps))
-                x = x + self.comm.all_reduce(h)
-        x = rms_norm(x[last_index], self.norm, eps)
-        logits = self.comm.all_gather_last(self.lm_head(x).float())
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, attend: AttentionFn,
+                rows: torch.Tensor | None) -> torch.Tensor:
+        """Run the step's flattened tokens (``ids``, ``positions`` [T]); return full-vocabulary
+        logits (float32) of the token rows ``rows`` (all rows when None), identical on every rank."""
+        ops, eps = self.ops, self.cfg.rms_norm_eps
+        residual = self.embed_tokens(ids)
+        h = ops.rms_norm(residual, self.layers[0].attn_norm, eps)
+        for i, layer in enumerate(self.layers):
+            h = self.comm.all_reduce(layer.attn(h, i, positions, self.rope, attend, ops))
+            h, residual = ops.add_rms_norm(h, residual, layer.mlp_norm, eps)
+            h = self.comm.all_reduce(layer.mlp(h, ops))
+            following = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.norm
+            h, residual = ops.add_rms_norm(h, residual, following, eps)
+        logits = self.comm.all_gather_last(self.lm_head(h if rows is None else h[rows]).float())
         return logits[:, : self.cfg.vocab_size]

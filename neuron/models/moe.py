@@ -31,7 +31,7 @@ class SparseMoe:
     def tensors(self) -> list[torch.Tensor]:
         return [self.router, self.gate, self.up, self.down]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ops: object = None) -> torch.Tensor:
         probs = F.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float)
         weights, chosen = torch.topk(probs, self.cfg.num_experts_per_tok, dim=-1)
         if self.cfg.norm_topk_prob:

@@ -19,6 +19,8 @@ import zmq.asyncio
 import protocol as p
 from protocol.sockets import CURVE_ENV, connect_dealer, rank_identity
 
+from .deferred import Deferred
+
 log = logging.getLogger("neuron.rank")
 
 HEARTBEAT_S = 1.0
@@ -42,6 +44,9 @@ class RankProcess:
         curve = tuple(k.encode() for k in keys) if all(keys) else None
         self.sock = connect_dealer(self.ctx, args.endpoint, rank_identity(args.rank), curve)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"device-{args.rank}")
+        # Waits for launched steps to finish on the device, in launch order, while the device
+        # thread goes on to launch the next one.
+        self.collector = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"collect-{args.rank}")
         self.worker = None
         self.parent = os.getppid()
         self.stopping = asyncio.Event()
@@ -94,7 +99,10 @@ class RankProcess:
 
     def _reply_when_done(self, future: asyncio.Future) -> None:
         reply = future.result()
-        if reply is not None:
+        if isinstance(reply, Deferred):
+            waited = asyncio.get_running_loop().run_in_executor(self.collector, reply.wait)
+            waited.add_done_callback(self._reply_when_done)
+        elif reply is not None:
             asyncio.ensure_future(self.send(reply))
 
     async def _heartbeat(self) -> None:

@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 
 import protocol as p
-from neuron.models.layers import attention_batch
 from neuron.models.llama import CausalLM
 from neuron.models.sharding import plan_shard
+from neuron.runner.runner import ModelRunner, PendingStep, RunnerConfig, StepRejected
 
-from .sampler import Sampler
+from .deferred import Deferred
 
 log = logging.getLogger("neuron.rank")
 
@@ -36,18 +36,20 @@ class DeviceWorker:
             torch.cuda.set_device(self.device)
         self.allow_faults = allow_faults
         self.model: CausalLM | None = None
+        self.runner: ModelRunner | None = None
         self.model_id: str | None = None
-        self.sampler = Sampler(self.device)
         self.busy_step = -1
         self.pending_fault: str | None = None
         self.dist_ready = world == 1
 
-    # Every handler returns the reply frame, or None when this rank stays silent.
-    def handle(self, msg: p.Request) -> p.Reply | None:
+    # Every handler returns the reply frame, a Deferred one (a launched step), or None when this
+    # rank stays silent.
+    def handle(self, msg: p.Request) -> p.Reply | Deferred | None:
         try:
             return self._dispatch(msg)
-        except RankFailure as exc:
-            return p.Error(id=msg.id, epoch=msg.epoch, kind=exc.kind, message=str(exc))
+        except (RankFailure, StepRejected) as exc:
+            kind = exc.kind if isinstance(exc, RankFailure) else "bad_request"
+            return p.Error(id=msg.id, epoch=msg.epoch, kind=kind, message=str(exc))
         except torch.OutOfMemoryError as exc:
             return p.Error(id=msg.id, epoch=msg.epoch, kind="oom", message=f"out of memory: {exc}"[:2000])
         except Exception as exc:  # a failure of this rank, reported, never a crash
@@ -55,7 +57,7 @@ class DeviceWorker:
             kind = "device_fault" if self.device.type == "cuda" and "CUDA" in str(exc) else "failed"
             return p.Error(id=msg.id, epoch=msg.epoch, kind=kind, message=f"{type(exc).__name__}: {exc}"[:2000])
 
-    def _dispatch(self, msg: p.Request) -> p.Reply | None:
+    def _dispatch(self, msg: p.Request) -> p.Reply | Deferred | None:
         ids = {"id": msg.id, "epoch": msg.epoch}
         match msg:
             case p.InitDist():
@@ -70,9 +72,7 @@ class DeviceWorker:
                 return self._load(msg)
             case p.Step():
                 return self._step(msg)
-            case p.Free():
-                for slot in msg.slots:
-                    self.sampler.free(slot)
+            case p.Free():  # slots restart with their next sequence's first step: nothing to do
                 return p.Freed(**ids)
             case p.Memory():
                 return self._memory(msg)
@@ -106,6 +106,8 @@ class DeviceWorker:
         dtype = DTYPES.get(msg.dtype)
         if dtype is None:
             raise RankFailure("bad_request", f"unknown dtype {msg.dtype!r}")
+        if not 0 < msg.max_slots <= 4096 or not 0 < msg.max_len <= 1 << 24 or not 0 < msg.block_size <= 4096:
+            raise RankFailure("bad_request", "max_slots, max_len and block_size must be positive and sane")
         plan = plan_shard(msg.config, self.world, self.rank)
         t0 = time.perf_counter()
         if msg.format == "gguf":
@@ -114,37 +116,44 @@ class DeviceWorker:
         else:
             from neuron.loader.safetensors_source import SafetensorsSource
             src = SafetensorsSource(msg.paths)
-        self.model = CausalLM(msg.config, plan, src, dtype=dtype, device=self.device,
-                              max_slots=msg.max_slots, max_len=msg.max_len)
-        self.model_id = msg.model
+        self.model = CausalLM(msg.config, plan, src, dtype=dtype, device=self.device, max_len=msg.max_len)
         del src
+        self.runner = ModelRunner(self.model, RunnerConfig(
+            max_seqs=msg.max_slots, max_len=msg.max_len, block_size=msg.block_size, kv_tokens=msg.kv_tokens,
+            memory_fraction=msg.memory_fraction, max_step_tokens=msg.max_step_tokens,
+            cuda_graphs=msg.cuda_graphs), self.rank)
+        self.model_id = msg.model
         self._warm_up()
-        log.info("rank %d loaded %s shard in %.2fs: %d weight bytes", self.rank, msg.model,
-                 time.perf_counter() - t0, self.model.weight_bytes())
-        return p.LoadOk(id=msg.id, epoch=msg.epoch, kv_capacity=msg.max_slots * msg.max_len,
-                        bytes=self.model.weight_bytes(), kv_bytes=self.model.kv.nbytes)
+        runner = self.runner
+        log.info("rank %d loaded %s shard in %.2fs: %d weight bytes, %d KV blocks of %d", self.rank, msg.model,
+                 time.perf_counter() - t0, self.model.weight_bytes(), runner.kv_blocks, msg.block_size)
+        return p.LoadOk(id=msg.id, epoch=msg.epoch, kv_capacity=runner.kv_blocks * msg.block_size,
+                        bytes=self.model.weight_bytes(), kv_bytes=runner.kv.nbytes, kv_blocks=runner.kv_blocks,
+                        graphs=sorted(runner.graphs))
 
     def _warm_up(self) -> None:
-        """One prefill and one decode through every layer, so the first request does not pay for
-        lazy allocations and kernel selection. Every rank runs it (the collectives pair up)."""
-        assert self.model is not None
-        n = min(8, self.model.kv.max_len - 1)
-        for start, count in ((0, n), (n, 1)):
-            batch = attention_batch([(0, start, count)], self.device)
-            ids = torch.zeros(count, dtype=torch.long, device=self.device)
-            self.model.forward(ids, batch, torch.tensor([count - 1], device=self.device))
+        """One prompt chunk and one decode through every layer, so the first request does not pay
+        for lazy allocations and kernel selection. Every rank runs it (the collectives pair up)."""
+        assert self.runner is not None
+        n = min(8, self.runner.cfg.max_len - 1)
+        first = p.StepSeq(slot=0, tokens=[0] * n, start_pos=0, sample=True, sampling=p.Sampling(temperature=0.0),
+                          blocks=list(range(min(self.runner.kv_blocks, -(-(n + 1) // self.runner.bs)))))
+        for seq in (first, p.StepSeq(slot=0, tokens=[-1], start_pos=n, sample=True)):
+            pending = self.runner.step(p.Step(id=0, epoch=0, step_id=0, seqs=[seq]))
+            if pending is not None:
+                pending.wait()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def _unload(self) -> None:
         self.model = None
+        self.runner = None
         self.model_id = None
-        self.sampler = Sampler(self.device)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def _memory(self, msg: p.Memory) -> p.MemoryInfo:
-        kv = self.model.kv.nbytes if self.model else 0
+        kv = self.runner.kv.nbytes if self.runner else 0
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
         else:
@@ -152,58 +161,32 @@ class DeviceWorker:
             free, total = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), pages
         return p.MemoryInfo(id=msg.id, epoch=msg.epoch, free=int(free), total=int(total), kv_used=kv)
 
-    def _step(self, msg: p.Step) -> p.StepResult | None:
-        model = self.model
-        if model is None:
+    def _step(self, msg: p.Step) -> Deferred | None:
+        if self.runner is None:
             raise RankFailure("model_not_loaded", "step before load_shard")
         if self.pending_fault == "oom":
             self.pending_fault = None
             raise torch.OutOfMemoryError("injected out-of-memory (test hook)")
         self.busy_step = msg.step_id
-        try:
-            t0 = time.perf_counter()
-            for s in msg.seqs:
-                if (s.start_pos < 0 or s.start_pos + len(s.tokens) > model.kv.max_len
-                        or not 0 <= s.slot < model.kv.slots or not s.tokens):
-                    raise RankFailure("bad_request", f"seq in slot {s.slot} does not fit the KV cache")
-                if s.sampling is not None and any(not 0 <= t < model.cfg.vocab_size for t, _ in s.sampling.logit_bias):
-                    raise RankFailure("bad_request", f"logit_bias of slot {s.slot} names a token outside the vocabulary")
-                if s.allowed is not None and len(s.allowed) != 4 * ((model.cfg.vocab_size + 31) // 32):
-                    raise RankFailure("bad_request", f"token mask of slot {s.slot} does not match the vocabulary")
-            ids = torch.tensor([t for s in msg.seqs for t in s.tokens], device=self.device)
-            batch = attention_batch([(s.slot, s.start_pos, len(s.tokens)) for s in msg.seqs], self.device)
-            sampled = [i for i, s in enumerate(msg.seqs) if s.sampling is not None]
-            ends, offset = [], 0
-            for s in msg.seqs:
-                offset += len(s.tokens)
-                ends.append(offset - 1)
-            last = torch.tensor([ends[i] for i in sampled], device=self.device, dtype=torch.long)
-            logits = model.forward(ids, batch, last)
-            if self.rank != 0:
-                return None
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            t1 = time.perf_counter()
-            for s in msg.seqs:
-                self.sampler.feed(s.slot, s.start_pos, s.tokens)
-            tokens = [-1] * len(msg.seqs)
-            logprobs = None
-            if sampled:
-                chosen, lps = self.sampler.sample(
-                    logits, [msg.seqs[i].slot for i in sampled], [msg.seqs[i].sampling for i in sampled],
-                    [msg.seqs[i].allowed for i in sampled])
-                for i, tok in zip(sampled, chosen):
-                    tokens[i] = tok
-                if lps is not None:
-                    logprobs = [[] for _ in msg.seqs]
-                    for i, entry in zip(sampled, lps):
-                        logprobs[i] = entry
-            t2 = time.perf_counter()
-            return p.StepResult(id=msg.id, epoch=msg.epoch, step_id=msg.step_id, tokens=tokens,
-                                timings=p.StepTimings(forward_ms=(t1 - t0) * 1e3, sample_ms=(t2 - t1) * 1e3),
-                                logprobs=logprobs)
-        finally:
+        pending = self.runner.step(msg)
+        if pending is None:
             self.busy_step = -1
+            return None
+        return Deferred(lambda: self._collect(msg, pending))
+
+    def _collect(self, msg: p.Step, pending: PendingStep) -> p.Reply:
+        """On the collector thread: the step's reply once the device has finished it."""
+        try:
+            tokens, logprobs, timings = pending.wait()
+        except Exception as exc:  # a device fault surfaces at the sync
+            log.exception("rank %d: step %d failed on the device", self.rank, msg.step_id)
+            kind = "device_fault" if "CUDA" in str(exc) else "failed"
+            return p.Error(id=msg.id, epoch=msg.epoch, kind=kind, message=f"{type(exc).__name__}: {exc}"[:2000])
+        finally:
+            if self.busy_step == msg.step_id:
+                self.busy_step = -1
+        return p.StepResult(id=msg.id, epoch=msg.epoch, step_id=msg.step_id, tokens=tokens, timings=timings,
+                            logprobs=logprobs)
 
     def close(self) -> None:
         self._unload()

@@ -54,53 +54,43 @@ def open_source(fmt: str, paths: list[str], config: ModelConfig) -> Any:
 
 
 def build(job: ParityJob, world: int = 1, rank: int = 0) -> tuple[Any, float]:
-    """This rank's CausalLM for ``job`` and the seconds it took to build."""
+    """This rank's model runner for ``job`` (a CausalLM behind the rank's ModelRunner, one slot
+    per prompt) and the seconds it took to build."""
     import torch
 
     from neuron.models.llama import CausalLM
     from neuron.models.sharding import plan_shard
+    from neuron.runner.runner import ModelRunner, RunnerConfig
 
     t0 = time.perf_counter()
     src = open_source(job.fmt, job.paths, job.config)
     model = CausalLM(job.config, plan_shard(job.config, world, rank), src, dtype=getattr(torch, job.dtype),
-                     device=torch.device("cpu"), max_slots=max(1, len(job.prompts)), max_len=job.max_len)
-    return model, time.perf_counter() - t0
+                     device=torch.device("cpu"), max_len=job.max_len)
+    runner = ModelRunner(model, RunnerConfig(max_seqs=max(1, len(job.prompts)), max_len=job.max_len), rank)
+    return runner, time.perf_counter() - t0
 
 
-def run_model(model: Any, job: ParityJob) -> tuple[list[Any], list[list[int]]]:
-    """Prefill every prompt in one batched step (one KV slot each), then decode greedily one
-    token per sequence per step, all sequences batched together, as the engine does."""
-    import torch
+def run_model(runner: Any, job: ParityJob) -> tuple[list[Any], list[list[int]]]:
+    """Prefill every prompt in one batched step (one slot and its own KV blocks each), then decode
+    greedily one token per sequence per step, all sequences batched together, each step's input
+    taken from the rank's last draw (as overlapped steps do)."""
+    from protocol import Sampling, Step, StepSeq
 
-    from neuron.models.layers import attention_batch
-
-    cpu = torch.device("cpu")
-    prompts = job.prompts
-    ids = torch.tensor([t for p in prompts for t in p])
-    batch = attention_batch([(slot, 0, len(p)) for slot, p in enumerate(prompts)], cpu)
-    last = torch.tensor(list(_ends(prompts)))
-    logits = model.forward(ids, batch, last)
-    first = [row.clone() for row in logits]
-    greedy: list[list[int]] = [[] for _ in prompts]
-    positions = [len(p) for p in prompts]
+    per_seq = -(-job.max_len // runner.bs)
+    greedy = Sampling(temperature=0.0)
+    prefill = [StepSeq(slot=i, tokens=list(p), start_pos=0, sample=True, sampling=greedy,
+                       blocks=list(range(i * per_seq, (i + 1) * per_seq)))
+               for i, p in enumerate(job.prompts)]
+    first = [row.clone() for row in runner.forward_logits(prefill)]
+    tokens: list[list[int]] = [[] for _ in job.prompts]
+    seqs = prefill
     for _ in range(job.new_tokens):
-        nxt = logits.argmax(dim=-1).tolist()
-        for out, tok in zip(greedy, nxt):
-            out.append(int(tok))
-        if len(greedy[0]) == job.new_tokens:
-            break
-        batch = attention_batch([(slot, positions[slot], 1) for slot in range(len(prompts))], cpu)
-        logits = model.forward(torch.tensor(nxt), batch, torch.arange(len(prompts)))
-        positions = [p + 1 for p in positions]
-    return first, greedy
-
-
-def _ends(prompts: list[list[int]]) -> list[int]:
-    offset, ends = 0, []
-    for p in prompts:
-        offset += len(p)
-        ends.append(offset - 1)
-    return ends
+        pending = runner.step(Step(id=0, epoch=0, step_id=0, seqs=seqs))  # None on ranks but 0
+        drawn = pending.wait()[0] if pending is not None else [-1] * len(seqs)
+        for out, tok in zip(tokens, drawn):
+            out.append(tok)
+        seqs = [StepSeq(slot=s.slot, tokens=[-1], start_pos=s.start_pos + len(s.tokens), sample=True) for s in seqs]
+    return first, tokens
 
 
 def run_parity(jobs: list[ParityJob], world: int = 1, timeout: float = 300.0) -> list[ParityResult]:
@@ -109,9 +99,9 @@ def run_parity(jobs: list[ParityJob], world: int = 1, timeout: float = 300.0) ->
     if world == 1:
         results = []
         for job in jobs:
-            model, seconds = build(job)
-            logits, greedy = run_model(model, job)
-            results.append(ParityResult(job.name, logits, greedy, seconds, [model.weight_bytes()]))
+            runner, seconds = build(job)
+            logits, greedy = run_model(runner, job)
+            results.append(ParityResult(job.name, logits, greedy, seconds, [runner.model.weight_bytes()]))
         return results
     import torch.multiprocessing as mp
 
@@ -142,10 +132,10 @@ def _rank_main(rank: int, world: int, port: int, jobs: list[ParityJob], out_dir:
     try:
         results = []
         for job in jobs:
-            model, seconds = build(job, world, rank)
-            logits, greedy = run_model(model, job)
-            results.append(ParityResult(job.name, logits, greedy, seconds, [model.weight_bytes()]))
-            del model
+            runner, seconds = build(job, world, rank)
+            logits, greedy = run_model(runner, job)
+            results.append(ParityResult(job.name, logits, greedy, seconds, [runner.model.weight_bytes()]))
+            del runner
         (Path(out_dir) / f"rank{rank}.pkl").write_bytes(pickle.dumps(results))
     finally:
         dist.destroy_process_group()

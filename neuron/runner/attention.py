@@ -1,0 +1,131 @@
+"""Attention over the paged KV cache.
+
+The cache holds, per layer, ``[blocks + 1, block_size, n_kv, head_dim]`` for K and for V; the
+last block is scratch (padded rows of a CUDA graph write there, unused table entries point
+there). A sequence's keys are found through its row of the block table. A step's tokens are
+either single-token decodes (one Triton flash-decoding kernel on CUDA, one batched SDPA over
+gathered keys elsewhere) or prompt chunks (SDPA over the chunk's gathered keys, causal from the
+bottom right, since a chunk's queries are the last rows of its sequence).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from neuron.models.llama import AttentionShape
+
+# cuDNN's attention builds an execution plan for every new shape, tens of milliseconds each on an
+# H200, and a prompt chunk's key length is new almost every time. The others take any shape.
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+class PagedKvCache:
+    def __init__(self, layers: int, blocks: int, block_size: int, n_kv: int, head_dim: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        shape = (layers, blocks + 1, block_size, n_kv, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.blocks, self.block_size, self.scratch = blocks, block_size, blocks
+
+    @staticmethod
+    def bytes_per_block(layers: int, block_size: int, n_kv: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * layers * block_size * n_kv * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+@dataclass
+class PrefillSpan:
+    row: int  # first token row of the chunk in the step
+    n: int  # its tokens
+    keys: torch.Tensor  # [C] flat cache rows of the sequence's keys 0..C-1 (C = start + n)
+
+
+@dataclass
+class StepMeta:
+    """Where a step's tokens sit in the cache; built once per step, read by every layer."""
+
+    store_index: torch.Tensor  # [T] flat cache row (block * block_size + offset) of each token
+    decode_rows: torch.Tensor | None  # rows of the single-token decodes; None when every row is one
+    decode_slots: torch.Tensor | None = None  # [D] their block-table rows
+    decode_ctx: torch.Tensor | None = None  # [D] int32 keys of each (the new one included)
+    decode_max_ctx: int = 0  # bound of decode_ctx: with decode_splits it fixes the kernel's grid
+    decode_splits: int = 1
+    decode_keys: torch.Tensor | None = None  # [D, C] flat key rows, for the gather path (no Triton)
+    decode_mask: torch.Tensor | None = None  # [D, 1, 1, C] True where a key is the sequence's
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+
+class PagedAttention:
+    """The ``attend(layer, q, k, v)`` the model calls; ``meta`` is set by the runner each step."""
+
+    def __init__(self, kv: PagedKvCache, tables: torch.Tensor, shape: AttentionShape, triton: bool) -> None:
+        self.kv, self.tables, self.shape = kv, tables, shape
+        self.triton = triton
+        self.kv_of_q = torch.tensor(shape.kv_of_q, device=tables.device, dtype=torch.int32)
+        self.kv_index = self.kv_of_q.long()
+        self.meta: StepMeta | None = None
+        if triton:
+            from . import kernels
+            self.kernels = kernels
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        meta = self.meta
+        assert meta is not None
+        kc, vc = self.kv.k[layer], self.kv.v[layer]
+        if self.triton:
+            self.kernels.store_kv(k, v, kc, vc, meta.store_index)
+        else:
+            kc.view(-1, *kc.shape[2:]).index_copy_(0, meta.store_index, k)
+            vc.view(-1, *vc.shape[2:]).index_copy_(0, meta.store_index, v)
+        T, n_q, hd = q.shape
+        if meta.decode_rows is None and not meta.prefills:
+            return self._decode(q, kc, vc, meta).view(T, n_q * hd)
+        out = q.new_empty(T, n_q, hd)
+        if meta.decode_rows is not None and meta.decode_rows.numel():
+            out[meta.decode_rows] = self._decode(q[meta.decode_rows], kc, vc, meta)
+        for span in meta.prefills:
+            out[span.row: span.row + span.n] = self._prefill(q[span.row: span.row + span.n], kc, vc, span.keys)
+        return out.view(T, n_q * hd)
+
+    def _decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: StepMeta) -> torch.Tensor:
+        s = self.shape
+        if self.triton:
+            return self.kernels.paged_decode(q, kc, vc, self.tables, meta.decode_slots, meta.decode_ctx,
+                                             self.kv_of_q, s.gqa_repeat, s.scale, meta.decode_max_ctx,
+                                             meta.decode_splits)
+        assert meta.decode_keys is not None
+        keys = kc.view(-1, *kc.shape[2:])[meta.decode_keys]  # [D, C, n_kv, hd]
+        values = vc.view(-1, *vc.shape[2:])[meta.decode_keys]
+        out = self._sdpa(q[:, None], keys, values, meta.decode_mask)  # [D, n_q, 1, hd]
+        return out[:, :, 0]
+
+    def _prefill(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, keys_at: torch.Tensor) -> torch.Tensor:
+        n, C = q.shape[0], keys_at.shape[0]
+        keys = kc.view(-1, *kc.shape[2:])[keys_at][None]  # [1, C, n_kv, hd]
+        values = vc.view(-1, *vc.shape[2:])[keys_at][None]
+        if n == C:
+            mask = None  # the whole sequence: plain causal
+        else:  # query i is position C - n + i: it sees keys 0 ..= C - n + i
+            mask = torch.ones(n, C, dtype=torch.bool, device=q.device).tril(C - n)[None, None]
+        return self._sdpa(q[None], keys, values, mask, causal=mask is None)[0].transpose(0, 1)
+
+    def _sdpa(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+              causal: bool = False) -> torch.Tensor:
+        """q [B, n, n_q, hd], keys/values [B, C, n_kv, hd] -> [B, n_q, n, hd]."""
+        s = self.shape
+        if s.gqa_repeat != 1:
+            if s.gqa_repeat:
+                keys = keys.repeat_interleave(s.gqa_repeat, dim=2)
+                values = values.repeat_interleave(s.gqa_repeat, dim=2)
+            else:
+                keys, values = keys[:, :, self.kv_index], values[:, :, self.kv_index]
+        with sdpa_kernel(SDPA_BACKENDS):
+            return F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                                  attn_mask=mask, is_causal=causal, scale=s.scale)

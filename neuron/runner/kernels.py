@@ -1,0 +1,266 @@
+"""Triton kernels of the decode fast path: paged attention, the KV store, and the small fused ops
+(RMS norm with the residual add, q/k norm + RoPE, SiLU·mul). Imported only where Triton runs
+(CUDA, or the CPU interpreter under TRITON_INTERPRET=1 in tests); every kernel has a plain torch
+reference in neuron/models/ops.py or neuron/runner/attention.py that it is checked against.
+
+Only basic tl ops are used: the GPU image ships Triton 3.6.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(1, n))
+
+
+# ---------------------------------------------------------------------------------------------
+# Paged decode attention (flash-decoding): one program per (sequence, KV head or query head,
+# split of the context); a second kernel merges the splits by their log-sum-exp.
+
+
+@triton.jit
+def _decode_kernel(Q, K, V, Tables, Slots, Ctx, KvOfQ, Out, PartOut, PartLse,
+                   stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_tab,
+                   stride_ot, stride_oh, split_tokens, scale,
+                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, UNIFORM: tl.constexpr,
+                   D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
+                   NSPLIT: tl.constexpr, PRECISION: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(Ctx + seq)
+    slot = tl.load(Slots + seq)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D_PAD)
+    dmask = d < D
+    if UNIFORM:
+        heads = head * GROUP + g
+        kv_head = head
+        hmask = g < GROUP
+    else:
+        heads = head + g * 0
+        kv_head = tl.load(KvOfQ + head)
+        hmask = g < 1
+    q = tl.load(Q + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=hmask[:, None] & dmask[None, :], other=0.0)
+    start = split * split_tokens
+    end = tl.minimum(start + split_tokens, ctx)
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    lsum = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+    for t0 in range(start, end, TILE):
+        t = t0 + tl.arange(0, TILE)
+        tmask = t < end
+        block = tl.load(Tables + slot * stride_tab + t // BS, mask=tmask, other=0)
+        offs = block.to(tl.int64) * stride_kb + (t % BS) * stride_kt + kv_head * stride_kh
+        kvmask = tmask[:, None] & dmask[None, :]
+        k = tl.load(K + offs[:, None] + d[None, :], mask=kvmask, other=0.0)
+        s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=PRECISION) * scale
+        s = tl.where(tmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        v = tl.load(V + offs[:, None] + d[None, :], mask=kvmask, other=0.0)
+        lsum = lsum * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+    empty = lsum == 0.0
+    out = acc / tl.where(empty, 1.0, lsum)[:, None]
+    if NSPLIT == 1:
+        tl.store(Out + seq * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
+                 mask=hmask[:, None] & dmask[None, :])
+    else:
+        lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, lsum)))
+        row = (seq * tl.num_programs(1) * GROUP + heads) * NSPLIT + split
+        tl.store(PartOut + row[:, None] * D_PAD + d[None, :], out, mask=hmask[:, None])
+        tl.store(PartLse + row, lse, mask=hmask)
+
+
+@triton.jit
+def _merge_kernel(PartOut, PartLse, Out, stride_ot, stride_oh, NQ: tl.constexpr, D: tl.constexpr,
+                  D_PAD: tl.constexpr, NSPLIT: tl.constexpr, NSPLIT_PAD: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, NSPLIT_PAD)
+    d = tl.arange(0, D_PAD)
+    smask = s < NSPLIT
+    row = (seq * NQ + head) * NSPLIT + s
+    lse = tl.load(PartLse + row, mask=smask, other=float("-inf"))
+    top = tl.max(lse, 0)
+    w = tl.where(smask & (lse > float("-inf")), tl.exp(lse - top), 0.0)
+    w = w / tl.sum(w, 0)
+    parts = tl.load(PartOut + row[:, None] * D_PAD + d[None, :], mask=smask[:, None], other=0.0)
+    out = tl.sum(parts * w[:, None], 0)
+    tl.store(Out + seq * stride_ot + head * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < D)
+
+
+def decode_splits(batch: int, programs_per_split: int, max_ctx: int, sm_count: int, tile: int = 64) -> int:
+    """Context splits per sequence: enough programs to cover the GPU twice, no split shorter
+    than one tile."""
+    want = -(-2 * sm_count // max(1, batch * programs_per_split))
+    return max(1, min(want, -(-max_ctx // tile), 64))
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                 slots: torch.Tensor, ctx: torch.Tensor, kv_of_q: torch.Tensor, gqa_repeat: int, scale: float,
+                 max_ctx: int, splits: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One query token per sequence. q [B, n_q, hd] (rows may be strided); caches
+    [blocks, block_size, n_kv, hd]; tables [rows, max_blocks] int32 indexed by ``slots`` [B];
+    ``ctx`` [B] keys per sequence (the new token's included). Returns [B, n_q, hd].
+    ``max_ctx`` bounds every ``ctx`` and, with ``splits``, fixes the launch grid (so a CUDA
+    graph captured with them stays valid for any context up to ``max_ctx``)."""
+    B, n_q, D = q.shape
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1
+    out = torch.empty(B, n_q, D, device=q.device, dtype=q.dtype) if out is None else out
+    uniform = gqa_repeat > 0
+    group = gqa_repeat if uniform else 1
+    heads = n_q // group
+    d_pad = _pow2(D)
+    tile = 64
+    split_tokens = -(-max(1, max_ctx) // splits)
+    split_tokens = -(-split_tokens // tile) * tile
+    part_out = part_lse = out
+    if splits > 1:
+        part_out = torch.empty(B * n_q * splits, d_pad, device=q.device, dtype=torch.float32)
+        part_lse = torch.empty(B * n_q * splits, device=q.device, dtype=torch.float32)
+    _decode_kernel[(B, heads, splits)](
+        q, k_cache, v_cache, tables, slots, ctx, kv_of_q, out, part_out, part_lse,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
+        out.stride(0), out.stride(1), split_tokens, scale,
+        GROUP=group, GROUP_PAD=max(16, _pow2(group)), UNIFORM=uniform, D=D, D_PAD=d_pad,
+        BS=k_cache.shape[1], TILE=tile, NSPLIT=splits,
+        # float32 models get float32 products (tl.dot would otherwise round its inputs to tf32)
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
+    if splits > 1:
+        _merge_kernel[(B, n_q)](part_out, part_lse, out, out.stride(0), out.stride(1), NQ=n_q, D=D, D_PAD=d_pad,
+                                NSPLIT=splits, NSPLIT_PAD=_pow2(splits), num_warps=1)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# KV store: token t's k/v rows go to flat cache row index[t] (block * block_size + offset).
+
+
+@triton.jit
+def _store_kv_kernel(Knew, Vnew, Kc, Vc, Index, stride_kt, stride_vt, stride_crow,
+                     W: tl.constexpr, W_PAD: tl.constexpr):
+    t = tl.program_id(0)
+    row = tl.load(Index + t).to(tl.int64)
+    w = tl.arange(0, W_PAD)
+    mask = w < W
+    tl.store(Kc + row * stride_crow + w, tl.load(Knew + t * stride_kt + w, mask=mask), mask=mask)
+    tl.store(Vc + row * stride_crow + w, tl.load(Vnew + t * stride_vt + w, mask=mask), mask=mask)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             index: torch.Tensor) -> None:
+    """k, v [T, n_kv, hd] with contiguous heads (rows may be strided); caches contiguous."""
+    T, n_kv, D = k.shape
+    assert k.stride(1) == D and v.stride(1) == D and k.stride(2) == 1
+    width = n_kv * D
+    _store_kv_kernel[(T,)](k, v, k_cache, v_cache, index, k.stride(0), v.stride(0), width,
+                           W=width, W_PAD=_pow2(width), num_warps=4)
+
+
+# ---------------------------------------------------------------------------------------------
+# RMS norm, optionally fused with the residual add that precedes it.
+
+
+@triton.jit
+def _rms_norm_kernel(X, R, W, Out, RNew, stride_x, stride_r, stride_o, eps,
+                     N: tl.constexpr, N_PAD: tl.constexpr, ADD: tl.constexpr):
+    row = tl.program_id(0)
+    i = tl.arange(0, N_PAD)
+    mask = i < N
+    x = tl.load(X + row * stride_x + i, mask=mask, other=0.0)
+    if ADD:
+        x = (x.to(tl.float32) + tl.load(R + row * stride_r + i, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+        tl.store(RNew + row * stride_r + i, x, mask=mask)
+    h = x.to(tl.float32)
+    h = h * tl.rsqrt(tl.sum(h * h, 0) / N + eps)
+    w = tl.load(W + i, mask=mask, other=0.0)
+    tl.store(Out + row * stride_o + i, (w.to(tl.float32) * h.to(x.dtype).to(tl.float32)).to(x.dtype), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """norm(x) or, with ``residual``, (norm(residual + x), residual + x) — the sum written into
+    ``residual`` in place. Rows of x [T, N] must be contiguous."""
+    T, N = x.shape
+    out = torch.empty_like(x)
+    add = residual is not None
+    r = residual if add else x
+    _rms_norm_kernel[(T,)](x, r, weight, out, r, x.stride(0), r.stride(0), out.stride(0), eps,
+                           N=N, N_PAD=_pow2(N), ADD=add, num_warps=8 if N >= 2048 else 4)
+    return out, residual
+
+
+# ---------------------------------------------------------------------------------------------
+# q/k: the optional per-head RMS norm (qwen3), then RoPE ("rotate half"), in place.
+
+
+@triton.jit
+def _qk_rope_kernel(X, Pos, Cos, Sin, WQ, WK, stride_xt, stride_xh, stride_cs, eps, n_q,
+                    D: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    pos = tl.load(Pos + t)
+    i = tl.arange(0, HALF)
+    base = X + t * stride_xt + h * stride_xh
+    x1 = tl.load(base + i)
+    x2 = tl.load(base + HALF + i)
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    if NORM:
+        inv = tl.rsqrt((tl.sum(a * a, 0) + tl.sum(b * b, 0)) / D + eps)
+        is_q = h < n_q
+        w1 = tl.where(is_q, tl.load(WQ + i), tl.load(WK + i)).to(tl.float32)
+        w2 = tl.where(is_q, tl.load(WQ + HALF + i), tl.load(WK + HALF + i)).to(tl.float32)
+        a = w1 * (a * inv).to(x1.dtype).to(tl.float32)
+        b = w2 * (b * inv).to(x1.dtype).to(tl.float32)
+        a = a.to(x1.dtype).to(tl.float32)
+        b = b.to(x1.dtype).to(tl.float32)
+    c = tl.load(Cos + pos * stride_cs + i).to(tl.float32)
+    s = tl.load(Sin + pos * stride_cs + i).to(tl.float32)
+    tl.store(base + i, (a * c - b * s).to(x1.dtype))
+    tl.store(base + HALF + i, (b * c + a * s).to(x1.dtype))
+
+
+def qk_norm_rope(qk: torch.Tensor, n_q: int, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float) -> None:
+    """qk [T, n_q + n_kv, hd]: the query heads then the KV heads of each token, rotated in place."""
+    T, heads, D = qk.shape
+    assert qk.stride(2) == 1 and D % 2 == 0 and (D // 2) & (D // 2 - 1) == 0
+    norm = q_norm is not None
+    _qk_rope_kernel[(T, heads)](qk, positions, cos, sin, q_norm if norm else cos, k_norm if norm else cos,
+                                qk.stride(0), qk.stride(1), cos.stride(0), eps, n_q,
+                                D=D, HALF=D // 2, NORM=norm, num_warps=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# SiLU(gate) * up over the fused gate/up projection's output.
+
+
+@triton.jit
+def _silu_mul_kernel(X, Out, stride_x, stride_o, N, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < N
+    gate = tl.load(X + t * stride_x + i, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(X + t * stride_x + N + i, mask=mask, other=0.0)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
+    tl.store(Out + t * stride_o + i, (silu.to(tl.float32) * up.to(tl.float32)).to(up.dtype), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    T, N2 = gate_up.shape
+    N = N2 // 2
+    out = torch.empty(T, N, device=gate_up.device, dtype=gate_up.dtype)
+    block = 1024
+    _silu_mul_kernel[(T, triton.cdiv(N, block))](gate_up, out, gate_up.stride(0), out.stride(0), N,
+                                                   BLOCK=block, num_warps=4)
+    return out

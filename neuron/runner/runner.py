@@ -1,0 +1,376 @@
+"""The rank's model runner: everything between a ``step`` frame and the device.
+
+It owns the paged KV cache (sized from the device memory left after the weights), the block
+tables the leader fills, the device sampler, and on CUDA the fused kernels and one CUDA graph
+per decode batch-size bucket. A step whose sequences are all single-token decodes and fit a
+bucket replays that bucket's graph; anything else (prompt chunks, the CPU) runs eagerly.
+
+A step is launched, not waited for: ``step`` returns a ``PendingStep`` whose ``wait`` blocks
+until the step's tokens reach the host (one copy per step). The device thread can meanwhile
+launch the next step, which takes its decode inputs from the tokens this one leaves on the device.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import protocol as p
+from neuron.models.llama import CausalLM
+
+from .attention import PagedAttention, PagedKvCache, PrefillSpan, StepMeta
+from .sampler import DeviceSampler, check_sampling, upload
+
+log = logging.getLogger("neuron.runner")
+
+DEVICE_TOKEN = -1  # a decode input the rank takes from its last draw for the slot
+
+
+class StepRejected(ValueError):
+    """The step cannot run as sent (a leader bug or a forged frame): bad_request, nothing ran."""
+
+
+def graph_sizes(max_seqs: int) -> list[int]:
+    sizes = [n for n in (1, 2, 4, 8) if n < max_seqs] + list(range(16, max_seqs, 16))
+    return sorted(set(sizes + [max_seqs]))
+
+
+@dataclass
+class RunnerConfig:
+    max_seqs: int
+    max_len: int
+    block_size: int = 16
+    kv_tokens: int = 0  # 0: as many as the device memory allows (CUDA only)
+    memory_fraction: float = 0.9
+    max_step_tokens: int = 2048
+    cuda_graphs: bool = True
+
+
+@dataclass
+class PendingStep:
+    """A launched step; ``wait`` returns its StepResult fields once its tokens are on the host."""
+
+    n_seqs: int
+    rows: list[int]  # the seq index of each sampled row
+    want: list[int]  # logprobs asked by each sampled row
+    tokens: torch.Tensor  # [R] int64 host (pinned on CUDA)
+    logprobs: tuple[torch.Tensor, ...] | None
+    ready: torch.cuda.Event | None
+    started: float
+    host_ms: float
+
+    def wait(self) -> tuple[list[int], list[list[tuple[int, float]]] | None, p.StepTimings]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        device_ms = (time.perf_counter() - self.started) * 1e3
+        tokens = [-1] * self.n_seqs
+        for seq, tok in zip(self.rows, self.tokens.tolist()):
+            tokens[seq] = tok
+        logprobs = None
+        if self.logprobs is not None:
+            chosen, values, ids = (t.tolist() for t in self.logprobs)
+            logprobs = [[] for _ in range(self.n_seqs)]
+            for r, (seq, n) in enumerate(zip(self.rows, self.want)):
+                if n:
+                    top = list(zip(ids[r][: n - 1], values[r][: n - 1]))
+                    logprobs[seq] = [(tokens[seq], chosen[r]), *top]
+        return tokens, logprobs, p.StepTimings(forward_ms=device_ms, host_ms=self.host_ms)
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, cfg: RunnerConfig, rank: int) -> None:
+        self.model, self.cfg, self.rank = model, cfg, rank
+        self.device = model.device
+        self.cuda = self.device.type == "cuda"
+        self.vocab = model.cfg.vocab_size
+        self.bs = cfg.block_size
+        self.max_blocks = -(-cfg.max_len // self.bs)
+        self.scratch_row = cfg.max_seqs  # the table row of padded graph rows
+        shape = model.attention_shape
+        self.triton = self.cuda and _triton_fits(shape.head_dim)
+        if self.triton:
+            from .ops import TritonOps
+            model.ops = TritonOps(model.ops)
+            self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
+        blocks = self._size_kv()
+        self.kv = PagedKvCache(model.cfg.num_layers, blocks, self.bs, shape.n_kv, shape.head_dim,
+                               self.device, model.dtype)
+        self.tables_host = np.full((cfg.max_seqs + 1, self.max_blocks), self.kv.scratch, dtype=np.int32)
+        self.tables = torch.from_numpy(self.tables_host).to(self.device)
+        self.assigned = [0] * cfg.max_seqs  # table entries the leader has filled, per slot
+        self.attention = PagedAttention(self.kv, self.tables, shape, self.triton)
+        self.sampler = DeviceSampler(cfg.max_seqs + 1, self.vocab, self.device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.graph_in: torch.Tensor | None = None
+        if self.cuda and cfg.cuda_graphs and model.capturable and self.triton:
+            self._capture()
+
+    @property
+    def kv_blocks(self) -> int:
+        return self.kv.blocks
+
+    # ----------------------------------------------------------------------------- memory
+    def _size_kv(self) -> int:
+        cfg, shape = self.cfg, self.model.attention_shape
+        per_block = PagedKvCache.bytes_per_block(self.model.cfg.num_layers, self.bs, shape.n_kv, shape.head_dim,
+                                                 self.model.dtype)
+        if cfg.kv_tokens or not self.cuda:
+            tokens = cfg.kv_tokens or cfg.max_seqs * self.max_blocks * self.bs
+            return max(1, -(-tokens // self.bs))
+        # What one step of the largest size needs beyond the weights, measured on a throwaway cache.
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        n = max(1, min(cfg.max_step_tokens, cfg.max_len))
+        probe = PagedKvCache(self.model.cfg.num_layers, -(-n // self.bs), self.bs, shape.n_kv, shape.head_dim,
+                             self.device, self.model.dtype)
+        tables = torch.arange(probe.blocks, device=self.device, dtype=torch.int32)[None]
+        attention = PagedAttention(probe, tables, shape, self.triton)
+        rows = torch.arange(n, device=self.device)
+        attention.meta = StepMeta(store_index=rows, decode_rows=rows[:0], prefills=[PrefillSpan(0, n, rows)])
+        self.model.forward(torch.zeros(n, dtype=torch.long, device=self.device), rows, attention, rows[-1:])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before - probe.nbytes
+        del probe, attention, tables, rows
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        sampler_bytes = 6 * (cfg.max_seqs + 1) * self.vocab  # penalty state, if any sequence wants it
+        budget = total * cfg.memory_fraction - (total - free) - peak - sampler_bytes - (256 << 20)
+        blocks = int(budget // per_block)
+        if blocks < self.max_blocks:
+            raise torch.OutOfMemoryError(
+                f"the KV cache would hold {max(0, blocks) * self.bs} tokens, less than one sequence of "
+                f"max_model_len={cfg.max_len}: raise memory_fraction or lower max_model_len")
+        log.info("rank %d: KV cache of %d blocks (%d tokens, %.2f GiB); a %d-token step peaks at %.2f GiB",
+                 self.rank, blocks, blocks * self.bs, blocks * per_block / 2**30, n, peak / 2**30)
+        return blocks
+
+    # ----------------------------------------------------------------------------- a step
+    def step(self, msg: p.Step) -> PendingStep | None:
+        """Launch one step; rank 0 returns what to wait for, the others None."""
+        t0 = time.perf_counter()
+        seqs = msg.seqs
+        sampled = [i for i, s in enumerate(seqs) if s.sample]
+        bucket, ids, positions, slot_t, logits = self._forward(seqs, sampled)
+        rows_slots = [seqs[i].slot for i in sampled]
+        every_token_sampled = bucket and len(sampled) == len(seqs)  # then token rows are sampled rows
+        slot_rows = slot_t if every_token_sampled else upload(rows_slots, torch.int64, self.device)
+        if self.rank == 0 and self.sampler.penalised([s.slot for s in seqs]):
+            self.sampler.feed(slot_t, ids, positions)
+        if not sampled:
+            tokens, logprobs = torch.zeros(0, dtype=torch.int64, device=self.device), None
+        elif self.rank == 0:
+            last = [seqs[i].start_pos + len(seqs[i].tokens) - 1 for i in sampled]
+            tokens, logprobs = self.sampler.sample(logits, rows_slots, slot_rows, last,
+                                                   [seqs[i].allowed for i in sampled])
+        else:
+            tokens, logprobs = torch.empty(len(sampled), dtype=torch.int64, device=self.device), None
+        if sampled and self.model.comm.world > 1:
+            # Every rank feeds the next step's device tokens into its embedding: they must be rank 0's.
+            self.model.comm.broadcast(tokens)
+            if self.rank != 0:
+                self.sampler.last_token[slot_rows] = tokens
+        if self.rank != 0:
+            return None
+        want = [self.sampler.params[s].logprobs for s in rows_slots]
+        ready = None
+        if self.cuda:
+            tokens = tokens.to("cpu", non_blocking=True)
+            if logprobs is not None:
+                logprobs = tuple(t.to("cpu", non_blocking=True) for t in logprobs)
+            ready = torch.cuda.Event()
+            ready.record()
+        return PendingStep(len(seqs), sampled, want, tokens, logprobs, ready, t0,
+                           (time.perf_counter() - t0) * 1e3)
+
+    def forward_logits(self, seqs: list[p.StepSeq]) -> torch.Tensor:
+        """The logits [sampled seqs, V] of a step, without sampling (parity checks)."""
+        return self._forward(seqs, [i for i, s in enumerate(seqs) if s.sample])[-1]
+
+    def _forward(self, seqs: list[p.StepSeq], sampled: list[int]):
+        self._check(seqs)
+        self._update_tables(seqs)
+        for s in seqs:
+            if s.sampling is not None:
+                self.sampler.start(s.slot, s.sampling)
+        bucket = self._bucket(seqs)
+        if not bucket:
+            return (0, *self._eager(seqs, sampled))
+        ids, positions, slot_t, logits = self._replay(seqs, bucket)
+        if len(sampled) < len(seqs):
+            logits = logits[upload(sampled, torch.int64, self.device)]
+        return bucket, ids, positions, slot_t, logits
+
+    def _check(self, seqs: list[p.StepSeq]) -> None:
+        slots: set[int] = set()
+        for s in seqs:
+            n = len(s.tokens)
+            if not 0 <= s.slot < self.cfg.max_seqs or s.slot in slots:
+                raise StepRejected(f"slot {s.slot} is out of range or twice in the step")
+            slots.add(s.slot)
+            if not n or s.start_pos < 0 or s.start_pos + n > self.cfg.max_len:
+                raise StepRejected(f"seq in slot {s.slot} does not fit the context ({self.cfg.max_len} tokens)")
+            if s.tokens == [DEVICE_TOKEN]:
+                if s.start_pos == 0:
+                    raise StepRejected(f"slot {s.slot}: a device token cannot start a sequence")
+            elif any(not 0 <= t < self.vocab for t in s.tokens):
+                raise StepRejected(f"seq in slot {s.slot} has a token outside the vocabulary")
+            if s.block_start < 0 or s.block_start + len(s.blocks) > self.max_blocks:
+                raise StepRejected(f"slot {s.slot}: block table entries out of range")
+            if any(not 0 <= b < self.kv.blocks for b in s.blocks):
+                raise StepRejected(f"slot {s.slot}: a block outside the KV cache")
+            # A new sequence (sampling set) fills its table from entry 0; later steps only extend it.
+            before = 0 if s.sampling is not None else self.assigned[s.slot]
+            if s.blocks and s.block_start > before:
+                raise StepRejected(f"slot {s.slot}: block table entries would leave a gap")
+            assigned = max(before, s.block_start + len(s.blocks)) if s.blocks else before
+            if assigned * self.bs < s.start_pos + n:
+                raise StepRejected(f"slot {s.slot}: positions up to {s.start_pos + n} have no KV blocks")
+            if s.sampling is not None:
+                why = check_sampling(s.sampling, self.vocab)
+                if why:
+                    raise StepRejected(f"slot {s.slot}: {why}")
+            if s.allowed is not None and len(s.allowed) != 4 * ((self.vocab + 31) // 32):
+                raise StepRejected(f"slot {s.slot}: the token mask does not match the vocabulary")
+
+    def _update_tables(self, seqs: list[p.StepSeq]) -> None:
+        rows: list[int] = []
+        cols: list[int] = []
+        values: list[int] = []
+        for s in seqs:
+            if s.sampling is not None:
+                self.assigned[s.slot] = 0
+            if s.blocks:
+                end = s.block_start + len(s.blocks)
+                self.tables_host[s.slot, s.block_start: end] = s.blocks
+                self.assigned[s.slot] = max(self.assigned[s.slot], end)
+                rows += [s.slot] * len(s.blocks)
+                cols += range(s.block_start, end)
+                values += s.blocks
+        if values:
+            at = upload([rows, cols], torch.int64, self.device)
+            self.tables.index_put_((at[0], at[1]), upload(values, torch.int32, self.device))
+
+    def _bucket(self, seqs: list[p.StepSeq]) -> int:
+        if not self.graphs or not seqs or any(len(s.tokens) != 1 for s in seqs):
+            return 0
+        return next((n for n in sorted(self.graphs) if n >= len(seqs)), 0)
+
+    # ----------------------------------------------------------------------------- eager
+    def _eager(self, seqs: list[p.StepSeq], sampled: list[int]):
+        T = sum(len(s.tokens) for s in seqs)
+        ids = np.empty(T, dtype=np.int64)
+        positions = np.empty(T, dtype=np.int64)
+        slot_of = np.empty(T, dtype=np.int64)
+        decode_rows: list[int] = []
+        prefills: list[tuple[int, int, int, int]] = []  # row, n, slot, start
+        ends: list[int] = []
+        row = 0
+        for s in seqs:
+            n = len(s.tokens)
+            ids[row: row + n] = s.tokens
+            positions[row: row + n] = np.arange(s.start_pos, s.start_pos + n)
+            slot_of[row: row + n] = s.slot
+            if n == 1:
+                decode_rows.append(row)
+            else:
+                prefills.append((row, n, s.slot, s.start_pos))
+            row += n
+            ends.append(row - 1)
+        store = self.tables_host[slot_of, positions // self.bs].astype(np.int64) * self.bs + positions % self.bs
+        inputs = upload(np.stack([ids, positions, slot_of, store]), torch.int64, self.device)
+        ids_t, pos_t, slot_t, store_t = inputs
+        ids_t = self._resolve(ids_t, slot_t)
+        meta = StepMeta(store_index=store_t, decode_rows=None)
+        if len(decode_rows) < T:
+            meta.decode_rows = upload(decode_rows, torch.int64, self.device)
+        if decode_rows:
+            d = np.array(decode_rows)
+            ctx = positions[d] + 1
+            meta.decode_max_ctx = int(ctx.max())
+            if self.triton:
+                meta.decode_slots = slot_t[meta.decode_rows] if meta.decode_rows is not None else slot_t
+                meta.decode_ctx = upload(ctx, torch.int32, self.device)
+                heads = self.model.attention_shape.n_kv if self.model.attention_shape.gqa_repeat else \
+                    self.model.attention_shape.n_q
+                from .kernels import decode_splits
+                meta.decode_splits = decode_splits(len(d), heads, meta.decode_max_ctx, self.sm_count)
+            else:
+                C = meta.decode_max_ctx
+                keys = self._key_rows(slot_of[d][:, None], np.arange(C)[None, :])
+                meta.decode_keys = upload(keys, torch.int64, self.device)
+                meta.decode_mask = upload(np.arange(C)[None, :] < ctx[:, None], torch.bool, self.device)[:, None, None, :]
+        for row, n, slot, start in prefills:
+            keys = self._key_rows(np.int64(slot), np.arange(start + n))
+            meta.prefills.append(PrefillSpan(row, n, upload(keys, torch.int64, self.device)))
+        self.attention.meta = meta
+        # A step that samples nothing (a prompt chunk that is not the last) still computes one row.
+        rows = upload([ends[i] for i in sampled] or [T - 1], torch.int64, self.device)
+        return ids_t, pos_t, slot_t, self.model.forward(ids_t, pos_t, self.attention, rows)
+
+    def _key_rows(self, slot: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """Flat cache rows of the keys at ``pos`` of the sequences in table rows ``slot``."""
+        return self.tables_host[slot, pos // self.bs].astype(np.int64) * self.bs + pos % self.bs
+
+    def _resolve(self, ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Device tokens (-1) become the slot's last draw, still on the device."""
+        return torch.where(ids >= 0, ids, self.sampler.last_token[slots])
+
+    # ----------------------------------------------------------------------------- graphs
+    def _replay(self, seqs: list[p.StepSeq], bucket: int):
+        assert self.graph_in is not None
+        B = len(seqs)
+        packed = np.zeros((3, bucket), dtype=np.int64)
+        packed[2, :] = self.scratch_row
+        for i, s in enumerate(seqs):
+            packed[0, i], packed[1, i], packed[2, i] = s.tokens[0], s.start_pos, s.slot
+        self.graph_in[:, :bucket].copy_(torch.from_numpy(packed).pin_memory(), non_blocking=True)
+        graph, ids, logits = self.graphs[bucket]
+        graph.replay()
+        return ids[:B], self.graph_in[1, :B], self.graph_in[2, :B], logits[:B]
+
+    def _decode_forward(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The captured decode step of ``n`` rows over the static inputs."""
+        assert self.graph_in is not None
+        ids, pos, slots = self.graph_in[0, :n], self.graph_in[1, :n], self.graph_in[2, :n]
+        ids = self._resolve(ids, slots)
+        store = self.tables[slots, pos // self.bs].long() * self.bs + pos % self.bs
+        shape = self.model.attention_shape
+        from .kernels import decode_splits
+        heads = shape.n_kv if shape.gqa_repeat else shape.n_q
+        self.attention.meta = StepMeta(
+            store_index=store, decode_rows=None, decode_slots=slots, decode_ctx=(pos + 1).to(torch.int32),
+            decode_max_ctx=self.cfg.max_len, decode_splits=decode_splits(n, heads, self.cfg.max_len, self.sm_count))
+        return ids, self.model.forward(ids, pos, self.attention, None)
+
+    def _capture(self) -> None:
+        t0 = time.perf_counter()
+        sizes = graph_sizes(self.cfg.max_seqs)
+        self.graph_in = torch.zeros(3, sizes[-1], dtype=torch.int64, device=self.device)
+        self.graph_in[2].fill_(self.scratch_row)
+        pool = None
+        for n in reversed(sizes):
+            self._decode_forward(n)  # compiles the kernels and settles the allocator before capture
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                ids, logits = self._decode_forward(n)
+            pool = graph.pool()
+            self.graphs[n] = (graph, ids, logits)
+        torch.cuda.synchronize(self.device)
+        log.info("rank %d: captured %d decode graphs (batch %s) in %.1fs", self.rank, len(sizes),
+                 ",".join(map(str, sizes)), time.perf_counter() - t0)
+
+
+def _triton_fits(head_dim: int) -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    half = head_dim // 2
+    return head_dim >= 16 and head_dim % 2 == 0 and half & (half - 1) == 0
