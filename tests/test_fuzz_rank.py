@@ -375,21 +375,30 @@ def sampling(sane: bool) -> st.SearchStrategy:
 
 
 def step_seq(max_len: int, vocab: int, slots: int) -> st.SearchStrategy:
+    # Sane: a slot's whole table (16-token blocks, 4 per slot: the test loads 64-token contexts)
+    # with a new sequence, or a continuation with the decode input on the device.
     sane = st.builds(
-        p.StepSeq,
-        slot=st.integers(0, slots - 1),
-        tokens=st.lists(st.integers(0, vocab - 1), min_size=1, max_size=12),
-        start_pos=st.integers(0, max_len - 13),
-        sampling=st.one_of(st.none(), sampling(True)),
+        lambda slot, tokens, start, sample, sampling: p.StepSeq(
+            slot=slot, tokens=tokens, start_pos=start, sample=sample, sampling=sampling,
+            blocks=list(range(4 * slot, 4 * slot + 4)) if sampling is not None else [], block_start=0),
+        st.integers(0, slots - 1), st.lists(st.integers(0, vocab - 1), min_size=1, max_size=12),
+        st.integers(0, max_len - 13), st.booleans(), st.one_of(st.none(), sampling(True)),
     )
+    decode = st.builds(
+        lambda slot, start: p.StepSeq(slot=slot, tokens=[-1], start_pos=start, sample=True),
+        st.integers(0, slots - 1), st.integers(1, max_len - 1))
     wild = st.builds(
         p.StepSeq,
         slot=st.one_of(st.integers(-3, slots + 2), ints),
         tokens=st.lists(st.one_of(st.integers(-3, vocab + 3), ints), max_size=16),
         start_pos=st.one_of(st.integers(-20, max_len + 3), ints),
+        sample=st.booleans(),
+        blocks=st.lists(st.one_of(st.integers(-2, 4 * slots + 2), ints), max_size=6),
+        block_start=st.one_of(st.integers(-2, 6), ints),
         sampling=st.one_of(st.none(), sampling(False), sampling(True)),
+        allowed=st.one_of(st.none(), st.binary(max_size=64)),
     )
-    return weighted((2, sane), (1, wild))
+    return weighted((2, sane), (1, decode), (1, wild))
 
 
 def step_frames(max_len: int, vocab: int, slots: int) -> st.SearchStrategy:
@@ -439,8 +448,8 @@ TEMPLATES: list[p.Frame] = [
     p.SanityCheck(id=7, epoch=EPOCH),
     p.LoadShard(id=7, epoch=EPOCH, model="m", format="safetensors", paths=["/nonexistent/x.safetensors"],
                 config=TINY_CONFIG, dtype="float32", max_slots=2, max_len=64),
-    p.Step(id=7, epoch=EPOCH, step_id=3, seqs=[p.StepSeq(slot=0, tokens=[1, 2], start_pos=0,
-                                                         sampling=p.Sampling(temperature=0.0))]),
+    p.Step(id=7, epoch=EPOCH, step_id=3, seqs=[p.StepSeq(slot=0, tokens=[1, 2], start_pos=0, sample=True,
+                                                         blocks=[0], sampling=p.Sampling(temperature=0.0))]),
     p.Free(id=7, epoch=EPOCH, slots=[0, 1]),
     p.Memory(id=7, epoch=EPOCH),
     p.Unload(id=7, epoch=EPOCH, model="m"),
@@ -600,7 +609,8 @@ def test_fuzz_rank_steps_with_a_model(rank):
 
     def greedy() -> int:
         frame = p.Step(id=rank.new_id(), epoch=EPOCH, step_id=1, seqs=[p.StepSeq(
-            slot=0, tokens=[1, 9690, 28, 216, 5248], start_pos=0, sampling=p.Sampling(temperature=0.0))])
+            slot=0, tokens=[1, 9690, 28, 216, 5248], start_pos=0, sample=True, blocks=[0, 1, 2, 3],
+            sampling=p.Sampling(temperature=0.0))])
         got = rank.check(p.encode(frame))
         assert isinstance(got, p.StepResult), got
         return got.tokens[0]
@@ -615,15 +625,21 @@ def test_fuzz_rank_steps_with_a_model(rank):
     @example(frame=p.encode(p.Step(id=1, epoch=EPOCH, step_id=1, seqs=[])))
     @example(frame=p.encode(p.Step(id=2, epoch=EPOCH, step_id=1, seqs=[p.StepSeq(slot=0, tokens=[], start_pos=0)])))
     @example(frame=p.encode(p.Step(id=3, epoch=EPOCH, step_id=1, seqs=[
-        p.StepSeq(slot=0, tokens=[2**63 - 1], start_pos=0, sampling=p.Sampling(temperature=1.0))])))
+        p.StepSeq(slot=0, tokens=[2**63 - 1], start_pos=0, sample=True, blocks=[0],
+                  sampling=p.Sampling(temperature=1.0))])))
     @example(frame=p.encode(p.Step(id=4, epoch=EPOCH, step_id=1, seqs=[
-        p.StepSeq(slot=1, tokens=[5, 6], start_pos=-1, sampling=p.Sampling(temperature=0.0))])))
+        p.StepSeq(slot=1, tokens=[5, 6], start_pos=-1, sample=True, blocks=[4], sampling=p.Sampling(temperature=0.0))])))
     @example(frame=p.encode(p.Step(id=5, epoch=EPOCH, step_id=1, seqs=[
-        p.StepSeq(slot=0, tokens=[5], start_pos=0, sampling=p.Sampling(temperature=math.nan)),
-        p.StepSeq(slot=0, tokens=[5], start_pos=0, sampling=p.Sampling(logprobs=2**63 - 1))])))
+        p.StepSeq(slot=0, tokens=[5], start_pos=0, sample=True, blocks=[0], sampling=p.Sampling(temperature=math.nan)),
+        p.StepSeq(slot=0, tokens=[5], start_pos=0, sample=True, blocks=[0], sampling=p.Sampling(logprobs=2**63 - 1))])))
     @example(frame=p.encode(p.Step(id=6, epoch=EPOCH, step_id=1, seqs=[
-        p.StepSeq(slot=2, tokens=[5, 6, 7], start_pos=3,
+        p.StepSeq(slot=2, tokens=[5, 6, 7], start_pos=3, sample=True, blocks=[8, 9],
                   sampling=p.Sampling(temperature=1e-300, repetition_penalty=1e-300, seed=2**64 - 1))])))
+    @example(frame=p.encode(p.Step(id=7, epoch=EPOCH, step_id=1, seqs=[
+        p.StepSeq(slot=1, tokens=[-1], start_pos=9, sample=True, blocks=[10**9], block_start=1)])))
+    @example(frame=p.encode(p.Step(id=8, epoch=EPOCH, step_id=1, seqs=[
+        p.StepSeq(slot=3, tokens=[5, 6], start_pos=0, sample=True, blocks=[12], allowed=b"\x01\x02",
+                  sampling=p.Sampling(temperature=0.5, logit_bias=[(10**9, 1.0)]))])))
     def fuzz(frame: bytes) -> None:
         if rank.stats.respawns >= MAX_RESPAWNS:
             rank.stats.skipped += 1

@@ -54,6 +54,60 @@ def greedy_tokens(tmp, checkpoint, args) -> list[list[int]]:
         assert server.stop() == 0
 
 
+def concurrent_greedy(server, prompts: list[list[int]], tokens: int = 24) -> list[list[int]]:
+    """Each prompt's greedy continuation, all requests in flight together (one decode batch)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(prompt: list[int]) -> list[int]:
+        r = httpx.post(f"{server.base}/completions", timeout=300, json={
+            "model": "ckpt", "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))
+
+
+def graph_and_eager(tmp, checkpoint, tp: int) -> None:
+    """The decode graphs give the eager path's greedy tokens, alone and in batches of 3 and 6
+    (between the buckets 2/4 and 4/8) and 8 (a bucket's own size)."""
+    batches = [[p] for p in PROMPTS] + [PROMPTS, PROMPTS * 2, (PROMPTS * 3)[:8]]
+    results = {}
+    for graphs in (True, False):
+        config = (f'[[models]]\nmodel = "{checkpoint}"\nid = "ckpt"\ndtype = "float32"\nmax_model_len = 256\n'
+                  f'max_slots = 8\ncuda_graphs = {str(graphs).lower()}\n')
+        server = start_server(tmp, config=config, args=["--device", "cuda", "--tensor-parallel", str(tp)])
+        try:
+            info = httpx.get(f"{server.url}/models", timeout=10).json()["models"][0]
+            assert info["cuda_graphs"] == ([1, 2, 4, 8] if graphs else [])
+            results[graphs] = [concurrent_greedy(server, batch) for batch in batches]
+        finally:
+            assert server.stop() == 0
+    assert results[True] == results[False]
+    for batch, outs in zip(batches, results[True]):  # a prompt's tokens do not depend on its batch
+        for prompt, out in zip(batch, outs):
+            assert out == results[True][PROMPTS.index(prompt)][0]
+
+
+@pytest.fixture(scope="module")
+def qwen3_checkpoint(tmp_path_factory):
+    from neuron.tools.checkpoints import make_checkpoint
+    return make_checkpoint("qwen3", tmp_path_factory.mktemp("gpu-qwen3"), seed=11, num_attention_heads=4,
+                           num_key_value_heads=2, hidden_size=128)
+
+
+@needs_gpu
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_decode_graphs_give_the_eager_tokens_on_one_gpu(tmp_path, checkpoint, qwen3_checkpoint, family):
+    graph_and_eager(tmp_path, checkpoint if family == "llama" else qwen3_checkpoint, 1)
+
+
+@pytest.mark.skipif(_gpus() < 2, reason="needs two NVIDIA GPUs")
+def test_decode_graphs_give_the_eager_tokens_at_tp2_over_nccl(tmp_path, qwen3_checkpoint):
+    graph_and_eager(tmp_path, qwen3_checkpoint, 2)
+
+
 @needs_gpu
 def test_one_gpu_matches_the_cpu(tmp_path, checkpoint):
     cpu = greedy_tokens(tmp_path, checkpoint, ["--device", "cpu"])

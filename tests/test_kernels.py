@@ -1,0 +1,107 @@
+"""The Triton kernels of the GPU fast path against their torch references, run by Triton's
+interpreter on the CPU (the same kernels run compiled on the GPU: tests/test_gpu.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
+pytest.importorskip("triton")
+
+from neuron.models.ops import RopeTables, TorchOps  # noqa: E402
+from neuron.runner import kernels as K  # noqa: E402
+
+OPS = TorchOps()
+
+
+def reference_decode(q, kc, vc, tables, slots, ctx, kv_of_q, scale):
+    """Attention of each row's query over its sequence's keys, read position by position."""
+    bs = kc.shape[1]
+    out = []
+    for b in range(q.shape[0]):
+        pos = torch.arange(int(ctx[b]))
+        block = tables[slots[b], pos // bs].long()
+        k, v = kc[block, pos % bs][:, kv_of_q].double(), vc[block, pos % bs][:, kv_of_q].double()
+        p = (torch.einsum("hd,nhd->hn", q[b].double(), k) * scale).softmax(-1)
+        out.append(torch.einsum("hn,nhd->hd", p, v))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("n_q,n_kv,hd,bs,uniform", [(8, 2, 16, 16, True), (6, 3, 32, 8, True),
+                                                    (5, 2, 16, 16, False), (4, 4, 64, 16, True),
+                                                    (4, 2, 24, 16, True)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_paged_decode_attends_each_sequence_over_its_own_blocks(n_q, n_kv, hd, bs, uniform, splits):
+    g = torch.Generator().manual_seed(n_q * 100 + hd + splits)
+    blocks, max_blocks = 60, 12
+    kc = torch.randn(blocks, bs, n_kv, hd, generator=g)
+    vc = torch.randn(blocks, bs, n_kv, hd, generator=g)
+    tables = torch.randperm(blocks, generator=g)[: 5 * max_blocks].view(5, max_blocks).int()
+    slots = torch.tensor([4, 0, 2])
+    ctx = torch.tensor([1, 7, max_blocks * bs - 3], dtype=torch.int32)
+    qkv = torch.randn(3, n_q + 2 * n_kv, hd, generator=g)  # q is a strided view, as in the model
+    q = qkv[:, :n_q]
+    if uniform:
+        kv_of_q, repeat = torch.arange(n_q) // (n_q // n_kv), n_q // n_kv
+    else:
+        kv_of_q, repeat = torch.arange(n_q) * n_kv // n_q, 0
+    scale = hd ** -0.5
+    out = K.paged_decode(q, kc, vc, tables, slots, ctx, kv_of_q.int(), repeat, scale, int(ctx.max()), splits)
+    ref = reference_decode(q, kc, vc, tables, slots, ctx, kv_of_q, scale)
+    assert (out.double() - ref).abs().max() < 1e-5
+
+
+def test_split_count_covers_the_gpu_without_splits_shorter_than_a_tile():
+    assert K.decode_splits(1, 8, 4096, 132) == 33
+    assert K.decode_splits(1, 8, 100, 132) == 2
+    assert K.decode_splits(64, 8, 4096, 132) == 1
+
+
+def test_store_kv_writes_each_token_to_its_cache_row_and_nowhere_else():
+    g = torch.Generator().manual_seed(1)
+    kv = torch.randn(5, 2 * 3 + 1, 16, generator=g)  # k and v are views of a wider projection
+    k, v = kv[:, :2], kv[:, 2:4]
+    kc, vc = torch.zeros(10, 4, 2, 16), torch.zeros(10, 4, 2, 16)
+    rows = torch.tensor([3, 7, 0, 39, 12])
+    K.store_kv(k, v, kc, vc, rows)
+    assert torch.equal(kc.view(-1, 2, 16)[rows], k) and torch.equal(vc.view(-1, 2, 16)[rows], v)
+    kc.view(-1, 2, 16)[rows] = 0
+    assert not kc.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_norms_match_the_reference(dtype):
+    g = torch.Generator().manual_seed(2)
+    x, r, w = (torch.randn(4, 96, generator=g).to(dtype), torch.randn(4, 96, generator=g).to(dtype),
+               torch.randn(96, generator=g).to(dtype))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (K.rms_norm(x, w, 1e-6)[0].float() - OPS.rms_norm(x, w, 1e-6).float()).abs().max() < tol
+    r2 = r.clone()
+    out, _ = K.rms_norm(x, w, 1e-6, r2)
+    ref, ref_r = OPS.add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(r2, ref_r) and (out.float() - ref.float()).abs().max() < tol
+
+
+def test_silu_mul_matches_the_reference():
+    gu = torch.randn(3, 2 * 1500, generator=torch.Generator().manual_seed(3))
+    assert (K.silu_mul(gu) - OPS.silu_mul(gu)).abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_qk_norm_rope_rotates_queries_and_keys_in_place_and_leaves_values(norm):
+    g = torch.Generator().manual_seed(4)
+    T, n_q, n_kv, hd = 3, 4, 2, 16
+    qkv = torch.randn(T, n_q + 2 * n_kv, hd, generator=g)
+    pos = torch.tensor([0, 5, 9])
+    angles = torch.randn(20, hd // 2, generator=g)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    qn, kn = (torch.randn(hd, generator=g), torch.randn(hd, generator=g)) if norm else (None, None)
+    q, k = OPS.qk_norm_rope(qkv[:, :n_q], qkv[:, n_q: n_q + n_kv], pos, RopeTables(cos, sin), qn, kn, 1e-6)
+    got = qkv.clone()
+    K.qk_norm_rope(got[:, : n_q + n_kv], n_q, pos, cos, sin, qn, kn, 1e-6)
+    assert (got[:, :n_q] - q).abs().max() < 1e-5
+    assert (got[:, n_q: n_q + n_kv] - k).abs().max() < 1e-5
+    assert torch.equal(got[:, n_q + n_kv:], qkv[:, n_q + n_kv:])
