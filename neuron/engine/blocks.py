@@ -21,27 +21,35 @@ class BlockManager:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("a KV cache needs at least one block of at least one token")
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.free: deque[int] = deque(range(num_blocks))
-        self.refs = [0] * num_blocks
+        # A GPU cache can hold millions of blocks: untouched ones are a counter, not a list.
+        self._fresh = 0
+        self._recycled: deque[int] = deque()
+        self.refs: dict[int, int] = {}
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
     @property
     def free_count(self) -> int:
-        return len(self.free)
+        return self.num_blocks - len(self.refs)
 
     @property
     def used(self) -> int:
-        return self.num_blocks - len(self.free)
+        return len(self.refs)
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self.free)
+        return n <= self.free_count
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self.free):
-            raise OutOfBlocks(f"{n} blocks asked for, {len(self.free)} free")
-        blocks = [self.free.popleft() for _ in range(n)]
+        if n > self.free_count:
+            raise OutOfBlocks(f"{n} blocks asked for, {self.free_count} free")
+        blocks = []
+        for _ in range(n):
+            if self._recycled:
+                blocks.append(self._recycled.popleft())
+            else:
+                blocks.append(self._fresh)
+                self._fresh += 1
         for b in blocks:
             self.refs[b] = 1
         return blocks
@@ -58,9 +66,12 @@ class BlockManager:
     def release(self, table: list[int]) -> None:
         """Drop one reference to each block of ``table`` (and empty it)."""
         for b in table:
-            self.refs[b] -= 1
-            if self.refs[b] == 0:
-                self.free.append(b)
-            elif self.refs[b] < 0:
+            left = self.refs.get(b, 0) - 1
+            if left < 0:
                 raise RuntimeError(f"block {b} released more often than allocated")
+            if left == 0:
+                del self.refs[b]
+                self._recycled.append(b)
+            else:
+                self.refs[b] = left
         table.clear()
