@@ -206,6 +206,9 @@ class Engine:
         if not self.inflight:
             self._last_result = None  # the pipeline ran dry: the next gap is not a step
         self.leader_s += time.perf_counter() - t1
+        # A step's result is often in before it is awaited (steps overlap): let the streams write
+        # this step's tokens before the next one, or they would leave in bursts.
+        await asyncio.sleep(0)
 
     def _housekeeping(self) -> None:
         now = time.monotonic()

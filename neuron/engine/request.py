@@ -47,7 +47,7 @@ class TokenConstraint(Protocol):
     def accept(self, token: int) -> None: ...
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: comparing every field would cost each list lookup
 class GenRequest:
     prompt: list[int]
     sampling: Sampling

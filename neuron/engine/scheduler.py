@@ -103,7 +103,7 @@ class Scheduler:
         budget = self.max_batch_tokens
         plan: list[Planned] = []
         for req in list(self.running):  # decodes are never held back by the budget
-            if req not in self.running or not self._may_decode(req):
+            if req.slot < 0 or not self._may_decode(req):  # slot -1: preempted in this loop
                 continue
             if not self._room_for(req, req.computed + 1):
                 continue
@@ -113,9 +113,9 @@ class Scheduler:
         for req in self.running:
             if budget <= 0:
                 break
-            known = req.prompt + req.output
-            if req.pending or req.computed >= len(known) or any(x.req is req for x in plan):
+            if req.pending or req.computed >= len(req.prompt) + len(req.output):
                 continue
+            known = req.prompt + req.output
             n = min(len(known) - req.computed, self.prefill_chunk, budget)
             last = req.computed + n == len(known)
             plan.append(self._plan(req, known[req.computed: req.computed + n], last and self._may_sample(req)))

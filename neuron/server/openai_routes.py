@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from neuron.engine.request import FinishEvent, GenRequest, TokenEvent
+from neuron.engine.request import Event, FinishEvent, GenRequest, TokenEvent
 from neuron.errors import ApiError
 from neuron.registry import ModelHandle
 
@@ -124,21 +124,45 @@ async def _collect(req: GenRequest) -> tuple[list[TokenEvent], FinishEvent]:
         events.append(ev)
 
 
-def _data(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+_encode = msgspec.json.Encoder().encode
 
 
-async def _sse(handle: ModelHandle, req: GenRequest, view: View, include_usage: bool) -> AsyncIterator[str]:
+def _data(obj: dict[str, Any]) -> bytes:
+    return b"data: " + _encode(obj) + b"\n\n"
+
+
+async def _next_event(events: asyncio.Queue) -> Event | None:
+    """The next event of a request, or None after KEEPALIVE_S without one."""
+    if not events.empty():
+        return events.get_nowait()
+    try:
+        async with asyncio.timeout(KEEPALIVE_S):
+            return await events.get()
+    except TimeoutError:
+        return None
+
+
+async def _sse(handle: ModelHandle, req: GenRequest, view: View, include_usage: bool) -> AsyncIterator[bytes]:
     try:
         first = view.first()
         if first is not None:
             yield _data(first)
+        held: Event | None = None
         while True:
-            try:
-                ev = await asyncio.wait_for(req.events.get(), KEEPALIVE_S)
-            except asyncio.TimeoutError:
-                yield ": keep-alive\n\n"
+            ev, held = held, None
+            if ev is None:
+                ev = await _next_event(req.events)
+            if ev is None:
+                yield b": keep-alive\n\n"
                 continue
+            # Tokens that queued up while the loop was busy go out in one chunk.
+            while isinstance(ev, TokenEvent) and not req.events.empty():
+                more = req.events.get_nowait()
+                if not isinstance(more, TokenEvent):
+                    held = more
+                    break
+                ev = TokenEvent(ev.text + more.text, ev.token_ids + more.token_ids,
+                                (ev.logprobs or []) + (more.logprobs or []) or None)
             if isinstance(ev, TokenEvent):
                 chunk = view.delta(ev)
                 if chunk is not None:
@@ -150,7 +174,7 @@ async def _sse(handle: ModelHandle, req: GenRequest, view: View, include_usage: 
                 yield _data(envelope(ApiError(503, code, ev.error)))
             if include_usage:
                 yield _data(view.usage_chunk(ev))
-            yield "data: [DONE]\n\n"
+            yield b"data: [DONE]\n\n"
             return
     finally:
         handle.engine.abort(req)
