@@ -27,6 +27,10 @@ class EngineStats:
     slots_total: int
     steps: int
     tokens_generated: int
+    kv_usage: float = 0.0  # fraction of KV blocks in use, 0..1
+    preemptions: int = 0  # cumulative
+    prefix_cache_queries: int = 0  # cumulative prompt tokens looked up
+    prefix_cache_hits: int = 0  # cumulative prompt tokens found
 
 
 class Engine:
@@ -99,7 +103,8 @@ class Engine:
     def stats(self) -> EngineStats:
         return EngineStats(len(self.sched.running), len(self.sched.waiting),
                            self.sched.max_slots - len(self.sched.free_slots), self.sched.max_slots,
-                           self.steps, self.tokens_generated)
+                           self.steps, self.tokens_generated,
+                           kv_usage=0.0, preemptions=0, prefix_cache_queries=0, prefix_cache_hits=0)
 
     # ----------------------------------------------------------------------------- the loop
     async def _run(self) -> None:
