@@ -144,6 +144,10 @@ def test_paths_inside_a_root_resolve_to_their_real_path_and_a_relative_one_is_lo
     assert policy.check("one.gguf", {}).default_id == "one"
     (root / "alias").symlink_to(root / "llama")  # a link that stays inside is fine
     assert policy.check("alias", {}).model == str(root / "llama")
+    # Missing but inside: the loader may say so in full; relative and missing: nowhere to look.
+    assert policy.check(str(root / "gone.gguf"), {}).model == str(root / "gone.gguf")
+    with pytest.raises(ApiError):
+        policy.check("gone.gguf", {})
 
 
 def test_the_builtin_model_startup_models_and_registered_ids_stay_loadable(tmp_path):

@@ -68,12 +68,18 @@ class ModelAccess:
         raise refusal()
 
     def _inside_roots(self, ref: str) -> Path | None:
-        """The real path (symlinks resolved) of ``ref`` when it exists inside a root. A relative
-        reference is looked up in each root in turn."""
+        """The real path (symlinks resolved) of ``ref`` when it lies inside a root. An absolute
+        path inside a root is taken even when missing (the loader then says so: inside the roots
+        that reveals nothing); a relative one is the first that exists, looked up in each root."""
         given = Path(ref).expanduser()
-        candidates = [given] if given.is_absolute() else [root / given for root in self.roots]
-        for candidate in candidates:
-            real = Path(os.path.realpath(candidate))
-            if any(real == root or real.is_relative_to(root) for root in self.roots) and real.exists():
+        if given.is_absolute():
+            real = Path(os.path.realpath(given))
+            return real if self._contains(real) else None
+        for root in self.roots:
+            real = Path(os.path.realpath(root / given))
+            if self._contains(real) and real.exists():
                 return real
         return None
+
+    def _contains(self, real: Path) -> bool:
+        return any(real == root or real.is_relative_to(root) for root in self.roots)
