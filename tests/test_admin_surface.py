@@ -167,3 +167,16 @@ def test_no_roots_means_no_paths_at_all(tmp_path):
     for ref in (str(tmp_path), "llama", os.path.relpath(tmp_path)):
         with pytest.raises(ApiError):
             policy.check(ref, {})
+
+
+def test_a_broken_model_in_the_hf_cache_is_told_by_its_repo_id_not_its_cache_path(ops, hf_cache):
+    repo = hf_cache / "models--neuron-test--broken"
+    (repo / "snapshots" / ("1" * 40)).mkdir(parents=True)
+    (repo / "snapshots" / ("1" * 40) / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("1" * 40)
+    r = httpx.post(f"{ops.url}/models/load", json={"model": "neuron-test/broken"}, headers=ops_headers(admin=True),
+                   timeout=60)
+    message = r.json()["error"]["message"]
+    assert r.status_code == 404 and "'neuron-test/broken'" in message and "no .safetensors weights" in message
+    assert str(hf_cache) not in message and "snapshots" not in message

@@ -68,7 +68,10 @@ async def load_model(request: Request) -> Response:
     try:
         handle = await state.registry.load(entry)
     except LoadError as exc:
-        raise from_load_error(exc) from None
+        err = from_load_error(exc)
+        # Said with the name the client gave: a cache snapshot's path is none of its business.
+        err.message = err.message.replace(allowed.model, body.model)
+        raise err from None
     return JSONResponse(handle.describe())
 
 

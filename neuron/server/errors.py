@@ -52,5 +52,6 @@ async def internal_error_handler(request: Request, exc: Exception) -> JSONRespon
     """Runs outside the request-id middleware (in Starlette's ServerErrorMiddleware): the id is
     added here."""
     headers = request_id_header(request)
-    log.exception("internal error on %s %s", request.method, request.url.path, extra={"request_id": headers.get(HEADER)})
+    log.exception("internal error on %s %s", request.method, request.url.path,
+                  extra={"request_id": headers.get(HEADER)})
     return error_response(ApiError(500, "internal_error", f"internal error: {type(exc).__name__}"), headers)
