@@ -1,107 +1,47 @@
-"""``neuron serve``: start the daemon. Flags override the TOML file, which overrides defaults."""
+"""``neuron``: ``serve`` starts the daemon; ``models``, ``load``, ``unload``, ``status`` and ``chat``
+talk to a running one over HTTP. Flags override the TOML file, which overrides defaults."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
 import os
 import sys
 
-import uvicorn
-
-from .config import Config, ConfigError, load_config, validate
-from .server.app import create_app
-
-log = logging.getLogger("neuron")
+from .ctl import chat, commands
 
 
-class NeuronServer(uvicorn.Server):
-    """uvicorn, with SIGTERM meaning: stop admitting (503), drain in-flight requests up to the
-    drain deadline, then shut down. A second signal stops at once."""
-
-    def __init__(self, config: uvicorn.Config, app_state) -> None:
-        super().__init__(config)
-        self.app_state = app_state
-        self.exit_code = 0
-        self._drain: asyncio.Task | None = None
-
-    def handle_exit(self, sig: int, frame) -> None:
-        if self._drain is not None:
-            super().handle_exit(sig, frame)
-            return
-        self.app_state.draining = True
-        self.app_state.registry.stop_admission()
-        loop = asyncio.get_event_loop()
-        self._drain = loop.create_task(self._drain_then_exit())
-
-    async def _drain_then_exit(self) -> None:
-        timeout = self.app_state.cfg.server.drain_timeout_s
-        log.info("draining in-flight requests (up to %.0fs)", timeout)
-        if not await self.app_state.registry.drain(timeout):
-            log.warning("drain deadline passed; aborting what is left")
-        self.should_exit = True
-
-    def fail_startup(self, message: str) -> None:
-        self.exit_code = 1
-        self.should_exit = True
-
-
-def apply_flags(cfg: Config, args: argparse.Namespace) -> Config:
-    if args.host:
-        cfg.server.host = args.host
-    if args.port is not None:
-        cfg.server.port = args.port
-    if args.model:
-        import dataclasses
-
-        from .config import ModelEntry
-        first = cfg.models[0] if cfg.models else ModelEntry()
-        cfg.models = [dataclasses.replace(first, model=args.model, id="")]
-    for entry in cfg.models:
-        if args.tensor_parallel is not None:
-            entry.tensor_parallel = args.tensor_parallel
-        if args.device:
-            entry.device = args.device
-    validate(cfg)
-    return cfg
-
-
-async def serve(cfg: Config) -> int:
-    app = create_app(cfg)
-    state = app.state.neuron
-    config = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, log_level=cfg.server.log_level,
-                            lifespan="on", timeout_graceful_shutdown=5, access_log=False)
-    server = NeuronServer(config, state)
-    state.on_startup_failure = server.fail_startup
-    await server.serve()
-    return server.exit_code
-
-
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="neuron", description="Self-hosted LLM inference daemon")
-    sub = ap.add_subparsers(dest="command", required=True)
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("serve", help="serve models over an OpenAI-compatible HTTP API")
     s.add_argument("--config", help="TOML file (default: $NEURON_CONFIG, else built-in defaults)")
-    s.add_argument("--host")
+    s.add_argument("--host", help="address to bind (beyond loopback, an admin key is required)")
     s.add_argument("--port", type=int)
     s.add_argument("--model", help="model id, HF repo id, directory or .gguf path")
     s.add_argument("--tensor-parallel", type=int)
     s.add_argument("--device", choices=["cpu", "cuda", "auto"])
-    args = ap.parse_args(argv)
-    try:
-        cfg = apply_flags(load_config(args.config or os.environ.get("NEURON_CONFIG")), args)
-    except ConfigError as exc:
-        print(f"neuron: {exc}", file=sys.stderr)
-        sys.exit(2)
-    logging.basicConfig(level=cfg.server.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s leader %(levelname)s %(name)s: %(message)s")
-    try:
-        import uvloop
-        code = uvloop.run(serve(cfg))
-    except ImportError:
-        code = asyncio.run(serve(cfg))
-    sys.exit(code)
+    s.add_argument("--insecure-admin", action="store_true",
+                   help="serve beyond loopback without an admin key (anyone reaching the port may load "
+                        "and unload models); same as [server] allow_insecure_admin = true")
+    s.set_defaults(run=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .serve import serve_main  # uvicorn and the server only for this command
+
+    return serve_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="neuron", description="Self-hosted LLM inference daemon")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _serve_parser(sub)
+    commands.add_parsers(sub)
+    chat.add_parser(sub)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    sys.exit(args.run(args))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,13 @@ class ServerConfig:
     admin_api_key: str = ""
     drain_timeout_s: float = 15.0
     log_level: str = "info"
+    log_format: str = "text"  # text | json (one JSON object per line)
+    # Binding beyond loopback without an admin key exposes /models/load to the network.
+    allow_insecure_admin: bool = False
+    model_roots: list[str] = field(default_factory=list)  # directories /models/load may read from
+    cors_allow_origins: list[str] = field(default_factory=list)  # empty: CORS off
+    cors_allow_methods: list[str] = field(default_factory=lambda: ["GET", "POST", "OPTIONS"])
+    cors_allow_headers: list[str] = field(default_factory=lambda: ["authorization", "content-type", "x-request-id"])
 
 
 @dataclass
@@ -106,12 +113,12 @@ def _coerce(kind: Any, value: Any, where: str) -> Any:
         if not isinstance(value, str):
             raise ConfigError(f"{where}: expected a string, got {value!r}")
         return value
-    if kind == list[int]:
-        if isinstance(value, str):
-            value = [v for v in value.split(",") if v.strip()]
+    if kind in (list[int], list[str]):
+        if isinstance(value, str):  # from the environment: comma-separated
+            value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, list):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
-        return [_coerce(int, v, where) for v in value]
+        return [_coerce(kind.__args__[0], v, where) for v in value]
     raise ConfigError(f"{where}: unsupported type")
 
 
@@ -189,6 +196,14 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"models[{i}]: kv_cache_tokens must be >= 0 and gpu_memory_utilization in [0.05, 1]")
     if cfg.debug.tap and not (cfg.debug.tap.startswith("ipc://") or cfg.debug.tap.startswith("tcp://127.")):
         raise ConfigError("debug.tap must be an ipc:// or tcp://127.x endpoint (the tap is local only)")
+    if cfg.server.log_format not in ("text", "json"):
+        raise ConfigError("server.log_format must be text or json")
+    for origin in cfg.server.cors_allow_origins:
+        if origin != "*" and not origin.startswith(("http://", "https://")):
+            raise ConfigError(f"server.cors_allow_origins: {origin!r} is not \"*\" nor an http(s):// origin")
+    for root in cfg.server.model_roots:
+        if not Path(root).expanduser().is_absolute():
+            raise ConfigError(f"server.model_roots: {root!r} must be an absolute path")
     if cfg.runtime.transport not in ("ipc", "tcp"):
         raise ConfigError("runtime.transport must be ipc or tcp")
     if cfg.engine.queue_size < 1 or cfg.engine.max_batch_tokens < 0 or cfg.engine.prefill_chunk < 0:

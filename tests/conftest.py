@@ -133,3 +133,77 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# ------------------------------------------------------------------------------------------------
+# The operator's server: keys, JSON logs, CORS for one origin, a model root and a private HF cache.
+OPS_API_KEY = "sk-ops-inference-51c2"
+OPS_ADMIN_KEY = "sk-ops-admin-9a7d"
+TINY_REPO = "neuron-test/tiny-llama"
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(server_tmp) -> Path:
+    from neuron.tools.checkpoints import make_checkpoint
+
+    return make_checkpoint("llama", server_tmp / "tiny-llama-src", seed=3)
+
+
+@pytest.fixture(scope="session")
+def model_root(server_tmp, tiny_checkpoint) -> Path:
+    """A directory listed in [server] model_roots, holding one tiny checkpoint."""
+    import shutil
+
+    root = server_tmp / "model-root"
+    shutil.copytree(tiny_checkpoint, root / "tiny-llama")
+    return root
+
+
+@pytest.fixture(scope="session")
+def hf_cache(server_tmp, tiny_checkpoint) -> Path:
+    """A Hugging Face hub cache laid out as huggingface_hub writes it, holding TINY_REPO."""
+    import shutil
+
+    cache = server_tmp / "hf-cache"
+    repo = cache / ("models--" + TINY_REPO.replace("/", "--"))
+    revision = "0" * 40
+    shutil.copytree(tiny_checkpoint, repo / "snapshots" / revision)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(revision)
+    return cache
+
+
+@pytest.fixture(scope="session")
+def ops(server_tmp, model_root, hf_cache):
+    config = SMALL + f"""
+[server]
+api_key = "{OPS_API_KEY}"
+admin_api_key = "{OPS_ADMIN_KEY}"
+log_format = "json"
+cors_allow_origins = ["http://app.example"]
+model_roots = ["{model_root}"]
+
+[runtime]
+hf_cache = "{hf_cache}"
+"""
+    server = start_server(server_tmp, config=config)
+    yield server
+    server.stop()
+
+
+def ops_headers(admin: bool = False) -> dict[str, str]:
+    return {"Authorization": f"Bearer {OPS_ADMIN_KEY if admin else OPS_API_KEY}"}
+
+
+def json_log(server: Server) -> list[dict]:
+    """The leader's JSON log lines (rank processes write text lines beside them)."""
+    import json
+
+    out = []
+    for line in server.log().splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+    return out

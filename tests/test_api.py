@@ -192,7 +192,7 @@ def test_health_and_models_describe_the_loaded_model(tp1):
     assert m["status"] == "loaded" and m["tensor_parallel"] == 1 and m["dtype"] == "float32"
     assert m["format"] == "gguf" and m["family"] == "llama"
     metrics = httpx.get(f"{tp1.url}/metrics", timeout=10).text
-    assert 'neuron_model_status{model="SmolLM2-135M-Instruct",status="loaded"} 1.0' in metrics
+    assert 'neuron:model_status{model_name="SmolLM2-135M-Instruct",status="loaded"} 1.0' in metrics
 
 
 def test_token_ids_and_ignore_eos_extensions(tp1):

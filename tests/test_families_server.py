@@ -54,7 +54,10 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    server = start_server(tmp_path_factory.mktemp("server"), config="models = []\n")
+    # /models/load reads only inside [server] model_roots: pytest's temporary directories here.
+    root = tmp_path_factory.getbasetemp()
+    config = f'models = []\n[server]\nmodel_roots = ["{root}"]\n'
+    server = start_server(tmp_path_factory.mktemp("server"), config=config)
     yield server
     # unload all at once: a stopping server shuts its rank groups down one after another
     models = httpx.get(f"{server.url}/models", timeout=10).json()["models"]

@@ -54,8 +54,8 @@ def test_soak_with_random_disconnects_loses_nothing_and_leaks_nothing(server_tmp
         info = httpx.get(f"{server.url}/models", timeout=10).json()["models"][0]
         assert (info["slots_used"], info["running"], info["waiting"]) == (0, 0, 0)
         metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
-        started = float(re.search(r'neuron_requests_started_total\{model="[^"]+"\} (\S+)', metrics).group(1))
-        finished = sum(float(x) for x in re.findall(r'neuron_requests_total\{[^}]*\} (\S+)', metrics))
+        started = float(re.search(r'neuron:requests_started_total\{model_name="[^"]+"\} (\S+)', metrics).group(1))
+        finished = sum(float(x) for x in re.findall(r'neuron:request_success_total\{[^}]*\} (\S+)', metrics))
         assert started == finished == stats["sent"] + len(PROMPTS)
         growth_mb = (stats["rss_end"] - stats["rss_start"]) / 1024
         assert growth_mb < 64, f"memory grew by {growth_mb:.0f} MB"

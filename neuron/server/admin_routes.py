@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import protocol as p
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -51,10 +53,13 @@ async def load_model(request: Request) -> Response:
     if body.quant is not None:
         raise ApiError(400, "invalid_request", "run-time quantisation is not supported; quant must be null",
                        param="quant")
+    registered = {h.id: h.entry.model for h in state.registry.models.values()}
+    allowed = await asyncio.to_thread(state.access.check, body.model, registered)  # it may look at the disk
     base = ModelEntry()
     try:
-        entry = ModelEntry(model=body.model, id=body.id or "", tensor_parallel=body.tensor_parallel,
-                           device=body.device, devices=body.devices or [], dtype=body.dtype,
+        entry = ModelEntry(model=allowed.model, id=body.id or allowed.default_id or "",
+                           tensor_parallel=body.tensor_parallel, device=body.device, devices=body.devices or [],
+                           dtype=body.dtype,
                            max_model_len=body.max_model_len or base.max_model_len,
                            max_slots=body.max_slots or base.max_slots)
         validate(Config(models=[entry]))
@@ -63,7 +68,10 @@ async def load_model(request: Request) -> Response:
     try:
         handle = await state.registry.load(entry)
     except LoadError as exc:
-        raise from_load_error(exc) from None
+        err = from_load_error(exc)
+        # Said with the name the client gave: a cache snapshot's path is none of its business.
+        err.message = err.message.replace(allowed.model, body.model)
+        raise err from None
     return JSONResponse(handle.describe())
 
 

@@ -1,4 +1,5 @@
-"""The Starlette application: a list of routes over one shared AppState."""
+"""The Starlette application: the route table over one shared AppState, behind the request-id
+and (when configured) CORS middleware."""
 
 from __future__ import annotations
 
@@ -8,16 +9,22 @@ from contextlib import asynccontextmanager
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route
 
-from neuron.config import Config
+from neuron.config import Config, ServerConfig
+from neuron.engine.request import FinishEvent, GenRequest
 from neuron.errors import ApiError
 from neuron.loader.errors import LoadError
 from neuron.registry import Registry
 
-from . import admin_routes, openai_routes
 from .errors import api_error_handler, http_error_handler, internal_error_handler, load_error_handler
 from .metrics import Metrics
+from .model_access import ModelAccess
+from .request_id import HEADER, RequestIdMiddleware
+from .request_trace import log_finish, trace_of
+from .routes import route_table
 from .state import AppState
 
 log = logging.getLogger("neuron.server")
@@ -25,7 +32,14 @@ log = logging.getLogger("neuron.server")
 
 def create_app(cfg: Config) -> Starlette:
     metrics = Metrics()
-    state = AppState(cfg=cfg, registry=Registry(cfg, on_finish=metrics.request_finished), metrics=metrics)
+
+    def on_finish(model: str, req: GenRequest, fin: FinishEvent) -> None:
+        trace = trace_of(req)
+        metrics.request_finished(model, req, fin, trace)
+        log_finish(model, req, fin, trace)
+
+    state = AppState(cfg=cfg, registry=Registry(cfg, on_finish=on_finish), metrics=metrics,
+                     access=ModelAccess.from_config(cfg))
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
@@ -36,25 +50,25 @@ def create_app(cfg: Config) -> Starlette:
             task.cancel()
             await state.registry.shutdown()
 
-    routes = [
-        Route("/v1/chat/completions", openai_routes.chat_completions, methods=["POST"]),
-        Route("/v1/completions", openai_routes.completions, methods=["POST"]),
-        Route("/v1/models", openai_routes.list_models, methods=["GET"]),
-        Route("/health", admin_routes.health, methods=["GET"]),
-        Route("/metrics", admin_routes.metrics, methods=["GET"]),
-        Route("/models", admin_routes.list_models, methods=["GET"]),
-        Route("/models/load", admin_routes.load_model, methods=["POST"]),
-        Route("/models/unload", admin_routes.unload_model, methods=["POST"]),
-        Route("/debug/fault", admin_routes.inject_fault, methods=["POST"]),
-    ]
+    routes = [Route(r.path, r.endpoint, methods=[r.method]) for r in route_table()]
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
+        middleware=_middleware(cfg.server),
         exception_handlers={ApiError: api_error_handler, LoadError: load_error_handler,
                             HTTPException: http_error_handler, Exception: internal_error_handler},
     )
     app.state.neuron = state
     return app
+
+
+def _middleware(server: ServerConfig) -> list[Middleware]:
+    stack = [Middleware(RequestIdMiddleware)]
+    if server.cors_allow_origins:  # off by default: no origin may read our answers from a browser
+        stack.append(Middleware(CORSMiddleware, allow_origins=server.cors_allow_origins,
+                                allow_methods=server.cors_allow_methods, allow_headers=server.cors_allow_headers,
+                                expose_headers=[HEADER], max_age=600))
+    return stack
 
 
 async def _load_startup_models(state: AppState) -> None:

@@ -11,6 +11,8 @@ from starlette.responses import JSONResponse
 from neuron.errors import ApiError
 from neuron.loader.errors import LoadError
 
+from .request_id import HEADER, request_id_header
+
 log = logging.getLogger("neuron.server")
 
 
@@ -18,8 +20,10 @@ def envelope(err: ApiError) -> dict:
     return {"error": {"message": err.message, "type": err.type, "code": err.code, "param": err.param}}
 
 
-def error_response(err: ApiError) -> JSONResponse:
-    headers = {"Retry-After": str(err.retry_after)} if err.retry_after is not None else None
+def error_response(err: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
+    headers = dict(headers or {})
+    if err.retry_after is not None:
+        headers["Retry-After"] = str(err.retry_after)
     return JSONResponse(envelope(err), status_code=err.status, headers=headers)
 
 
@@ -45,5 +49,9 @@ async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def internal_error_handler(request: Request, exc: Exception) -> JSONResponse:
-    log.exception("internal error on %s %s", request.method, request.url.path)
-    return error_response(ApiError(500, "internal_error", f"internal error: {type(exc).__name__}"))
+    """Runs outside the request-id middleware (in Starlette's ServerErrorMiddleware): the id is
+    added here."""
+    headers = request_id_header(request)
+    log.exception("internal error on %s %s", request.method, request.url.path,
+                  extra={"request_id": headers.get(HEADER)})
+    return error_response(ApiError(500, "internal_error", f"internal error: {type(exc).__name__}"), headers)

@@ -1,52 +1,111 @@
-"""Prometheus metrics of the leader."""
+"""Prometheus metrics of the leader, named and shaped as vLLM's (``vllm:`` becomes ``neuron:``)
+where they mean the same, so existing dashboards work with the prefix changed. Latencies come
+from the request's leader-side timeline (``RequestTrace``), never from rank clocks."""
 
 from __future__ import annotations
 
 import time
+from typing import Any, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from neuron.engine.request import FinishEvent, GenRequest
 
-_LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+from .request_trace import RequestTrace
+
+# vLLM's buckets, so histograms from both servers can be compared bucket by bucket.
+_TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+         40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_REQUEST = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+            480.0, 960.0, 1920.0, 7680.0)
+_TOKENS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))  # 1, 2, 5, 10, ... 5_000_000
+
+STATUSES = ("loading", "loaded", "poisoned", "recovering", "failed", "unloading")
+
+
+class _EngineState:
+    """Read at scrape time from each Engine's stats, so a model that is unloaded drops out."""
+
+    def __init__(self) -> None:
+        self.models: dict[str, Any] = {}
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        label = ["model_name"]
+        running = GaugeMetricFamily("neuron:num_requests_running", "Requests in the running batch", labels=label)
+        waiting = GaugeMetricFamily("neuron:num_requests_waiting", "Requests waiting to be scheduled", labels=label)
+        kv = GaugeMetricFamily("neuron:kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent", labels=label)
+        preempt = CounterMetricFamily("neuron:num_preemptions", "Preemptions of running requests", labels=label)
+        queries = CounterMetricFamily("neuron:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      labels=label)
+        hits = CounterMetricFamily("neuron:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                   labels=label)
+        status = GaugeMetricFamily("neuron:model_status", "1 for the model's current status",
+                                   labels=["model_name", "status"])
+        for model_id, handle in list(self.models.items()):
+            stats = handle.engine.stats()
+            running.add_metric([model_id], stats.running)
+            waiting.add_metric([model_id], stats.waiting)
+            kv.add_metric([model_id], stats.kv_usage)
+            preempt.add_metric([model_id], stats.preemptions)
+            queries.add_metric([model_id], stats.prefix_cache_queries)
+            hits.add_metric([model_id], stats.prefix_cache_hits)
+            for name in STATUSES:
+                status.add_metric([model_id, name], 1 if handle.status == name else 0)
+        yield from (running, waiting, kv, preempt, queries, hits, status)
 
 
 class Metrics:
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter("neuron_requests", "Requests finished, by outcome", ["model", "outcome"], registry=r)
-        self.started = Counter("neuron_requests_started", "Requests admitted", ["model"], registry=r)
-        self.prompt_tokens = Counter("neuron_prompt_tokens", "Prompt tokens processed", ["model"], registry=r)
-        self.generation_tokens = Counter("neuron_generation_tokens", "Tokens generated", ["model"], registry=r)
-        self.ttft = Histogram("neuron_time_to_first_token_seconds", "Time to first token", ["model"],
-                              buckets=_LATENCY, registry=r)
-        self.e2e = Histogram("neuron_request_latency_seconds", "End-to-end request latency", ["model"],
-                             buckets=_LATENCY, registry=r)
-        self.running = Gauge("neuron_running_requests", "Sequences in the batch", ["model"], registry=r)
-        self.waiting = Gauge("neuron_waiting_requests", "Requests in the admission queue", ["model"], registry=r)
-        self.slots = Gauge("neuron_kv_slots_used", "KV slots in use", ["model"], registry=r)
-        self.status = Gauge("neuron_model_status", "1 for the model's current status", ["model", "status"], registry=r)
+        self.registry = r = CollectorRegistry()
+        self.engines = _EngineState()
+        r.register(self.engines)
+        label = ["model_name"]
+        self.started = Counter("neuron:requests_started", "Requests handed to an engine", label, registry=r)
+        self.success = Counter("neuron:request_success", "Finished requests, by finish reason",
+                               ["model_name", "finished_reason"], registry=r)
+        self.prompt_tokens = Counter("neuron:prompt_tokens", "Prompt tokens of finished requests", label,
+                                     registry=r)
+        self.generation_tokens = Counter("neuron:generation_tokens", "Tokens generated", label, registry=r)
+        self.ttft = Histogram("neuron:time_to_first_token_seconds", "From arrival to the first token", label,
+                              buckets=_TTFT, registry=r)
+        self.itl = Histogram("neuron:inter_token_latency_seconds", "Between consecutive token events", label,
+                             buckets=_ITL, registry=r)
+        self.e2e = Histogram("neuron:e2e_request_latency_seconds", "From arrival to finish", label,
+                             buckets=_REQUEST, registry=r)
+        self.queue = Histogram("neuron:request_queue_time_seconds", "From arrival to a place in the batch",
+                               label, buckets=_REQUEST, registry=r)
+        self.request_prompt = Histogram("neuron:request_prompt_tokens", "Prompt tokens per request", label,
+                                        buckets=_TOKENS, registry=r)
+        self.request_generation = Histogram("neuron:request_generation_tokens", "Generated tokens per request",
+                                            label, buckets=_TOKENS, registry=r)
 
     def request_started(self, model: str) -> None:
         self.started.labels(model).inc()
 
-    def request_finished(self, model: str, req: GenRequest, fin: FinishEvent) -> None:
-        outcome = "error" if fin.error else fin.reason
-        self.requests.labels(model, outcome).inc()
+    def request_finished(self, model: str, req: GenRequest, fin: FinishEvent, trace: RequestTrace | None) -> None:
+        reason = "error" if fin.error else fin.reason
+        self.success.labels(model, reason).inc()
         self.prompt_tokens.labels(model).inc(fin.prompt_tokens)
         self.generation_tokens.labels(model).inc(fin.completion_tokens)
-        now = time.monotonic()
-        if req.first_token_at is not None:
-            self.ttft.labels(model).observe(req.first_token_at - req.arrival)
-        self.e2e.labels(model).observe(now - req.arrival)
+        self.request_prompt.labels(model).observe(fin.prompt_tokens)
+        self.request_generation.labels(model).observe(fin.completion_tokens)
+        self.e2e.labels(model).observe(time.monotonic() - req.arrival)
+        if trace is None:
+            return
+        if trace.admitted_at is not None:
+            self.queue.labels(model).observe(trace.admitted_at - req.arrival)
+        times = trace.token_times
+        if times:
+            self.ttft.labels(model).observe(times[0] - req.arrival)
+        itl = self.itl.labels(model)
+        for before, after in zip(times, times[1:]):
+            itl.observe(after - before)
 
-    def render(self, models: dict) -> bytes:
-        for model_id, handle in models.items():
-            stats = handle.engine.stats()
-            self.running.labels(model_id).set(stats.running)
-            self.waiting.labels(model_id).set(stats.waiting)
-            self.slots.labels(model_id).set(stats.slots_used)
-            for status in ("loading", "loaded", "poisoned", "recovering", "failed", "unloading"):
-                self.status.labels(model_id, status).set(1 if handle.status == status else 0)
+    def render(self, models: dict[str, Any]) -> bytes:
+        self.engines.models = models
         return generate_latest(self.registry)

@@ -14,6 +14,8 @@ from neuron.errors import ApiError
 from neuron.registry import ModelHandle
 
 from .errors import envelope
+from .request_id import request_id
+from .request_trace import RequestTrace, log_start, log_unserved
 from .requests import chat_prompt, completion_prompt, make_request, read_json
 from .schemas import ChatRequest, CompletionRequest, SamplingFields
 from .state import AppState, require_key
@@ -92,14 +94,23 @@ async def _unless_disconnected(request: Request, aw: Awaitable[T], req: GenReque
 
 async def _respond(request: Request, state: AppState, handle: ModelHandle, req: GenRequest, view: View,
                    stream: bool, include_usage: bool) -> Response:
+    trace = RequestTrace(request_id(request), handle.id, request.url.path)
+    trace.attach(req)
+    log_start(trace, req, stream)
+    try:
+        handle.engine.submit(req)
+    except ApiError as exc:
+        log_unserved(trace, "refused", exc.status, exc.code)
+        raise
     state.metrics.request_started(handle.id)
-    handle.engine.submit(req)
     try:
         await _unless_disconnected(request, asyncio.shield(req.admitted), req, handle)
     except asyncio.CancelledError:
+        log_unserved(trace, "abort", 499, "client_disconnected")
         return Response(status_code=499)
-    except ApiError:
+    except ApiError as exc:
         handle.engine.abort(req)
+        log_unserved(trace, "refused", exc.status, exc.code)
         raise
     if stream:
         return StreamingResponse(_sse(handle, req, view, include_usage), media_type="text/event-stream",

@@ -16,7 +16,7 @@ from neuron.loader.chat_template import TemplateError, render_chat
 from neuron.registry import ModelHandle
 from protocol import Sampling
 
-from .schemas import ChatRequest, CompletionRequest, SamplingFields
+from .schemas import ChatRequest, CompletionRequest, Message, SamplingFields
 
 T = TypeVar("T")
 
@@ -85,9 +85,17 @@ def resolve_sampling(body: SamplingFields, handle: ModelHandle, prompt_len: int,
 
 
 def chat_prompt(body: ChatRequest, handle: ModelHandle) -> list[int]:
-    _check(bool(body.messages), "messages", "messages must not be empty")
+    return encode_chat(body.messages, handle, tools=body.tools, template_kwargs=body.chat_template_kwargs)
+
+
+def encode_chat(messages_in: list[Message], handle: ModelHandle, *, tools: list[dict[str, Any]] | None = None,
+                template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True,
+                add_special_tokens: bool = False) -> list[int]:
+    """The conversation through the model's chat template, as the model will see it (also
+    ``/tokenize``'s, so its count is the request's prompt_tokens)."""
+    _check(bool(messages_in), "messages", "messages must not be empty")
     messages = []
-    for i, m in enumerate(body.messages):
+    for i, m in enumerate(messages_in):
         _check(m.role in ("system", "user", "assistant", "tool", "developer"), f"messages.{i}.role",
                f"unknown role {m.role[:40]!r}")
         content = m.content
@@ -102,17 +110,16 @@ def chat_prompt(body: ChatRequest, handle: ModelHandle) -> list[int]:
         messages.append(message)
     info = handle.spec.tokenizer
     try:
-        text = render_chat(info.chat_template, messages, tools=body.tools, bos_token=info.bos_token,
+        text = render_chat(info.chat_template, messages, tools=tools, bos_token=info.bos_token,
                            eos_token=info.token(info.eos_token_ids[0]) if info.eos_token_ids else None,
-                           extra=body.chat_template_kwargs)
+                           extra=template_kwargs, add_generation_prompt=add_generation_prompt)
     except TemplateError as exc:
         raise ApiError(400, "invalid_request", str(exc), param="messages") from None
-    return _with_bos(info, info.tokenizer.encode(text, add_special_tokens=False).ids)
+    return _with_bos(info, info.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
 
 def completion_prompt(body: CompletionRequest, handle: ModelHandle) -> list[int]:
     prompt = body.prompt
-    info = handle.spec.tokenizer
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         vocab = handle.spec.config.vocab_size
         _check(all(0 <= t < vocab for t in prompt), "prompt", f"token ids must be in [0, {vocab})")
@@ -122,7 +129,13 @@ def completion_prompt(body: CompletionRequest, handle: ModelHandle) -> list[int]
                "prompt must be a string, one string in a list, or a list of token ids")
         prompt = prompt[0]
     _check(isinstance(prompt, str) and prompt != "", "prompt", "prompt must be a non-empty string")
-    return _with_bos(info, info.tokenizer.encode(prompt, add_special_tokens=True).ids)
+    return encode_text(prompt, handle)  # type: ignore[arg-type]
+
+
+def encode_text(prompt: str, handle: ModelHandle, *, add_special_tokens: bool = True) -> list[int]:
+    info = handle.spec.tokenizer
+    ids = info.tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids
+    return _with_bos(info, ids) if add_special_tokens else ids
 
 
 def _with_bos(info, ids: list[int]) -> list[int]:

@@ -83,3 +83,45 @@ class FaultRequest(msgspec.Struct):
     model: str
     rank: int = 0
     kind: str = "oom"
+
+
+class TokenizeRequest(msgspec.Struct):
+    """vLLM's ``/tokenize``: ``prompt`` (a completion prompt) or ``messages`` (a conversation
+    through the chat template), not both."""
+    model: str | None = None  # default: the only model loaded
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool | None = None  # default: true for prompt, false for messages (as vLLM)
+    return_token_strs: bool = False
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeResponse(msgspec.Struct, omit_defaults=True):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str | None] | None = None
+
+
+class DetokenizeRequest(msgspec.Struct):
+    tokens: list[int]
+    model: str | None = None
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str
+
+
+class ErrorDetail(msgspec.Struct):
+    message: str
+    type: str
+    code: str
+    param: str | None = None
+
+
+class ErrorEnvelope(msgspec.Struct):
+    """Every error of every route."""
+    error: ErrorDetail

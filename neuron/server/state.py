@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hmac
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from starlette.requests import Request
@@ -13,6 +13,7 @@ from neuron.errors import ApiError
 from neuron.registry import Registry
 
 from .metrics import Metrics
+from .model_access import ModelAccess
 
 
 @dataclass
@@ -20,6 +21,7 @@ class AppState:
     cfg: Config
     registry: Registry
     metrics: Metrics
+    access: ModelAccess = field(default_factory=ModelAccess)
     starting: bool = True
     draining: bool = False
     startup_error: str | None = None

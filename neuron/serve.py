@@ -1,0 +1,125 @@
+"""``neuron serve``: the daemon's startup. Flags over the TOML file over defaults; refuses to
+expose the admin routes beyond loopback without a key unless told to; SIGTERM drains."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import ipaddress
+import logging
+import os
+import sys
+
+import uvicorn
+
+from .config import Config, ConfigError, ModelEntry, load_config, validate
+from .logs import configure_logging
+from .server.app import create_app
+
+log = logging.getLogger("neuron")
+
+
+class NeuronServer(uvicorn.Server):
+    """uvicorn, with SIGTERM meaning: stop admitting (503), drain in-flight requests up to the
+    drain deadline, then shut down. A second signal stops at once."""
+
+    def __init__(self, config: uvicorn.Config, app_state) -> None:
+        super().__init__(config)
+        self.app_state = app_state
+        self.exit_code = 0
+        self._drain: asyncio.Task | None = None
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self._drain is not None:
+            super().handle_exit(sig, frame)
+            return
+        self.app_state.draining = True
+        self.app_state.registry.stop_admission()
+        loop = asyncio.get_event_loop()
+        self._drain = loop.create_task(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        timeout = self.app_state.cfg.server.drain_timeout_s
+        log.info("draining in-flight requests (up to %.0fs)", timeout)
+        if not await self.app_state.registry.drain(timeout):
+            log.warning("drain deadline passed; aborting what is left")
+        self.should_exit = True
+
+    def fail_startup(self, message: str) -> None:
+        self.exit_code = 1
+        self.should_exit = True
+
+
+def apply_flags(cfg: Config, args: argparse.Namespace) -> Config:
+    if args.host:
+        cfg.server.host = args.host
+    if args.port is not None:
+        cfg.server.port = args.port
+    if args.insecure_admin:
+        cfg.server.allow_insecure_admin = True
+    if args.model:  # the configured model's settings, for another model
+        first = cfg.models[0] if cfg.models else ModelEntry()
+        cfg.models = [dataclasses.replace(first, model=args.model, id="")]
+    for entry in cfg.models:
+        if args.tensor_parallel is not None:
+            entry.tensor_parallel = args.tensor_parallel
+        if args.device:
+            entry.device = args.device
+    validate(cfg)
+    return cfg
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name we cannot vouch for, or "" (every interface)
+
+
+def admin_exposure(cfg: Config) -> str | None:
+    """Why this bind must be refused, or None. Beyond loopback, an open /models/load lets anyone
+    who reaches the port load and unload models."""
+    server = cfg.server
+    if is_loopback(server.host) or server.admin_api_key or server.allow_insecure_admin:
+        return None
+    return (f"refusing to serve on {server.host!r} without an admin key: anyone who can reach port "
+            f"{server.port} could load and unload models. Set [server] admin_api_key (or "
+            f"NEURON_SERVER__ADMIN_API_KEY), bind to 127.0.0.1, or accept the risk with --insecure-admin "
+            f"([server] allow_insecure_admin = true).")
+
+
+async def serve(cfg: Config) -> int:
+    app = create_app(cfg)
+    state = app.state.neuron
+    # log_config=None: uvicorn's own lines go through our handler (text or JSON) like the rest.
+    config = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, log_level=cfg.server.log_level,
+                            log_config=None, lifespan="on", timeout_graceful_shutdown=5, access_log=False)
+    server = NeuronServer(config, state)
+    state.on_startup_failure = server.fail_startup
+    await server.serve()
+    return server.exit_code
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    try:
+        cfg = apply_flags(load_config(args.config or os.environ.get("NEURON_CONFIG")), args)
+    except ConfigError as exc:
+        print(f"neuron: {exc}", file=sys.stderr)
+        return 2
+    refused = admin_exposure(cfg)
+    if refused is not None:
+        print(f"neuron: {refused}", file=sys.stderr)
+        return 2
+    configure_logging(cfg.server.log_level, cfg.server.log_format)
+    if not is_loopback(cfg.server.host) and not cfg.server.admin_api_key:
+        log.warning("serving on %r with no admin key: anyone who can reach port %d can load and unload "
+                    "models (allowed by --insecure-admin / [server] allow_insecure_admin)",
+                    cfg.server.host, cfg.server.port)
+    try:
+        import uvloop
+        return uvloop.run(serve(cfg))
+    except ImportError:
+        return asyncio.run(serve(cfg))

@@ -1,0 +1,60 @@
+"""Every HTTP route in one table: the app is built from it and ``/openapi.json`` is generated from
+it, with the same msgspec Structs the route decodes its body with, so neither can drift."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from . import admin_routes, openai_routes, tokenize_routes
+from .schemas import (ChatRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, FaultRequest,
+                      LoadRequest, TokenizeRequest, TokenizeResponse, UnloadRequest)
+
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+@dataclass(frozen=True)
+class ApiRoute:
+    method: str
+    path: str
+    endpoint: Endpoint
+    summary: str
+    tag: str
+    auth: str | None = None  # "api": the inference key; "admin": the admin key; None: open
+    body: type | None = None  # the Struct the body is decoded into
+    response: type | None = None  # the Struct of a 200 answer, where it has one
+    streams: bool = False  # may answer text/event-stream
+
+
+ROUTES: list[ApiRoute] = [
+    ApiRoute("POST", "/v1/chat/completions", openai_routes.chat_completions, "Chat completion (SSE with stream)",
+             "openai", "api", ChatRequest, streams=True),
+    ApiRoute("POST", "/v1/completions", openai_routes.completions, "Text completion (SSE with stream)",
+             "openai", "api", CompletionRequest, streams=True),
+    ApiRoute("GET", "/v1/models", openai_routes.list_models, "Models that serve requests", "openai", "api"),
+    ApiRoute("POST", "/tokenize", tokenize_routes.tokenize, "Prompt or conversation to token ids", "tokens",
+             "api", TokenizeRequest, TokenizeResponse),
+    ApiRoute("POST", "/detokenize", tokenize_routes.detokenize, "Token ids to text", "tokens", "api",
+             DetokenizeRequest, DetokenizeResponse),
+    ApiRoute("GET", "/health", admin_routes.health, "200 when every model can serve, else 503 and why",
+             "operations"),
+    ApiRoute("GET", "/metrics", admin_routes.metrics, "Prometheus text", "operations", "admin"),
+    ApiRoute("GET", "/models", admin_routes.list_models, "Every model with its status", "admin", "admin"),
+    ApiRoute("POST", "/models/load", admin_routes.load_model, "Load a model (concurrent loads coalesce)",
+             "admin", "admin", LoadRequest),
+    ApiRoute("POST", "/models/unload", admin_routes.unload_model, "Unload a model after its requests end",
+             "admin", "admin", UnloadRequest),
+    ApiRoute("POST", "/debug/fault", admin_routes.inject_fault,
+             "Test hook: a rank fails its next step (only with [debug] fault_injection)", "debug", "admin",
+             FaultRequest),
+]
+
+
+def route_table() -> list[ApiRoute]:
+    from . import openapi  # the document route reads this table: imported late
+
+    return [*ROUTES, ApiRoute("GET", "/openapi.json", openapi.openapi_json, "This document", "operations")]
+

@@ -1,0 +1,67 @@
+"""``/tokenize`` and ``/detokenize`` as vLLM has them, through the same template and tokenizer
+code as the completion routes: a conversation's ``count`` is what its chat completion reports as
+``prompt_tokens``."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from neuron.errors import ApiError
+from neuron.registry import ModelHandle
+
+from .requests import encode_chat, encode_text, read_json
+from .schemas import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from .state import AppState, require_key
+
+
+def _json(body: msgspec.Struct) -> Response:
+    return Response(msgspec.json.encode(body), media_type="application/json")
+
+
+def _model(state: AppState, name: str | None) -> ModelHandle:
+    if name is not None:
+        return state.registry.get(name)
+    models = list(state.registry.models.values())
+    if len(models) != 1:
+        raise ApiError(400, "invalid_request", f"model is required when {len(models)} models are loaded",
+                       param="model")
+    return models[0]
+
+
+async def tokenize(request: Request) -> Response:
+    state: AppState = request.app.state.neuron
+    require_key(request, state, admin=False)
+    body = await read_json(request, TokenizeRequest, state.cfg.server.max_body_bytes)
+    handle = _model(state, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise ApiError(400, "invalid_request", "give either prompt or messages", param="prompt")
+    if body.continue_final_message:
+        raise ApiError(400, "invalid_request", "continue_final_message is not supported",
+                       param="continue_final_message")
+    if body.messages is not None:
+        ids = await asyncio.to_thread(
+            encode_chat, body.messages, handle, tools=body.tools, template_kwargs=body.chat_template_kwargs,
+            add_generation_prompt=body.add_generation_prompt, add_special_tokens=bool(body.add_special_tokens))
+    else:
+        ids = await asyncio.to_thread(encode_text, body.prompt or "", handle,
+                                      add_special_tokens=body.add_special_tokens is not False)
+    tk = handle.spec.tokenizer.tokenizer
+    strs = [tk.id_to_token(i) for i in ids] if body.return_token_strs else None
+    return _json(TokenizeResponse(count=len(ids), max_model_len=handle.max_len, tokens=ids, token_strs=strs))
+
+
+async def detokenize(request: Request) -> Response:
+    state: AppState = request.app.state.neuron
+    require_key(request, state, admin=False)
+    body = await read_json(request, DetokenizeRequest, state.cfg.server.max_body_bytes)
+    handle = _model(state, body.model)
+    vocab = handle.spec.config.vocab_size
+    if not all(0 <= t < vocab for t in body.tokens):
+        raise ApiError(400, "invalid_request", f"token ids must be in [0, {vocab})", param="tokens")
+    tk = handle.spec.tokenizer.tokenizer
+    text = await asyncio.to_thread(tk.decode, body.tokens, skip_special_tokens=False)
+    return _json(DetokenizeResponse(prompt=text))
