@@ -53,6 +53,7 @@ class ModelEntry:
 class EngineConfig:
     max_batch_tokens: int = 0  # 0: by device (see engine_sizes)
     prefill_chunk: int = 0
+    prefill_chunk_decoding: int = 0
     queue_size: int = 64
     max_queue_wait_s: float = 60.0
     overlap_steps: bool = True
@@ -206,14 +207,17 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"server.model_roots: {root!r} must be an absolute path")
     if cfg.runtime.transport not in ("ipc", "tcp"):
         raise ConfigError("runtime.transport must be ipc or tcp")
-    if cfg.engine.queue_size < 1 or cfg.engine.max_batch_tokens < 0 or cfg.engine.prefill_chunk < 0:
+    if (cfg.engine.queue_size < 1 or cfg.engine.max_batch_tokens < 0 or cfg.engine.prefill_chunk < 0
+            or cfg.engine.prefill_chunk_decoding < 0):
         raise ConfigError("engine sizes must be positive (0 for the device's default)")
 
 
-def engine_sizes(engine: EngineConfig, entry: ModelEntry, on_gpu: bool) -> tuple[int, int]:
-    """(max_batch_tokens, prefill_chunk) for a model: the configured values, or the device's
-    defaults. On a GPU a 512-token chunk already keeps the matrix units busy, and a step
-    carries at most one chunk beside the decodes, so running streams stall little."""
-    chunk = engine.prefill_chunk or (512 if on_gpu else 256)
+def engine_sizes(engine: EngineConfig, entry: ModelEntry, on_gpu: bool) -> tuple[int, int, int]:
+    """(max_batch_tokens, prefill_chunk, prefill_chunk_decoding) for a model: the configured
+    values, or the device's defaults. On a GPU a prompt alone goes in 2048-token chunks (a
+    4096-token prompt is two steps), but beside running decodes a step takes at most 256 prompt
+    tokens, so the streams it shares a step with stall little."""
+    chunk = engine.prefill_chunk or (2048 if on_gpu else 256)
     budget = engine.max_batch_tokens or (chunk + entry.max_slots if on_gpu else 4 * chunk)
-    return budget, min(chunk, budget)
+    decoding = engine.prefill_chunk_decoding or (256 if on_gpu else chunk)
+    return budget, min(chunk, budget), min(decoding, chunk)

@@ -64,6 +64,7 @@ class ModelHandle:
             "kv_blocks": stats.kv_blocks, "block_size": self.entry.block_size, "kv_usage": round(stats.kv_usage, 4),
             "kv_bytes": self.kv_bytes, "cuda_graphs": self.graphs, "preemptions": stats.preemptions,
             "max_batch_tokens": z.max_batch_tokens, "prefill_chunk": z.prefill_chunk,
+            "prefill_chunk_decoding": z.prefill_chunk_decoding,
             "leader_ms_per_step": round(stats.leader_ms_per_step, 4), "step_ms": round(stats.step_ms, 3),
         }
 
@@ -116,9 +117,10 @@ class Registry:
         except ShardingError as exc:
             raise LoadError(f"model {model_id!r} cannot be split: {exc}") from None
         max_len = min(entry.max_model_len, spec.context_length)
-        budget, chunk = engine_sizes(self.cfg.engine, entry, devices[0].startswith("cuda"))
+        budget, chunk, chunk_decoding = engine_sizes(self.cfg.engine, entry, devices[0].startswith("cuda"))
         handle = ModelHandle(model_id, entry, spec, devices, default_dtype(devices, entry.dtype), max_len,
-                             Engine(model_id, self.cfg.engine, Sizing(entry.max_slots, max_len, budget, chunk)))
+                             Engine(model_id, self.cfg.engine, Sizing(entry.max_slots, max_len, budget, chunk,
+                                                                      chunk_decoding)))
         if self.on_finish is not None:
             hook = self.on_finish
             handle.engine.on_finish = lambda req, fin: hook(model_id, req, fin)

@@ -40,22 +40,32 @@ def model_info(server) -> dict:
 
 
 @pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """Sixteen slots: every request of a batch runs at once."""
+    config = (f'[[models]]\nmodel = "{DEFAULT_MODEL}"\nmax_model_len = 512\nmax_slots = 16\n'
+              f'[engine]\nmax_queue_wait_s = 600\n')
+    server = start_server(tmp_path_factory.mktemp("wide"), config=config)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
 def small_cache(tmp_path_factory):
     """Room for about two and a half of the requests below at once: the rest wait, and running
     ones get preempted."""
     config = (f'[[models]]\nmodel = "{DEFAULT_MODEL}"\nmax_model_len = 192\nmax_slots = 6\n'
-              f'kv_cache_tokens = 192\nblock_size = 16\n')
+              f'kv_cache_tokens = 192\nblock_size = 16\n[engine]\nmax_queue_wait_s = 600\n')
     server = start_server(tmp_path_factory.mktemp("small-cache"), config=config)
     yield server
     server.stop()
 
 
-def test_sixteen_concurrent_requests_of_different_lengths_get_what_each_gets_alone(tp1):
+def test_sixteen_concurrent_requests_of_different_lengths_get_what_each_gets_alone(wide):
     jobs = list(zip(PROMPTS, LENGTHS))
-    alone = [completion(tp1, *job)["choices"][0]["token_ids"] for job in jobs]
-    both = [r["choices"][0]["token_ids"] for r in together(tp1, jobs)]
+    alone = [completion(wide, *job)["choices"][0]["token_ids"] for job in jobs]
+    both = [r["choices"][0]["token_ids"] for r in together(wide, jobs)]
     assert both == alone
-    assert [len(t) for t in alone] == LENGTHS or all(len(t) <= n for t, n in zip(alone, LENGTHS))
+    assert all(0 < len(t) <= n for t, n in zip(alone, LENGTHS))
 
 
 def test_requests_wait_for_blocks_and_preempted_ones_are_recomputed_to_the_same_tokens(small_cache):
@@ -70,12 +80,12 @@ def test_requests_wait_for_blocks_and_preempted_ones_are_recomputed_to_the_same_
     assert info["kv_usage"] == 0 and info["running"] == 0 and info["waiting"] == 0
 
 
-def test_a_stop_with_the_next_step_in_flight_emits_nothing_after_it(tp1):
+def test_a_stop_with_the_next_step_in_flight_emits_nothing_after_it(wide):
     from neuron.loader.spec import load_spec
 
     tokenizer = load_spec(DEFAULT_MODEL).tokenizer.tokenizer
     prompt = "The capital of France is"
-    full = completion(tp1, prompt, 24, ignore_eos=True)["choices"][0]
+    full = completion(wide, prompt, 24, ignore_eos=True)["choices"][0]
     ids = full["token_ids"]
     # The first token from the 4th on whose text is new: a stop string made of it ends the answer there.
     k = next(i for i in range(3, len(ids)) if (piece := tokenizer.decode([ids[i]]).strip())
@@ -87,24 +97,24 @@ def test_a_stop_with_the_next_step_in_flight_emits_nothing_after_it(tp1):
                 "stop": [stop], "return_token_ids": True, "stream": stream}
         got_ids, text = [], ""
         if stream:
-            with httpx.stream("POST", f"{tp1.base}/completions", json=body, timeout=120) as r:
+            with httpx.stream("POST", f"{wide.base}/completions", json=body, timeout=120) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: {"):
                         choice = json.loads(line[6:])["choices"][0]
                         got_ids += choice.get("token_ids") or []
                         text += choice.get("text") or ""
         else:
-            choice = httpx.post(f"{tp1.base}/completions", json=body, timeout=120).json()["choices"][0]
+            choice = httpx.post(f"{wide.base}/completions", json=body, timeout=120).json()["choices"][0]
             got_ids, text = choice["token_ids"], choice["text"]
             assert choice["finish_reason"] == "stop"
         assert got_ids == ids[: k + 1]  # up to the token that completed the stop, and not one more
         assert stop not in text and text.rstrip() == shown.rstrip()
-    assert model_info(tp1)["kv_usage"] == 0
+    assert model_info(wide)["kv_usage"] == 0
 
 
-def test_max_tokens_ends_the_stream_exactly_even_with_steps_in_flight(tp1):
+def test_max_tokens_ends_the_stream_exactly_even_with_steps_in_flight(wide):
     for n in (1, 2, 3, 17):
-        out = completion(tp1, "Once upon a time", n, ignore_eos=True)
+        out = completion(wide, "Once upon a time", n, ignore_eos=True)
         assert out["usage"]["completion_tokens"] == n and len(out["choices"][0]["token_ids"]) == n
 
 

@@ -44,7 +44,8 @@ class Sizing:
     max_slots: int
     max_len: int
     max_batch_tokens: int
-    prefill_chunk: int
+    prefill_chunk: int  # the longest prompt chunk of a step
+    prefill_chunk_decoding: int  # ... of a step that also carries decodes
 
 
 class Engine:
@@ -73,7 +74,8 @@ class Engine:
 
     def _scheduler(self, num_blocks: int, block_size: int) -> Scheduler:
         z = self.sizing
-        return Scheduler(z.max_slots, self.max_len, num_blocks, block_size, z.max_batch_tokens, z.prefill_chunk)
+        return Scheduler(z.max_slots, self.max_len, num_blocks, block_size, z.max_batch_tokens, z.prefill_chunk,
+                         z.prefill_chunk_decoding)
 
     # ----------------------------------------------------------------------------- control
     def attach(self, group: RankGroup, num_blocks: int, block_size: int) -> None:

@@ -37,9 +37,10 @@ class Planned:
 
 class Scheduler:
     def __init__(self, max_slots: int, max_len: int, num_blocks: int, block_size: int, max_batch_tokens: int,
-                 prefill_chunk: int) -> None:
+                 prefill_chunk: int, prefill_chunk_decoding: int | None = None) -> None:
         self.max_slots, self.max_len = max_slots, max_len
         self.max_batch_tokens, self.prefill_chunk = max_batch_tokens, prefill_chunk
+        self.prefill_chunk_decoding = prefill_chunk_decoding or prefill_chunk
         self.blocks = BlockManager(num_blocks, block_size)
         self.free_slots: deque[int] = deque(range(max_slots))
         self.waiting: deque[GenRequest] = deque()
@@ -110,13 +111,16 @@ class Scheduler:
             token = req.output[-1] if not req.pending else DEVICE_TOKEN
             plan.append(self._plan(req, [token], True))
             budget -= 1
+        # Beside running decodes a step takes a smaller prompt chunk: it sets their latency.
+        chunk = self.prefill_chunk_decoding if plan else self.prefill_chunk
+        budget = min(budget, chunk)
         for req in self.running:
             if budget <= 0:
                 break
             if req.pending or req.computed >= len(req.prompt) + len(req.output):
                 continue
             known = req.prompt + req.output
-            n = min(len(known) - req.computed, self.prefill_chunk, budget)
+            n = min(len(known) - req.computed, chunk, budget)
             last = req.computed + n == len(known)
             plan.append(self._plan(req, known[req.computed: req.computed + n], last and self._may_sample(req)))
             budget -= n

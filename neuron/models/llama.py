@@ -18,7 +18,7 @@ from protocol import ModelConfig
 from .layers import Collectives, WeightSource, rope_tables
 from .linear import Linear
 from .moe import SparseMoe
-from .ops import RopeTables, TorchOps
+from .ops import RopeTables, Rotary, TorchOps
 from .sharding import ShardPlan
 
 
@@ -35,10 +35,11 @@ class AttentionShape:
 
 
 class AttentionFn(Protocol):
-    """Stores this step's k/v of ``layer`` in the KV cache and attends each token's query over its
-    sequence's keys (causally). q [T, n_q, hd], k/v [T, n_kv, hd] -> [T, n_q * hd]."""
+    """Attention of one layer over the step's tokens: position q and k (``rotary`` at
+    ``positions``), store k/v in the KV cache, attend each token's query over its sequence's keys
+    (causally). ``qkv`` [T, n_q + 2 n_kv, hd] (the heads of q, k, v in a row) -> [T, n_q * hd]."""
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+    def __call__(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor, rotary: Rotary) -> torch.Tensor: ...
 
 
 def _rows(r: range, width: int) -> range:
@@ -79,11 +80,9 @@ class Attention:
         return [*self.qkv.tensors(), *self.o.tensors(), *norms]
 
     def __call__(self, x: torch.Tensor, layer: int, positions: torch.Tensor, rope: RopeTables,
-                 attend: AttentionFn, ops: TorchOps) -> torch.Tensor:
-        T, hd = x.shape[0], self.cfg.head_dim
-        q, k, v = self.qkv(x).view(T, self.n_q + 2 * self.n_kv, hd).split((self.n_q, self.n_kv, self.n_kv), dim=1)
-        q, k = ops.qk_norm_rope(q, k, positions, rope, self.q_norm, self.k_norm, self.cfg.rms_norm_eps)
-        return self.o(attend(layer, q, k, v))
+                 attend: AttentionFn) -> torch.Tensor:
+        qkv = self.qkv(x).view(x.shape[0], self.n_q + 2 * self.n_kv, self.cfg.head_dim)
+        return self.o(attend(layer, qkv, positions, Rotary(rope, self.q_norm, self.k_norm, self.cfg.rms_norm_eps)))
 
 
 class Mlp:
@@ -185,7 +184,7 @@ class CausalLM:
         residual = self.embed_tokens(ids)
         h = ops.rms_norm(residual, self.layers[0].attn_norm, eps)
         for i, layer in enumerate(self.layers):
-            h = self.comm.all_reduce(layer.attn(h, i, positions, self.rope, attend, ops))
+            h = self.comm.all_reduce(layer.attn(h, i, positions, self.rope, attend))
             h, residual = ops.add_rms_norm(h, residual, layer.mlp_norm, eps)
             h = self.comm.all_reduce(layer.mlp(h, ops))
             following = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.norm

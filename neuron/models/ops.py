@@ -18,6 +18,17 @@ class RopeTables:
     sin: torch.Tensor
 
 
+@dataclass(frozen=True)
+class Rotary:
+    """How a layer's queries and keys are positioned: the optional per-head RMS norm (qwen3's
+    q_norm/k_norm), then RoPE from ``rope``."""
+
+    rope: RopeTables
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    eps: float
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     h = x.float()

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from neuron.models.llama import AttentionShape
+from neuron.models.ops import Rotary, TorchOps
 
 # cuDNN's attention builds an execution plan for every new shape, tens of milliseconds each on an
 # H200, and a prompt chunk's key length is new almost every time. The others take any shape.
@@ -63,9 +64,11 @@ class StepMeta:
 
 
 class PagedAttention:
-    """The ``attend(layer, q, k, v)`` the model calls; ``meta`` is set by the runner each step."""
+    """The ``attend(layer, qkv, positions, rotary)`` the model calls; ``meta`` is set by the runner
+    each step."""
 
-    def __init__(self, kv: PagedKvCache, tables: torch.Tensor, shape: AttentionShape, triton: bool) -> None:
+    def __init__(self, kv: PagedKvCache, tables: torch.Tensor, shape: AttentionShape, triton: bool,
+                 max_rows: int = 1) -> None:
         self.kv, self.tables, self.shape = kv, tables, shape
         self.triton = triton
         self.kv_of_q = torch.tensor(shape.kv_of_q, device=tables.device, dtype=torch.int32)
@@ -74,16 +77,23 @@ class PagedAttention:
         if triton:
             from . import kernels
             self.kernels = kernels
+            # The split-K decode kernel's per-(sequence, head) arrival counters: left zero.
+            self.counters = torch.zeros(max_rows * shape.n_q, dtype=torch.int32, device=tables.device)
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor, rotary: Rotary) -> torch.Tensor:
         meta = self.meta
         assert meta is not None
+        s = self.shape
         kc, vc = self.kv.k[layer], self.kv.v[layer]
         if self.triton:
-            self.kernels.store_kv(k, v, kc, vc, meta.store_index)
+            self.kernels.rope_store(qkv, s.n_q, s.n_kv, positions, rotary.rope.cos, rotary.rope.sin, rotary.q_norm,
+                                    rotary.k_norm, rotary.eps, kc, vc, meta.store_index)
+            q = qkv[:, : s.n_q]
         else:
+            q, k = TorchOps().qk_norm_rope(qkv[:, : s.n_q], qkv[:, s.n_q: s.n_q + s.n_kv], positions, rotary.rope,
+                                           rotary.q_norm, rotary.k_norm, rotary.eps)
             kc.view(-1, *kc.shape[2:]).index_copy_(0, meta.store_index, k)
-            vc.view(-1, *vc.shape[2:]).index_copy_(0, meta.store_index, v)
+            vc.view(-1, *vc.shape[2:]).index_copy_(0, meta.store_index, qkv[:, s.n_q + s.n_kv:])
         T, n_q, hd = q.shape
         if meta.decode_rows is None and not meta.prefills:
             return self._decode(q, kc, vc, meta).view(T, n_q * hd)
@@ -99,7 +109,7 @@ class PagedAttention:
         if self.triton:
             return self.kernels.paged_decode(q, kc, vc, self.tables, meta.decode_slots, meta.decode_ctx,
                                              self.kv_of_q, s.gqa_repeat, s.scale, meta.decode_max_ctx,
-                                             meta.decode_splits)
+                                             meta.decode_splits, self.counters)
         assert meta.decode_keys is not None
         keys = kc.view(-1, *kc.shape[2:])[meta.decode_keys]  # [D, C, n_kv, hd]
         values = vc.view(-1, *vc.shape[2:])[meta.decode_keys]

@@ -23,12 +23,12 @@ def _pow2(n: int) -> int:
 
 
 @triton.jit
-def _decode_kernel(Q, K, V, Tables, Slots, Ctx, KvOfQ, Out, PartOut, PartLse,
+def _decode_kernel(Q, K, V, Tables, Slots, Ctx, KvOfQ, Out, PartOut, PartLse, Counters,
                    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_tab,
                    stride_ot, stride_oh, split_tokens, scale,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, UNIFORM: tl.constexpr,
                    D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
-                   NSPLIT: tl.constexpr, PRECISION: tl.constexpr):
+                   NSPLIT: tl.constexpr, NSPLIT_PAD: tl.constexpr, PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.program_id(2)
@@ -70,32 +70,37 @@ def _decode_kernel(Q, K, V, Tables, Slots, Ctx, KvOfQ, Out, PartOut, PartLse,
         m = m_new
     empty = lsum == 0.0
     out = acc / tl.where(empty, 1.0, lsum)[:, None]
+    omask = hmask[:, None] & dmask[None, :]
     if NSPLIT == 1:
         tl.store(Out + seq * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
-                 mask=hmask[:, None] & dmask[None, :])
+                 mask=omask)
     else:
+        # Each split leaves its partial result; the last split of the (sequence, heads) to finish
+        # merges them by their log-sum-exp (one launch, no merge kernel).
         lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, lsum)))
         row = (seq * tl.num_programs(1) * GROUP + heads) * NSPLIT + split
         tl.store(PartOut + row[:, None] * D_PAD + d[None, :], out, mask=hmask[:, None])
         tl.store(PartLse + row, lse, mask=hmask)
-
-
-@triton.jit
-def _merge_kernel(PartOut, PartLse, Out, stride_ot, stride_oh, NQ: tl.constexpr, D: tl.constexpr,
-                  D_PAD: tl.constexpr, NSPLIT: tl.constexpr, NSPLIT_PAD: tl.constexpr):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    s = tl.arange(0, NSPLIT_PAD)
-    d = tl.arange(0, D_PAD)
-    smask = s < NSPLIT
-    row = (seq * NQ + head) * NSPLIT + s
-    lse = tl.load(PartLse + row, mask=smask, other=float("-inf"))
-    top = tl.max(lse, 0)
-    w = tl.where(smask & (lse > float("-inf")), tl.exp(lse - top), 0.0)
-    w = w / tl.sum(w, 0)
-    parts = tl.load(PartOut + row[:, None] * D_PAD + d[None, :], mask=smask[:, None], other=0.0)
-    out = tl.sum(parts * w[:, None], 0)
-    tl.store(Out + seq * stride_ot + head * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < D)
+        counter = Counters + seq * tl.num_programs(1) + head
+        done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if done == NSPLIT - 1:
+            s_ = tl.arange(0, NSPLIT_PAD)
+            smask = s_ < NSPLIT
+            rows = (seq * tl.num_programs(1) * GROUP + heads)[:, None] * NSPLIT + s_[None, :]  # [G, S]
+            lses = tl.load(PartLse + rows, mask=hmask[:, None] & smask[None, :], other=float("-inf"),
+                           cache_modifier=".cg")
+            top = tl.max(lses, 1)
+            w = tl.where(lses > float("-inf"), tl.exp(lses - tl.where(top > float("-inf"), top, 0.0)[:, None]), 0.0)
+            w = w / tl.maximum(tl.sum(w, 1), 1e-30)[:, None]
+            merged = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+            for i in range(NSPLIT):
+                part = tl.load(PartOut + ((seq * tl.num_programs(1) * GROUP + heads) * NSPLIT + i)[:, None] * D_PAD
+                               + d[None, :], mask=hmask[:, None], other=0.0, cache_modifier=".cg")
+                wi = tl.sum(tl.where(s_[None, :] == i, w, 0.0), 1)
+                merged += part * wi[:, None]
+            tl.store(Out + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                     merged.to(Out.dtype.element_ty), mask=omask)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 def decode_splits(batch: int, programs_per_split: int, max_ctx: int, sm_count: int, tile: int = 64) -> int:
@@ -107,14 +112,15 @@ def decode_splits(batch: int, programs_per_split: int, max_ctx: int, sm_count: i
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                  slots: torch.Tensor, ctx: torch.Tensor, kv_of_q: torch.Tensor, gqa_repeat: int, scale: float,
-                 max_ctx: int, splits: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                 max_ctx: int, splits: int, counters: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence. q [B, n_q, hd] (rows may be strided); caches
     [blocks, block_size, n_kv, hd]; tables [rows, max_blocks] int32 indexed by ``slots`` [B];
     ``ctx`` [B] keys per sequence (the new token's included). Returns [B, n_q, hd].
     ``max_ctx`` bounds every ``ctx`` and, with ``splits``, fixes the launch grid (so a CUDA
-    graph captured with them stays valid for any context up to ``max_ctx``)."""
+    graph captured with them stays valid for any context up to ``max_ctx``). ``counters`` is an
+    int32 scratch of at least B * n_q zeros, left zero."""
     B, n_q, D = q.shape
-    assert q.stride(2) == 1 and k_cache.stride(3) == 1
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and counters.numel() >= B * n_q
     out = torch.empty(B, n_q, D, device=q.device, dtype=q.dtype) if out is None else out
     uniform = gqa_repeat > 0
     group = gqa_repeat if uniform else 1
@@ -128,42 +134,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         part_out = torch.empty(B * n_q * splits, d_pad, device=q.device, dtype=torch.float32)
         part_lse = torch.empty(B * n_q * splits, device=q.device, dtype=torch.float32)
     _decode_kernel[(B, heads, splits)](
-        q, k_cache, v_cache, tables, slots, ctx, kv_of_q, out, part_out, part_lse,
+        q, k_cache, v_cache, tables, slots, ctx, kv_of_q, out, part_out, part_lse, counters,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
         out.stride(0), out.stride(1), split_tokens, scale,
         GROUP=group, GROUP_PAD=max(16, _pow2(group)), UNIFORM=uniform, D=D, D_PAD=d_pad,
-        BS=k_cache.shape[1], TILE=tile, NSPLIT=splits,
+        BS=k_cache.shape[1], TILE=tile, NSPLIT=splits, NSPLIT_PAD=_pow2(splits),
         # float32 models get float32 products (tl.dot would otherwise round its inputs to tf32)
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
-    if splits > 1:
-        _merge_kernel[(B, n_q)](part_out, part_lse, out, out.stride(0), out.stride(1), NQ=n_q, D=D, D_PAD=d_pad,
-                                NSPLIT=splits, NSPLIT_PAD=_pow2(splits), num_warps=1)
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# KV store: token t's k/v rows go to flat cache row index[t] (block * block_size + offset).
-
-
-@triton.jit
-def _store_kv_kernel(Knew, Vnew, Kc, Vc, Index, stride_kt, stride_vt, stride_crow,
-                     W: tl.constexpr, W_PAD: tl.constexpr):
-    t = tl.program_id(0)
-    row = tl.load(Index + t).to(tl.int64)
-    w = tl.arange(0, W_PAD)
-    mask = w < W
-    tl.store(Kc + row * stride_crow + w, tl.load(Knew + t * stride_kt + w, mask=mask), mask=mask)
-    tl.store(Vc + row * stride_crow + w, tl.load(Vnew + t * stride_vt + w, mask=mask), mask=mask)
-
-
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             index: torch.Tensor) -> None:
-    """k, v [T, n_kv, hd] with contiguous heads (rows may be strided); caches contiguous."""
-    T, n_kv, D = k.shape
-    assert k.stride(1) == D and v.stride(1) == D and k.stride(2) == 1
-    width = n_kv * D
-    _store_kv_kernel[(T,)](k, v, k_cache, v_cache, index, k.stride(0), v.stride(0), width,
-                           W=width, W_PAD=_pow2(width), num_warps=4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,45 +178,65 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 # ---------------------------------------------------------------------------------------------
-# q/k: the optional per-head RMS norm (qwen3), then RoPE ("rotate half"), in place.
+# q/k/v of a step: the optional per-head RMS norm (qwen3) and RoPE ("rotate half") of q and k; q
+# rotated in place, k and v written straight into their cache rows (one launch per layer).
 
 
 @triton.jit
-def _qk_rope_kernel(X, Pos, Cos, Sin, WQ, WK, stride_xt, stride_xh, stride_cs, eps, n_q,
-                    D: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr):
+def _rope_store_kernel(X, Pos, Cos, Sin, WQ, WK, Kc, Vc, Index, stride_xt, stride_xh, stride_cs, stride_crow,
+                       eps, n_q, n_kv, D: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr,
+                       STORE: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
-    pos = tl.load(Pos + t)
     i = tl.arange(0, HALF)
     base = X + t * stride_xt + h * stride_xh
     x1 = tl.load(base + i)
     x2 = tl.load(base + HALF + i)
-    a = x1.to(tl.float32)
-    b = x2.to(tl.float32)
-    if NORM:
-        inv = tl.rsqrt((tl.sum(a * a, 0) + tl.sum(b * b, 0)) / D + eps)
-        is_q = h < n_q
-        w1 = tl.where(is_q, tl.load(WQ + i), tl.load(WK + i)).to(tl.float32)
-        w2 = tl.where(is_q, tl.load(WQ + HALF + i), tl.load(WK + HALF + i)).to(tl.float32)
-        a = w1 * (a * inv).to(x1.dtype).to(tl.float32)
-        b = w2 * (b * inv).to(x1.dtype).to(tl.float32)
-        a = a.to(x1.dtype).to(tl.float32)
-        b = b.to(x1.dtype).to(tl.float32)
-    c = tl.load(Cos + pos * stride_cs + i).to(tl.float32)
-    s = tl.load(Sin + pos * stride_cs + i).to(tl.float32)
-    tl.store(base + i, (a * c - b * s).to(x1.dtype))
-    tl.store(base + HALF + i, (b * c + a * s).to(x1.dtype))
+    if h >= n_q + n_kv:  # a value head: into the cache as it is
+        row = tl.load(Index + t).to(tl.int64)
+        dst = Vc + row * stride_crow + (h - n_q - n_kv) * D
+        tl.store(dst + i, x1)
+        tl.store(dst + HALF + i, x2)
+    else:
+        pos = tl.load(Pos + t)
+        a = x1.to(tl.float32)
+        b = x2.to(tl.float32)
+        if NORM:
+            inv = tl.rsqrt((tl.sum(a * a, 0) + tl.sum(b * b, 0)) / D + eps)
+            is_q = h < n_q
+            w1 = tl.where(is_q, tl.load(WQ + i), tl.load(WK + i)).to(tl.float32)
+            w2 = tl.where(is_q, tl.load(WQ + HALF + i), tl.load(WK + HALF + i)).to(tl.float32)
+            a = (w1 * (a * inv).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
+            b = (w2 * (b * inv).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
+        c = tl.load(Cos + pos * stride_cs + i).to(tl.float32)
+        s = tl.load(Sin + pos * stride_cs + i).to(tl.float32)
+        o1 = (a * c - b * s).to(x1.dtype)
+        o2 = (b * c + a * s).to(x1.dtype)
+        if STORE and h >= n_q:
+            row = tl.load(Index + t).to(tl.int64)
+            dst = Kc + row * stride_crow + (h - n_q) * D
+            tl.store(dst + i, o1)
+            tl.store(dst + HALF + i, o2)
+        else:
+            tl.store(base + i, o1)
+            tl.store(base + HALF + i, o2)
 
 
-def qk_norm_rope(qk: torch.Tensor, n_q: int, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float) -> None:
-    """qk [T, n_q + n_kv, hd]: the query heads then the KV heads of each token, rotated in place."""
-    T, heads, D = qk.shape
-    assert qk.stride(2) == 1 and D % 2 == 0 and (D // 2) & (D // 2 - 1) == 0
+def rope_store(qkv: torch.Tensor, n_q: int, n_kv: int, positions: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+               k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
+               index: torch.Tensor | None = None) -> None:
+    """qkv [T, n_q + 2 n_kv, hd]: q rotated in place; with caches (contiguous, flat row ``index``
+    [T] per token), k rotated and v as is go into them, else k is rotated in place and v left."""
+    T, heads, D = qkv.shape
+    assert qkv.stride(2) == 1 and D % 2 == 0 and (D // 2) & (D // 2 - 1) == 0 and heads == n_q + 2 * n_kv
+    store = k_cache is not None
     norm = q_norm is not None
-    _qk_rope_kernel[(T, heads)](qk, positions, cos, sin, q_norm if norm else cos, k_norm if norm else cos,
-                                qk.stride(0), qk.stride(1), cos.stride(0), eps, n_q,
-                                D=D, HALF=D // 2, NORM=norm, num_warps=1)
+    _rope_store_kernel[(T, heads if store else n_q + n_kv)](
+        qkv, positions, cos, sin, q_norm if norm else cos, k_norm if norm else cos,
+        k_cache if store else qkv, v_cache if store else qkv, index if store else positions,
+        qkv.stride(0), qkv.stride(1), cos.stride(0), n_kv * D, eps, n_q, n_kv,
+        D=D, HALF=D // 2, NORM=norm, STORE=store, num_warps=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,4 +261,37 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = 1024
     _silu_mul_kernel[(T, triton.cdiv(N, block))](gate_up, out, gate_up.stride(0), out.stride(0), N,
                                                    BLOCK=block, num_warps=4)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Skinny GEMM (a decode step's few rows times a weight): y[M, N] = x[M, K] W[N, K]^T, M <= 16.
+# Each program reads BLOCK_N rows of W once; the rows of x are padded to 16 for the MMA.
+
+GEMV_CONFIGS: tuple[tuple[int, int, int], ...] = ((16, 256, 4), (32, 256, 4), (32, 512, 3), (64, 128, 4))
+
+
+@triton.jit
+def _gemv_kernel(X, W, Out, M, N, K, stride_xm, stride_wn, stride_om, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, 16)
+    acc = tl.zeros([16, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
+        w = tl.load(W + n[:, None] * stride_wn + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+        acc += tl.dot(x, tl.trans(w))
+    tl.store(Out + m[:, None] * stride_om + n[None, :], acc.to(Out.dtype.element_ty),
+             mask=(m[:, None] < M) & (n[None, :] < N))
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int] = GEMV_CONFIGS[0]) -> torch.Tensor:
+    M, K = x.shape
+    N = weight.shape[0]
+    assert M <= 16 and x.stride(1) == 1 and weight.stride(1) == 1
+    out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    block_n, block_k, stages = config
+    _gemv_kernel[(triton.cdiv(N, block_n),)](x, weight, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0),
+                                              BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=stages)
     return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from neuron.models.ops import RopeTables, TorchOps
+from neuron.models.ops import TorchOps
 
 from . import kernels
 
@@ -26,18 +26,6 @@ class TritonOps(TorchOps):
             return self.fallback.add_rms_norm(x, residual, weight, eps)
         out, residual = kernels.rms_norm(x, weight, eps, residual)
         return out, residual
-
-    def qk_norm_rope(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rope: RopeTables,
-                     q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        T, n_q, hd = q.shape
-        adjacent = (k.stride() == q.stride() and q.stride(2) == 1
-                    and k.data_ptr() == q.data_ptr() + n_q * hd * q.element_size())
-        if not adjacent:
-            return self.fallback.qk_norm_rope(q, k, positions, rope, q_norm, k_norm, eps)
-        both = torch.as_strided(q, (T, n_q + k.shape[1], hd), q.stride())
-        kernels.qk_norm_rope(both, n_q, positions, rope.cos, rope.sin, q_norm, k_norm, eps)
-        return q, k
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if gate_up.dim() != 2 or gate_up.stride(1) != 1:

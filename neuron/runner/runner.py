@@ -102,11 +102,13 @@ class ModelRunner:
         self.tables_host = np.full((cfg.max_seqs + 1, self.max_blocks), self.kv.scratch, dtype=np.int32)
         self.tables = torch.from_numpy(self.tables_host).to(self.device)
         self.assigned = [0] * cfg.max_seqs  # table entries the leader has filled, per slot
-        self.attention = PagedAttention(self.kv, self.tables, shape, self.triton)
+        self.attention = PagedAttention(self.kv, self.tables, shape, self.triton, cfg.max_seqs + 1)
         self.sampler = DeviceSampler(cfg.max_seqs + 1, self.vocab, self.device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.graph_in: torch.Tensor | None = None
         if self.cuda and cfg.cuda_graphs and model.capturable and self.triton:
+            from .linear import tune
+            tune(model, graph_sizes(cfg.max_seqs))
             self._capture()
 
     @property

@@ -1,0 +1,102 @@
+"""Small-batch products on the GPU: for each weight shape and decode batch size, whichever of
+cuBLAS and our Triton skinny GEMM ran faster when the model was loaded (measured, not assumed).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from neuron.models.linear import Linear
+
+from . import kernels
+
+log = logging.getLogger("neuron.runner")
+
+Config = tuple[int, int, int]
+
+
+class SkinnyLinear:
+    """A dense Linear whose products with ``rows`` rows run the skinny GEMM ``plan[rows]`` where
+    that won, cuBLAS elsewhere."""
+
+    def __init__(self, base: Linear, plan: dict[int, Config]) -> None:
+        self.base, self.plan = base, plan
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base.weight
+
+    @property
+    def out_features(self) -> int:
+        return self.base.out_features
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.base.tensors()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        config = self.plan.get(x.shape[0])
+        if config is None:
+            return self.base(x)
+        return kernels.gemv(x, self.base.weight, config)
+
+
+def _slots(model) -> list[tuple[object, str]]:
+    """(owner, attribute) of every dense projection of the model."""
+    out: list[tuple[object, str]] = [(model, "lm_head")]
+    for layer in model.layers:
+        out += [(layer.attn, "qkv"), (layer.attn, "o")]
+        if hasattr(layer.mlp, "gate_up"):
+            out += [(layer.mlp, "gate_up"), (layer.mlp, "down")]
+    return out
+
+
+def _time(fn, reps: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def tune(model, batch_sizes: list[int]) -> None:
+    """Time cuBLAS against each skinny-GEMM config for every projection shape and batch size up
+    to 16; wrap the projections where a config won."""
+    slots = [(owner, name) for owner, name in _slots(model)
+             if type(getattr(owner, name)) is Linear and getattr(owner, name).bias is None
+             and getattr(owner, name).weight.dtype in (torch.bfloat16, torch.float16)]
+    by_shape: dict[tuple[int, int], list[Linear]] = {}
+    for owner, name in slots:
+        w = getattr(owner, name).weight
+        by_shape.setdefault(tuple(w.shape), []).append(getattr(owner, name))
+    plans: dict[tuple[int, int], dict[int, Config]] = {}
+    for shape, linears in by_shape.items():
+        weights = [linears[0].weight, linears[-1].weight]  # two of them, so the L2 cache cannot serve a repeat
+        plan: dict[int, Config] = {}
+        for m in [b for b in batch_sizes if b <= 16]:
+            x = torch.randn(m, shape[1], device=weights[0].device, dtype=weights[0].dtype)
+            flip = [0]
+
+            def run(f):
+                flip[0] ^= 1
+                return f(weights[flip[0]])
+
+            best = _time(lambda: run(lambda w: torch.nn.functional.linear(x, w)))
+            for config in kernels.GEMV_CONFIGS:
+                ms = _time(lambda: run(lambda w: kernels.gemv(x, w, config)))
+                if ms < best * 0.97:  # a clear win only
+                    best, plan[m] = ms, config
+        plans[shape] = plan
+        if plan:
+            log.info("skinny GEMM for %dx%d at batch %s (cuBLAS otherwise)", shape[0], shape[1],
+                     ",".join(map(str, sorted(plan))))
+    for owner, name in slots:
+        linear = getattr(owner, name)
+        plan = plans[tuple(linear.weight.shape)]
+        if plan:
+            setattr(owner, name, SkinnyLinear(linear, plan))
