@@ -105,7 +105,7 @@ class Mlp:
         return [*self.gate_up.tensors(), *self.down.tensors()]
 
     def __call__(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
-        return ops.silu_mul_linear(self.gate_up(x), self.down)
+        return self.down(ops.silu_mul(self.gate_up(x)))
 
 
 class DecoderLayer:

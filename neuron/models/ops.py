@@ -65,7 +65,3 @@ class TorchOps:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
-
-    def silu_mul_linear(self, gate_up: torch.Tensor, down) -> torch.Tensor:
-        """down(SiLU(gate) * up): the MLP's second half."""
-        return down(self.silu_mul(gate_up))

@@ -84,10 +84,8 @@ def _decode_kernel(Q, K, V, Tables, Slots, Ctx, KvOfQ, Out, PartOut, PartLse, Co
         counter = Counters + seq * tl.num_programs(1) + head
         done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if done == NSPLIT - 1:
-            # Only the splits that hold keys count (a graph's grid covers the longest context).
-            active = tl.cdiv(ctx, split_tokens)
             s_ = tl.arange(0, NSPLIT_PAD)
-            smask = s_ < active
+            smask = s_ < NSPLIT
             rows = (seq * tl.num_programs(1) * GROUP + heads)[:, None] * NSPLIT + s_[None, :]  # [G, S]
             lses = tl.load(PartLse + rows, mask=hmask[:, None] & smask[None, :], other=float("-inf"),
                            cache_modifier=".cg")
@@ -95,7 +93,7 @@ def _decode_kernel(Q, K, V, Tables, Slots, Ctx, KvOfQ, Out, PartOut, PartLse, Co
             w = tl.where(lses > float("-inf"), tl.exp(lses - tl.where(top > float("-inf"), top, 0.0)[:, None]), 0.0)
             w = w / tl.maximum(tl.sum(w, 1), 1e-30)[:, None]
             merged = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
-            for i in range(0, active):
+            for i in range(NSPLIT):
                 part = tl.load(PartOut + ((seq * tl.num_programs(1) * GROUP + heads) * NSPLIT + i)[:, None] * D_PAD
                                + d[None, :], mask=hmask[:, None], other=0.0, cache_modifier=".cg")
                 wi = tl.sum(tl.where(s_[None, :] == i, w, 0.0), 1)
@@ -270,41 +268,30 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 # Skinny GEMM (a decode step's few rows times a weight): y[M, N] = x[M, K] W[N, K]^T, M <= 16.
 # Each program reads BLOCK_N rows of W once; the rows of x are padded to 16 for the MMA.
 
-GEMV_CONFIGS: tuple[tuple[int, int, int], ...] = ((16, 256, 4), (32, 256, 4), (32, 512, 3), (64, 128, 4),
-                                                  (16, 512, 3), (32, 128, 6))
+GEMV_CONFIGS: tuple[tuple[int, int, int], ...] = ((16, 256, 4), (32, 256, 4), (32, 512, 3), (64, 128, 4))
 
 
 @triton.jit
 def _gemv_kernel(X, W, Out, M, N, K, stride_xm, stride_wn, stride_om, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, GATED: tl.constexpr):
+                 BLOCK_K: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, 16)
     acc = tl.zeros([16, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        xmask = (m[:, None] < M) & (k[None, :] < K)
-        x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=xmask, other=0.0)
-        if GATED:  # X holds [gate | up]: the input is SiLU(gate) * up, rounded as the separate op rounds it
-            up = tl.load(X + m[:, None] * stride_xm + K + k[None, :], mask=xmask, other=0.0)
-            gate = x.to(tl.float32)
-            silu = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
-            x = (silu.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+        x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
         w = tl.load(W + n[:, None] * stride_wn + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
         acc += tl.dot(x, tl.trans(w))
     tl.store(Out + m[:, None] * stride_om + n[None, :], acc.to(Out.dtype.element_ty),
              mask=(m[:, None] < M) & (n[None, :] < N))
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int] = GEMV_CONFIGS[0],
-         gated: bool = False) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T; with ``gated``, x is [M, 2K] = [gate | up] and the product is
-    (SiLU(gate) * up) @ weight^T."""
-    M = x.shape[0]
-    N, K = weight.shape
-    assert M <= 16 and x.stride(1) == 1 and weight.stride(1) == 1 and x.shape[1] == (2 * K if gated else K)
+def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int] = GEMV_CONFIGS[0]) -> torch.Tensor:
+    M, K = x.shape
+    N = weight.shape[0]
+    assert M <= 16 and x.stride(1) == 1 and weight.stride(1) == 1
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
     block_n, block_k, stages = config
     _gemv_kernel[(triton.cdiv(N, block_n),)](x, weight, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0),
-                                              BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated, num_warps=4,
-                                              num_stages=stages)
+                                              BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=stages)
     return out

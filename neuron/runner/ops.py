@@ -8,7 +8,6 @@ import torch
 from neuron.models.ops import TorchOps
 
 from . import kernels
-from .linear import SkinnyLinear
 
 
 class TritonOps(TorchOps):
@@ -32,10 +31,3 @@ class TritonOps(TorchOps):
         if gate_up.dim() != 2 or gate_up.stride(1) != 1:
             return self.fallback.silu_mul(gate_up)
         return kernels.silu_mul(gate_up)
-
-    def silu_mul_linear(self, gate_up: torch.Tensor, down) -> torch.Tensor:
-        if isinstance(down, SkinnyLinear):
-            config = down.plan.get(gate_up.shape[0])
-            if config is not None and gate_up.stride(1) == 1:
-                return kernels.gemv(gate_up, down.weight, config, gated=True)
-        return down(self.silu_mul(gate_up))
