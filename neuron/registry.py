@@ -61,11 +61,13 @@ class ModelHandle:
             "pids": self.group.pids if self.group else [], "epoch": self.group.epoch if self.group else None,
             "running": stats.running, "waiting": stats.waiting, "slots_used": stats.slots_used,
             "dropped_frames": self.group.dropped if self.group else 0,
-            "kv_blocks": stats.kv_blocks, "block_size": self.entry.block_size, "kv_usage": round(stats.kv_usage, 4),
+            "steps": stats.steps, "kv_blocks": stats.kv_blocks, "block_size": self.entry.block_size, "kv_usage": round(stats.kv_usage, 4),
             "kv_bytes": self.kv_bytes, "cuda_graphs": self.graphs, "preemptions": stats.preemptions,
             "max_batch_tokens": z.max_batch_tokens, "prefill_chunk": z.prefill_chunk,
             "prefill_chunk_decoding": z.prefill_chunk_decoding,
             "leader_ms_per_step": round(stats.leader_ms_per_step, 4), "step_ms": round(stats.step_ms, 3),
+            "rank_host_ms_per_step": round(stats.rank_host_ms_per_step, 4),
+            "device_idle_ms_per_step": round(stats.device_idle_ms_per_step, 4),
         }
 
 

@@ -92,6 +92,7 @@ class StepSeq(msgspec.Struct, array_like=True, gc=False, frozen=True):
 class StepTimings(msgspec.Struct, array_like=True, gc=False, frozen=True):
     forward_ms: float  # from the step's arrival on the device thread to its tokens on the host
     host_ms: float  # of which the rank's host work to prepare and launch it
+    idle_ms: float = 0.0  # the device's idle gap before the step (0 when it was queued in time)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -35,6 +35,8 @@ class EngineStats:
     prefix_cache_hits: int = 0
     leader_ms_per_step: float = 0.0  # the leader's own time per step (planning, frames, tokens)
     step_ms: float = 0.0  # time between consecutive step results
+    rank_host_ms_per_step: float = 0.0
+    device_idle_ms_per_step: float = 0.0
 
 
 @dataclass
@@ -68,6 +70,8 @@ class Engine:
         self.steps = 0
         self.tokens_generated = 0
         self.leader_s = 0.0
+        self.rank_host_ms = 0.0  # rank 0's host time preparing and launching steps, summed
+        self.device_idle_ms = 0.0  # the device's idle gaps between steps, summed
         self._last_result: float | None = None
         self.step_ms = 0.0
         self.on_finish = None  # callable(req, FinishEvent) for metrics
@@ -133,7 +137,9 @@ class Engine:
         return EngineStats(len(s.running), len(s.waiting), s.max_slots - len(s.free_slots), s.max_slots,
                            self.steps, self.tokens_generated, kv_usage=s.blocks.used / s.blocks.num_blocks,
                            kv_blocks=s.blocks.num_blocks, preemptions=s.preemptions,
-                           leader_ms_per_step=1e3 * self.leader_s / max(1, self.steps), step_ms=self.step_ms)
+                           leader_ms_per_step=1e3 * self.leader_s / max(1, self.steps), step_ms=self.step_ms,
+                           rank_host_ms_per_step=self.rank_host_ms / max(1, self.steps),
+                           device_idle_ms_per_step=self.device_idle_ms / max(1, self.steps))
 
     # ----------------------------------------------------------------------------- the loop
     async def _run(self) -> None:
@@ -199,6 +205,8 @@ class Engine:
                 (t1 - self._last_result) * 1e3
         self._last_result = t1
         self.steps += 1
+        self.rank_host_ms += result.timings.host_ms
+        self.device_idle_ms += result.timings.idle_ms
         for i, x in enumerate(plan):
             if x.sample:
                 x.req.pending -= 1

@@ -62,11 +62,14 @@ class PendingStep:
     ready: torch.cuda.Event | None
     started: float
     host_ms: float
+    # The device's idle gap before this step: from the last step's end to this one's first kernel.
+    gap: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
 
     def wait(self) -> tuple[list[int], list[list[tuple[int, float]]] | None, p.StepTimings]:
         if self.ready is not None:
             self.ready.synchronize()
         device_ms = (time.perf_counter() - self.started) * 1e3
+        idle_ms = self.gap[0].elapsed_time(self.gap[1]) if self.gap is not None else 0.0
         tokens = [-1] * self.n_seqs
         for seq, tok in zip(self.rows, self.tokens.tolist()):
             tokens[seq] = tok
@@ -78,7 +81,7 @@ class PendingStep:
                 if n:
                     top = list(zip(ids[r][: n - 1], values[r][: n - 1]))
                     logprobs[seq] = [(tokens[seq], chosen[r]), *top]
-        return tokens, logprobs, p.StepTimings(forward_ms=device_ms, host_ms=self.host_ms)
+        return tokens, logprobs, p.StepTimings(forward_ms=device_ms, host_ms=self.host_ms, idle_ms=idle_ms)
 
 
 class ModelRunner:
@@ -105,6 +108,7 @@ class ModelRunner:
         self.attention = PagedAttention(self.kv, self.tables, shape, self.triton, cfg.max_seqs + 1)
         self.sampler = DeviceSampler(cfg.max_seqs + 1, self.vocab, self.device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self._last_end: torch.cuda.Event | None = None
         self.graph_in: torch.Tensor | None = None
         if self.cuda and cfg.cuda_graphs and model.capturable and self.triton:
             from .linear import tune
@@ -156,6 +160,11 @@ class ModelRunner:
     def step(self, msg: p.Step) -> PendingStep | None:
         """Launch one step; rank 0 returns what to wait for, the others None."""
         t0 = time.perf_counter()
+        gap = None
+        if self.cuda:
+            begin = torch.cuda.Event(enable_timing=True)
+            begin.record()
+            gap = (self._last_end, begin) if self._last_end is not None else None
         seqs = msg.seqs
         sampled = [i for i, s in enumerate(seqs) if s.sample]
         bucket, ids, positions, slot_t, logits = self._forward(seqs, sampled)
@@ -185,10 +194,11 @@ class ModelRunner:
             tokens = tokens.to("cpu", non_blocking=True)
             if logprobs is not None:
                 logprobs = tuple(t.to("cpu", non_blocking=True) for t in logprobs)
-            ready = torch.cuda.Event()
+            ready = torch.cuda.Event(enable_timing=True)
             ready.record()
+            self._last_end = ready
         return PendingStep(len(seqs), sampled, want, tokens, logprobs, ready, t0,
-                           (time.perf_counter() - t0) * 1e3)
+                           (time.perf_counter() - t0) * 1e3, gap)
 
     def forward_logits(self, seqs: list[p.StepSeq]) -> torch.Tensor:
         """The logits [sampled seqs, V] of a step, without sampling (parity checks)."""
