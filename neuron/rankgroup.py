@@ -149,6 +149,8 @@ class RankGroup:
             env.update(zip(CURVE_ENV, (k.decode() for k in (server_keys[0], *client_keys))))
         if backend == "gloo":
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.world)))
+        else:  # a GPU rank's host work is launches: idle OpenMP threads would only spin beside it
+            env.setdefault("OMP_NUM_THREADS", "4")
         for rank, device in enumerate(self.devices):
             cmd = [sys.executable, "-m", "neuron.rank", "--endpoint", self.endpoint, "--rank", str(rank),
                    "--world", str(self.world), "--epoch", str(self.epoch), "--device", device]

@@ -128,6 +128,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format=f"%(asctime)s rank{args.rank} %(levelname)s %(name)s: %(message)s")
     _die_with_parent()
+    # Three threads share the GIL (socket loop, device, collector): hand it over quickly, so the
+    # device thread launches the next step while the last one runs.
+    sys.setswitchinterval(2e-4)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the leader decides when ranks stop
     proc = RankProcess(args)
     try:

@@ -67,7 +67,10 @@ class PendingStep:
 
     def wait(self) -> tuple[list[int], list[list[tuple[int, float]]] | None, p.StepTimings]:
         if self.ready is not None:
-            self.ready.synchronize()
+            # Poll rather than block in the driver: the device thread must keep the GIL's turn to
+            # launch the next step while this one runs.
+            while not self.ready.query():
+                time.sleep(20e-6)
         device_ms = (time.perf_counter() - self.started) * 1e3
         idle_ms = self.gap[0].elapsed_time(self.gap[1]) if self.gap is not None else 0.0
         tokens = [-1] * self.n_seqs
