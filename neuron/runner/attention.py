@@ -49,6 +49,19 @@ class PrefillSpan:
 
 
 @dataclass
+class PrefillBatch:
+    """Several prompt chunks attended in one call: padded to the longest chunk and the longest
+    key range, the padding masked out (a step with many short prompts would otherwise launch a
+    dozen kernels per prompt per layer)."""
+
+    q_rows: torch.Tensor  # [S, n_max] the token row of each query (padding: row 0)
+    keys: torch.Tensor  # [S, C_max] flat cache rows of each sequence's keys (padding: any row)
+    mask: torch.Tensor  # [S, 1, n_max, C_max] True where a query may attend a key
+    picked: torch.Tensor  # [R] positions in the flattened [S * n_max] that are real queries
+    rows: torch.Tensor  # [R] their token rows
+
+
+@dataclass
 class StepMeta:
     """Where a step's tokens sit in the cache; built once per step, read by every layer."""
 
@@ -61,6 +74,7 @@ class StepMeta:
     decode_keys: torch.Tensor | None = None  # [D, C] flat key rows, for the gather path (no Triton)
     decode_mask: torch.Tensor | None = None  # [D, 1, 1, C] True where a key is the sequence's
     prefills: list[PrefillSpan] = field(default_factory=list)
+    prefill_batch: PrefillBatch | None = None
 
 
 class PagedAttention:
@@ -95,13 +109,19 @@ class PagedAttention:
             kc.view(-1, *kc.shape[2:]).index_copy_(0, meta.store_index, k)
             vc.view(-1, *vc.shape[2:]).index_copy_(0, meta.store_index, qkv[:, s.n_q + s.n_kv:])
         T, n_q, hd = q.shape
-        if meta.decode_rows is None and not meta.prefills:
+        if meta.decode_rows is None and not meta.prefills and meta.prefill_batch is None:
             return self._decode(q, kc, vc, meta).view(T, n_q * hd)
         out = q.new_empty(T, n_q, hd)
         if meta.decode_rows is not None and meta.decode_rows.numel():
             out[meta.decode_rows] = self._decode(q[meta.decode_rows], kc, vc, meta)
         for span in meta.prefills:
             out[span.row: span.row + span.n] = self._prefill(q[span.row: span.row + span.n], kc, vc, span.keys)
+        if meta.prefill_batch is not None:
+            pb = meta.prefill_batch
+            keys = kc.view(-1, *kc.shape[2:])[pb.keys]  # [S, C, n_kv, hd]
+            values = vc.view(-1, *vc.shape[2:])[pb.keys]
+            got = self._sdpa(q[pb.q_rows], keys, values, pb.mask).transpose(1, 2)  # [S, n_max, n_q, hd]
+            out[pb.rows] = got.reshape(-1, n_q, hd)[pb.picked]
         return out.view(T, n_q * hd)
 
     def _decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: StepMeta) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch
 import protocol as p
 from neuron.models.llama import CausalLM
 
-from .attention import PagedAttention, PagedKvCache, PrefillSpan, StepMeta
+from .attention import PagedAttention, PagedKvCache, PrefillBatch, PrefillSpan, StepMeta
 from .sampler import DeviceSampler, check_sampling, upload
 
 log = logging.getLogger("neuron.runner")
@@ -320,13 +320,35 @@ class ModelRunner:
                 keys = self._key_rows(slot_of[d][:, None], np.arange(C)[None, :])
                 meta.decode_keys = upload(keys, torch.int64, self.device)
                 meta.decode_mask = upload(np.arange(C)[None, :] < ctx[:, None], torch.bool, self.device)[:, None, None, :]
-        for row, n, slot, start in prefills:
-            keys = self._key_rows(np.int64(slot), np.arange(start + n))
-            meta.prefills.append(PrefillSpan(row, n, upload(keys, torch.int64, self.device)))
+        if len(prefills) > 2:
+            meta.prefill_batch = self._prefill_batch(prefills)
+        else:
+            for row, n, slot, start in prefills:
+                keys = self._key_rows(np.int64(slot), np.arange(start + n))
+                meta.prefills.append(PrefillSpan(row, n, upload(keys, torch.int64, self.device)))
         self.attention.meta = meta
         # A step that samples nothing (a prompt chunk that is not the last) still computes one row.
         rows = upload([ends[i] for i in sampled] or [T - 1], torch.int64, self.device)
         return ids_t, pos_t, slot_t, self.model.forward(ids_t, pos_t, self.attention, rows)
+
+    def _prefill_batch(self, prefills: list[tuple[int, int, int, int]]) -> PrefillBatch:
+        n_max = max(n for _, n, _, _ in prefills)
+        c_max = max(start + n for _, n, _, start in prefills)
+        S = len(prefills)
+        rows = np.array([row for row, _, _, _ in prefills])[:, None]
+        n = np.array([n for _, n, _, _ in prefills])[:, None]
+        start = np.array([start for _, _, _, start in prefills])[:, None]
+        slots = np.array([slot for _, _, slot, _ in prefills])[:, None]
+        r = np.arange(n_max)[None, :]
+        real = r < n  # [S, n_max]
+        q_rows = np.where(real, rows + r, 0)
+        c = np.arange(c_max)[None, None, :]
+        mask = (c <= (start + r)[:, :, None]) & real[:, :, None]  # causal: query r is position start + r
+        mask[:, :, 0] |= ~real  # a padding query attends one key, so its (discarded) row stays finite
+        keys = self._key_rows(slots, np.minimum(np.arange(c_max)[None, :], (start + n - 1)))
+        picked = np.flatnonzero(real)
+        up = lambda a, dtype=torch.int64: upload(a, dtype, self.device)  # noqa: E731
+        return PrefillBatch(up(q_rows), up(keys), up(mask, torch.bool)[:, None], up(picked), up(q_rows.ravel()[picked]))
 
     def _key_rows(self, slot: np.ndarray, pos: np.ndarray) -> np.ndarray:
         """Flat cache rows of the keys at ``pos`` of the sequences in table rows ``slot``."""
