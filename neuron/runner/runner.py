@@ -112,6 +112,9 @@ class ModelRunner:
         self.sampler = DeviceSampler(cfg.max_seqs + 1, self.vocab, self.device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self._last_end: torch.cuda.Event | None = None
+        if self.cuda:
+            self._outs = [torch.zeros(cfg.max_seqs, dtype=torch.int64).pin_memory() for _ in range(4)]
+            self._out = 0
         self.graph_in: torch.Tensor | None = None
         if self.cuda and cfg.cuda_graphs and model.capturable and self.triton:
             from .linear import tune
@@ -194,7 +197,7 @@ class ModelRunner:
         want = [self.sampler.params[s].logprobs for s in rows_slots]
         ready = None
         if self.cuda:
-            tokens = tokens.to("cpu", non_blocking=True)
+            tokens = self._to_host(tokens)
             if logprobs is not None:
                 logprobs = tuple(t.to("cpu", non_blocking=True) for t in logprobs)
             ready = torch.cuda.Event(enable_timing=True)
@@ -220,6 +223,15 @@ class ModelRunner:
         if len(sampled) < len(seqs):
             logits = logits[upload(sampled, torch.int64, self.device)]
         return bucket, ids, positions, slot_t, logits
+
+    def _to_host(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The step's tokens into one of a few pinned host buffers (see _staging)."""
+        if tokens.numel() > self.cfg.max_seqs:
+            return tokens.to("cpu", non_blocking=True)
+        self._out = (self._out + 1) % len(self._outs)
+        out = self._outs[self._out][: tokens.numel()]
+        out.copy_(tokens, non_blocking=True)
+        return out
 
     def _check(self, seqs: list[p.StepSeq]) -> None:
         slots: set[int] = set()
@@ -362,14 +374,23 @@ class ModelRunner:
     def _replay(self, seqs: list[p.StepSeq], bucket: int):
         assert self.graph_in is not None
         B = len(seqs)
-        packed = np.zeros((3, bucket), dtype=np.int64)
-        packed[2, :] = self.scratch_row
+        staged = self._staging()
+        packed = staged.numpy()
+        packed[:2] = 0
+        packed[2] = self.scratch_row
         for i, s in enumerate(seqs):
             packed[0, i], packed[1, i], packed[2, i] = s.tokens[0], s.start_pos, s.slot
-        self.graph_in[:, :bucket].copy_(torch.from_numpy(packed).pin_memory(), non_blocking=True)
+        self.graph_in.copy_(staged, non_blocking=True)
         graph, ids, logits = self.graphs[bucket]
         graph.replay()
         return ids[:B], self.graph_in[1, :B], self.graph_in[2, :B], logits[:B]
+
+    def _staging(self) -> torch.Tensor:
+        """The next of a few pinned buffers for the graphs' inputs: a fresh pinned allocation per
+        step costs more than the step's whole launch. At most two steps are in flight, so a buffer
+        is reused only after the copy that read it has run."""
+        self._stage = (self._stage + 1) % len(self._staged)
+        return self._staged[self._stage]
 
     def _decode_forward(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The captured decode step of ``n`` rows over the static inputs."""
@@ -390,6 +411,8 @@ class ModelRunner:
         sizes = graph_sizes(self.cfg.max_seqs)
         self.graph_in = torch.zeros(3, sizes[-1], dtype=torch.int64, device=self.device)
         self.graph_in[2].fill_(self.scratch_row)
+        self._staged = [torch.zeros(3, sizes[-1], dtype=torch.int64).pin_memory() for _ in range(4)]
+        self._stage = 0
         pool = None
         for n in reversed(sizes):
             self._decode_forward(n)  # compiles the kernels and settles the allocator before capture
