@@ -56,7 +56,7 @@ class EngineConfig:
     prefill_chunk_decoding: int = 0
     queue_size: int = 64
     max_queue_wait_s: float = 60.0
-    overlap_steps: bool = True
+    steps_in_flight: int = 0
 
 
 @dataclass
@@ -208,7 +208,7 @@ def validate(cfg: Config) -> None:
     if cfg.runtime.transport not in ("ipc", "tcp"):
         raise ConfigError("runtime.transport must be ipc or tcp")
     if (cfg.engine.queue_size < 1 or cfg.engine.max_batch_tokens < 0 or cfg.engine.prefill_chunk < 0
-            or cfg.engine.prefill_chunk_decoding < 0):
+            or cfg.engine.prefill_chunk_decoding < 0 or not 0 <= cfg.engine.steps_in_flight <= 8):
         raise ConfigError("engine sizes must be positive (0 for the device's default)")
 
 

@@ -64,7 +64,7 @@ class ModelHandle:
             "steps": stats.steps, "kv_blocks": stats.kv_blocks, "block_size": self.entry.block_size, "kv_usage": round(stats.kv_usage, 4),
             "kv_bytes": self.kv_bytes, "cuda_graphs": self.graphs, "preemptions": stats.preemptions,
             "max_batch_tokens": z.max_batch_tokens, "prefill_chunk": z.prefill_chunk,
-            "prefill_chunk_decoding": z.prefill_chunk_decoding,
+            "prefill_chunk_decoding": z.prefill_chunk_decoding, "steps_in_flight": z.steps_in_flight,
             "leader_ms_per_step": round(stats.leader_ms_per_step, 4), "step_ms": round(stats.step_ms, 3),
             "rank_host_ms_per_step": round(stats.rank_host_ms_per_step, 4),
             "device_idle_ms_per_step": round(stats.device_idle_ms_per_step, 4),
@@ -119,10 +119,12 @@ class Registry:
         except ShardingError as exc:
             raise LoadError(f"model {model_id!r} cannot be split: {exc}") from None
         max_len = min(entry.max_model_len, spec.context_length)
-        budget, chunk, chunk_decoding = engine_sizes(self.cfg.engine, entry, devices[0].startswith("cuda"))
+        gpu = devices[0].startswith("cuda")
+        budget, chunk, chunk_decoding = engine_sizes(self.cfg.engine, entry, gpu)
+        in_flight = self.cfg.engine.steps_in_flight or (3 if gpu else 2)
         handle = ModelHandle(model_id, entry, spec, devices, default_dtype(devices, entry.dtype), max_len,
                              Engine(model_id, self.cfg.engine, Sizing(entry.max_slots, max_len, budget, chunk,
-                                                                      chunk_decoding)))
+                                                                      chunk_decoding, in_flight)))
         if self.on_finish is not None:
             hook = self.on_finish
             handle.engine.on_finish = lambda req, fin: hook(model_id, req, fin)

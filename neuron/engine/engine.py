@@ -48,6 +48,7 @@ class Sizing:
     max_batch_tokens: int
     prefill_chunk: int  # the longest prompt chunk of a step
     prefill_chunk_decoding: int  # ... of a step that also carries decodes
+    steps_in_flight: int = 2  # steps sent before the oldest one's reply is in (overlapped steps)
 
 
 class Engine:
@@ -58,7 +59,7 @@ class Engine:
         self.max_len = sizing.max_len
         self.sched = self._scheduler(1, 16)
         # Steps in flight: the next is sent before the last one's reply is in (overlapped steps).
-        self.depth = 2 if cfg.overlap_steps else 1
+        self.depth = sizing.steps_in_flight
         self.inflight: deque[tuple[list[Planned], asyncio.Future]] = deque()
         self.group: RankGroup | None = None
         self.accepting = True
