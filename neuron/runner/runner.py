@@ -119,7 +119,12 @@ class ModelRunner:
         if self.cuda and cfg.cuda_graphs and model.capturable and self.triton:
             from .linear import tune
             tune(model, graph_sizes(cfg.max_seqs))
-            self._capture()
+            try:
+                self._capture()
+            except RuntimeError as exc:  # e.g. a collective the driver cannot capture: run eagerly
+                log.warning("rank %d: CUDA graph capture failed, decode steps run eagerly: %s", rank, exc)
+                self.graphs.clear()
+                torch.cuda.synchronize(self.device)
 
     @property
     def kv_blocks(self) -> int:
