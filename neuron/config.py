@@ -47,6 +47,7 @@ class ModelEntry:
     kv_cache_tokens: int = 0
     gpu_memory_utilization: float = 0.9
     cuda_graphs: bool = True
+    prefix_caching: bool = True
 
 
 @dataclass

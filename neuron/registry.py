@@ -65,6 +65,8 @@ class ModelHandle:
             "kv_bytes": self.kv_bytes, "cuda_graphs": self.graphs, "preemptions": stats.preemptions,
             "max_batch_tokens": z.max_batch_tokens, "prefill_chunk": z.prefill_chunk,
             "prefill_chunk_decoding": z.prefill_chunk_decoding, "steps_in_flight": z.steps_in_flight,
+            "prefix_caching": z.cache_key is not None, "prefix_cache_hits": stats.prefix_cache_hits,
+            "prefix_cache_queries": stats.prefix_cache_queries,
             "leader_ms_per_step": round(stats.leader_ms_per_step, 4), "step_ms": round(stats.step_ms, 3),
             "rank_host_ms_per_step": round(stats.rank_host_ms_per_step, 4),
             "device_idle_ms_per_step": round(stats.device_idle_ms_per_step, 4),
@@ -123,8 +125,11 @@ class Registry:
         budget, chunk, chunk_decoding = engine_sizes(self.cfg.engine, entry, gpu)
         in_flight = self.cfg.engine.steps_in_flight or (3 if gpu else 2)
         handle = ModelHandle(model_id, entry, spec, devices, default_dtype(devices, entry.dtype), max_len,
-                             Engine(model_id, self.cfg.engine, Sizing(entry.max_slots, max_len, budget, chunk,
-                                                                      chunk_decoding, in_flight)))
+                             Engine(model_id, self.cfg.engine, Sizing(
+                                 entry.max_slots, max_len, budget, chunk, chunk_decoding, in_flight,
+                                 # the K/V of a prefix depends on the weights and how they are computed
+                                 f"{model_id}|{spec.files.paths}|{entry.dtype}|{entry.tensor_parallel}"
+                                 if entry.prefix_caching else None)))
         if self.on_finish is not None:
             hook = self.on_finish
             handle.engine.on_finish = lambda req, fin: hook(model_id, req, fin)

@@ -77,6 +77,8 @@ class StepSeq(msgspec.Struct, array_like=True, gc=False, frozen=True):
       state, and the slot keeps these parameters until the next sequence starts there.
     - ``allowed`` (structured output): a bitmask over the vocabulary, ceil(vocab / 32)
       little-endian uint32 words, bit ``t`` set when token ``t`` may be drawn next; None: any.
+    - ``context``: for a sequence whose first step starts past 0 (its prefix came from the prefix
+      cache), the tokens before ``start_pos``, when its penalties need them.
     """
 
     slot: int
@@ -87,6 +89,7 @@ class StepSeq(msgspec.Struct, array_like=True, gc=False, frozen=True):
     block_start: int = 0
     sampling: Sampling | None = None
     allowed: bytes | None = None
+    context: list[int] = []  # with ``sampling``: the tokens before start_pos (penalties count them)
 
 
 class StepTimings(msgspec.Struct, array_like=True, gc=False, frozen=True):

@@ -1,41 +1,64 @@
-"""The KV-cache block allocator. Plain Python on the leader: the ranks hold the blocks, the leader
-alone decides who owns which.
+"""The KV-cache block allocator, with automatic prefix caching. Plain Python on the leader: the
+ranks hold the blocks, the leader alone decides who owns which.
 
 A block holds ``block_size`` positions of one sequence's K/V in every layer. A sequence owns an
-ordered list of blocks (its block table). Blocks carry reference counts so that a full block
-can later be shared by sequences with the same prefix; a block returns to the free list only
-when its count drops to zero.
+ordered list of blocks (its block table). A full block whose K/V is computed is registered under
+a hash chained over everything before it (the previous block's hash, its own tokens, and a key
+naming the model and anything else that changes K/V), so that a later sequence with the same
+prefix takes the block instead of computing it again. Blocks carry reference counts: a shared
+block is freed only when its last user lets go, and a freed block that holds a cached prefix stays
+findable, least recently used first to go, until its memory is needed.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from collections import OrderedDict, deque
 
 
 class OutOfBlocks(Exception):
     pass
 
 
+def chain_hash(parent: bytes, tokens: list[int] | tuple[int, ...], key: bytes) -> bytes:
+    """The identity of a full block: its tokens, all tokens before it (through ``parent``), and
+    ``key``. 128 bits of BLAKE2b: a collision would silently serve wrong K/V."""
+    h = hashlib.blake2b(parent, digest_size=16, key=key[:64])
+    h.update(b",".join(str(t).encode() for t in tokens))
+    return h.digest()
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, cache_key: bytes | None = None) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("a KV cache needs at least one block of at least one token")
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.cache_key = cache_key  # None: prefix caching off
         # A GPU cache can hold millions of blocks: untouched ones are a counter, not a list.
         self._fresh = 0
         self._recycled: deque[int] = deque()
         self.refs: dict[int, int] = {}
+        self._by_hash: dict[bytes, int] = {}
+        self._hash_of: dict[int, bytes] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unused: LRU first
+        self.queries = 0  # prompt tokens looked up in the cache
+        self.hits = 0  # ... and found
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
     @property
     def free_count(self) -> int:
+        """Blocks that can be handed out: never used, recycled, or cached but unused."""
         return self.num_blocks - len(self.refs)
 
     @property
     def used(self) -> int:
         return len(self.refs)
+
+    @property
+    def cached(self) -> int:
+        return len(self._hash_of)
 
     def can_allocate(self, n: int) -> bool:
         return n <= self.free_count
@@ -45,12 +68,15 @@ class BlockManager:
             raise OutOfBlocks(f"{n} blocks asked for, {self.free_count} free")
         blocks = []
         for _ in range(n):
-            if self._recycled:
-                blocks.append(self._recycled.popleft())
-            else:
-                blocks.append(self._fresh)
+            if self._fresh < self.num_blocks:
+                b = self._fresh
                 self._fresh += 1
-        for b in blocks:
+            elif self._recycled:
+                b = self._recycled.popleft()
+            else:  # the least recently used cached block gives up its prefix
+                b, _ = self._evictable.popitem(last=False)
+                del self._by_hash[self._hash_of.pop(b)]
+            blocks.append(b)
             self.refs[b] = 1
         return blocks
 
@@ -69,9 +95,56 @@ class BlockManager:
             left = self.refs.get(b, 0) - 1
             if left < 0:
                 raise RuntimeError(f"block {b} released more often than allocated")
-            if left == 0:
-                del self.refs[b]
-                self._recycled.append(b)
-            else:
+            if left:
                 self.refs[b] = left
+                continue
+            del self.refs[b]
+            if b in self._hash_of:
+                self._evictable[b] = None
+            else:
+                self._recycled.append(b)
         table.clear()
+
+    # ----------------------------------------------------------------------------- prefixes
+    def match(self, tokens: list[int], limit: int) -> tuple[list[int], list[bytes]]:
+        """The cached blocks (and their hashes) that hold the longest prefix of ``tokens`` made of
+        full blocks, at most ``limit`` tokens long. Counted as a query; not yet taken."""
+        if self.cache_key is None:
+            return [], []
+        bs = self.block_size
+        blocks: list[int] = []
+        hashes: list[bytes] = []
+        parent = b""
+        for i in range(min(limit, len(tokens)) // bs):
+            h = chain_hash(parent, tokens[i * bs: (i + 1) * bs], self.cache_key)
+            b = self._by_hash.get(h)
+            if b is None:
+                break
+            blocks.append(b)
+            hashes.append(h)
+            parent = h
+        self.queries += limit
+        self.hits += len(blocks) * bs
+        return blocks, hashes
+
+    def take(self, blocks: list[int]) -> None:
+        """Hold cached blocks found by ``match``."""
+        for b in blocks:
+            if b in self.refs:
+                self.refs[b] += 1
+            else:
+                del self._evictable[b]
+                self.refs[b] = 1
+
+    def revived(self, blocks: list[int]) -> int:
+        """How many of ``blocks`` are cached but unused (taking them uses up free blocks)."""
+        return sum(1 for b in blocks if b not in self.refs)
+
+    def register(self, block: int, h: bytes) -> None:
+        """``block`` (held) now holds the full block whose chain hash is ``h``."""
+        if self.cache_key is None or block in self._hash_of:
+            return
+        if h in self._by_hash:  # computed twice (two sequences raced to the same prefix): keep one
+            return
+        self._by_hash[h] = block
+        self._hash_of[block] = h

@@ -49,6 +49,7 @@ class Sizing:
     prefill_chunk: int  # the longest prompt chunk of a step
     prefill_chunk_decoding: int  # ... of a step that also carries decodes
     steps_in_flight: int = 2  # steps sent before the oldest one's reply is in (overlapped steps)
+    cache_key: str | None = None  # the prefix cache's key (what the K/V depends on); None: no cache
 
 
 class Engine:
@@ -58,6 +59,7 @@ class Engine:
         self.sizing = sizing
         self.max_len = sizing.max_len
         self.sched = self._scheduler(1, 16)
+        self._cache_counts = (0, 0)  # prefix-cache queries and hits of the caches before this one
         # Steps in flight: the next is sent before the last one's reply is in (overlapped steps).
         self.depth = sizing.steps_in_flight
         self.inflight: deque[tuple[list[Planned], asyncio.Future]] = deque()
@@ -80,12 +82,14 @@ class Engine:
     def _scheduler(self, num_blocks: int, block_size: int) -> Scheduler:
         z = self.sizing
         return Scheduler(z.max_slots, self.max_len, num_blocks, block_size, z.max_batch_tokens, z.prefill_chunk,
-                         z.prefill_chunk_decoding)
+                         z.prefill_chunk_decoding, z.cache_key.encode() if z.cache_key else None)
 
     # ----------------------------------------------------------------------------- control
     def attach(self, group: RankGroup, num_blocks: int, block_size: int) -> None:
         """Serve on ``group``, whose ranks hold ``num_blocks`` KV blocks each."""
         self.group = group
+        old = self.sched.blocks  # a fresh cache (the ranks' is new); the counters carry on
+        self._cache_counts = (self._cache_counts[0] + old.queries, self._cache_counts[1] + old.hits)
         self.sched = self._scheduler(num_blocks, block_size)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name=f"engine-{self.model_id}")
@@ -138,6 +142,8 @@ class Engine:
         return EngineStats(len(s.running), len(s.waiting), s.max_slots - len(s.free_slots), s.max_slots,
                            self.steps, self.tokens_generated, kv_usage=s.blocks.used / s.blocks.num_blocks,
                            kv_blocks=s.blocks.num_blocks, preemptions=s.preemptions,
+                           prefix_cache_queries=self._cache_counts[0] + s.blocks.queries,
+                           prefix_cache_hits=self._cache_counts[1] + s.blocks.hits,
                            leader_ms_per_step=1e3 * self.leader_s / max(1, self.steps), step_ms=self.step_ms,
                            rank_host_ms_per_step=self.rank_host_ms / max(1, self.steps),
                            device_idle_ms_per_step=self.device_idle_ms / max(1, self.steps))
@@ -171,7 +177,8 @@ class Engine:
                 seqs = [p.StepSeq(slot=x.req.slot, tokens=x.tokens, start_pos=x.start_pos, sample=x.sample,
                                   blocks=x.blocks, block_start=x.block_start,
                                   sampling=x.req.sampling if x.start else None,
-                                  allowed=x.req.constraint.allowed() if x.sample and x.req.constraint else None)
+                                  allowed=x.req.constraint.allowed() if x.sample and x.req.constraint else None,
+                                  context=_context(x))
                         for x in plan]
                 waiter = await group.send_step(self._step_ids, seqs)
                 self.inflight.append((plan, asyncio.ensure_future(waiter())))
@@ -206,6 +213,7 @@ class Engine:
                 (t1 - self._last_result) * 1e3
         self._last_result = t1
         self.steps += 1
+        self.sched.completed(plan)
         self.rank_host_ms += result.timings.host_ms
         self.device_idle_ms += result.timings.idle_ms
         for i, x in enumerate(plan):
@@ -285,7 +293,7 @@ class Engine:
             return
         req.finished = True
         self.sched.release(req)
-        event = FinishEvent(reason, len(req.prompt), len(req.output), error, kind)
+        event = FinishEvent(reason, len(req.prompt), len(req.output), error, kind, req.cached_tokens)
         req.events.put_nowait(event)
         if not req.admitted.done():
             req.admitted.set_result(True)
@@ -301,3 +309,13 @@ class Engine:
             self.sched.release(req)
             return
         self._finish(req, "abort", message, kind)
+
+
+def _context(x: Planned) -> list[int]:
+    """The tokens before a sequence's first step that the rank's sampler must know: only a
+    penalised sequence starting past position 0 (its prefix came from the cache) needs them."""
+    p = x.req.sampling
+    if not x.start or not x.start_pos or (p.repetition_penalty == 1.0 and not p.frequency_penalty
+                                          and not p.presence_penalty):
+        return []
+    return (x.req.prompt + x.req.output)[: x.start_pos]

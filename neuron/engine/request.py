@@ -31,6 +31,7 @@ class FinishEvent:
     completion_tokens: int
     error: str | None = None  # set when reason is abort because something failed
     error_kind: str | None = None
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 Event = TokenEvent | FinishEvent
@@ -65,6 +66,10 @@ class GenRequest:
     pending: int = 0  # tokens drawn in steps still in flight (not in ``output`` yet)
     order: int = 0  # admission order: the newest running request is preempted first
     preempted: int = 0
+    run: int = 0  # bumped at each preemption: replies of an earlier run touch nothing
+    confirmed: int = 0  # positions whose K/V a finished step has computed
+    hashes: list[bytes] = field(default_factory=list)  # chain hashes of its leading full blocks
+    cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
     finished: bool = False
     cancelled: bool = False
     arrival: float = field(default_factory=time.monotonic)

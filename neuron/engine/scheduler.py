@@ -18,7 +18,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass
 
-from .blocks import BlockManager, OutOfBlocks
+from .blocks import BlockManager, OutOfBlocks, chain_hash
 from .request import GenRequest
 
 DEVICE_TOKEN = -1
@@ -33,15 +33,17 @@ class Planned:
     blocks: list[int]  # table entries the rank has not seen yet, from entry ``block_start``
     block_start: int
     start: bool  # the sequence's first step in its slot: the rank resets the slot's sampler
+    run: int  # the request's run it belongs to (a preemption starts a new one)
 
 
 class Scheduler:
     def __init__(self, max_slots: int, max_len: int, num_blocks: int, block_size: int, max_batch_tokens: int,
-                 prefill_chunk: int, prefill_chunk_decoding: int | None = None) -> None:
+                 prefill_chunk: int, prefill_chunk_decoding: int | None = None,
+                 cache_key: bytes | None = None) -> None:
         self.max_slots, self.max_len = max_slots, max_len
         self.max_batch_tokens, self.prefill_chunk = max_batch_tokens, prefill_chunk
         self.prefill_chunk_decoding = prefill_chunk_decoding or prefill_chunk
-        self.blocks = BlockManager(num_blocks, block_size)
+        self.blocks = BlockManager(num_blocks, block_size, cache_key)
         self.free_slots: deque[int] = deque(range(max_slots))
         self.waiting: deque[GenRequest] = deque()
         self.running: list[GenRequest] = []  # in admission order: the last is the newest
@@ -63,14 +65,23 @@ class Scheduler:
                 continue
             if req.pending:  # preempted with a token in flight: recompute once it is known
                 break
-            known = len(req.prompt) + len(req.output)
+            tokens = req.prompt + req.output
+            # The longest cached prefix of whole blocks; the last token is always computed, since
+            # its logits give the next token.
+            hits, hashes = self.blocks.match(tokens, len(tokens) - 1)
+            need = self.blocks.blocks_for(len(tokens)) - len(hits) + self.blocks.revived(hits)
             # Keep a block in hand for each running sequence, which may cross into a new one next.
-            if self.blocks.blocks_for(known) > self.blocks.free_count - len(self.running):
+            if need > self.blocks.free_count - len(self.running):
                 break
             self.waiting.popleft()
             req.slot = self.free_slots.popleft()
-            self.blocks.grow(req.blocks, known)
-            req.sent_blocks, req.computed = 0, 0
+            self.blocks.take(hits)
+            req.blocks, req.hashes = list(hits), hashes
+            self.blocks.grow(req.blocks, len(tokens))
+            req.sent_blocks = 0
+            req.computed = req.confirmed = len(hits) * self.blocks.block_size
+            if not req.preempted:
+                req.cached_tokens = req.computed
             req.order = next(self._order)
             self.running.append(req)
             admitted.append(req)
@@ -86,14 +97,34 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.blocks.release(req.blocks)
+        req.hashes = []
         req.slot = -1
+
+    def completed(self, plan: list[Planned]) -> None:
+        """A step's reply is in: its K/V exists. Register the blocks it filled for reuse."""
+        bs = self.blocks.block_size
+        for x in plan:
+            req = x.req
+            if x.run != req.run or req.slot < 0:
+                continue  # preempted (or done) since: that run's blocks are gone
+            req.confirmed = max(req.confirmed, x.start_pos + len(x.tokens))
+            if self.blocks.cache_key is None:
+                continue
+            tokens = None
+            for i in range(len(req.hashes), req.confirmed // bs):
+                tokens = tokens or req.prompt + req.output
+                h = chain_hash(req.hashes[-1] if req.hashes else b"", tokens[i * bs: (i + 1) * bs],
+                               self.blocks.cache_key)
+                self.blocks.register(req.blocks[i], h)
+                req.hashes.append(h)
 
     def _preempt(self, req: GenRequest) -> None:
         self.running.remove(req)
         self.free_slots.append(req.slot)
         self.blocks.release(req.blocks)
-        req.slot, req.computed, req.sent_blocks = -1, 0, 0
+        req.slot, req.computed, req.confirmed, req.sent_blocks, req.hashes = -1, 0, 0, 0, []
         req.preempted += 1
+        req.run += 1
         self.preemptions += 1
         self.waiting.appendleft(req)
 
@@ -152,7 +183,7 @@ class Scheduler:
 
     def _plan(self, req: GenRequest, tokens: list[int], sample: bool) -> Planned:
         x = Planned(req, tokens, req.computed, sample, req.blocks[req.sent_blocks:], req.sent_blocks,
-                    start=req.computed == 0)
+                    start=req.sent_blocks == 0, run=req.run)
         req.sent_blocks = len(req.blocks)
         req.computed += len(tokens)
         if sample:

@@ -221,6 +221,10 @@ class ModelRunner:
         for s in seqs:
             if s.sampling is not None:
                 self.sampler.start(s.slot, s.sampling)
+                if s.context and self.rank == 0 and self.sampler.penalised([s.slot]):
+                    n = len(s.context)
+                    at = upload([[s.slot] * n, s.context, list(range(n))], torch.int64, self.device)
+                    self.sampler.feed(at[0], at[1], at[2])
         bucket = self._bucket(seqs)
         if not bucket:
             return (0, *self._eager(seqs, sampled))
@@ -269,6 +273,9 @@ class ModelRunner:
                     raise StepRejected(f"slot {s.slot}: {why}")
             if s.allowed is not None and len(s.allowed) != 4 * ((self.vocab + 31) // 32):
                 raise StepRejected(f"slot {s.slot}: the token mask does not match the vocabulary")
+            if s.context and (s.sampling is None or len(s.context) != s.start_pos
+                              or any(not 0 <= t < self.vocab for t in s.context)):
+                raise StepRejected(f"slot {s.slot}: context must be the sequence's tokens before start_pos")
 
     def _update_tables(self, seqs: list[p.StepSeq]) -> None:
         rows: list[int] = []

@@ -37,9 +37,10 @@ class View:
             body["choices"][0]["token_ids"] = [t for ev in events for t in ev.token_ids]
         return body
 
-    def usage(self, fin: FinishEvent) -> dict[str, int]:
+    def usage(self, fin: FinishEvent) -> dict[str, Any]:
         return {"prompt_tokens": fin.prompt_tokens, "completion_tokens": fin.completion_tokens,
-                "total_tokens": fin.prompt_tokens + fin.completion_tokens}
+                "total_tokens": fin.prompt_tokens + fin.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": fin.cached_tokens}}
 
 
 class ChatView(View):
