@@ -127,6 +127,7 @@ class RankGroup:
         self.pids: list[int] = []
         self.last_seen: dict[int, float] = {}
         self.busy_step: dict[int, int] = {}
+        self.loaded_bytes: dict[int, int] = {}  # per rank, from heartbeats: a load's progress
         self.dropped = 0
         self.failure: str | None = None
         self._calls: dict[int, _Call] = {}
@@ -381,6 +382,7 @@ class RankGroup:
         if isinstance(reply, p.Heartbeat):
             self.last_seen[rank] = time.monotonic()
             self.busy_step[rank] = reply.busy_step
+            self.loaded_bytes[rank] = reply.loaded_bytes
             self._hello.set()
             return
         self.last_seen[rank] = time.monotonic()

@@ -45,6 +45,7 @@ class ModelHandle:
     error: str | None = None
     shard_bytes: list[int] = field(default_factory=list)
     kv_bytes: list[int] = field(default_factory=list)
+    loading: RankGroup | None = None  # the group being loaded, while it is
     graphs: list[int] = field(default_factory=list)
     load_seconds: float = 0.0
     recoveries: int = 0
@@ -61,6 +62,7 @@ class ModelHandle:
             "pids": self.group.pids if self.group else [], "epoch": self.group.epoch if self.group else None,
             "running": stats.running, "waiting": stats.waiting, "slots_used": stats.slots_used,
             "dropped_frames": self.group.dropped if self.group else 0,
+            "load_progress_bytes": sum(self.loading.loaded_bytes.values()) if self.loading else None,
             "steps": stats.steps, "kv_blocks": stats.kv_blocks, "block_size": self.entry.block_size, "kv_usage": round(stats.kv_usage, 4),
             "kv_bytes": self.kv_bytes, "cuda_graphs": self.graphs, "preemptions": stats.preemptions,
             "max_batch_tokens": z.max_batch_tokens, "prefill_chunk": z.prefill_chunk,
@@ -145,12 +147,22 @@ class Registry:
                  handle.dtype, handle.shard_bytes)
         return handle
 
+    @staticmethod
+    async def _log_progress(handle: ModelHandle, group: RankGroup, every_s: float = 5.0) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            done = sum(group.loaded_bytes.values())
+            if done:
+                log.info("%s: loading, %.2f GB of weights read", handle.id, done / 1e9)
+
     async def _start_group(self, handle: ModelHandle) -> RankGroup:
         group = RankGroup(model_id=handle.id, devices=handle.devices, timeouts=self.cfg.timeouts,
                           runtime_dir=self.runtime, ctx=self.ctx, tap=self.tap,
                           allow_faults=self.cfg.debug.fault_injection, on_failure=self._on_group_failure,
                           curve=self.curve)
         spec, entry, z = handle.spec, handle.entry, handle.engine.sizing
+        handle.loading = group
+        progress = asyncio.create_task(self._log_progress(handle, group))
         gpu = handle.devices[0].startswith("cuda")
         # On the CPU the KV cache holds every slot at full length unless told otherwise; on a GPU
         # it takes what the memory left after the weights allows.
@@ -166,6 +178,9 @@ class Registry:
         except BaseException:
             await group.close_after_failure()
             raise
+        finally:
+            progress.cancel()
+            handle.loading = None
         handle.shard_bytes = [oks[r].bytes for r in range(group.world)]
         handle.kv_bytes = [oks[r].kv_bytes for r in range(group.world)]
         handle.graphs = oks[0].graphs

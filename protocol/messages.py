@@ -225,6 +225,7 @@ class Error(Frame, tag="error"):
 class Heartbeat(Frame, tag="heartbeat"):
     rank: int
     busy_step: int  # the step id in flight on the device thread, -1 when idle
+    loaded_bytes: int = 0  # weight bytes read so far by the load in progress (or the last one)
 
 
 Request = Union[Ping, InitDist, SanityCheck, LoadShard, Step, Free, Memory, Unload, Shutdown, InjectFault]

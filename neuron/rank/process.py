@@ -111,7 +111,8 @@ class RankProcess:
                 log.error("rank %d: leader is gone, exiting", self.rank)
                 os._exit(3)
             busy = self.worker.busy_step if self.worker else -1
-            await self.send(p.Heartbeat(id=0, epoch=self.epoch, rank=self.rank, busy_step=busy))
+            loaded = self.worker.loaded_bytes if self.worker else 0
+            await self.send(p.Heartbeat(id=0, epoch=self.epoch, rank=self.rank, busy_step=busy, loaded_bytes=loaded))
             await asyncio.sleep(HEARTBEAT_S)
 
 

@@ -28,6 +28,21 @@ class RankFailure(Exception):
         self.kind = kind
 
 
+class _Counted:
+    """A weight source that adds up the bytes it hands out (the load's progress, in heartbeats)."""
+
+    def __init__(self, src, worker: "DeviceWorker") -> None:
+        self.src, self.worker = src, worker
+
+    def get(self, name: str, **kwargs) -> torch.Tensor:
+        t = self.src.get(name, **kwargs)
+        self.worker.loaded_bytes += t.numel() * t.element_size()
+        return t
+
+    def __getattr__(self, name: str):
+        return getattr(self.src, name)
+
+
 class DeviceWorker:
     def __init__(self, rank: int, world: int, device: str, allow_faults: bool = False) -> None:
         self.rank, self.world = rank, world
@@ -39,6 +54,7 @@ class DeviceWorker:
         self.runner: ModelRunner | None = None
         self.model_id: str | None = None
         self.busy_step = -1
+        self.loaded_bytes = 0  # read by the heartbeat: a load's progress
         self.pending_fault: str | None = None
         self.dist_ready = world == 1
 
@@ -116,7 +132,9 @@ class DeviceWorker:
         else:
             from neuron.loader.safetensors_source import SafetensorsSource
             src = SafetensorsSource(msg.paths)
-        self.model = CausalLM(msg.config, plan, src, dtype=dtype, device=self.device, max_len=msg.max_len)
+        self.loaded_bytes = 0
+        self.model = CausalLM(msg.config, plan, _Counted(src, self), dtype=dtype, device=self.device,
+                              max_len=msg.max_len)
         del src
         self.runner = ModelRunner(self.model, RunnerConfig(
             max_seqs=msg.max_slots, max_len=msg.max_len, block_size=msg.block_size, kv_tokens=msg.kv_tokens,
