@@ -164,6 +164,7 @@ class LoadOk(Frame, tag="load_ok"):
     kv_capacity: int  # tokens of KV cache this rank holds (slots * max_len)
     bytes: int  # resident weight bytes of this rank's shard
     kv_bytes: int = 0
+    packing: str = ""  # how the shard stores its projections, e.g. "int4 from Q4_1 x210, dense bfloat16 x0"
 
 
 class StepResult(Frame, tag="step_result"):

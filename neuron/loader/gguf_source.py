@@ -4,12 +4,17 @@ read."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from .gguf_file import GgufFile, gguf_name
+
+if TYPE_CHECKING:
+    from neuron.models.quant import QuantWeight
 
 class GgufSource:
     def __init__(self, path: str, *, num_heads: int, num_kv_heads: int) -> None:
@@ -18,6 +23,9 @@ class GgufSource:
         arch = self.file.fields.get("general.architecture")
         # llama.cpp's converter permutes llama Q/K rows for its RoPE layout; we undo it per head.
         self._permuted = {"attn_q": num_heads, "attn_k": num_kv_heads} if arch == "llama" else {}
+        from neuron.models.quant import is_quantized
+
+        self.quantized = any(is_quantized(t.qtype) for t in self.tensors.values())
 
     def has(self, name: str) -> bool:
         if name.endswith("experts.gate_up_proj"):
@@ -39,6 +47,35 @@ class GgufSource:
         if kind in self._permuted:
             data = _unpermute(data, self._permuted[kind], self._rows(gname), part if dim in (0, None) else None)
         return torch.from_numpy(data if data.flags.writeable and data.flags.c_contiguous else np.array(data))
+
+    def get_quant(self, name: str, *, dim: int | None = None, part: range | None = None) -> QuantWeight | None:
+        """A 2-D quantized tensor's rows (dim 0) or group-aligned columns (dim 1) as packed groups,
+        never dequantized; None where the file holds floats."""
+        from neuron.models.quant import GROUP, decode_blocks, is_quantized
+
+        gname = gguf_name(name)
+        t = self.tensors.get(gname)
+        if t is None:
+            raise KeyError(f"tensor {gname!r} is not in the GGUF file")
+        if not is_quantized(t.qtype) or t.data.ndim != 2:
+            return None
+        raw = t.data
+        if part is not None and dim == 1:
+            block, size = GGML_QUANT_SIZES[t.qtype]
+            first, end = part.start // block, -(-part.stop // block)
+            skip = part.start - first * block
+            if skip % GROUP:
+                raise ValueError(f"{gname}: columns from {part.start} do not start on a {GROUP}-element group")
+            q = decode_blocks(raw[:, first * size: end * size], t.qtype)
+            return q.columns(range(skip, skip + len(part)))
+        if part is not None:
+            raw = raw[part.start: part.stop]
+        q = decode_blocks(raw, t.qtype)
+        kind = gname.split(".")[-2]
+        if kind in self._permuted:
+            order = _unpermute(np.arange(q.shape[0])[:, None], self._permuted[kind], self._rows(gname), part)
+            q = q.with_rows(order.ravel())
+        return q
 
     def _rows(self, gname: str) -> int:
         return int(self.tensors[gname].data.shape[0])

@@ -13,7 +13,9 @@ import torch.distributed as dist
 import protocol as p
 from neuron.models.layers import attention_batch
 from neuron.models.llama import CausalLM
-from neuron.models.sharding import plan_shard
+from neuron.models.linear import describe_packing, packed_kernel_for
+from neuron.models.quant import GROUP, SCHEMES
+from neuron.models.sharding import ShardingError, plan_shard
 
 from .sampler import Sampler
 
@@ -106,7 +108,6 @@ class DeviceWorker:
         dtype = DTYPES.get(msg.dtype)
         if dtype is None:
             raise RankFailure("bad_request", f"unknown dtype {msg.dtype!r}")
-        plan = plan_shard(msg.config, self.world, self.rank)
         t0 = time.perf_counter()
         if msg.format == "gguf":
             from neuron.loader.gguf_source import GgufSource
@@ -114,15 +115,29 @@ class DeviceWorker:
         else:
             from neuron.loader.safetensors_source import SafetensorsSource
             src = SafetensorsSource(msg.paths)
+        if msg.quant:
+            from neuron.loader.insitu import QuantizingSource
+            if msg.quant not in SCHEMES:
+                raise RankFailure("bad_request", f"unknown quant {msg.quant!r} (known: {', '.join(SCHEMES)})")
+            src = QuantizingSource(src, msg.quant)
+        packed = packed_kernel_for(self.device, dtype) and bool(getattr(src, "quantized", False))
+        if getattr(src, "quantized", False) and not packed:
+            log.warning("rank %d: %s's quantized weights are dequantized to %s on %s (the packed kernels take "
+                        "bfloat16 activations on the CPU)", self.rank, msg.model, msg.dtype, self.device.type)
+        try:
+            plan = plan_shard(msg.config, self.world, self.rank, block=GROUP if packed else 1)
+        except ShardingError as exc:
+            raise RankFailure("bad_request", str(exc)) from None
         self.model = CausalLM(msg.config, plan, src, dtype=dtype, device=self.device,
                               max_slots=msg.max_slots, max_len=msg.max_len)
         self.model_id = msg.model
         del src
         self._warm_up()
-        log.info("rank %d loaded %s shard in %.2fs: %d weight bytes", self.rank, msg.model,
-                 time.perf_counter() - t0, self.model.weight_bytes())
+        packing = describe_packing(self.model)
+        log.info("rank %d loaded %s shard in %.2fs: %d weight bytes; %s", self.rank, msg.model,
+                 time.perf_counter() - t0, self.model.weight_bytes(), packing)
         return p.LoadOk(id=msg.id, epoch=msg.epoch, kv_capacity=msg.max_slots * msg.max_len,
-                        bytes=self.model.weight_bytes(), kv_bytes=self.model.kv.nbytes)
+                        bytes=self.model.weight_bytes(), kv_bytes=self.model.kv.nbytes, packing=packing)
 
     def _warm_up(self) -> None:
         """One prefill and one decode through every layer, so the first request does not pay for

@@ -32,6 +32,9 @@ class ParityJob:
     new_tokens: int = 0
     dtype: str = "float32"
     max_len: int = 128
+    quant: str | None = None  # in-situ quantization: q8_0 | q4
+    score: list[list[int]] = field(default_factory=list)  # sequences to run teacher-forced
+    dense: bool = False  # every weight dequantized to ``dtype``: the reference of a packed model
 
 
 @dataclass
@@ -41,16 +44,31 @@ class ParityResult:
     greedy: list[list[int]]  # per prompt: ``new_tokens`` argmax tokens, decoded through the KV cache
     load_seconds: float
     weight_bytes: list[int] = field(default_factory=list)  # one per rank
+    argmax: list[list[int]] = field(default_factory=list)  # per ``score`` sequence: the argmax at every position
 
 
-def open_source(fmt: str, paths: list[str], config: ModelConfig) -> Any:
+class DenseView:
+    """A weight source that offers only floats: the model it builds holds every weight dense."""
+
+    def __init__(self, src: Any) -> None:
+        self.get, self.has = src.get, src.has
+
+
+def open_source(fmt: str, paths: list[str], config: ModelConfig, quant: str | None = None,
+                dense: bool = False) -> Any:
     if fmt == "gguf":
         from neuron.loader.gguf_source import GgufSource
 
-        return GgufSource(paths[0], num_heads=config.num_heads, num_kv_heads=config.num_kv_heads)
-    from neuron.loader.safetensors_source import SafetensorsSource
+        src: Any = GgufSource(paths[0], num_heads=config.num_heads, num_kv_heads=config.num_kv_heads)
+    else:
+        from neuron.loader.safetensors_source import SafetensorsSource
 
-    return SafetensorsSource(list(paths))
+        src = SafetensorsSource(list(paths))
+    if quant:
+        from neuron.loader.insitu import QuantizingSource
+
+        src = QuantizingSource(src, quant)
+    return DenseView(src) if dense else src
 
 
 def build(job: ParityJob, world: int = 1, rank: int = 0) -> tuple[Any, float]:
@@ -60,10 +78,15 @@ def build(job: ParityJob, world: int = 1, rank: int = 0) -> tuple[Any, float]:
     from neuron.models.llama import CausalLM
     from neuron.models.sharding import plan_shard
 
+    from neuron.models.linear import packed_kernel_for
+    from neuron.models.quant import GROUP
+
     t0 = time.perf_counter()
-    src = open_source(job.fmt, job.paths, job.config)
-    model = CausalLM(job.config, plan_shard(job.config, world, rank), src, dtype=getattr(torch, job.dtype),
-                     device=torch.device("cpu"), max_slots=max(1, len(job.prompts)), max_len=job.max_len)
+    src = open_source(job.fmt, job.paths, job.config, job.quant, job.dense)
+    dtype, cpu = getattr(torch, job.dtype), torch.device("cpu")
+    block = GROUP if packed_kernel_for(cpu, dtype) and getattr(src, "quantized", False) else 1
+    model = CausalLM(job.config, plan_shard(job.config, world, rank, block), src, dtype=dtype,
+                     device=cpu, max_slots=max(1, len(job.prompts)), max_len=job.max_len)
     return model, time.perf_counter() - t0
 
 
@@ -95,6 +118,20 @@ def run_model(model: Any, job: ParityJob) -> tuple[list[Any], list[list[int]]]:
     return first, greedy
 
 
+def run_teacher_forced(model: Any, job: ParityJob) -> list[list[int]]:
+    """The argmax after every position of each ``job.score`` sequence, one prefill each."""
+    import torch
+
+    from neuron.models.layers import attention_batch
+
+    out = []
+    for seq in job.score:
+        batch = attention_batch([(0, 0, len(seq))], torch.device("cpu"))
+        logits = model.forward(torch.tensor(seq), batch, torch.arange(len(seq)))
+        out.append(logits.argmax(dim=-1).tolist())
+    return out
+
+
 def _ends(prompts: list[list[int]]) -> list[int]:
     offset, ends = 0, []
     for p in prompts:
@@ -111,7 +148,8 @@ def run_parity(jobs: list[ParityJob], world: int = 1, timeout: float = 300.0) ->
         for job in jobs:
             model, seconds = build(job)
             logits, greedy = run_model(model, job)
-            results.append(ParityResult(job.name, logits, greedy, seconds, [model.weight_bytes()]))
+            results.append(ParityResult(job.name, logits, greedy, seconds, [model.weight_bytes()],
+                                        run_teacher_forced(model, job)))
         return results
     import torch.multiprocessing as mp
 
@@ -144,7 +182,8 @@ def _rank_main(rank: int, world: int, port: int, jobs: list[ParityJob], out_dir:
         for job in jobs:
             model, seconds = build(job, world, rank)
             logits, greedy = run_model(model, job)
-            results.append(ParityResult(job.name, logits, greedy, seconds, [model.weight_bytes()]))
+            results.append(ParityResult(job.name, logits, greedy, seconds, [model.weight_bytes()],
+                                        run_teacher_forced(model, job)))
             del model
         (Path(out_dir) / f"rank{rank}.pkl").write_bytes(pickle.dumps(results))
     finally:

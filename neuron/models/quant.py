@@ -1,0 +1,233 @@
+"""Quantized weights kept packed: GGUF blocks and in-situ quantization, computed from by the CPU
+kernels in ``csrc/qlinear_cpu.cpp`` (float32 activations and accumulation).
+
+Every quantized weight is decoded to ``QuantWeight``: unsigned integers ``u`` with a scale and
+an offset per group of 32 along the input dimension, ``w = s * u + m``, exactly what the file
+holds, then stored as 4-bit ``u`` (Q4_0, Q4_1, Q4_K, in-situ q4: 5 bits a weight with the
+float16 scale and offset) or 8-bit ``u`` (Q8_0, Q5_0, Q5_1, Q5_K, in-situ q8_0: 9 bits a weight).
+
+Exact: the same integers and the file's float16 scales (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, in situ).
+Q4_K/Q5_K sub-block scales (a float16 times a 6-bit integer) are rounded to float16 (2^-12 of
+the scale). Types whose sub-blocks are narrower than 32 (Q6_K, Q2_K, Q3_K) have no group-32
+form: they are requantized to symmetric 8 bits per group of 32 (four times finer than Q6_K's own
+step), and their source says so.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import Q4_K, dequantize
+
+log = logging.getLogger("neuron.quant")
+
+GROUP = 32
+SCHEMES = ("q8_0", "q4")  # in-situ quantization
+
+
+@dataclass
+class QuantWeight:
+    """``w[n, k] = s[n, k // 32] * u[n, k] + m[n, k // 32]`` with ``u < 2**bits``."""
+
+    u: np.ndarray  # uint8 [N, K]
+    s: np.ndarray  # float32 [N, K/32]
+    m: np.ndarray  # float32 [N, K/32]
+    bits: int
+    source: str  # what the file held: "Q4_1", "Q8_0", "q4 (in situ)", ...
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.u.shape  # type: ignore[return-value]
+
+    def rows(self, part: range) -> QuantWeight:
+        return QuantWeight(self.u[part.start:part.stop], self.s[part.start:part.stop], self.m[part.start:part.stop],
+                           self.bits, self.source)
+
+    def columns(self, part: range) -> QuantWeight:
+        """Columns ``part`` of every row; ``part`` must start and end on a group boundary."""
+        K = self.u.shape[1]
+        if part.start % GROUP or (part.stop % GROUP and part.stop != K):
+            raise ValueError(f"columns {part.start}..{part.stop} do not fall on {GROUP}-element quant groups")
+        g = range(part.start // GROUP, -(-part.stop // GROUP))
+        return QuantWeight(self.u[:, part.start:part.stop], self.s[:, g.start:g.stop], self.m[:, g.start:g.stop],
+                           self.bits, self.source)
+
+    def dequantize(self) -> np.ndarray:
+        N, K = self.u.shape
+        u = self.u.reshape(N, K // GROUP, GROUP).astype(np.float32)
+        return (self.s[..., None] * u + self.m[..., None]).reshape(N, K)
+
+    def with_rows(self, order: np.ndarray) -> QuantWeight:
+        return QuantWeight(self.u[order], self.s[order], self.m[order], self.bits, self.source)
+
+
+def concat_rows(parts: list[QuantWeight]) -> QuantWeight:
+    bits = max(p.bits for p in parts)
+    sources = sorted({p.source for p in parts if p.source})
+    return QuantWeight(np.concatenate([p.u for p in parts]), np.concatenate([p.s for p in parts]),
+                       np.concatenate([p.m for p in parts]), bits, "+".join(sources))
+
+
+# ---------------------------------------------------------------------------------- GGUF blocks
+
+_EXACT = (Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q5_K)
+_FLOAT = (Q.F32, Q.F16, Q.BF16)
+
+
+def is_quantized(qtype: Q) -> bool:
+    return qtype not in _FLOAT and qtype not in (Q.I8, Q.I16, Q.I32, Q.I64, Q.F64)
+
+
+def decode_blocks(raw: np.ndarray, qtype: Q) -> QuantWeight:
+    """A 2-D GGUF tensor's raw bytes (rows x bytes) as groups of 32."""
+    rows = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(-1, raw.shape[-1]).view(np.uint8)
+    from gguf import GGML_QUANT_SIZES
+
+    block, size = GGML_QUANT_SIZES[qtype]
+    b = blocks.reshape(-1, size)
+    name = qtype.name
+    if qtype == Q.Q4_0:
+        d = _f16(b[:, 0:2])
+        u, s, m = _nibbles(b[:, 2:18]), d, -8 * d
+        bits = 4
+    elif qtype == Q.Q4_1:
+        u, s, m, bits = _nibbles(b[:, 4:20]), _f16(b[:, 0:2]), _f16(b[:, 2:4]), 4
+    elif qtype == Q.Q8_0:
+        d = _f16(b[:, 0:2])
+        u = (b[:, 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        s, m, bits = d, -128 * d, 8
+    elif qtype in (Q.Q5_0, Q.Q5_1):
+        off = 2 if qtype == Q.Q5_0 else 4
+        qh = b[:, off:off + 4].copy().view(np.uint32).reshape(-1, 1) >> np.arange(32, dtype=np.uint32)
+        u = _nibbles(b[:, off + 4:off + 20]) | (((qh & 1).astype(np.uint8)) << 4)
+        d = _f16(b[:, 0:2])
+        s, m = (d, -16 * d) if qtype == Q.Q5_0 else (d, _f16(b[:, 2:4]))
+        bits = 5
+    elif qtype in (Q.Q4_K, Q.Q5_K):
+        n = b.shape[0]
+        d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+        sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(b[:, 4:16]))
+        s = (d * sc.astype(np.float32)).reshape(n * 8)
+        m = -(dmin * mn.astype(np.float32)).reshape(n * 8)
+        qs = b[:, 16:144] if qtype == Q.Q4_K else b[:, 48:176]
+        ql = (qs.reshape(n, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 15
+        u = ql.reshape(n * 8, 32)
+        bits = 4
+        if qtype == Q.Q5_K:
+            qh = (b[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+            u = u | (qh.reshape(n * 8, 32) << 4)
+            bits = 5
+    else:
+        return requantize_q8(dequantize(np.ascontiguousarray(raw), qtype).astype(np.float32), f"{name}, requantized")
+    groups = u.size // GROUP
+    cols = groups * GROUP // rows
+    return QuantWeight(u.reshape(rows, cols).astype(np.uint8), s.reshape(rows, -1).astype(np.float32),
+                       m.reshape(rows, -1).astype(np.float32), bits, name)
+
+
+def _f16(two: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(two).view(np.float16).astype(np.float32).reshape(-1, 1)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """16 bytes -> 32 values: low nibbles first, then high (Q4_0 / Q4_1 / Q5_x order)."""
+    return np.concatenate([qs & 15, qs >> 4], axis=1)
+
+
+# ---------------------------------------------------------------------------------- in situ
+
+
+def quantize(w: torch.Tensor, scheme: str) -> QuantWeight:
+    """Quantize a float weight [N, K] (K a multiple of 32) with ``scheme``; scales are rounded to
+    float16 first, so the packed weight holds exactly what this returns."""
+    x = w.detach().float().cpu().reshape(w.shape[0], -1, GROUP)
+    if scheme == "q8_0":
+        d = _round_f16(x.abs().amax(-1) / 127)
+        q = torch.round(x / torch.where(d == 0, 1, d)[..., None]).clamp(-127, 127)
+        return QuantWeight((q + 128).to(torch.uint8).reshape(w.shape).numpy(), d.numpy(), (-128 * d).numpy(), 8,
+                           "q8_0 (in situ)")
+    if scheme == "q4":
+        lo, hi = x.amin(-1), x.amax(-1)
+        s, m = _round_f16((hi - lo) / 15), _round_f16(lo)
+        q = torch.round((x - m[..., None]) / torch.where(s == 0, 1, s)[..., None]).clamp(0, 15)
+        return QuantWeight(q.to(torch.uint8).reshape(w.shape).numpy(), s.numpy(), m.numpy(), 4, "q4 (in situ)")
+    raise ValueError(f"unknown quantization {scheme!r} (known: {', '.join(SCHEMES)})")
+
+
+def requantize_q8(w: np.ndarray, source: str) -> QuantWeight:
+    q = quantize(torch.from_numpy(w), "q8_0")
+    q.source = source
+    return q
+
+
+def _round_f16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float16).float()
+
+
+# ---------------------------------------------------------------------------------- packing
+
+
+def pack_nibbles(u: torch.Tensor) -> torch.Tensor:
+    """uint8 values 0..15 [N, K] -> [N, K/2]: per group of 32, byte j holds u[j] (low nibble) and
+    u[j + 16] (high nibble), as GGUF's Q4_0/Q4_1 blocks do."""
+    N, K = u.shape
+    g = u.reshape(N, K // GROUP, 2, GROUP // 2)
+    return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(N, K // 2).contiguous()
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    T, half = packed.shape
+    g = packed.reshape(T, half // 16, 16)
+    return torch.cat([g & 15, g >> 4], dim=-1).reshape(T, 2 * half)
+
+
+class PackedLinear:
+    """``y = x W^T + b`` from ``W`` packed in groups of 32 (4-bit, or 8-bit for wider types),
+    computed by the CPU kernel with float32 activations; other activation dtypes are converted at
+    the kernel's edge."""
+
+    def __init__(self, q: QuantWeight, bias: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> None:
+        from .cpu_kernels import qlinear_cpu
+
+        N, K = q.shape
+        if K % GROUP:
+            raise ValueError(f"a packed weight needs rows of whole {GROUP}-element groups, not {K}")
+        self.n, self.k, self.source = N, K, q.source
+        self.bits = 4 if q.bits <= 4 else 8
+        u = torch.from_numpy(np.ascontiguousarray(q.u))
+        self.u = pack_nibbles(u) if self.bits == 4 else u
+        self.s = torch.from_numpy(q.s).to(torch.float16).contiguous()
+        self.m = torch.from_numpy(q.m).to(torch.float16).contiguous()
+        self.bias, self.dtype = bias, dtype
+        kernels = qlinear_cpu()
+        self._kernel = kernels.q4_linear if self.bits == 4 else kernels.q8_linear
+
+    @property
+    def out_features(self) -> int:
+        return self.n
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.u, self.s, self.m, *([self.bias] if self.bias is not None else [])]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape, dtype = x.shape, x.dtype
+        y = self._kernel(x.reshape(-1, self.k).float(), self.u, self.s, self.m)
+        if dtype != torch.float32:
+            y = y.to(dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.n)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of W, dequantized (the embedding lookup on a packed matrix)."""
+        u = self.u[ids]
+        if self.bits == 4:
+            u = unpack_nibbles(u)
+        T = ids.shape[0]
+        w = u.view(T, -1, GROUP).float() * self.s[ids].float()[..., None] + self.m[ids].float()[..., None]
+        return w.view(T, self.k).to(self.dtype)
