@@ -59,12 +59,15 @@ def apply_flags(cfg: Config, args: argparse.Namespace) -> Config:
         if first is not None:
             entry.max_model_len, entry.max_slots, entry.dtype = first.max_model_len, first.max_slots, first.dtype
             entry.device, entry.tensor_parallel = first.device, first.tensor_parallel
+            entry.quantize = first.quantize
         cfg.models = [entry]
     for entry in cfg.models:
         if args.tensor_parallel is not None:
             entry.tensor_parallel = args.tensor_parallel
         if args.device:
             entry.device = args.device
+        if args.quantize is not None:
+            entry.quantize = "" if args.quantize == "none" else args.quantize
     validate(cfg)
     return cfg
 
@@ -90,6 +93,8 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--model", help="model id, HF repo id, directory or .gguf path")
     s.add_argument("--tensor-parallel", type=int)
     s.add_argument("--device", choices=["cpu", "cuda", "auto"])
+    s.add_argument("--quantize", choices=["q8_0", "q4", "none"],
+                   help="quantize float (bf16/fp16/fp32) weights at load, on each rank, only its shard"),
     args = ap.parse_args(argv)
     try:
         cfg = apply_flags(load_config(args.config or os.environ.get("NEURON_CONFIG")), args)

@@ -26,6 +26,8 @@ from .errors import ApiError
 from .loader.errors import LoadError
 from .loader.spec import ModelSpec, load_spec, model_id_for
 from .models.sharding import ShardingError, check_plan
+
+QUANT_GROUP = 32  # models.quant.GROUP, without importing torch in the leader
 from .rankgroup import CurveGate, GroupFailed, RankError, RankGroup, TapMirror
 
 log = logging.getLogger("neuron.registry")
@@ -44,8 +46,24 @@ class ModelHandle:
     group: RankGroup | None = None
     error: str | None = None
     shard_bytes: list[int] = field(default_factory=list)
+    packing: str = ""  # rank 0's account of how its projections are stored
     load_seconds: float = 0.0
     recoveries: int = 0
+
+    @property
+    def packed(self) -> bool:
+        """Quantized weights stay packed: on the CPU (the GPU has no packed kernel yet)."""
+        return self.devices[0] == "cpu" and bool(self.entry.quantize or self.spec.quantized)
+
+    @property
+    def weight_format(self) -> str:
+        """What the shard holds: "gguf:Q4_1+Q8_0", "q8_0 (in situ from safetensors:bf16)"."""
+        fmt = self.spec.weight_format
+        if self.entry.quantize:
+            fmt = f"{self.entry.quantize} (in situ from {fmt})"
+        if (self.entry.quantize or self.spec.quantized) and not self.packed:
+            fmt += f", dequantized to {self.dtype}"
+        return fmt
 
     def describe(self) -> dict:
         stats = self.engine.stats()
@@ -53,6 +71,7 @@ class ModelHandle:
             "id": self.id, "status": self.status, "error": self.error, "format": self.spec.files.format,
             "family": self.spec.config.family, "devices": self.devices, "tensor_parallel": len(self.devices),
             "dtype": self.dtype, "max_model_len": self.max_len, "max_slots": self.entry.max_slots,
+            "weight_format": self.weight_format, "packing": self.packing,
             "shard_bytes": self.shard_bytes, "load_seconds": round(self.load_seconds, 3),
             "recoveries": self.recoveries,
             "pids": self.group.pids if self.group else [], "epoch": self.group.epoch if self.group else None,
@@ -104,13 +123,13 @@ class Registry:
             devices = choose_devices(entry.device, entry.tensor_parallel, entry.devices)
         except ValueError as exc:
             raise LoadError(str(exc)) from None
-        try:
-            check_plan(spec.config, entry.tensor_parallel)
-        except ShardingError as exc:
-            raise LoadError(f"model {model_id!r} cannot be split: {exc}") from None
         max_len = min(entry.max_model_len, spec.context_length)
         handle = ModelHandle(model_id, entry, spec, devices, default_dtype(devices, entry.dtype), max_len,
                              Engine(model_id, self.cfg.engine, max_slots=entry.max_slots, max_len=max_len))
+        try:  # packed weights split their input columns on whole quant groups
+            check_plan(spec.config, entry.tensor_parallel, QUANT_GROUP if handle.packed else 1)
+        except ShardingError as exc:
+            raise LoadError(f"model {model_id!r} cannot be split: {exc}") from None
         if self.on_finish is not None:
             hook = self.on_finish
             handle.engine.on_finish = lambda req, fin: hook(model_id, req, fin)
@@ -123,8 +142,8 @@ class Registry:
         handle.engine.attach(handle.group)
         handle.status = "loaded"
         handle.load_seconds = time.monotonic() - t0
-        log.info("%s loaded in %.2fs on %s (%s), shard bytes %s", model_id, handle.load_seconds, devices,
-                 handle.dtype, handle.shard_bytes)
+        log.info("%s loaded in %.2fs on %s (%s), weights %s, shard bytes %s (%s)", model_id, handle.load_seconds,
+                 devices, handle.dtype, handle.weight_format, handle.shard_bytes, handle.packing)
         return handle
 
     async def _start_group(self, handle: ModelHandle) -> RankGroup:
@@ -138,11 +157,13 @@ class Registry:
             oks = await group.load(lambda i: p.LoadShard(
                 id=i, epoch=group.epoch, model=handle.id, format=spec.files.format,
                 paths=[str(x) for x in spec.files.paths], config=spec.config, dtype=handle.dtype,
+                quant=handle.entry.quantize or None,
                 max_slots=handle.entry.max_slots, max_len=handle.max_len))
         except BaseException:
             await group.close_after_failure()
             raise
         handle.shard_bytes = [oks[r].bytes for r in range(group.world)]
+        handle.packing = oks[0].packing
         return group
 
     # ----------------------------------------------------------------------------- recovery

@@ -19,8 +19,16 @@ class KernelUnavailable(RuntimeError):
     """The CPU kernels could not be built here."""
 
 
-@functools.cache
 def qlinear_cpu() -> Any:
+    """The built module (``q4_linear``, ``q8_linear``), or KernelUnavailable (tried once)."""
+    result = _build()
+    if isinstance(result, KernelUnavailable):
+        raise result
+    return result
+
+
+@functools.cache
+def _build() -> Any:
     from torch.utils.cpp_extension import load
 
     t0 = time.perf_counter()
@@ -28,6 +36,6 @@ def qlinear_cpu() -> Any:
         mod = load(name="neuron_qlinear_cpu", sources=[str(SOURCE)],
                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, an assembler without AVX-512, ...
-        raise KernelUnavailable(f"the packed-weight CPU kernels could not be built: {exc}") from exc
+        return KernelUnavailable(f"the packed-weight CPU kernels could not be built: {exc}")
     log.info("packed-weight CPU kernels ready in %.1fs", time.perf_counter() - t0)
     return mod

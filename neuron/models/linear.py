@@ -67,8 +67,17 @@ class Source(Protocol):
 
 def packed_kernel_for(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether packed weights run here: on the CPU, in any activation dtype (the kernels compute
-    in float32). No GPU kernel yet: a GPU takes the dense path."""
-    return device.type == "cpu"
+    in float32), where the kernels build. No GPU kernel yet: a GPU takes the dense path."""
+    if device.type != "cpu":
+        return False
+    from .cpu_kernels import KernelUnavailable, qlinear_cpu
+
+    try:
+        qlinear_cpu()
+    except KernelUnavailable as exc:
+        log.warning("%s; quantized weights are dequantized instead", exc)
+        return False
+    return True
 
 
 def build_linear(src: Source, parts: list[tuple[str, range | None]], *, dim: int, dtype: torch.dtype,

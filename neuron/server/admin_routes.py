@@ -48,13 +48,11 @@ async def load_model(request: Request) -> Response:
     state: AppState = request.app.state.neuron
     require_key(request, state, admin=True)
     body = await read_json(request, LoadRequest, state.cfg.server.max_body_bytes)
-    if body.quant is not None:
-        raise ApiError(400, "invalid_request", "run-time quantisation is not supported; quant must be null",
-                       param="quant")
     base = ModelEntry()
     try:
         entry = ModelEntry(model=body.model, id=body.id or "", tensor_parallel=body.tensor_parallel,
                            device=body.device, devices=body.devices or [], dtype=body.dtype,
+                           quantize=body.quant or "",
                            max_model_len=body.max_model_len or base.max_model_len,
                            max_slots=body.max_slots or base.max_slots)
         validate(Config(models=[entry]))

@@ -35,6 +35,7 @@ class ParityJob:
     quant: str | None = None  # in-situ quantization: q8_0 | q4
     score: list[list[int]] = field(default_factory=list)  # sequences to run teacher-forced
     dense: bool = False  # every weight dequantized to ``dtype``: the reference of a packed model
+    score_greedy: bool = False  # also score each prompt followed by its own greedy continuation
 
 
 @dataclass
@@ -118,14 +119,16 @@ def run_model(model: Any, job: ParityJob) -> tuple[list[Any], list[list[int]]]:
     return first, greedy
 
 
-def run_teacher_forced(model: Any, job: ParityJob) -> list[list[int]]:
-    """The argmax after every position of each ``job.score`` sequence, one prefill each."""
+def run_teacher_forced(model: Any, job: ParityJob, greedy: list[list[int]]) -> list[list[int]]:
+    """The argmax after every position of each ``job.score`` sequence (or prompt + ``greedy``),
+    one prefill each."""
     import torch
 
     from neuron.models.layers import attention_batch
 
     out = []
-    for seq in job.score:
+    seqs = job.score or ([p + g for p, g in zip(job.prompts, greedy)] if job.score_greedy else [])
+    for seq in seqs:
         batch = attention_batch([(0, 0, len(seq))], torch.device("cpu"))
         logits = model.forward(torch.tensor(seq), batch, torch.arange(len(seq)))
         out.append(logits.argmax(dim=-1).tolist())
@@ -149,7 +152,7 @@ def run_parity(jobs: list[ParityJob], world: int = 1, timeout: float = 300.0) ->
             model, seconds = build(job)
             logits, greedy = run_model(model, job)
             results.append(ParityResult(job.name, logits, greedy, seconds, [model.weight_bytes()],
-                                        run_teacher_forced(model, job)))
+                                        run_teacher_forced(model, job, greedy)))
         return results
     import torch.multiprocessing as mp
 
@@ -183,7 +186,7 @@ def _rank_main(rank: int, world: int, port: int, jobs: list[ParityJob], out_dir:
             model, seconds = build(job, world, rank)
             logits, greedy = run_model(model, job)
             results.append(ParityResult(job.name, logits, greedy, seconds, [model.weight_bytes()],
-                                        run_teacher_forced(model, job)))
+                                        run_teacher_forced(model, job, greedy)))
             del model
         (Path(out_dir) / f"rank{rank}.pkl").write_bytes(pickle.dumps(results))
     finally:
