@@ -4,6 +4,7 @@ read."""
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -53,13 +54,17 @@ class GgufSource:
         never dequantized; None where the file holds floats."""
         from neuron.models.quant import GROUP, decode_blocks, is_quantized
 
-        gname = gguf_name(name)
+        expert = _EXPERT.fullmatch(name)
+        if expert:  # one expert's matrix of a layer's stacked experts
+            gname = f"blk.{expert[1]}.ffn_{expert[3]}_exps.weight"
+        else:
+            gname = gguf_name(name)
         t = self.tensors.get(gname)
         if t is None:
             raise KeyError(f"tensor {gname!r} is not in the GGUF file")
-        if not is_quantized(t.qtype) or t.data.ndim != 2:
+        raw = t.data[int(expert[2])] if expert else t.data
+        if not is_quantized(t.qtype) or raw.ndim != 2:
             return None
-        raw = t.data
         if part is not None and dim == 1:
             block, size = GGML_QUANT_SIZES[t.qtype]
             first, end = part.start // block, -(-part.stop // block)
@@ -108,6 +113,9 @@ class GgufSource:
         if qtype == GGMLQuantizationType.F32:
             return np.asarray(raw, dtype=np.float32)
         return dequantize(np.ascontiguousarray(raw), qtype).astype(np.float32, copy=False)
+
+
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 
 
 def _unpermute(w: np.ndarray, n_head: int, total_rows: int, part: range | None) -> np.ndarray:

@@ -136,7 +136,12 @@ def describe_packing(model) -> str:
     found: list[AnyLinear] = [model.embed] + ([] if model.lm_head is model.embed else [model.lm_head])
     for layer in model.layers:
         found += [layer.attn.qkv, layer.attn.o]
-        found += [getattr(layer.mlp, name) for name in ("gate_up", "down") if hasattr(layer.mlp, name)]
+        if hasattr(layer.mlp, "gate_up"):
+            found += [layer.mlp.gate_up, layer.mlp.down]
+        else:  # sparse experts: packed pairs, or stacked dense tensors
+            found += [lin for pair in layer.mlp.packed for lin in pair]
+            if not layer.mlp.packed:
+                seen[f"dense {str(layer.mlp.down.dtype).removeprefix('torch.')} experts"] += 1
     for lin in found:
         for part in lin.parts if isinstance(lin, ConcatLinear) else [lin]:
             if isinstance(part, PackedLinear):

@@ -2,15 +2,15 @@
 kernels in ``csrc/qlinear_cpu.cpp`` (float32 activations and accumulation).
 
 Every quantized weight is decoded to ``QuantWeight``: unsigned integers ``u`` with a scale and
-an offset per group of 32 along the input dimension, ``w = s * u + m``, exactly what the file
-holds, then stored as 4-bit ``u`` (Q4_0, Q4_1, Q4_K, in-situ q4: 5 bits a weight with the
-float16 scale and offset) or 8-bit ``u`` (Q8_0, Q5_0, Q5_1, Q5_K, in-situ q8_0: 9 bits a weight).
+an offset per group of 32 along the input dimension (16 for the K-quants with 16-element
+sub-blocks), ``w = s * u + m``, exactly what the file holds, then stored as 4-bit ``u`` (Q4_0,
+Q4_1, Q4_K, in-situ q4: 5 bits a weight with the float16 scale and offset; Q2_K, Q3_K: 6 bits)
+or 8-bit ``u`` (Q8_0, Q5_0, Q5_1, Q5_K, in-situ q8_0: 9 bits a weight; Q6_K: 10 bits).
 
 Exact: the same integers and the file's float16 scales (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, in situ).
-Q4_K/Q5_K sub-block scales (a float16 times a 6-bit integer) are rounded to float16 (2^-12 of
-the scale). Types whose sub-blocks are narrower than 32 (Q6_K, Q2_K, Q3_K) have no group-32
-form: they are requantized to symmetric 8 bits per group of 32 (four times finer than Q6_K's own
-step), and their source says so.
+K-quant sub-block scales (a float16 times a 6-bit integer) are rounded to float16 (2^-12 of the
+scale). Other types (IQ*, TQ*) are requantized to symmetric 8 bits per group of 32, and their
+source says so.
 """
 
 from __future__ import annotations
@@ -31,13 +31,15 @@ SCHEMES = ("q8_0", "q4")  # in-situ quantization
 
 @dataclass
 class QuantWeight:
-    """``w[n, k] = s[n, k // 32] * u[n, k] + m[n, k // 32]`` with ``u < 2**bits``."""
+    """``w[n, k] = s[n, k // g] * u[n, k] + m[n, k // g]`` with ``u < 2**bits``, ``g = group``
+    (32, or 16 for the K-quants with 16-element sub-blocks)."""
 
     u: np.ndarray  # uint8 [N, K]
-    s: np.ndarray  # float32 [N, K/32]
-    m: np.ndarray  # float32 [N, K/32]
+    s: np.ndarray  # float32 [N, K/group]
+    m: np.ndarray  # float32 [N, K/group]
     bits: int
     source: str  # what the file held: "Q4_1", "Q8_0", "q4 (in situ)", ...
+    group: int = GROUP
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -45,36 +47,43 @@ class QuantWeight:
 
     def rows(self, part: range) -> QuantWeight:
         return QuantWeight(self.u[part.start:part.stop], self.s[part.start:part.stop], self.m[part.start:part.stop],
-                           self.bits, self.source)
+                           self.bits, self.source, self.group)
 
     def columns(self, part: range) -> QuantWeight:
         """Columns ``part`` of every row; ``part`` must start and end on a group boundary."""
         K = self.u.shape[1]
         if part.start % GROUP or (part.stop % GROUP and part.stop != K):
             raise ValueError(f"columns {part.start}..{part.stop} do not fall on {GROUP}-element quant groups")
-        g = range(part.start // GROUP, -(-part.stop // GROUP))
+        g = range(part.start // self.group, -(-part.stop // self.group))
         return QuantWeight(self.u[:, part.start:part.stop], self.s[:, g.start:g.stop], self.m[:, g.start:g.stop],
-                           self.bits, self.source)
+                           self.bits, self.source, self.group)
 
     def dequantize(self) -> np.ndarray:
         N, K = self.u.shape
-        u = self.u.reshape(N, K // GROUP, GROUP).astype(np.float32)
+        u = self.u.reshape(N, K // self.group, self.group).astype(np.float32)
         return (self.s[..., None] * u + self.m[..., None]).reshape(N, K)
 
     def with_rows(self, order: np.ndarray) -> QuantWeight:
-        return QuantWeight(self.u[order], self.s[order], self.m[order], self.bits, self.source)
+        return QuantWeight(self.u[order], self.s[order], self.m[order], self.bits, self.source, self.group)
+
+    def in_groups_of(self, group: int) -> QuantWeight:
+        """The same weight with a scale per ``group`` (a divisor of this one's group)."""
+        r = self.group // group
+        return QuantWeight(self.u, np.repeat(self.s, r, axis=1), np.repeat(self.m, r, axis=1), self.bits,
+                           self.source, group)
 
 
 def concat_rows(parts: list[QuantWeight]) -> QuantWeight:
     bits = max(p.bits for p in parts)
+    group = min(p.group for p in parts)
+    parts = [p.in_groups_of(group) for p in parts]
     sources = sorted({p.source for p in parts if p.source})
     return QuantWeight(np.concatenate([p.u for p in parts]), np.concatenate([p.s for p in parts]),
-                       np.concatenate([p.m for p in parts]), bits, "+".join(sources))
+                       np.concatenate([p.m for p in parts]), bits, "+".join(sources), group)
 
 
 # ---------------------------------------------------------------------------------- GGUF blocks
 
-_EXACT = (Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q5_K)
 _FLOAT = (Q.F32, Q.F16, Q.BF16)
 
 
@@ -122,12 +131,40 @@ def decode_blocks(raw: np.ndarray, qtype: Q) -> QuantWeight:
             qh = (b[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
             u = u | (qh.reshape(n * 8, 32) << 4)
             bits = 5
+    elif qtype in (Q.Q6_K, Q.Q3_K, Q.Q2_K):
+        u, s, m, bits = _kquant16(b, qtype)
+        return QuantWeight(u.reshape(rows, -1).astype(np.uint8), s.reshape(rows, -1).astype(np.float32),
+                           m.reshape(rows, -1).astype(np.float32), bits, name, group=16)
     else:
         return requantize_q8(dequantize(np.ascontiguousarray(raw), qtype).astype(np.float32), f"{name}, requantized")
-    groups = u.size // GROUP
-    cols = groups * GROUP // rows
-    return QuantWeight(u.reshape(rows, cols).astype(np.uint8), s.reshape(rows, -1).astype(np.float32),
+    return QuantWeight(u.reshape(rows, -1).astype(np.uint8), s.reshape(rows, -1).astype(np.float32),
                        m.reshape(rows, -1).astype(np.float32), bits, name)
+
+
+def _kquant16(b: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Q6_K / Q3_K / Q2_K blocks of 256 as 16 sub-blocks of 16: u, s, m and the bits of u."""
+    n = b.shape[0]
+    if qtype == Q.Q6_K:  # ql[128] qh[64] scales int8[16] d
+        ql = (b[:, :128].reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 15
+        qh = (b[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+        u = ql.reshape(n, 256) | (qh.reshape(n, 256) << 4)
+        s = _f16(b[:, 208:210]) * b[:, 192:208].copy().view(np.int8).astype(np.float32)
+        return u, s, -32 * s, 6
+    if qtype == Q.Q2_K:  # scales[16] qs[64] d dmin
+        sc = b[:, :16]
+        u = (b[:, 16:80].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+        s = _f16(b[:, 80:82]) * (sc & 15).astype(np.float32)
+        return u.reshape(n, 256), s, -_f16(b[:, 82:84]) * (sc >> 4).astype(np.float32), 2
+    # Q3_K: hmask[32] qs[64] scales[12] d; q = low 2 bits - 4 where the mask bit is clear
+    hmask, qs, packed = b[:, :32], b[:, 32:96], b[:, 96:108]
+    lo = (packed[:, :8].reshape(n, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)).reshape(n, 16) & 15
+    hi = (packed[:, 8:12].reshape(n, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)).reshape(n, 16) & 3
+    scales = ((lo | (hi << 4)).astype(np.int16) - 32).astype(np.float32)
+    ql = (qs.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+    qh = (hmask.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    u = ql.reshape(n, 256) | (qh.reshape(n, 256) << 2)
+    s = _f16(b[:, 108:110]) * scales
+    return u, s, -4 * s, 3
 
 
 def _f16(two: np.ndarray) -> np.ndarray:
@@ -197,7 +234,7 @@ class PackedLinear:
         N, K = q.shape
         if K % GROUP:
             raise ValueError(f"a packed weight needs rows of whole {GROUP}-element groups, not {K}")
-        self.n, self.k, self.source = N, K, q.source
+        self.n, self.k, self.source, self.group = N, K, q.source, q.group
         self.bits = 4 if q.bits <= 4 else 8
         u = torch.from_numpy(np.ascontiguousarray(q.u))
         self.u = pack_nibbles(u) if self.bits == 4 else u
@@ -229,5 +266,5 @@ class PackedLinear:
         if self.bits == 4:
             u = unpack_nibbles(u)
         T = ids.shape[0]
-        w = u.view(T, -1, GROUP).float() * self.s[ids].float()[..., None] + self.m[ids].float()[..., None]
+        w = u.view(T, -1, self.group).float() * self.s[ids].float()[..., None] + self.m[ids].float()[..., None]
         return w.view(T, self.k).to(self.dtype)
