@@ -59,7 +59,9 @@ class ModelHandle:
     def weight_format(self) -> str:
         """What the shard holds: "gguf:Q4_1+Q8_0", "q8_0 (in situ from safetensors:bf16)"."""
         fmt = self.spec.weight_format
-        if self.entry.quantize:
+        if self.entry.quantize and self.spec.quantized:
+            fmt = f"{fmt} (kept; any float projection {self.entry.quantize} in situ)"
+        elif self.entry.quantize:
             fmt = f"{self.entry.quantize} (in situ from {fmt})"
         if (self.entry.quantize or self.spec.quantized) and not self.packed:
             fmt += f", dequantized to {self.dtype}"

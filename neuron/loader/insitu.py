@@ -1,6 +1,7 @@
 """In-situ quantization: a float checkpoint (bf16/fp16/fp32 safetensors, or a float GGUF) read
 through a source that quantizes each projection weight as a rank reads its slice, so a rank
-only ever quantizes (and holds) its own share."""
+only ever quantizes (and holds) its own share. Weights a GGUF file already holds quantized keep
+the file's own blocks: they are never requantized."""
 
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ class QuantizingSource:
         return self.src.has(name)
 
     def get_quant(self, name: str, *, dim: int | None = None, part: range | None = None) -> QuantWeight | None:
+        own = getattr(self.src, "get_quant", None)
+        if own is not None and (q := own(name, dim=dim, part=part)) is not None:
+            return q
         if not quantizable(name):
             return None
         w = self._expert(name) if _EXPERT.fullmatch(name) and not self.src.has(name) else self.src.get(
@@ -50,6 +54,8 @@ class QuantizingSource:
     def get(self, name: str, *, dim: int | None = None, part: range | None = None) -> torch.Tensor:
         """Floats; a quantizable weight comes back quantized and dequantized (the float32
         reference of the packed model)."""
+        if getattr(self.src, "quantized", False):  # a quantized GGUF: its floats are norms and the like
+            return self.src.get(name, dim=dim, part=part)
         if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):  # stacked experts [E, rows, K]
             w = self.src.get(name, dim=dim, part=part)
             if w.shape[-1] % GROUP:
