@@ -30,6 +30,40 @@ SCHEMES = ("q8_0", "q4")  # in-situ quantization
 
 
 @dataclass
+class SuperScales:
+    """The K-quants' scales as their files build them: ``s = d * sc``, ``m = dm * mn`` with a
+    small integer per scale group and a float16 per super-block (exact in float32)."""
+
+    sc: np.ndarray  # int8 [N, ns]
+    mn: np.ndarray  # int8 [N, ns]
+    d: np.ndarray  # float16 [N, nd], nd divides ns
+    dm: np.ndarray  # float16 [N, nd]
+
+    @property
+    def per(self) -> int:
+        return self.sc.shape[1] // self.d.shape[1]
+
+    def take(self, rows) -> SuperScales:
+        return SuperScales(self.sc[rows], self.mn[rows], self.d[rows], self.dm[rows])
+
+    def scale_groups(self, g: range) -> SuperScales:
+        per = self.per
+        if g.start % per == 0 and (g.stop % per == 0 or g.stop == self.sc.shape[1]):
+            blocks = slice(g.start // per, -(-g.stop // per))
+            return SuperScales(self.sc[:, g.start:g.stop], self.mn[:, g.start:g.stop], self.d[:, blocks],
+                               self.dm[:, blocks])
+        return self.expanded(per).scale_groups(g)
+
+    def expanded(self, r: int) -> SuperScales:
+        """``d`` repeated ``r`` times (one per ``per / r`` scale groups)."""
+        return SuperScales(self.sc, self.mn, np.repeat(self.d, r, axis=1), np.repeat(self.dm, r, axis=1))
+
+    def halved(self) -> SuperScales:
+        """A scale per 16 values instead of per 32."""
+        return SuperScales(np.repeat(self.sc, 2, axis=1), np.repeat(self.mn, 2, axis=1), self.d, self.dm)
+
+
+@dataclass
 class QuantWeight:
     """``w[n, k] = s[n, k // g] * u[n, k] + m[n, k // g]`` with ``u < 2**bits``, ``g = group``
     (32, or 16 for the K-quants with 16-element sub-blocks)."""
@@ -40,14 +74,16 @@ class QuantWeight:
     bits: int
     source: str  # what the file held: "Q4_1", "Q8_0", "q4 (in situ)", ...
     group: int = GROUP
+    sup: SuperScales | None = None  # the K-quants: s and m from super-block scales
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.u.shape  # type: ignore[return-value]
 
     def rows(self, part: range) -> QuantWeight:
-        return QuantWeight(self.u[part.start:part.stop], self.s[part.start:part.stop], self.m[part.start:part.stop],
-                           self.bits, self.source, self.group)
+        rows = slice(part.start, part.stop)
+        return QuantWeight(self.u[rows], self.s[rows], self.m[rows], self.bits, self.source, self.group,
+                           self.sup.take(rows) if self.sup else None)
 
     def columns(self, part: range) -> QuantWeight:
         """Columns ``part`` of every row; ``part`` must start and end on a group boundary."""
@@ -56,7 +92,7 @@ class QuantWeight:
             raise ValueError(f"columns {part.start}..{part.stop} do not fall on {GROUP}-element quant groups")
         g = range(part.start // self.group, -(-part.stop // self.group))
         return QuantWeight(self.u[:, part.start:part.stop], self.s[:, g.start:g.stop], self.m[:, g.start:g.stop],
-                           self.bits, self.source, self.group)
+                           self.bits, self.source, self.group, self.sup.scale_groups(g) if self.sup else None)
 
     def dequantize(self) -> np.ndarray:
         N, K = self.u.shape
@@ -64,13 +100,16 @@ class QuantWeight:
         return (self.s[..., None] * u + self.m[..., None]).reshape(N, K)
 
     def with_rows(self, order: np.ndarray) -> QuantWeight:
-        return QuantWeight(self.u[order], self.s[order], self.m[order], self.bits, self.source, self.group)
+        return QuantWeight(self.u[order], self.s[order], self.m[order], self.bits, self.source, self.group,
+                           self.sup.take(order) if self.sup else None)
 
     def in_groups_of(self, group: int) -> QuantWeight:
         """The same weight with a scale per ``group`` (a divisor of this one's group)."""
         r = self.group // group
+        if r == 1:
+            return self
         return QuantWeight(self.u, np.repeat(self.s, r, axis=1), np.repeat(self.m, r, axis=1), self.bits,
-                           self.source, group)
+                           self.source, group, self.sup.halved() if self.sup else None)
 
 
 def concat_rows(parts: list[QuantWeight]) -> QuantWeight:
@@ -78,8 +117,14 @@ def concat_rows(parts: list[QuantWeight]) -> QuantWeight:
     group = min(p.group for p in parts)
     parts = [p.in_groups_of(group) for p in parts]
     sources = sorted({p.source for p in parts if p.source})
+    sup = None
+    if all(p.sup is not None for p in parts):  # else the float16 s and m carry them (rounded)
+        sups = [p.sup for p in parts]
+        if len({s.per for s in sups}) > 1:
+            sups = [s.expanded(s.per) for s in sups]
+        sup = SuperScales(*(np.concatenate([getattr(s, f) for s in sups]) for f in ("sc", "mn", "d", "dm")))
     return QuantWeight(np.concatenate([p.u for p in parts]), np.concatenate([p.s for p in parts]),
-                       np.concatenate([p.m for p in parts]), bits, "+".join(sources), group)
+                       np.concatenate([p.m for p in parts]), bits, "+".join(sources), group, sup)
 
 
 # ---------------------------------------------------------------------------------- GGUF blocks
@@ -122,7 +167,8 @@ def decode_blocks(raw: np.ndarray, qtype: Q) -> QuantWeight:
         d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
         sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(b[:, 4:16]))
         s = (d * sc.astype(np.float32)).reshape(n * 8)
-        m = -(dmin * mn.astype(np.float32)).reshape(n * 8)
+        m = ((-dmin) * mn.astype(np.float32)).reshape(n * 8)
+        sup = _super(rows, sc, mn, d, -dmin)
         qs = b[:, 16:144] if qtype == Q.Q4_K else b[:, 48:176]
         ql = (qs.reshape(n, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 15
         u = ql.reshape(n * 8, 32)
@@ -131,30 +177,39 @@ def decode_blocks(raw: np.ndarray, qtype: Q) -> QuantWeight:
             qh = (b[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
             u = u | (qh.reshape(n * 8, 32) << 4)
             bits = 5
-    elif qtype in (Q.Q6_K, Q.Q3_K, Q.Q2_K):
-        u, s, m, bits = _kquant16(b, qtype)
         return QuantWeight(u.reshape(rows, -1).astype(np.uint8), s.reshape(rows, -1).astype(np.float32),
-                           m.reshape(rows, -1).astype(np.float32), bits, name, group=16)
+                           m.reshape(rows, -1).astype(np.float32), bits, name, sup=sup)
+    elif qtype in (Q.Q6_K, Q.Q3_K, Q.Q2_K):
+        u, (sc, mn, d, dm), bits = _kquant16(b, qtype)
+        s, m = d * sc.astype(np.float32), dm * mn.astype(np.float32)
+        return QuantWeight(u.reshape(rows, -1).astype(np.uint8), s.reshape(rows, -1).astype(np.float32),
+                           m.reshape(rows, -1).astype(np.float32), bits, name, group=16,
+                           sup=_super(rows, sc, mn, d, dm))
     else:
         return requantize_q8(dequantize(np.ascontiguousarray(raw), qtype).astype(np.float32), f"{name}, requantized")
     return QuantWeight(u.reshape(rows, -1).astype(np.uint8), s.reshape(rows, -1).astype(np.float32),
                        m.reshape(rows, -1).astype(np.float32), bits, name)
 
 
-def _kquant16(b: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """Q6_K / Q3_K / Q2_K blocks of 256 as 16 sub-blocks of 16: u, s, m and the bits of u."""
+def _super(rows: int, sc: np.ndarray, mn: np.ndarray, d: np.ndarray, dm: np.ndarray) -> SuperScales:
+    return SuperScales(sc.astype(np.int8).reshape(rows, -1), mn.astype(np.int8).reshape(rows, -1),
+                       d.astype(np.float16).reshape(rows, -1), dm.astype(np.float16).reshape(rows, -1))
+
+
+def _kquant16(b: np.ndarray, qtype: Q) -> tuple[np.ndarray, tuple[np.ndarray, ...], int]:
+    """Q6_K / Q3_K / Q2_K blocks of 256 as 16 sub-blocks of 16: u, the super-block scales
+    (sc, mn, d, dm: s = d * sc, m = dm * mn) and the bits of u."""
     n = b.shape[0]
     if qtype == Q.Q6_K:  # ql[128] qh[64] scales int8[16] d
         ql = (b[:, :128].reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 15
         qh = (b[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
         u = ql.reshape(n, 256) | (qh.reshape(n, 256) << 4)
-        s = _f16(b[:, 208:210]) * b[:, 192:208].copy().view(np.int8).astype(np.float32)
-        return u, s, -32 * s, 6
+        sc, d = b[:, 192:208].copy().view(np.int8), _f16(b[:, 208:210])
+        return u, (sc, sc, d, -32 * d), 6
     if qtype == Q.Q2_K:  # scales[16] qs[64] d dmin
         sc = b[:, :16]
         u = (b[:, 16:80].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
-        s = _f16(b[:, 80:82]) * (sc & 15).astype(np.float32)
-        return u.reshape(n, 256), s, -_f16(b[:, 82:84]) * (sc >> 4).astype(np.float32), 2
+        return u.reshape(n, 256), (sc & 15, sc >> 4, _f16(b[:, 80:82]), -_f16(b[:, 82:84])), 2
     # Q3_K: hmask[32] qs[64] scales[12] d; q = low 2 bits - 4 where the mask bit is clear
     hmask, qs, packed = b[:, :32], b[:, 32:96], b[:, 96:108]
     lo = (packed[:, :8].reshape(n, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)).reshape(n, 16) & 15
@@ -163,8 +218,8 @@ def _kquant16(b: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray, np.ndarr
     ql = (qs.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
     qh = (hmask.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
     u = ql.reshape(n, 256) | (qh.reshape(n, 256) << 2)
-    s = _f16(b[:, 108:110]) * scales
-    return u, s, -4 * s, 3
+    d = _f16(b[:, 108:110])
+    return u, (scales.astype(np.int8), scales.astype(np.int8), d, -4 * d), 3
 
 
 def _f16(two: np.ndarray) -> np.ndarray:
@@ -238,8 +293,14 @@ class PackedLinear:
         self.bits = 4 if q.bits <= 4 else 8
         u = torch.from_numpy(np.ascontiguousarray(q.u))
         self.u = pack_nibbles(u) if self.bits == 4 else u
-        self.s = torch.from_numpy(q.s).to(torch.float16).contiguous()
-        self.m = torch.from_numpy(q.m).to(torch.float16).contiguous()
+        if q.sup is not None:  # exact: the integers and float16s the file builds its scales from
+            self.s, self.m = torch.from_numpy(q.sup.sc.copy()), torch.from_numpy(q.sup.mn.copy())
+            self.d = torch.from_numpy(q.sup.d.copy())
+            self.dm = torch.from_numpy(q.sup.dm.copy())
+        else:
+            self.s = torch.from_numpy(q.s).to(torch.float16).contiguous()
+            self.m = torch.from_numpy(q.m).to(torch.float16).contiguous()
+            self.d = self.dm = torch.empty(0, 0, dtype=torch.float16)
         self.bias, self.dtype = bias, dtype
         kernels = qlinear_cpu()
         self._kernel = kernels.q4_linear if self.bits == 4 else kernels.q8_linear
@@ -249,11 +310,11 @@ class PackedLinear:
         return self.n
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.u, self.s, self.m, *([self.bias] if self.bias is not None else [])]
+        return [self.u, self.s, self.m, self.d, self.dm, *([self.bias] if self.bias is not None else [])]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape, dtype = x.shape, x.dtype
-        y = self._kernel(x.reshape(-1, self.k).float(), self.u, self.s, self.m)
+        y = self._kernel(x.reshape(-1, self.k).float(), self.u, self.s, self.m, self.d, self.dm)
         if dtype != torch.float32:
             y = y.to(dtype)
         if self.bias is not None:
@@ -266,5 +327,10 @@ class PackedLinear:
         if self.bits == 4:
             u = unpack_nibbles(u)
         T = ids.shape[0]
-        w = u.view(T, -1, self.group).float() * self.s[ids].float()[..., None] + self.m[ids].float()[..., None]
+        s, m = self.s[ids].float(), self.m[ids].float()
+        if self.d.numel():
+            per = s.shape[1] // self.d.shape[1]
+            s = s * self.d[ids].float().repeat_interleave(per, dim=1)
+            m = m * self.dm[ids].float().repeat_interleave(per, dim=1)
+        w = u.view(T, -1, self.group).float() * s[..., None] + m[..., None]
         return w.view(T, self.k).to(self.dtype)
