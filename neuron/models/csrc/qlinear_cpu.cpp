@@ -9,7 +9,7 @@
 //             exactly how those files build them (float16 x 6-bit fits a float32 exactly).
 //
 // Each weight group is unpacked once into two 16-lane float registers and multiplied into up to
-// four activation rows, so a batch of M rows reads the weights ceil(M / 4) times. Rows of W are
+// eight activation rows, so a batch of M rows reads the weights ceil(M / 8) times. Rows of W are
 // split over torch's intra-op threads.
 
 #include <torch/extension.h>
@@ -92,6 +92,22 @@ void rows_kernel(const float* x, const float* xsum, int64_t K, const uint8_t* u,
     scales.row(n, sbuf, mbuf);
     __m512 acc[MT][2];
     for (int t = 0; t < MT; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+    if constexpr (MT > 1) {  // several rows: dequantize the group once, two FMAs a row
+      for (int64_t g = 0; g < groups; ++g) {
+        __m512 lo, hi;
+        load_group<BITS>(un + g * BYTES, lo, hi);
+        const int64_t a = HALF ? 2 * g : g, b = HALF ? 2 * g + 1 : g;
+        lo = _mm512_fmadd_ps(lo, _mm512_set1_ps(sbuf[a]), _mm512_set1_ps(mbuf[a]));
+        hi = _mm512_fmadd_ps(hi, _mm512_set1_ps(sbuf[b]), _mm512_set1_ps(mbuf[b]));
+        for (int t = 0; t < MT; ++t) {
+          const float* xg = x + t * K + g * G;
+          acc[t][0] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xg), acc[t][0]);
+          acc[t][1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xg + 16), acc[t][1]);
+        }
+      }
+      for (int t = 0; t < MT; ++t) y[t * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t][0], acc[t][1]));
+      continue;
+    }
     for (int64_t g = 0; g < groups; ++g) {
       __m512 lo, hi;
       load_group<BITS>(un + g * BYTES, lo, hi);
@@ -159,15 +175,19 @@ void run(const float* xp, const uint8_t* up, const Scales& scales, float* yp, in
   const int64_t grain = std::max<int64_t>(16, 4096 / std::max<int64_t>(K / 64, 1));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     std::vector<float> sbuf(2 * ns + 16);
-    for (int64_t r = 0; r < M; r += 4) {
+    for (int64_t r = 0; r < M; r += 8) {
       const float* xr = xp + r * K;
       const float* xs = xsum.data() + r * ns;
       float* yr = yp + r * N;
-      switch (std::min<int64_t>(4, M - r)) {
+      switch (std::min<int64_t>(8, M - r)) {
         case 1: rows_kernel<BITS, HALF, 1>(xr, xs, K, up, scales, yr, N, n0, n1, sbuf.data()); break;
         case 2: rows_kernel<BITS, HALF, 2>(xr, xs, K, up, scales, yr, N, n0, n1, sbuf.data()); break;
         case 3: rows_kernel<BITS, HALF, 3>(xr, xs, K, up, scales, yr, N, n0, n1, sbuf.data()); break;
-        default: rows_kernel<BITS, HALF, 4>(xr, xs, K, up, scales, yr, N, n0, n1, sbuf.data()); break;
+        case 4: rows_kernel<BITS, HALF, 4>(xr, xs, K, up, scales, yr, N, n0, n1, sbuf.data()); break;
+        case 5: rows_kernel<BITS, HALF, 5>(xr, xs, K, up, scales, yr, N, n0, n1, sbuf.data()); break;
+        case 6: rows_kernel<BITS, HALF, 6>(xr, xs, K, up, scales, yr, N, n0, n1, sbuf.data()); break;
+        case 7: rows_kernel<BITS, HALF, 7>(xr, xs, K, up, scales, yr, N, n0, n1, sbuf.data()); break;
+        default: rows_kernel<BITS, HALF, 8>(xr, xs, K, up, scales, yr, N, n0, n1, sbuf.data()); break;
       }
     }
   });
