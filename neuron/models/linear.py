@@ -65,9 +65,16 @@ class Source(Protocol):
     def get(self, name: str, *, dim: int | None = None, part: range | None = None) -> torch.Tensor: ...
 
 
+# The Triton kernels (triton_kernels.py) are checked on the CPU by Triton's interpreter only;
+# until they are measured on a GPU, a GPU takes the dense path (dequantized weights).
+GPU_PACKED = False
+
+
 def packed_kernel_for(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether packed weights run here: on the CPU, in any activation dtype (the kernels compute
-    in float32), where the kernels build. No GPU kernel yet: a GPU takes the dense path."""
+    in float32), where the kernels build; on a GPU with ``GPU_PACKED`` (bf16/fp16 activations)."""
+    if device.type == "cuda":
+        return GPU_PACKED and dtype in (torch.bfloat16, torch.float16)
     if device.type != "cpu":
         return False
     from .cpu_kernels import KernelUnavailable, qlinear_cpu
@@ -88,7 +95,7 @@ def build_linear(src: Source, parts: list[tuple[str, range | None]], *, dim: int
     if get_quant is not None and packed_kernel_for(device, dtype):
         quants = [get_quant(name, dim=dim, part=part) for name, part in parts]
         if all(q is not None for q in quants):
-            return _packed(quants, bias, dtype, rows_to)
+            return _packed(quants, bias, dtype, device, rows_to)
         if any(q is not None for q in quants):
             log.warning("%s: quantized and float parts cannot share one packed matrix; stored dense",
                         "+".join(n for n, _ in parts))
@@ -98,7 +105,7 @@ def build_linear(src: Source, parts: list[tuple[str, range | None]], *, dim: int
     return Linear(weight, bias)
 
 
-def _packed(quants: list[QuantWeight], bias: torch.Tensor | None, dtype: torch.dtype,
+def _packed(quants: list[QuantWeight], bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device,
             rows_to: int | None) -> PackedLinear | ConcatLinear:
     if rows_to is not None:
         rows = sum(q.shape[0] for q in quants)
@@ -111,12 +118,12 @@ def _packed(quants: list[QuantWeight], bias: torch.Tensor | None, dtype: torch.d
         else:
             groups.append([q])
     if len(groups) == 1:
-        return PackedLinear(concat_rows(groups[0]), bias, dtype)
+        return PackedLinear(concat_rows(groups[0]), bias, dtype, device)
     linears, start = [], 0
     for g in groups:
         q = concat_rows(g)
         part_bias = bias[start:start + q.shape[0]] if bias is not None else None
-        linears.append(PackedLinear(q, part_bias, dtype))
+        linears.append(PackedLinear(q, part_bias, dtype, device))
         start += q.shape[0]
     return ConcatLinear(linears)
 

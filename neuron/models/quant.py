@@ -283,9 +283,8 @@ class PackedLinear:
     computed by the CPU kernel with float32 activations; other activation dtypes are converted at
     the kernel's edge."""
 
-    def __init__(self, q: QuantWeight, bias: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> None:
-        from .cpu_kernels import qlinear_cpu
-
+    def __init__(self, q: QuantWeight, bias: torch.Tensor | None, dtype: torch.dtype = torch.float32,
+                 device: torch.device | None = None) -> None:
         N, K = q.shape
         if K % GROUP:
             raise ValueError(f"a packed weight needs rows of whole {GROUP}-element groups, not {K}")
@@ -302,6 +301,16 @@ class PackedLinear:
             self.m = torch.from_numpy(q.m).to(torch.float16).contiguous()
             self.d = self.dm = torch.empty(0, 0, dtype=torch.float16)
         self.bias, self.dtype = bias, dtype
+        self.device = device or torch.device("cpu")
+        if self.device.type == "cuda":  # the Triton kernel takes float scales per group (float32: exact)
+            self.s = torch.from_numpy(q.s if q.sup is not None else q.s.astype(np.float16)).to(self.device)
+            self.m = torch.from_numpy(q.m if q.sup is not None else q.m.astype(np.float16)).to(self.device)
+            self.d = self.dm = torch.empty(0, 0, dtype=torch.float16, device=self.device)
+            self.u = self.u.to(self.device)
+            self._kernel = None
+            return
+        from .cpu_kernels import qlinear_cpu
+
         kernels = qlinear_cpu()
         self._kernel = kernels.q4_linear if self.bits == 4 else kernels.q8_linear
 
@@ -314,6 +323,13 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape, dtype = x.shape, x.dtype
+        if x.is_cuda:
+            from .triton_kernels import qlinear
+
+            y = qlinear(x.reshape(-1, self.k), self.u, self.s, self.m, self.bits)
+            if self.bias is not None:
+                y = y + self.bias
+            return y.view(*shape[:-1], self.n)
         y = self._kernel(x.reshape(-1, self.k).float(), self.u, self.s, self.m, self.d, self.dm)
         if dtype != torch.float32:
             y = y.to(dtype)
