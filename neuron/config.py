@@ -15,6 +15,9 @@ class ConfigError(ValueError):
     pass
 
 
+QUANTIZE = ("", "q8_0", "q4")
+
+
 @dataclass
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -41,6 +44,7 @@ class ModelEntry:
     device: str = "auto"
     devices: list[int] = field(default_factory=list)
     dtype: str = "auto"
+    quantize: str = ""  # q8_0 | q4: quantize float weights at load; "" keeps the file's format
     max_model_len: int = 2048
     max_slots: int = 8
     block_size: int = 16
@@ -190,6 +194,8 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"models[{i}].device must be auto, cpu or cuda")
         if m.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"models[{i}].dtype must be auto, float32, bfloat16 or float16")
+        if m.quantize not in QUANTIZE:
+            raise ConfigError(f"models[{i}].quantize must be empty, q8_0 or q4, not {m.quantize!r}")
         if not 1 <= m.max_slots <= 4096 or m.max_model_len < 16:
             raise ConfigError(f"models[{i}]: max_slots must be in 1..4096 and max_model_len >= 16")
         if m.block_size not in (8, 16, 32, 64, 128, 256):

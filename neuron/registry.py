@@ -26,6 +26,8 @@ from .errors import ApiError
 from .loader.errors import LoadError
 from .loader.spec import ModelSpec, load_spec, model_id_for
 from .models.sharding import ShardingError, check_plan
+
+QUANT_GROUP = 32  # models.quant.GROUP, without importing torch in the leader
 from .rankgroup import CurveGate, GroupFailed, RankError, RankGroup, TapMirror
 
 log = logging.getLogger("neuron.registry")
@@ -47,8 +49,26 @@ class ModelHandle:
     kv_bytes: list[int] = field(default_factory=list)
     loading: RankGroup | None = None  # the group being loaded, while it is
     graphs: list[int] = field(default_factory=list)
+    packing: str = ""  # rank 0's account of how its projections are stored
     load_seconds: float = 0.0
     recoveries: int = 0
+
+    @property
+    def packed(self) -> bool:
+        """Quantized weights stay packed: on the CPU (the GPU has no packed kernel yet)."""
+        return self.devices[0] == "cpu" and bool(self.entry.quantize or self.spec.quantized)
+
+    @property
+    def weight_format(self) -> str:
+        """What the shard holds: "gguf:Q4_1+Q8_0", "q8_0 (in situ from safetensors:bf16)"."""
+        fmt = self.spec.weight_format
+        if self.entry.quantize and self.spec.quantized:
+            fmt = f"{fmt} (kept; any float projection {self.entry.quantize} in situ)"
+        elif self.entry.quantize:
+            fmt = f"{self.entry.quantize} (in situ from {fmt})"
+        if (self.entry.quantize or self.spec.quantized) and not self.packed:
+            fmt += f", dequantized to {self.dtype}"
+        return fmt
 
     def describe(self) -> dict:
         stats = self.engine.stats()
@@ -57,6 +77,7 @@ class ModelHandle:
             "id": self.id, "status": self.status, "error": self.error, "format": self.spec.files.format,
             "family": self.spec.config.family, "devices": self.devices, "tensor_parallel": len(self.devices),
             "dtype": self.dtype, "max_model_len": self.max_len, "max_slots": self.entry.max_slots,
+            "weight_format": self.weight_format, "packing": self.packing,
             "shard_bytes": self.shard_bytes, "load_seconds": round(self.load_seconds, 3),
             "recoveries": self.recoveries,
             "pids": self.group.pids if self.group else [], "epoch": self.group.epoch if self.group else None,
@@ -118,10 +139,6 @@ class Registry:
             devices = choose_devices(entry.device, entry.tensor_parallel, entry.devices)
         except ValueError as exc:
             raise LoadError(str(exc)) from None
-        try:
-            check_plan(spec.config, entry.tensor_parallel)
-        except ShardingError as exc:
-            raise LoadError(f"model {model_id!r} cannot be split: {exc}") from None
         max_len = min(entry.max_model_len, spec.context_length)
         gpu = devices[0].startswith("cuda")
         budget, chunk, chunk_decoding = engine_sizes(self.cfg.engine, entry, gpu)
@@ -130,8 +147,12 @@ class Registry:
                              Engine(model_id, self.cfg.engine, Sizing(
                                  entry.max_slots, max_len, budget, chunk, chunk_decoding, in_flight,
                                  # the K/V of a prefix depends on the weights and how they are computed
-                                 f"{model_id}|{spec.files.paths}|{entry.dtype}|{entry.tensor_parallel}"
+                                 f"{model_id}|{spec.files.paths}|{entry.dtype}|{entry.tensor_parallel}|{entry.quantize}"
                                  if entry.prefix_caching else None)))
+        try:  # packed weights split their input columns on whole quant groups
+            check_plan(spec.config, entry.tensor_parallel, QUANT_GROUP if handle.packed else 1)
+        except ShardingError as exc:
+            raise LoadError(f"model {model_id!r} cannot be split: {exc}") from None
         if self.on_finish is not None:
             hook = self.on_finish
             handle.engine.on_finish = lambda req, fin: hook(model_id, req, fin)
@@ -143,8 +164,8 @@ class Registry:
             raise ApiError(500, "load_failed", f"model {model_id!r} failed to load: {exc}") from None
         handle.status = "loaded"
         handle.load_seconds = time.monotonic() - t0
-        log.info("%s loaded in %.2fs on %s (%s), shard bytes %s", model_id, handle.load_seconds, devices,
-                 handle.dtype, handle.shard_bytes)
+        log.info("%s loaded in %.2fs on %s (%s), weights %s, shard bytes %s (%s)", model_id, handle.load_seconds,
+                 devices, handle.dtype, handle.weight_format, handle.shard_bytes, handle.packing)
         return handle
 
     @staticmethod
@@ -174,7 +195,7 @@ class Registry:
                 paths=[str(x) for x in spec.files.paths], config=spec.config, dtype=handle.dtype,
                 max_slots=entry.max_slots, max_len=z.max_len, block_size=entry.block_size, kv_tokens=kv_tokens,
                 memory_fraction=entry.gpu_memory_utilization, max_step_tokens=z.max_batch_tokens + entry.max_slots,
-                cuda_graphs=entry.cuda_graphs))
+                cuda_graphs=entry.cuda_graphs, quant=entry.quantize or None))
         except BaseException:
             await group.close_after_failure()
             raise
@@ -182,6 +203,7 @@ class Registry:
             progress.cancel()
             handle.loading = None
         handle.shard_bytes = [oks[r].bytes for r in range(group.world)]
+        handle.packing = oks[0].packing
         handle.kv_bytes = [oks[r].kv_bytes for r in range(group.world)]
         handle.graphs = oks[0].graphs
         blocks = min(ok.kv_blocks for ok in oks.values())

@@ -186,6 +186,7 @@ class LoadOk(Frame, tag="load_ok"):
     kv_bytes: int = 0
     kv_blocks: int = 0
     graphs: list[int] = []  # decode batch sizes captured as CUDA graphs
+    packing: str = ""  # how the shard stores its projections, e.g. "int4 from Q4_1 x210, dense bfloat16 x0"
 
 
 class StepResult(Frame, tag="step_result"):

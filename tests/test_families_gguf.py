@@ -201,20 +201,23 @@ def test_smollm2_gguf_matches_transformers_at_tp1_and_tp2(runs, smol, smol_refer
 
 
 def test_smollm2_ranks_hold_their_share_at_tp2(runs, smol):
+    """The weights stay packed: the Q8_0 embedding (tied LM head) in 9 bits a weight, the Q4_1
+    projections in 5 (4-bit integers, a float16 scale and offset per 32), norms in float32."""
     _, spec, _ = smol
     cfg = spec.config
     whole = runs[1]["smollm2"].weight_bytes[0]
     hidden, hd, layers = cfg.hidden_size, cfg.head_dim, cfg.num_layers
-    assert whole == 4 * (cfg.vocab_size * hidden + hidden + layers * (
-        2 * hidden + 2 * cfg.num_heads * hd * hidden + 2 * cfg.num_kv_heads * hd * hidden
-        + 3 * cfg.intermediate_size * hidden))
+    q8, q4 = 9 / 8, 5 / 8
+    assert whole == q8 * cfg.vocab_size * hidden + 4 * hidden + layers * (
+        4 * 2 * hidden + q4 * (2 * cfg.num_heads * hd * hidden + 2 * cfg.num_kv_heads * hd * hidden
+                               + 3 * cfg.intermediate_size * hidden))
     for rank, actual in enumerate(runs[2]["smollm2"].weight_bytes):
-        plan = plan_shard(cfg, 2, rank)
-        expected = 4 * (cfg.vocab_size * hidden / 2 + hidden + layers * (
-            2 * hidden + 2 * len(plan.q_heads) * hd * hidden + 2 * len(plan.kv_heads) * hd * hidden
-            + 3 * len(plan.mlp) * hidden))
+        plan = plan_shard(cfg, 2, rank, 32)
+        expected = q8 * cfg.vocab_size * hidden / 2 + 4 * hidden + layers * (
+            4 * 2 * hidden + q4 * (2 * len(plan.q_heads) * hd * hidden + 2 * len(plan.kv_heads) * hd * hidden
+                                   + 3 * len(plan.mlp) * hidden))
         print(f"SmolLM2 TP=2 rank {rank}: {actual} bytes, expected {expected:.0f} (heads {len(plan.q_heads)})")
-        assert abs(actual - expected) <= 0.10 * expected
+        assert actual == expected
 
 
 def test_smollm2_gguf_tokenizer_matches_transformers(smol):

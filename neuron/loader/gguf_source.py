@@ -4,12 +4,18 @@ read."""
 
 from __future__ import annotations
 
+import re
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from .gguf_file import GgufFile, gguf_name
+
+if TYPE_CHECKING:
+    from neuron.models.quant import QuantWeight
 
 class GgufSource:
     def __init__(self, path: str, *, num_heads: int, num_kv_heads: int) -> None:
@@ -18,6 +24,9 @@ class GgufSource:
         arch = self.file.fields.get("general.architecture")
         # llama.cpp's converter permutes llama Q/K rows for its RoPE layout; we undo it per head.
         self._permuted = {"attn_q": num_heads, "attn_k": num_kv_heads} if arch == "llama" else {}
+        from neuron.models.quant import is_quantized
+
+        self.quantized = any(is_quantized(t.qtype) for t in self.tensors.values())
 
     def has(self, name: str) -> bool:
         if name.endswith("experts.gate_up_proj"):
@@ -39,6 +48,39 @@ class GgufSource:
         if kind in self._permuted:
             data = _unpermute(data, self._permuted[kind], self._rows(gname), part if dim in (0, None) else None)
         return torch.from_numpy(data if data.flags.writeable and data.flags.c_contiguous else np.array(data))
+
+    def get_quant(self, name: str, *, dim: int | None = None, part: range | None = None) -> QuantWeight | None:
+        """A 2-D quantized tensor's rows (dim 0) or group-aligned columns (dim 1) as packed groups,
+        never dequantized; None where the file holds floats."""
+        from neuron.models.quant import GROUP, decode_blocks, is_quantized
+
+        expert = _EXPERT.fullmatch(name)
+        if expert:  # one expert's matrix of a layer's stacked experts
+            gname = f"blk.{expert[1]}.ffn_{expert[3]}_exps.weight"
+        else:
+            gname = gguf_name(name)
+        t = self.tensors.get(gname)
+        if t is None:
+            raise KeyError(f"tensor {gname!r} is not in the GGUF file")
+        raw = t.data[int(expert[2])] if expert else t.data
+        if not is_quantized(t.qtype) or raw.ndim != 2:
+            return None
+        if part is not None and dim == 1:
+            block, size = GGML_QUANT_SIZES[t.qtype]
+            first, end = part.start // block, -(-part.stop // block)
+            skip = part.start - first * block
+            if skip % GROUP:
+                raise ValueError(f"{gname}: columns from {part.start} do not start on a {GROUP}-element group")
+            q = decode_blocks(raw[:, first * size: end * size], t.qtype)
+            return q.columns(range(skip, skip + len(part)))
+        if part is not None:
+            raw = raw[part.start: part.stop]
+        q = decode_blocks(raw, t.qtype)
+        kind = gname.split(".")[-2]
+        if kind in self._permuted:
+            order = _unpermute(np.arange(q.shape[0])[:, None], self._permuted[kind], self._rows(gname), part)
+            q = q.with_rows(order.ravel())
+        return q
 
     def _rows(self, gname: str) -> int:
         return int(self.tensors[gname].data.shape[0])
@@ -71,6 +113,9 @@ class GgufSource:
         if qtype == GGMLQuantizationType.F32:
             return np.asarray(raw, dtype=np.float32)
         return dequantize(np.ascontiguousarray(raw), qtype).astype(np.float32, copy=False)
+
+
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 
 
 def _unpermute(w: np.ndarray, n_head: int, total_rows: int, part: range | None) -> np.ndarray:

@@ -16,6 +16,7 @@ from .resolve import DEFAULT_MODEL, ModelFiles, resolve_model
 from .tokenizer import TokenizerInfo, tokenizer_from_gguf
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+FLOAT_GGUF_TYPES = ("F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64")
 
 
 @dataclass
@@ -25,6 +26,8 @@ class ModelSpec:
     config: ModelConfig
     tokenizer: TokenizerInfo
     sampling_defaults: dict[str, float] = field(default_factory=dict)
+    weight_format: str = ""  # what the files hold: "gguf:Q4_1+Q8_0", "safetensors:bf16"
+    quantized: bool = False  # the files hold quantized projection weights (kept packed on the CPU)
 
     @property
     def context_length(self) -> int:
@@ -70,7 +73,20 @@ def _gguf_spec(mid: str, files: ModelFiles) -> ModelSpec:
         chat_template=fields.get("tokenizer.chat_template"),
         add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
     )
-    return ModelSpec(mid, files, config, info)
+    return ModelSpec(mid, files, config, info, weight_format=_gguf_format(gguf),
+                     quantized=_gguf_format(gguf, quantized_only=True) != "")
+
+
+def _gguf_format(gguf: Any, quantized_only: bool = False) -> str:
+    """The types of the 2-D tensors, most bytes first: "Q4_1+Q8_0"."""
+    from collections import Counter
+
+    sizes: Counter[str] = Counter()
+    for t in gguf.tensors.values():
+        if len(t.shape) >= 2 and (t.qtype.name not in FLOAT_GGUF_TYPES or not quantized_only):
+            sizes[t.qtype.name] += int(t.data.nbytes)
+    types = "+".join(name for name, _ in sizes.most_common())
+    return f"gguf:{types}" if types else ""
 
 
 def _hf_spec(mid: str, files: ModelFiles) -> ModelSpec:
@@ -108,7 +124,26 @@ def _hf_spec(mid: str, files: ModelFiles) -> ModelSpec:
         add_bos=bool(tk_cfg.get("add_bos_token", False)),
     )
     defaults = {k: float(gen[k]) for k in SAMPLING_KEYS if isinstance(gen.get(k), (int, float))}
-    return ModelSpec(mid, files, config, info, defaults)
+    return ModelSpec(mid, files, config, info, defaults, weight_format=_safetensors_format(files.paths))
+
+
+def _safetensors_format(paths: tuple[Path, ...]) -> str:
+    """"safetensors:bf16" (or "bf16+f32"): the dtypes of the 2-D tensors, from the headers."""
+    import struct
+    from collections import Counter
+
+    dtypes: Counter[str] = Counter()
+    for path in paths:
+        try:
+            with path.open("rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(length))
+        except (OSError, ValueError, struct.error):
+            continue
+        for name, info in header.items():
+            if name != "__metadata__" and isinstance(info, dict) and len(info.get("shape", ())) >= 2:
+                dtypes[str(info.get("dtype", "?")).lower()] += 1
+    return "safetensors:" + "+".join(d for d, _ in dtypes.most_common())
 
 
 def _refuse_missing(mid: str, missing: list[str], described_by: str) -> None:

@@ -1,13 +1,23 @@
 """The linear layers of a shard: ``y = x W^T + b`` over this rank's share of a weight.
 
-Every projection of a model goes through a ``Linear``, so how a weight is stored (dense today,
-packed quantized formats beside it) is decided here and nowhere else in the model code.
+Every projection of a model goes through a ``Linear``, so how a weight is stored (dense, or
+packed quantized groups: ``quant.PackedLinear``) is decided here and nowhere else in the model code.
+``build_linear`` makes one from a weight source: packed when the source holds the weight
+quantized (a GGUF quant type, or in-situ quantization) and a packed kernel runs on this device
+in this activation dtype; dense otherwise.
 """
 
 from __future__ import annotations
 
+import logging
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
+
+from .quant import PackedLinear, QuantWeight, concat_rows
+
+log = logging.getLogger("neuron.linear")
 
 
 class Linear:
@@ -24,3 +34,125 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of W: the embedding lookup when this matrix is also the embedding."""
+        return F.embedding(ids, self.weight)
+
+
+class ConcatLinear:
+    """Fused projections whose parts are packed differently (one 4-bit plane beside two): each
+    part runs its own kernel and the outputs are concatenated."""
+
+    def __init__(self, parts: list[PackedLinear]) -> None:
+        self.parts = parts
+
+    @property
+    def out_features(self) -> int:
+        return sum(p.out_features for p in self.parts)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for p in self.parts for t in p.tensors()]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
+AnyLinear = Linear | PackedLinear | ConcatLinear
+
+
+class Source(Protocol):
+    def get(self, name: str, *, dim: int | None = None, part: range | None = None) -> torch.Tensor: ...
+
+
+# The Triton kernels (triton_kernels.py) are checked on the CPU by Triton's interpreter only;
+# until they are measured on a GPU, a GPU takes the dense path (dequantized weights).
+GPU_PACKED = False
+
+
+def packed_kernel_for(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether packed weights run here: on the CPU, in any activation dtype (the kernels compute
+    in float32), where the kernels build; on a GPU with ``GPU_PACKED`` (bf16/fp16 activations)."""
+    if device.type == "cuda":
+        return GPU_PACKED and dtype in (torch.bfloat16, torch.float16)
+    if device.type != "cpu":
+        return False
+    from .cpu_kernels import KernelUnavailable, qlinear_cpu
+
+    try:
+        qlinear_cpu()
+    except KernelUnavailable as exc:
+        log.warning("%s; quantized weights are dequantized instead", exc)
+        return False
+    return True
+
+
+def build_linear(src: Source, parts: list[tuple[str, range | None]], *, dim: int, dtype: torch.dtype,
+                 device: torch.device, bias: torch.Tensor | None = None, rows_to: int | None = None) -> AnyLinear:
+    """One linear layer from the rows (``dim=0``) or input columns (``dim=1``) ``part`` of each
+    named weight, stacked by rows (fused q/k/v, gate/up); ``rows_to`` zero-pads the rows."""
+    get_quant = getattr(src, "get_quant", None)
+    if get_quant is not None and packed_kernel_for(device, dtype):
+        quants = [get_quant(name, dim=dim, part=part) for name, part in parts]
+        if all(q is not None for q in quants):
+            return _packed(quants, bias, dtype, device, rows_to)
+        if any(q is not None for q in quants):
+            log.warning("%s: quantized and float parts cannot share one packed matrix; stored dense",
+                        "+".join(n for n, _ in parts))
+    weight = torch.cat([src.get(name, dim=dim, part=part).to(device, dtype) for name, part in parts])
+    if rows_to is not None and rows_to > weight.shape[0]:
+        weight = torch.cat([weight, weight.new_zeros(rows_to - weight.shape[0], weight.shape[1])])
+    return Linear(weight, bias)
+
+
+def _packed(quants: list[QuantWeight], bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device,
+            rows_to: int | None) -> PackedLinear | ConcatLinear:
+    if rows_to is not None:
+        rows = sum(q.shape[0] for q in quants)
+        if rows_to > rows:
+            quants = [*quants, _zero_rows(rows_to - rows, quants[0].shape[1], quants[-1].bits)]
+    groups: list[list[QuantWeight]] = []
+    for q in quants:  # consecutive parts of one plane count share a matrix
+        if groups and (groups[-1][0].bits <= 4) == (q.bits <= 4):
+            groups[-1].append(q)
+        else:
+            groups.append([q])
+    if len(groups) == 1:
+        return PackedLinear(concat_rows(groups[0]), bias, dtype, device)
+    linears, start = [], 0
+    for g in groups:
+        q = concat_rows(g)
+        part_bias = bias[start:start + q.shape[0]] if bias is not None else None
+        linears.append(PackedLinear(q, part_bias, dtype, device))
+        start += q.shape[0]
+    return ConcatLinear(linears)
+
+
+def _zero_rows(n: int, k: int, bits: int) -> QuantWeight:
+    import numpy as np
+
+    return QuantWeight(np.zeros((n, k), np.uint8), np.zeros((n, k // 32), np.float32),
+                       np.zeros((n, k // 32), np.float32), bits, "")
+
+
+def describe_packing(model) -> str:
+    """How a shard's projections are stored: "int4 from Q4_1 x210, int8 planes from Q8_0 x1"."""
+    from collections import Counter
+
+    seen: Counter[str] = Counter()
+    found: list[AnyLinear] = [model.embed] + ([] if model.lm_head is model.embed else [model.lm_head])
+    for layer in model.layers:
+        found += [layer.attn.qkv, layer.attn.o]
+        if hasattr(layer.mlp, "gate_up"):
+            found += [layer.mlp.gate_up, layer.mlp.down]
+        else:  # sparse experts: packed pairs, or stacked dense tensors
+            found += [lin for pair in layer.mlp.packed for lin in pair]
+            if not layer.mlp.packed:
+                seen[f"dense {str(layer.mlp.down.dtype).removeprefix('torch.')} experts"] += 1
+    for lin in found:
+        for part in lin.parts if isinstance(lin, ConcatLinear) else [lin]:
+            if isinstance(part, PackedLinear):
+                seen[f"int{part.bits} from {part.source}"] += 1
+            else:
+                seen[f"dense {str(part.weight.dtype).removeprefix('torch.')}"] += 1
+    return ", ".join(f"{k} x{v}" for k, v in sorted(seen.items()))

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from protocol import ModelConfig
 
 from .layers import Collectives, WeightSource, rope_tables
-from .linear import Linear
+from .linear import AnyLinear, Linear, build_linear
 from .moe import SparseMoe
 from .ops import RopeTables, Rotary, TorchOps
 from .sharding import ShardPlan
@@ -56,16 +56,18 @@ class Attention:
         def load(name: str, part: range, dim: int) -> torch.Tensor:
             return src.get(f"{prefix}.{name}", dim=dim, part=part).to(device, dtype)
 
-        def fused(kind: str) -> torch.Tensor:  # q, k and v in one matrix: one GEMM instead of three
-            return torch.cat([load(f"{name}_proj.{kind}", _rows(heads, hd), 0)
-                              for name, heads in (("q", plan.q_heads), ("k", plan.kv_heads), ("v", plan.kv_heads))])
-
-        self.qkv = Linear(fused("weight"), fused("bias") if cfg.attention_bias else None)
+        # q, k and v in one matrix: one GEMM instead of three
+        qkv = [(f"{prefix}.{name}_proj", _rows(heads, hd))
+               for name, heads in (("q", plan.q_heads), ("k", plan.kv_heads), ("v", plan.kv_heads))]
+        bias = torch.cat([load(f"{n[len(prefix) + 1:]}.bias", r, 0) for n, r in qkv]) if cfg.attention_bias else None
+        self.qkv = build_linear(src, [(f"{n}.weight", r) for n, r in qkv], dim=0, dtype=dtype, device=device,
+                                bias=bias)
         # The row-parallel output bias is added by one rank only, so the all-reduce counts it once.
         bo = None
         if plan.rank == 0 and src.has(f"{prefix}.o_proj.bias"):
             bo = load("o_proj.bias", range(cfg.hidden_size), 0)
-        self.o = Linear(load("o_proj.weight", _rows(plan.q_heads, hd), 1), bo)
+        self.o = build_linear(src, [(f"{prefix}.o_proj.weight", _rows(plan.q_heads, hd))], dim=1, dtype=dtype,
+                              device=device, bias=bo)
         if cfg.qk_norm:
             self.q_norm = src.get(f"{prefix}.q_norm.weight").to(device, dtype)
             self.k_norm = src.get(f"{prefix}.k_norm.weight").to(device, dtype)
@@ -88,18 +90,22 @@ class Attention:
 class Mlp:
     def __init__(self, src: WeightSource, prefix: str, part: range, dtype: torch.dtype, device: torch.device,
                  rank: int = 0) -> None:
-        def pair(kind: str) -> torch.Tensor:  # gate and up in one matrix: one GEMM instead of two
+        def pair(kind: str) -> torch.Tensor:
             return torch.cat([src.get(f"{prefix}.{name}.{kind}", dim=0, part=part).to(device, dtype)
                               for name in ("gate_proj", "up_proj")])
 
         self.width = len(part)
         # llama's mlp_bias: column-parallel biases are sliced; the row-parallel one is added by
         # rank 0 only, so the all-reduce counts it once.
-        self.gate_up = Linear(pair("weight"), pair("bias") if src.has(f"{prefix}.gate_proj.bias") else None)
+        # gate and up in one matrix: one GEMM instead of two
+        self.gate_up = build_linear(src, [(f"{prefix}.{name}.weight", part) for name in ("gate_proj", "up_proj")],
+                                    dim=0, dtype=dtype, device=device,
+                                    bias=pair("bias") if src.has(f"{prefix}.gate_proj.bias") else None)
         down_bias = None
         if rank == 0 and src.has(f"{prefix}.down_proj.bias"):
             down_bias = src.get(f"{prefix}.down_proj.bias").to(device, dtype)
-        self.down = Linear(src.get(f"{prefix}.down_proj.weight", dim=1, part=part).to(device, dtype), down_bias)
+        self.down = build_linear(src, [(f"{prefix}.down_proj.weight", part)], dim=1, dtype=dtype, device=device,
+                                 bias=down_bias)
 
     def tensors(self) -> list[torch.Tensor]:
         return [*self.gate_up.tensors(), *self.down.tensors()]
@@ -139,9 +145,9 @@ class CausalLM:
         vocab_rows = range(plan.vocab.start, min(plan.vocab.stop, cfg.vocab_size))
         self.embed = self._vocab_shard(src, "model.embed_tokens.weight", vocab_rows)
         if cfg.tie_word_embeddings or not src.has("lm_head.weight"):
-            self.lm_head = Linear(self.embed)
+            self.lm_head = self.embed
         else:
-            self.lm_head = Linear(self._vocab_shard(src, "lm_head.weight", vocab_rows))
+            self.lm_head = self._vocab_shard(src, "lm_head.weight", vocab_rows)
         self.layers = [DecoderLayer(cfg, plan, src, i, dtype, device) for i in range(cfg.num_layers)]
         self.norm = src.get("model.norm.weight").to(device, dtype)
         divisors = src.get("rope_freqs") if src.has("rope_freqs") else None
@@ -150,17 +156,19 @@ class CausalLM:
         # A sparse MoE block routes with data-dependent shapes: it cannot be captured in a CUDA graph.
         self.capturable = not any(isinstance(layer.mlp, SparseMoe) for layer in self.layers)
 
-    def _vocab_shard(self, src: WeightSource, name: str, rows: range) -> torch.Tensor:
+    def _vocab_shard(self, src: WeightSource, name: str, rows: range) -> AnyLinear:
         """This rank's vocabulary rows, zero-padded to the common shard length."""
-        out = torch.zeros(len(self.plan.vocab), self.cfg.hidden_size, device=self.device, dtype=self.dtype)
-        if len(rows):
-            out[: len(rows)] = src.get(name, dim=0, part=rows).to(self.device, self.dtype)
-        return out
+        if not len(rows):
+            return Linear(torch.zeros(len(self.plan.vocab), self.cfg.hidden_size, device=self.device,
+                                      dtype=self.dtype))
+        return build_linear(src, [(name, rows)], dim=0, dtype=self.dtype, device=self.device,
+                            rows_to=len(self.plan.vocab))
 
     def weight_bytes(self) -> int:
         seen: set[int] = set()
         total = 0
-        tensors = [self.embed, *self.lm_head.tensors(), self.norm] + [t for layer in self.layers for t in layer.tensors()]
+        tensors = [*self.embed.tensors(), *self.lm_head.tensors(), self.norm] + [
+            t for layer in self.layers for t in layer.tensors()]
         for t in tensors:
             if id(t) not in seen:
                 seen.add(id(t))
@@ -169,10 +177,10 @@ class CausalLM:
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         if self.plan.world == 1:
-            return F.embedding(ids, self.embed)
+            return self.embed.rows(ids)
         local = ids - self.plan.vocab.start
         inside = (local >= 0) & (local < len(self.plan.vocab))
-        h = F.embedding(local.clamp(0, len(self.plan.vocab) - 1), self.embed) * inside[:, None].to(self.dtype)
+        h = self.embed.rows(local.clamp(0, len(self.plan.vocab) - 1)) * inside[:, None].to(self.dtype)
         return self.comm.all_reduce(h)
 
     @torch.inference_mode()

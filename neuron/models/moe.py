@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from protocol import ModelConfig
 
 from .layers import WeightSource
+from .linear import AnyLinear, build_linear, packed_kernel_for
 from .sharding import ShardPlan
 
 
@@ -19,7 +20,22 @@ class SparseMoe:
         self.experts = plan.experts
         self.router = src.get(f"{prefix}.gate.weight").to(device, dtype)
         inter = cfg.moe_intermediate_size
-        if src.has(f"{prefix}.experts.gate_up_proj"):
+        self.inter = inter
+        # packed experts: each one's gate/up and down as packed linears
+        self.packed: list[tuple[AnyLinear, AnyLinear]] = []
+        get_quant = getattr(src, "get_quant", None)
+        first = f"{prefix}.experts.{plan.experts.start}.gate_proj.weight"
+        if (len(plan.experts) and get_quant is not None and packed_kernel_for(device, dtype)
+                and get_quant(first) is not None):
+            def name(e: int, proj: str) -> str:
+                return f"{prefix}.experts.{e}.{proj}_proj.weight"
+
+            self.packed = [(build_linear(src, [(name(e, "gate"), None), (name(e, "up"), None)], dim=0, dtype=dtype,
+                                         device=device),
+                            build_linear(src, [(name(e, "down"), None)], dim=1, dtype=dtype, device=device))
+                           for e in plan.experts]
+            self.gate = self.up = self.down = torch.empty(0)
+        elif src.has(f"{prefix}.experts.gate_up_proj"):
             gate_up = src.get(f"{prefix}.experts.gate_up_proj", dim=0, part=plan.experts)
             self.gate, self.up = gate_up[:, :inter].to(device, dtype), gate_up[:, inter:].to(device, dtype)
             self.down = src.get(f"{prefix}.experts.down_proj", dim=0, part=plan.experts).to(device, dtype)
@@ -29,7 +45,8 @@ class SparseMoe:
             self.gate, self.up, self.down = stack("gate_proj"), stack("up_proj"), stack("down_proj")
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.router, self.gate, self.up, self.down]
+        packed = [t for pair in self.packed for lin in pair for t in lin.tensors()]
+        return [self.router, self.gate, self.up, self.down, *packed]
 
     def __call__(self, x: torch.Tensor, ops: object = None) -> torch.Tensor:
         probs = F.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float)
@@ -43,6 +60,11 @@ class SparseMoe:
             if token.numel() == 0:
                 continue
             h = x[token]
-            h = F.linear(F.silu(F.linear(h, self.gate[local])) * F.linear(h, self.up[local]), self.down[local])
+            if self.packed:
+                gate_up, down = self.packed[local]
+                gate, up = gate_up(h).split(self.inter, dim=-1)
+                h = down(F.silu(gate) * up)
+            else:
+                h = F.linear(F.silu(F.linear(h, self.gate[local])) * F.linear(h, self.up[local]), self.down[local])
             out.index_add_(0, token, h * weights[token, k, None])
         return out

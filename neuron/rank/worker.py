@@ -12,7 +12,9 @@ import torch.distributed as dist
 
 import protocol as p
 from neuron.models.llama import CausalLM
-from neuron.models.sharding import plan_shard
+from neuron.models.linear import describe_packing, packed_kernel_for
+from neuron.models.quant import GROUP, SCHEMES
+from neuron.models.sharding import ShardingError, plan_shard
 from neuron.runner.runner import ModelRunner, PendingStep, RunnerConfig, StepRejected
 
 from .deferred import Deferred
@@ -124,7 +126,6 @@ class DeviceWorker:
             raise RankFailure("bad_request", f"unknown dtype {msg.dtype!r}")
         if not 0 < msg.max_slots <= 4096 or not 0 < msg.max_len <= 1 << 24 or not 0 < msg.block_size <= 4096:
             raise RankFailure("bad_request", "max_slots, max_len and block_size must be positive and sane")
-        plan = plan_shard(msg.config, self.world, self.rank)
         t0 = time.perf_counter()
         if msg.format == "gguf":
             from neuron.loader.gguf_source import GgufSource
@@ -132,6 +133,19 @@ class DeviceWorker:
         else:
             from neuron.loader.safetensors_source import SafetensorsSource
             src = SafetensorsSource(msg.paths)
+        if msg.quant:
+            from neuron.loader.insitu import QuantizingSource
+            if msg.quant not in SCHEMES:
+                raise RankFailure("bad_request", f"unknown quant {msg.quant!r} (known: {', '.join(SCHEMES)})")
+            src = QuantizingSource(src, msg.quant)
+        packed = packed_kernel_for(self.device, dtype) and bool(getattr(src, "quantized", False))
+        if getattr(src, "quantized", False) and not packed:
+            log.warning("rank %d: %s's quantized weights are dequantized to %s on %s (the packed kernels take "
+                        "bfloat16 activations on the CPU)", self.rank, msg.model, msg.dtype, self.device.type)
+        try:
+            plan = plan_shard(msg.config, self.world, self.rank, block=GROUP if packed else 1)
+        except ShardingError as exc:
+            raise RankFailure("bad_request", str(exc)) from None
         self.loaded_bytes = 0
         self.model = CausalLM(msg.config, plan, _Counted(src, self), dtype=dtype, device=self.device,
                               max_len=msg.max_len)
@@ -143,11 +157,12 @@ class DeviceWorker:
         self.model_id = msg.model
         self._warm_up()
         runner = self.runner
-        log.info("rank %d loaded %s shard in %.2fs: %d weight bytes, %d KV blocks of %d", self.rank, msg.model,
-                 time.perf_counter() - t0, self.model.weight_bytes(), runner.kv_blocks, msg.block_size)
+        packing = describe_packing(self.model)
+        log.info("rank %d loaded %s shard in %.2fs: %d weight bytes, %d KV blocks of %d; %s", self.rank, msg.model,
+                 time.perf_counter() - t0, self.model.weight_bytes(), runner.kv_blocks, msg.block_size, packing)
         return p.LoadOk(id=msg.id, epoch=msg.epoch, kv_capacity=runner.kv_blocks * msg.block_size,
                         bytes=self.model.weight_bytes(), kv_bytes=runner.kv.nbytes, kv_blocks=runner.kv_blocks,
-                        graphs=sorted(runner.graphs))
+                        graphs=sorted(runner.graphs), packing=packing)
 
     def _warm_up(self) -> None:
         """One prompt chunk and one decode through every layer, so the first request does not pay

@@ -211,11 +211,12 @@ class ModelRunner:
         return PendingStep(len(seqs), sampled, want, tokens, logprobs, ready, t0,
                            (time.perf_counter() - t0) * 1e3, gap)
 
-    def forward_logits(self, seqs: list[p.StepSeq]) -> torch.Tensor:
-        """The logits [sampled seqs, V] of a step, without sampling (parity checks)."""
-        return self._forward(seqs, [i for i, s in enumerate(seqs) if s.sample])[-1]
+    def forward_logits(self, seqs: list[p.StepSeq], every_position: bool = False) -> torch.Tensor:
+        """The logits of a step without sampling (parity checks): [sampled seqs, V], or with
+        ``every_position`` [tokens, V] (run eagerly)."""
+        return self._forward(seqs, [i for i, s in enumerate(seqs) if s.sample], every_position)[-1]
 
-    def _forward(self, seqs: list[p.StepSeq], sampled: list[int]):
+    def _forward(self, seqs: list[p.StepSeq], sampled: list[int], every_position: bool = False):
         self._check(seqs)
         self._update_tables(seqs)
         for s in seqs:
@@ -225,9 +226,9 @@ class ModelRunner:
                     n = len(s.context)
                     at = upload([[s.slot] * n, s.context, list(range(n))], torch.int64, self.device)
                     self.sampler.feed(at[0], at[1], at[2])
-        bucket = self._bucket(seqs)
+        bucket = 0 if every_position else self._bucket(seqs)
         if not bucket:
-            return (0, *self._eager(seqs, sampled))
+            return (0, *self._eager(seqs, sampled, every_position))
         ids, positions, slot_t, logits = self._replay(seqs, bucket)
         if len(sampled) < len(seqs):
             logits = logits[upload(sampled, torch.int64, self.device)]
@@ -301,7 +302,7 @@ class ModelRunner:
         return next((n for n in sorted(self.graphs) if n >= len(seqs)), 0)
 
     # ----------------------------------------------------------------------------- eager
-    def _eager(self, seqs: list[p.StepSeq], sampled: list[int]):
+    def _eager(self, seqs: list[p.StepSeq], sampled: list[int], every_position: bool = False):
         T = sum(len(s.tokens) for s in seqs)
         ids = np.empty(T, dtype=np.int64)
         positions = np.empty(T, dtype=np.int64)
@@ -352,7 +353,8 @@ class ModelRunner:
                 meta.prefills.append(PrefillSpan(row, n, upload(keys, torch.int64, self.device)))
         self.attention.meta = meta
         # A step that samples nothing (a prompt chunk that is not the last) still computes one row.
-        rows = upload([ends[i] for i in sampled] or [T - 1], torch.int64, self.device)
+        rows = upload(list(range(T)) if every_position else [ends[i] for i in sampled] or [T - 1], torch.int64,
+                      self.device)
         return ids_t, pos_t, slot_t, self.model.forward(ids_t, pos_t, self.attention, rows)
 
     def _prefill_batch(self, prefills: list[tuple[int, int, int, int]]) -> PrefillBatch:

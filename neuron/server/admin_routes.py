@@ -50,16 +50,13 @@ async def load_model(request: Request) -> Response:
     state: AppState = request.app.state.neuron
     require_key(request, state, admin=True)
     body = await read_json(request, LoadRequest, state.cfg.server.max_body_bytes)
-    if body.quant is not None:
-        raise ApiError(400, "invalid_request", "run-time quantisation is not supported; quant must be null",
-                       param="quant")
     registered = {h.id: h.entry.model for h in state.registry.models.values()}
     allowed = await asyncio.to_thread(state.access.check, body.model, registered)  # it may look at the disk
     base = ModelEntry()
     try:
         entry = ModelEntry(model=allowed.model, id=body.id or allowed.default_id or "",
                            tensor_parallel=body.tensor_parallel, device=body.device, devices=body.devices or [],
-                           dtype=body.dtype,
+                           dtype=body.dtype, quantize=body.quant or "",
                            max_model_len=body.max_model_len or base.max_model_len,
                            max_slots=body.max_slots or base.max_slots)
         validate(Config(models=[entry]))

@@ -32,6 +32,10 @@ class ParityJob:
     new_tokens: int = 0
     dtype: str = "float32"
     max_len: int = 128
+    quant: str | None = None  # in-situ quantization: q8_0 | q4
+    score: list[list[int]] = field(default_factory=list)  # sequences to run teacher-forced
+    dense: bool = False  # every weight dequantized to ``dtype``: the reference of a packed model
+    score_greedy: bool = False  # also score each prompt followed by its own greedy continuation
 
 
 @dataclass
@@ -41,16 +45,31 @@ class ParityResult:
     greedy: list[list[int]]  # per prompt: ``new_tokens`` argmax tokens, decoded through the KV cache
     load_seconds: float
     weight_bytes: list[int] = field(default_factory=list)  # one per rank
+    argmax: list[list[int]] = field(default_factory=list)  # per ``score`` sequence: the argmax at every position
 
 
-def open_source(fmt: str, paths: list[str], config: ModelConfig) -> Any:
+class DenseView:
+    """A weight source that offers only floats: the model it builds holds every weight dense."""
+
+    def __init__(self, src: Any) -> None:
+        self.get, self.has = src.get, src.has
+
+
+def open_source(fmt: str, paths: list[str], config: ModelConfig, quant: str | None = None,
+                dense: bool = False) -> Any:
     if fmt == "gguf":
         from neuron.loader.gguf_source import GgufSource
 
-        return GgufSource(paths[0], num_heads=config.num_heads, num_kv_heads=config.num_kv_heads)
-    from neuron.loader.safetensors_source import SafetensorsSource
+        src: Any = GgufSource(paths[0], num_heads=config.num_heads, num_kv_heads=config.num_kv_heads)
+    else:
+        from neuron.loader.safetensors_source import SafetensorsSource
 
-    return SafetensorsSource(list(paths))
+        src = SafetensorsSource(list(paths))
+    if quant:
+        from neuron.loader.insitu import QuantizingSource
+
+        src = QuantizingSource(src, quant)
+    return DenseView(src) if dense else src
 
 
 def build(job: ParityJob, world: int = 1, rank: int = 0) -> tuple[Any, float]:
@@ -58,14 +77,19 @@ def build(job: ParityJob, world: int = 1, rank: int = 0) -> tuple[Any, float]:
     per prompt) and the seconds it took to build."""
     import torch
 
+    from neuron.models.linear import packed_kernel_for
     from neuron.models.llama import CausalLM
+    from neuron.models.quant import GROUP
     from neuron.models.sharding import plan_shard
     from neuron.runner.runner import ModelRunner, RunnerConfig
 
+
     t0 = time.perf_counter()
-    src = open_source(job.fmt, job.paths, job.config)
-    model = CausalLM(job.config, plan_shard(job.config, world, rank), src, dtype=getattr(torch, job.dtype),
-                     device=torch.device("cpu"), max_len=job.max_len)
+    src = open_source(job.fmt, job.paths, job.config, job.quant, job.dense)
+    dtype, cpu = getattr(torch, job.dtype), torch.device("cpu")
+    block = GROUP if packed_kernel_for(cpu, dtype) and getattr(src, "quantized", False) else 1
+    model = CausalLM(job.config, plan_shard(job.config, world, rank, block), src, dtype=dtype, device=cpu,
+                     max_len=job.max_len)
     runner = ModelRunner(model, RunnerConfig(max_seqs=max(1, len(job.prompts)), max_len=job.max_len), rank)
     return runner, time.perf_counter() - t0
 
@@ -93,6 +117,20 @@ def run_model(runner: Any, job: ParityJob) -> tuple[list[Any], list[list[int]]]:
     return first, tokens
 
 
+def run_teacher_forced(runner: Any, job: ParityJob, greedy: list[list[int]]) -> list[list[int]]:
+    """The argmax after every position of each ``job.score`` sequence (or prompt + ``greedy``),
+    one prefill each."""
+    from protocol import Sampling, StepSeq
+
+    out = []
+    seqs = job.score or ([p + g for p, g in zip(job.prompts, greedy)] if job.score_greedy else [])
+    for seq in seqs:
+        step = StepSeq(slot=0, tokens=list(seq), start_pos=0, sample=True, sampling=Sampling(temperature=0.0),
+                       blocks=list(range(-(-len(seq) // runner.bs))))
+        out.append(runner.forward_logits([step], every_position=True).argmax(dim=-1).tolist())
+    return out
+
+
 def run_parity(jobs: list[ParityJob], world: int = 1, timeout: float = 300.0) -> list[ParityResult]:
     """Every job at tensor-parallel ``world``: in this process at 1, else in ``world`` spawned
     processes joined by a gloo group; the results are rank 0's, with every rank's weight bytes."""
@@ -101,7 +139,8 @@ def run_parity(jobs: list[ParityJob], world: int = 1, timeout: float = 300.0) ->
         for job in jobs:
             runner, seconds = build(job)
             logits, greedy = run_model(runner, job)
-            results.append(ParityResult(job.name, logits, greedy, seconds, [runner.model.weight_bytes()]))
+            results.append(ParityResult(job.name, logits, greedy, seconds, [runner.model.weight_bytes()],
+                                        run_teacher_forced(runner, job, greedy)))
         return results
     import torch.multiprocessing as mp
 
@@ -134,7 +173,8 @@ def _rank_main(rank: int, world: int, port: int, jobs: list[ParityJob], out_dir:
         for job in jobs:
             runner, seconds = build(job, world, rank)
             logits, greedy = run_model(runner, job)
-            results.append(ParityResult(job.name, logits, greedy, seconds, [runner.model.weight_bytes()]))
+            results.append(ParityResult(job.name, logits, greedy, seconds, [runner.model.weight_bytes()],
+                                        run_teacher_forced(runner, job, greedy)))
             del runner
         (Path(out_dir) / f"rank{rank}.pkl").write_bytes(pickle.dumps(results))
     finally:

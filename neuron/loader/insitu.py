@@ -1,0 +1,67 @@
+"""In-situ quantization: a float checkpoint (bf16/fp16/fp32 safetensors, or a float GGUF) read
+through a source that quantizes each projection weight as a rank reads its slice, so a rank
+only ever quantizes (and holds) its own share. Weights a GGUF file already holds quantized keep
+the file's own blocks: they are never requantized."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from neuron.models.quant import GROUP, SCHEMES, QuantWeight, quantize
+
+
+_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
+
+
+def quantizable(name: str) -> bool:
+    """Projection and vocabulary matrices; norms and the MoE router stay as they are."""
+    return name.endswith(".weight") and not name.endswith("norm.weight") and not name.endswith("mlp.gate.weight")
+
+
+class QuantizingSource:
+    def __init__(self, src, scheme: str) -> None:
+        if scheme not in SCHEMES:
+            raise ValueError(f"unknown quantization {scheme!r} (known: {', '.join(SCHEMES)})")
+        self.src, self.scheme = src, scheme
+        self.quantized = True
+
+    def has(self, name: str) -> bool:
+        return self.src.has(name)
+
+    def get_quant(self, name: str, *, dim: int | None = None, part: range | None = None) -> QuantWeight | None:
+        own = getattr(self.src, "get_quant", None)
+        if own is not None and (q := own(name, dim=dim, part=part)) is not None:
+            return q
+        if not quantizable(name):
+            return None
+        w = self._expert(name) if _EXPERT.fullmatch(name) and not self.src.has(name) else self.src.get(
+            name, dim=dim, part=part)
+        if w.ndim != 2 or w.shape[1] % GROUP:
+            return None
+        return quantize(w, self.scheme)
+
+    def _expert(self, name: str) -> torch.Tensor:
+        """One expert's matrix out of a checkpoint that stacks them (``experts.gate_up_proj``)."""
+        prefix, e, proj = _EXPERT.fullmatch(name).groups()  # type: ignore[union-attr]
+        if proj == "down":
+            return self.src.get(f"{prefix}.down_proj", dim=0, part=range(int(e), int(e) + 1))[0]
+        gate_up = self.src.get(f"{prefix}.gate_up_proj", dim=0, part=range(int(e), int(e) + 1))[0]
+        half = gate_up.shape[0] // 2
+        return gate_up[:half] if proj == "gate" else gate_up[half:]
+
+    def get(self, name: str, *, dim: int | None = None, part: range | None = None) -> torch.Tensor:
+        """Floats; a quantizable weight comes back quantized and dequantized (the float32
+        reference of the packed model)."""
+        if getattr(self.src, "quantized", False):  # a quantized GGUF: its floats are norms and the like
+            return self.src.get(name, dim=dim, part=part)
+        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):  # stacked experts [E, rows, K]
+            w = self.src.get(name, dim=dim, part=part)
+            if w.shape[-1] % GROUP:
+                return w
+            return torch.from_numpy(quantize(w.reshape(-1, w.shape[-1]), self.scheme).dequantize()).view(w.shape)
+        q = self.get_quant(name, dim=dim, part=part)
+        if q is None:
+            return self.src.get(name, dim=dim, part=part)
+        return torch.from_numpy(q.dequantize())

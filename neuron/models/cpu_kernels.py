@@ -1,0 +1,41 @@
+"""The CPU kernels for packed weights (``csrc/qlinear_cpu.cpp``), built for this machine's
+instruction set the first time a rank needs them (torch's C++ extension builder: a C++ compiler
+and ninja) and cached by torch under ``TORCH_EXTENSIONS_DIR`` (default ~/.cache/torch_extensions)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("neuron.kernels")
+
+SOURCE = Path(__file__).parent / "csrc" / "qlinear_cpu.cpp"
+
+
+class KernelUnavailable(RuntimeError):
+    """The CPU kernels could not be built here."""
+
+
+def qlinear_cpu() -> Any:
+    """The built module (``q4_linear``, ``q8_linear``), or KernelUnavailable (tried once)."""
+    result = _build()
+    if isinstance(result, KernelUnavailable):
+        raise result
+    return result
+
+
+@functools.cache
+def _build() -> Any:
+    from torch.utils.cpp_extension import load
+
+    t0 = time.perf_counter()
+    try:
+        mod = load(name="neuron_qlinear_cpu", sources=[str(SOURCE)],
+                   extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # no compiler, no ninja, an assembler without AVX-512, ...
+        return KernelUnavailable(f"the packed-weight CPU kernels could not be built: {exc}")
+    log.info("packed-weight CPU kernels ready in %.1fs", time.perf_counter() - t0)
+    return mod

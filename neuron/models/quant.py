@@ -1,0 +1,352 @@
+"""Quantized weights kept packed: GGUF blocks and in-situ quantization, computed from by the CPU
+kernels in ``csrc/qlinear_cpu.cpp`` (float32 activations and accumulation).
+
+Every quantized weight is decoded to ``QuantWeight``: unsigned integers ``u`` with a scale and
+an offset per group of 32 along the input dimension (16 for the K-quants with 16-element
+sub-blocks), ``w = s * u + m``, exactly what the file holds, then stored as 4-bit ``u`` (Q4_0,
+Q4_1, Q4_K, in-situ q4: 5 bits a weight with the float16 scale and offset; Q2_K, Q3_K: 6 bits)
+or 8-bit ``u`` (Q8_0, Q5_0, Q5_1, Q5_K, in-situ q8_0: 9 bits a weight; Q6_K: 10 bits).
+
+Exact: the same integers and the file's float16 scales (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, in situ).
+K-quant sub-block scales (a float16 times a 6-bit integer) are rounded to float16 (2^-12 of the
+scale). Other types (IQ*, TQ*) are requantized to symmetric 8 bits per group of 32, and their
+source says so.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import Q4_K, dequantize
+
+log = logging.getLogger("neuron.quant")
+
+GROUP = 32
+SCHEMES = ("q8_0", "q4")  # in-situ quantization
+
+
+@dataclass
+class SuperScales:
+    """The K-quants' scales as their files build them: ``s = d * sc``, ``m = dm * mn`` with a
+    small integer per scale group and a float16 per super-block (exact in float32)."""
+
+    sc: np.ndarray  # int8 [N, ns]
+    mn: np.ndarray  # int8 [N, ns]
+    d: np.ndarray  # float16 [N, nd], nd divides ns
+    dm: np.ndarray  # float16 [N, nd]
+
+    @property
+    def per(self) -> int:
+        return self.sc.shape[1] // self.d.shape[1]
+
+    def take(self, rows) -> SuperScales:
+        return SuperScales(self.sc[rows], self.mn[rows], self.d[rows], self.dm[rows])
+
+    def scale_groups(self, g: range) -> SuperScales:
+        per = self.per
+        if g.start % per == 0 and (g.stop % per == 0 or g.stop == self.sc.shape[1]):
+            blocks = slice(g.start // per, -(-g.stop // per))
+            return SuperScales(self.sc[:, g.start:g.stop], self.mn[:, g.start:g.stop], self.d[:, blocks],
+                               self.dm[:, blocks])
+        return self.expanded(per).scale_groups(g)
+
+    def expanded(self, r: int) -> SuperScales:
+        """``d`` repeated ``r`` times (one per ``per / r`` scale groups)."""
+        return SuperScales(self.sc, self.mn, np.repeat(self.d, r, axis=1), np.repeat(self.dm, r, axis=1))
+
+    def halved(self) -> SuperScales:
+        """A scale per 16 values instead of per 32."""
+        return SuperScales(np.repeat(self.sc, 2, axis=1), np.repeat(self.mn, 2, axis=1), self.d, self.dm)
+
+
+@dataclass
+class QuantWeight:
+    """``w[n, k] = s[n, k // g] * u[n, k] + m[n, k // g]`` with ``u < 2**bits``, ``g = group``
+    (32, or 16 for the K-quants with 16-element sub-blocks)."""
+
+    u: np.ndarray  # uint8 [N, K]
+    s: np.ndarray  # float32 [N, K/group]
+    m: np.ndarray  # float32 [N, K/group]
+    bits: int
+    source: str  # what the file held: "Q4_1", "Q8_0", "q4 (in situ)", ...
+    group: int = GROUP
+    sup: SuperScales | None = None  # the K-quants: s and m from super-block scales
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.u.shape  # type: ignore[return-value]
+
+    def rows(self, part: range) -> QuantWeight:
+        rows = slice(part.start, part.stop)
+        return QuantWeight(self.u[rows], self.s[rows], self.m[rows], self.bits, self.source, self.group,
+                           self.sup.take(rows) if self.sup else None)
+
+    def columns(self, part: range) -> QuantWeight:
+        """Columns ``part`` of every row; ``part`` must start and end on a group boundary."""
+        K = self.u.shape[1]
+        if part.start % GROUP or (part.stop % GROUP and part.stop != K):
+            raise ValueError(f"columns {part.start}..{part.stop} do not fall on {GROUP}-element quant groups")
+        g = range(part.start // self.group, -(-part.stop // self.group))
+        return QuantWeight(self.u[:, part.start:part.stop], self.s[:, g.start:g.stop], self.m[:, g.start:g.stop],
+                           self.bits, self.source, self.group, self.sup.scale_groups(g) if self.sup else None)
+
+    def dequantize(self) -> np.ndarray:
+        N, K = self.u.shape
+        u = self.u.reshape(N, K // self.group, self.group).astype(np.float32)
+        return (self.s[..., None] * u + self.m[..., None]).reshape(N, K)
+
+    def with_rows(self, order: np.ndarray) -> QuantWeight:
+        return QuantWeight(self.u[order], self.s[order], self.m[order], self.bits, self.source, self.group,
+                           self.sup.take(order) if self.sup else None)
+
+    def in_groups_of(self, group: int) -> QuantWeight:
+        """The same weight with a scale per ``group`` (a divisor of this one's group)."""
+        r = self.group // group
+        if r == 1:
+            return self
+        return QuantWeight(self.u, np.repeat(self.s, r, axis=1), np.repeat(self.m, r, axis=1), self.bits,
+                           self.source, group, self.sup.halved() if self.sup else None)
+
+
+def concat_rows(parts: list[QuantWeight]) -> QuantWeight:
+    bits = max(p.bits for p in parts)
+    group = min(p.group for p in parts)
+    parts = [p.in_groups_of(group) for p in parts]
+    sources = sorted({p.source for p in parts if p.source})
+    sup = None
+    if all(p.sup is not None for p in parts):  # else the float16 s and m carry them (rounded)
+        sups = [p.sup for p in parts]
+        if len({s.per for s in sups}) > 1:
+            sups = [s.expanded(s.per) for s in sups]
+        sup = SuperScales(*(np.concatenate([getattr(s, f) for s in sups]) for f in ("sc", "mn", "d", "dm")))
+    return QuantWeight(np.concatenate([p.u for p in parts]), np.concatenate([p.s for p in parts]),
+                       np.concatenate([p.m for p in parts]), bits, "+".join(sources), group, sup)
+
+
+# ---------------------------------------------------------------------------------- GGUF blocks
+
+_FLOAT = (Q.F32, Q.F16, Q.BF16)
+
+
+def is_quantized(qtype: Q) -> bool:
+    return qtype not in _FLOAT and qtype not in (Q.I8, Q.I16, Q.I32, Q.I64, Q.F64)
+
+
+def decode_blocks(raw: np.ndarray, qtype: Q) -> QuantWeight:
+    """A 2-D GGUF tensor's raw bytes (rows x bytes) as groups of 32."""
+    rows = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(-1, raw.shape[-1]).view(np.uint8)
+    from gguf import GGML_QUANT_SIZES
+
+    block, size = GGML_QUANT_SIZES[qtype]
+    b = blocks.reshape(-1, size)
+    name = qtype.name
+    if qtype == Q.Q4_0:
+        d = _f16(b[:, 0:2])
+        u, s, m = _nibbles(b[:, 2:18]), d, -8 * d
+        bits = 4
+    elif qtype == Q.Q4_1:
+        u, s, m, bits = _nibbles(b[:, 4:20]), _f16(b[:, 0:2]), _f16(b[:, 2:4]), 4
+    elif qtype == Q.Q8_0:
+        d = _f16(b[:, 0:2])
+        u = (b[:, 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        s, m, bits = d, -128 * d, 8
+    elif qtype in (Q.Q5_0, Q.Q5_1):
+        off = 2 if qtype == Q.Q5_0 else 4
+        qh = b[:, off:off + 4].copy().view(np.uint32).reshape(-1, 1) >> np.arange(32, dtype=np.uint32)
+        u = _nibbles(b[:, off + 4:off + 20]) | (((qh & 1).astype(np.uint8)) << 4)
+        d = _f16(b[:, 0:2])
+        s, m = (d, -16 * d) if qtype == Q.Q5_0 else (d, _f16(b[:, 2:4]))
+        bits = 5
+    elif qtype in (Q.Q4_K, Q.Q5_K):
+        n = b.shape[0]
+        d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+        sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(b[:, 4:16]))
+        s = (d * sc.astype(np.float32)).reshape(n * 8)
+        m = ((-dmin) * mn.astype(np.float32)).reshape(n * 8)
+        sup = _super(rows, sc, mn, d, -dmin)
+        qs = b[:, 16:144] if qtype == Q.Q4_K else b[:, 48:176]
+        ql = (qs.reshape(n, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 15
+        u = ql.reshape(n * 8, 32)
+        bits = 4
+        if qtype == Q.Q5_K:
+            qh = (b[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+            u = u | (qh.reshape(n * 8, 32) << 4)
+            bits = 5
+        return QuantWeight(u.reshape(rows, -1).astype(np.uint8), s.reshape(rows, -1).astype(np.float32),
+                           m.reshape(rows, -1).astype(np.float32), bits, name, sup=sup)
+    elif qtype in (Q.Q6_K, Q.Q3_K, Q.Q2_K):
+        u, (sc, mn, d, dm), bits = _kquant16(b, qtype)
+        s, m = d * sc.astype(np.float32), dm * mn.astype(np.float32)
+        return QuantWeight(u.reshape(rows, -1).astype(np.uint8), s.reshape(rows, -1).astype(np.float32),
+                           m.reshape(rows, -1).astype(np.float32), bits, name, group=16,
+                           sup=_super(rows, sc, mn, d, dm))
+    else:
+        return requantize_q8(dequantize(np.ascontiguousarray(raw), qtype).astype(np.float32), f"{name}, requantized")
+    return QuantWeight(u.reshape(rows, -1).astype(np.uint8), s.reshape(rows, -1).astype(np.float32),
+                       m.reshape(rows, -1).astype(np.float32), bits, name)
+
+
+def _super(rows: int, sc: np.ndarray, mn: np.ndarray, d: np.ndarray, dm: np.ndarray) -> SuperScales:
+    return SuperScales(sc.astype(np.int8).reshape(rows, -1), mn.astype(np.int8).reshape(rows, -1),
+                       d.astype(np.float16).reshape(rows, -1), dm.astype(np.float16).reshape(rows, -1))
+
+
+def _kquant16(b: np.ndarray, qtype: Q) -> tuple[np.ndarray, tuple[np.ndarray, ...], int]:
+    """Q6_K / Q3_K / Q2_K blocks of 256 as 16 sub-blocks of 16: u, the super-block scales
+    (sc, mn, d, dm: s = d * sc, m = dm * mn) and the bits of u."""
+    n = b.shape[0]
+    if qtype == Q.Q6_K:  # ql[128] qh[64] scales int8[16] d
+        ql = (b[:, :128].reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 15
+        qh = (b[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+        u = ql.reshape(n, 256) | (qh.reshape(n, 256) << 4)
+        sc, d = b[:, 192:208].copy().view(np.int8), _f16(b[:, 208:210])
+        return u, (sc, sc, d, -32 * d), 6
+    if qtype == Q.Q2_K:  # scales[16] qs[64] d dmin
+        sc = b[:, :16]
+        u = (b[:, 16:80].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+        return u.reshape(n, 256), (sc & 15, sc >> 4, _f16(b[:, 80:82]), -_f16(b[:, 82:84])), 2
+    # Q3_K: hmask[32] qs[64] scales[12] d; q = low 2 bits - 4 where the mask bit is clear
+    hmask, qs, packed = b[:, :32], b[:, 32:96], b[:, 96:108]
+    lo = (packed[:, :8].reshape(n, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)).reshape(n, 16) & 15
+    hi = (packed[:, 8:12].reshape(n, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)).reshape(n, 16) & 3
+    scales = ((lo | (hi << 4)).astype(np.int16) - 32).astype(np.float32)
+    ql = (qs.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+    qh = (hmask.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    u = ql.reshape(n, 256) | (qh.reshape(n, 256) << 2)
+    d = _f16(b[:, 108:110])
+    return u, (scales.astype(np.int8), scales.astype(np.int8), d, -4 * d), 3
+
+
+def _f16(two: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(two).view(np.float16).astype(np.float32).reshape(-1, 1)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """16 bytes -> 32 values: low nibbles first, then high (Q4_0 / Q4_1 / Q5_x order)."""
+    return np.concatenate([qs & 15, qs >> 4], axis=1)
+
+
+# ---------------------------------------------------------------------------------- in situ
+
+
+def quantize(w: torch.Tensor, scheme: str) -> QuantWeight:
+    """Quantize a float weight [N, K] (K a multiple of 32) with ``scheme``; scales are rounded to
+    float16 first, so the packed weight holds exactly what this returns."""
+    x = w.detach().float().cpu().reshape(w.shape[0], -1, GROUP)
+    if scheme == "q8_0":
+        d = _round_f16(x.abs().amax(-1) / 127)
+        q = torch.round(x / torch.where(d == 0, 1, d)[..., None]).clamp(-127, 127)
+        return QuantWeight((q + 128).to(torch.uint8).reshape(w.shape).numpy(), d.numpy(), (-128 * d).numpy(), 8,
+                           "q8_0 (in situ)")
+    if scheme == "q4":
+        lo, hi = x.amin(-1), x.amax(-1)
+        s, m = _round_f16((hi - lo) / 15), _round_f16(lo)
+        q = torch.round((x - m[..., None]) / torch.where(s == 0, 1, s)[..., None]).clamp(0, 15)
+        return QuantWeight(q.to(torch.uint8).reshape(w.shape).numpy(), s.numpy(), m.numpy(), 4, "q4 (in situ)")
+    raise ValueError(f"unknown quantization {scheme!r} (known: {', '.join(SCHEMES)})")
+
+
+def requantize_q8(w: np.ndarray, source: str) -> QuantWeight:
+    q = quantize(torch.from_numpy(w), "q8_0")
+    q.source = source
+    return q
+
+
+def _round_f16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float16).float()
+
+
+# ---------------------------------------------------------------------------------- packing
+
+
+def pack_nibbles(u: torch.Tensor) -> torch.Tensor:
+    """uint8 values 0..15 [N, K] -> [N, K/2]: per group of 32, byte j holds u[j] (low nibble) and
+    u[j + 16] (high nibble), as GGUF's Q4_0/Q4_1 blocks do."""
+    N, K = u.shape
+    g = u.reshape(N, K // GROUP, 2, GROUP // 2)
+    return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(N, K // 2).contiguous()
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    T, half = packed.shape
+    g = packed.reshape(T, half // 16, 16)
+    return torch.cat([g & 15, g >> 4], dim=-1).reshape(T, 2 * half)
+
+
+class PackedLinear:
+    """``y = x W^T + b`` from ``W`` packed in groups of 32 (4-bit, or 8-bit for wider types),
+    computed by the CPU kernel with float32 activations; other activation dtypes are converted at
+    the kernel's edge."""
+
+    def __init__(self, q: QuantWeight, bias: torch.Tensor | None, dtype: torch.dtype = torch.float32,
+                 device: torch.device | None = None) -> None:
+        N, K = q.shape
+        if K % GROUP:
+            raise ValueError(f"a packed weight needs rows of whole {GROUP}-element groups, not {K}")
+        self.n, self.k, self.source, self.group = N, K, q.source, q.group
+        self.bits = 4 if q.bits <= 4 else 8
+        u = torch.from_numpy(np.ascontiguousarray(q.u))
+        self.u = pack_nibbles(u) if self.bits == 4 else u
+        if q.sup is not None:  # exact: the integers and float16s the file builds its scales from
+            self.s, self.m = torch.from_numpy(q.sup.sc.copy()), torch.from_numpy(q.sup.mn.copy())
+            self.d = torch.from_numpy(q.sup.d.copy())
+            self.dm = torch.from_numpy(q.sup.dm.copy())
+        else:
+            self.s = torch.from_numpy(q.s).to(torch.float16).contiguous()
+            self.m = torch.from_numpy(q.m).to(torch.float16).contiguous()
+            self.d = self.dm = torch.empty(0, 0, dtype=torch.float16)
+        self.bias, self.dtype = bias, dtype
+        self.device = device or torch.device("cpu")
+        if self.device.type == "cuda":  # the Triton kernel takes float scales per group (float32: exact)
+            self.s = torch.from_numpy(q.s if q.sup is not None else q.s.astype(np.float16)).to(self.device)
+            self.m = torch.from_numpy(q.m if q.sup is not None else q.m.astype(np.float16)).to(self.device)
+            self.d = self.dm = torch.empty(0, 0, dtype=torch.float16, device=self.device)
+            self.u = self.u.to(self.device)
+            self._kernel = None
+            return
+        from .cpu_kernels import qlinear_cpu
+
+        kernels = qlinear_cpu()
+        self._kernel = kernels.q4_linear if self.bits == 4 else kernels.q8_linear
+
+    @property
+    def out_features(self) -> int:
+        return self.n
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.u, self.s, self.m, self.d, self.dm, *([self.bias] if self.bias is not None else [])]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape, dtype = x.shape, x.dtype
+        if x.is_cuda:
+            from .triton_kernels import qlinear
+
+            y = qlinear(x.reshape(-1, self.k), self.u, self.s, self.m, self.bits)
+            if self.bias is not None:
+                y = y + self.bias
+            return y.view(*shape[:-1], self.n)
+        y = self._kernel(x.reshape(-1, self.k).float(), self.u, self.s, self.m, self.d, self.dm)
+        if dtype != torch.float32:
+            y = y.to(dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.n)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of W, dequantized (the embedding lookup on a packed matrix)."""
+        u = self.u[ids]
+        if self.bits == 4:
+            u = unpack_nibbles(u)
+        T = ids.shape[0]
+        s, m = self.s[ids].float(), self.m[ids].float()
+        if self.d.numel():
+            per = s.shape[1] // self.d.shape[1]
+            s = s * self.d[ids].float().repeat_interleave(per, dim=1)
+            m = m * self.dm[ids].float().repeat_interleave(per, dim=1)
+        w = u.view(T, -1, self.group).float() * s[..., None] + m[..., None]
+        return w.view(T, self.k).to(self.dtype)
