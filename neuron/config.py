@@ -15,6 +15,12 @@ class ConfigError(ValueError):
     pass
 
 
+# How a model's tool calls and thinking are read from its output (neuron.server.tool_parsers,
+# neuron.server.reasoning); "auto" finds them in the chat template.
+TOOL_PARSERS = ("auto", "none", "hermes", "llama3_json", "mistral")
+REASONING_PARSERS = ("auto", "none", "think", "seed", "mistral", "kimi")
+
+
 @dataclass
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -36,6 +42,8 @@ class ModelEntry:
     dtype: str = "auto"
     max_model_len: int = 2048
     max_slots: int = 8
+    tool_parser: str = "auto"
+    reasoning_parser: str = "auto"
 
 
 @dataclass
@@ -178,6 +186,10 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"models[{i}].dtype must be auto, float32, bfloat16 or float16")
         if m.max_slots < 1 or m.max_model_len < 16:
             raise ConfigError(f"models[{i}]: max_slots must be >= 1 and max_model_len >= 16")
+        if m.tool_parser not in TOOL_PARSERS:
+            raise ConfigError(f"models[{i}].tool_parser must be one of {', '.join(TOOL_PARSERS)}")
+        if m.reasoning_parser not in REASONING_PARSERS:
+            raise ConfigError(f"models[{i}].reasoning_parser must be one of {', '.join(REASONING_PARSERS)}")
     if cfg.debug.tap and not (cfg.debug.tap.startswith("ipc://") or cfg.debug.tap.startswith("tcp://127.")):
         raise ConfigError("debug.tap must be an ipc:// or tcp://127.x endpoint (the tap is local only)")
     if cfg.runtime.transport not in ("ipc", "tcp"):

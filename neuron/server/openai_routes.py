@@ -1,30 +1,37 @@
-"""``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models``."""
+"""``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models``: validate, plan the choices
+(prompts x n, each with its constraint and text pipeline), then run them (``generation``)."""
 
 from __future__ import annotations
 
 import asyncio
-import json
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+import logging
+from typing import Callable
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
-from neuron.engine.request import FinishEvent, GenRequest, TokenEvent
+from neuron.engine.constraints import AfterMarker, AllOf, AllowedTokens, BannedSequences, Constraint
+from neuron.engine.grammar import GrammarError, GrammarSpec, grammars_for
 from neuron.errors import ApiError
 from neuron.registry import ModelHandle
 
-from .errors import envelope
-from .requests import chat_prompt, completion_prompt, make_request, read_json
+from .choices import Choice
+from .fields import refuse_unsupported
+from .generation import respond
+from .prompts import ChatPrompt, Prompt, chat_prompt, completion_prompts
+from .reasoning import ReasoningSplitter
+from .requests import check_sequence, make_request, read_json, settings_of, truncate
 from .schemas import ChatRequest, CompletionRequest, SamplingFields
 from .state import AppState, require_key
-from .views import ChatView, CompletionView, View
+from .structured import output_grammar, whitespace_of
+from .tool_parsers import PARSERS, ToolCallParser
+from .tools import forced_call_grammar
+from .views import ChatView, CompletionView
 
-T = TypeVar("T")
-B = TypeVar("B", bound=SamplingFields)
-KEEPALIVE_S = 1.0
+log = logging.getLogger("neuron.server")
 
 
-def _serving(state: AppState, model: str) -> ModelHandle:
+def serving(state: AppState, model: str) -> ModelHandle:
     if state.draining:
         raise ApiError(503, "shutting_down", "the server is shutting down")
     handle = state.registry.get(model)
@@ -33,37 +40,47 @@ def _serving(state: AppState, model: str) -> ModelHandle:
     return handle
 
 
-async def chat_completions(request: Request) -> Response:
-    def top(body: ChatRequest) -> tuple[int | None, str]:
-        return ((body.top_logprobs or 0) if body.logprobs else None), "top_logprobs"
+def _bad(message: str, param: str) -> ApiError:
+    return ApiError(400, "invalid_request", message, param=param)
 
-    return await _complete(request, ChatRequest, chat_prompt, ChatView, top)
+
+async def chat_completions(request: Request) -> Response:
+    state: AppState = request.app.state.neuron
+    require_key(request, state, admin=False)
+    body = await read_json(request, ChatRequest, state.cfg.server.max_body_bytes)
+    handle = serving(state, body.model)
+    refuse_unsupported(body)
+    if body.top_logprobs and not body.logprobs:
+        raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    _check_common(body, top, "top_logprobs")
+    # Templating, tokenizing and compiling grammars take a while: off the event loop.
+    plan, build = await asyncio.to_thread(_plan_chat, body, handle, top)
+    choices = build()  # GenRequests belong to the event loop
+    view = ChatView(model=handle.id, tokenizer=handle.spec.tokenizer.tokenizer, top_logprobs=top,
+                    return_token_ids=bool(body.return_token_ids), tokens_as_ids=bool(body.return_tokens_as_token_ids),
+                    request_id=body.request_id)
+    _log_start(handle, body, len(choices))
+    return await respond(request, state, handle, choices, view, bool(body.stream), *_usage_options(body))
 
 
 async def completions(request: Request) -> Response:
-    def top(body: CompletionRequest) -> tuple[int | None, str]:
-        return body.logprobs, "logprobs"
-
-    return await _complete(request, CompletionRequest, completion_prompt, CompletionView, top)
-
-
-async def _complete(request: Request, kind: type[B], build_prompt: Callable[[B, ModelHandle], list[int]],
-                    view_kind: type[View], top_of: Callable[[B], tuple[int | None, str]]) -> Response:
-    """The one path of both completion routes: validate, tokenize, submit, respond."""
     state: AppState = request.app.state.neuron
     require_key(request, state, admin=False)
-    body = await read_json(request, kind, state.cfg.server.max_body_bytes)
-    handle = _serving(state, body.model)
-    top, param = top_of(body)
-    if top is not None and not 0 <= top <= 20:
-        raise ApiError(400, "invalid_request", f"{param} must be in [0, 20]", param=param)
-    # Templating and tokenizing a long prompt takes a while: keep it off the event loop.
-    prompt = await asyncio.to_thread(build_prompt, body, handle)
-    req = make_request(body, handle, prompt, 0 if top is None else top + 1)
-    view = view_kind(model=handle.id, tokenizer=handle.spec.tokenizer.tokenizer, top_logprobs=top,
-                     return_token_ids=body.return_token_ids)
-    return await _respond(request, state, handle, req, view, body.stream,
-                          bool(body.stream_options and body.stream_options.include_usage))
+    body = await read_json(request, CompletionRequest, state.cfg.server.max_body_bytes)
+    handle = serving(state, body.model)
+    refuse_unsupported(body)
+    top = body.logprobs
+    _check_common(body, top, "logprobs")
+    if body.echo and top is not None:
+        raise _bad("echo with logprobs needs prompt logprobs, which are not supported", "echo")
+    build = await asyncio.to_thread(_plan_completion, body, handle, top)
+    choices = build()
+    view = CompletionView(model=handle.id, tokenizer=handle.spec.tokenizer.tokenizer, top_logprobs=top,
+                          return_token_ids=bool(body.return_token_ids),
+                          tokens_as_ids=bool(body.return_tokens_as_token_ids), request_id=body.request_id)
+    _log_start(handle, body, len(choices))
+    return await respond(request, state, handle, choices, view, bool(body.stream), *_usage_options(body))
 
 
 async def list_models(request: Request) -> Response:
@@ -74,83 +91,131 @@ async def list_models(request: Request) -> Response:
     return JSONResponse({"object": "list", "data": data})
 
 
-async def _unless_disconnected(request: Request, aw: Awaitable[T], req: GenRequest, handle: ModelHandle) -> T:
-    """Await ``aw``; if the client goes away first, abort the request and raise CancelledError."""
-    task = asyncio.ensure_future(aw)
+def _check_common(body: SamplingFields, top: int | None, param: str) -> None:
+    if top is not None and not 0 <= top <= 20:
+        raise _bad(f"{param} must be in [0, 20]", param)
+    if body.stream_options is not None and not body.stream:
+        raise _bad("stream_options needs stream: true", "stream_options")
+
+
+def _usage_options(body: SamplingFields) -> tuple[bool, bool]:
+    options = body.stream_options
+    return bool(options and options.include_usage), bool(options and options.continuous_usage_stats)
+
+
+def _log_start(handle: ModelHandle, body: SamplingFields, sequences: int) -> None:
+    log.info("%s request %s: %d sequence(s)%s", handle.id, body.request_id or "-", sequences,
+             f", user {body.user!r}" if body.user else "")
+
+
+# ----------------------------------------------------------------------------- planning
+
+
+def _constraint_factory(body: SamplingFields, handle: ModelHandle, grammar: tuple[str, str] | None,
+                        after: str | None) -> Callable[[int], Constraint | None] | None:
+    """Makes each sequence's constraint from its token budget: the grammar (compiled once here),
+    ``allowed_token_ids`` and ``bad_words``; the grammar waits for ``after`` when given."""
+    info = handle.spec.tokenizer
+    vocab = handle.spec.config.vocab_size
+    grammars = grammars_for(info.tokenizer, vocab, info.eos_token_ids) if grammar is not None else None
+    allowed = body.allowed_token_ids
+    if allowed is not None and (not allowed or not all(0 <= t < vocab for t in allowed)):
+        raise _bad(f"allowed_token_ids must be a non-empty list of ids in [0, {vocab})", "allowed_token_ids")
+    banned = _bad_word_sequences(body, handle)
+    if grammars is None and allowed is None and not banned:
+        return None
+
+    def make(budget: int) -> Constraint | None:
+        parts: list[Constraint] = []
+        if grammars is not None and grammar is not None:
+            constraint: Constraint = grammars.constraint(grammar[0], budget)
+            if after is not None:
+                token_bytes = grammars.tokenizer.decode_bytes
+                constraint = AfterMarker(constraint, after.encode(), lambda t: token_bytes([t]))
+            parts.append(constraint)
+        if allowed is not None:
+            parts.append(AllowedTokens(allowed, vocab))
+        if banned:
+            parts.append(BannedSequences(banned, vocab))
+        return parts[0] if len(parts) == 1 else AllOf(parts)
+
+    return make
+
+
+def _bad_word_sequences(body: SamplingFields, handle: ModelHandle) -> list[list[int]]:
+    words = body.bad_words or []
+    if len(words) > 256 or not all(isinstance(w, str) and w.strip() for w in words):
+        raise _bad("bad_words must be at most 256 non-empty strings", "bad_words")
+    tk = handle.spec.tokenizer.tokenizer
+    sequences = []
+    for word in words:  # as vLLM: the word alone and after a space
+        for text in {word.strip(), " " + word.strip()}:
+            sequences.append(tk.encode(text, add_special_tokens=False).ids)
+    return sequences
+
+
+def _compile(handle: ModelHandle, spec: GrammarSpec, param: str) -> tuple[str, str]:
+    info = handle.spec.tokenizer
+    grammars = grammars_for(info.tokenizer, handle.spec.config.vocab_size, info.eos_token_ids)
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                handle.engine.abort(req)
-                raise asyncio.CancelledError("client disconnected")
-    finally:
-        if not task.done():
-            task.cancel()
+        return grammars.check(spec), param
+    except GrammarError as exc:
+        raise _bad(f"{param}: {exc}", param) from None
 
 
-async def _respond(request: Request, state: AppState, handle: ModelHandle, req: GenRequest, view: View,
-                   stream: bool, include_usage: bool) -> Response:
-    state.metrics.request_started(handle.id)
-    handle.engine.submit(req)
-    try:
-        await _unless_disconnected(request, asyncio.shield(req.admitted), req, handle)
-    except asyncio.CancelledError:
-        return Response(status_code=499)
-    except ApiError:
-        handle.engine.abort(req)
-        raise
-    if stream:
-        return StreamingResponse(_sse(handle, req, view, include_usage), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    try:
-        events, fin = await _unless_disconnected(request, _collect(req), req, handle)
-    except asyncio.CancelledError:
-        return Response(status_code=499)
-    if fin.error is not None:
-        code = "insufficient_memory" if fin.error_kind == "oom" else "model_unavailable"
-        raise ApiError(503, code, fin.error, retry_after=5)
-    text = "".join(ev.text for ev in events)
-    return JSONResponse(view.whole(text, events, fin))
+def _plan_chat(body: ChatRequest, handle: ModelHandle,
+               top: int | None) -> tuple[ChatPrompt, Callable[[], list[Choice]]]:
+    plan = chat_prompt(body, handle)
+    settings = settings_of(body, handle, top, 1, plan.shown)
+    grammar = None
+    wanted = output_grammar(body)
+    if plan.tools is not None and plan.tools.forced:
+        if wanted is not None:
+            raise _bad(f"{wanted[1]} cannot be combined with tool_choice {plan.tools.choice!r}", wanted[1])
+        lark = forced_call_grammar(plan.tools, handle.spec.tokenizer, whitespace_of(body))
+        grammar = _compile(handle, GrammarSpec("lark", lark), "tool_choice")
+    elif wanted is not None:
+        grammar = _compile(handle, *wanted)
+    # A thinking model thinks first: the grammar starts after its thinking.
+    after = plan.markers.end if plan.markers is not None and plan.thinking else None
+    make_constraint = _constraint_factory(body, handle, grammar, after)
+    ids = truncate(body, handle, plan.prompt.ids)
+    markers = plan.markers
+
+    def build() -> list[Choice]:
+        return [Choice(i, make_request(body, handle, settings, ids, i, make_constraint), len(ids) if i == 0 else 0,
+                       echo=plan.echo, thinking=ReasoningSplitter(markers, plan.thinking) if markers else None,
+                       tools=_tool_parser(plan), include_reasoning=body.include_reasoning)
+                for i in range(settings.n)]
+
+    check_sequence(body, handle, settings, ids)
+    return plan, build
 
 
-async def _collect(req: GenRequest) -> tuple[list[TokenEvent], FinishEvent]:
-    events: list[TokenEvent] = []
-    while True:
-        ev = await req.events.get()
-        if isinstance(ev, FinishEvent):
-            return events, ev
-        events.append(ev)
+def _tool_parser(plan: ChatPrompt) -> ToolCallParser | None:
+    tools = plan.tools
+    if tools is None:
+        return None
+    # Llama 3's calls are bare JSON: only a call that names one of the tools is taken for one.
+    parser = PARSERS[tools.syntax](tools.names if tools.syntax == "llama3_json" else None)
+    parser.max_calls = None if tools.parallel else 1
+    return parser
 
 
-def _data(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+def _plan_completion(body: CompletionRequest, handle: ModelHandle, top: int | None) -> Callable[[], list[Choice]]:
+    prompts: list[Prompt] = completion_prompts(body, handle)
+    settings = settings_of(body, handle, top, len(prompts))
+    wanted = output_grammar(body)
+    grammar = _compile(handle, *wanted) if wanted is not None else None
+    make_constraint = _constraint_factory(body, handle, grammar, None)
+    sequences = [(truncate(body, handle, prompt.ids), prompt.text if body.echo else "") for prompt in prompts]
+    for ids, _ in sequences:
+        check_sequence(body, handle, settings, ids)
 
+    def build() -> list[Choice]:
+        return [Choice(p * settings.n + i, make_request(body, handle, settings, ids, i, make_constraint),
+                       len(ids) if i == 0 else 0, echo=echo)
+                for p, (ids, echo) in enumerate(sequences) for i in range(settings.n)]
 
-async def _sse(handle: ModelHandle, req: GenRequest, view: View, include_usage: bool) -> AsyncIterator[str]:
-    try:
-        first = view.first()
-        if first is not None:
-            yield _data(first)
-        while True:
-            try:
-                ev = await asyncio.wait_for(req.events.get(), KEEPALIVE_S)
-            except asyncio.TimeoutError:
-                yield ": keep-alive\n\n"
-                continue
-            if isinstance(ev, TokenEvent):
-                chunk = view.delta(ev)
-                if chunk is not None:
-                    yield _data(chunk)
-                continue
-            yield _data(view.finish(ev))
-            if ev.error is not None:
-                code = "insufficient_memory" if ev.error_kind == "oom" else "model_unavailable"
-                yield _data(envelope(ApiError(503, code, ev.error)))
-            if include_usage:
-                yield _data(view.usage_chunk(ev))
-            yield "data: [DONE]\n\n"
-            return
-    finally:
-        handle.engine.abort(req)
+    return build
+

@@ -22,7 +22,6 @@ KNOWN_MARKERS: dict[str, ThinkMarkers] = {
     "mistral": ThinkMarkers("[THINK]", "[/THINK]"),
     "kimi": ThinkMarkers("◁think▷", "◁/think▷"),
 }
-REASONING_PARSERS = ("auto", "none", *KNOWN_MARKERS)
 
 
 def reasoning_markers(setting: str, template: str | None) -> ThinkMarkers | None:

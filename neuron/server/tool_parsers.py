@@ -159,6 +159,8 @@ class ToolCallParser:
 
     def __init__(self, tool_names: set[str] | None = None) -> None:
         self.tool_names = tool_names
+        self.max_calls: int | None = None  # parallel_tool_calls: false keeps the first call only
+        self._muted = False
         self.calls = 0
         self.buf = ""
         self.reader: CallReader | None = None
@@ -212,10 +214,13 @@ class ToolCallParser:
                 if reader.name is not None and not self._started:
                     if self.tool_names is not None and reader.name not in self.tool_names:
                         raise NotACall(f"{reader.name!r} is not one of the tools")
-                    self.events.append(CallStart(self.calls, self._new_id(), reader.name))
+                    self._muted = self.max_calls is not None and self.calls >= self.max_calls
+                    if not self._muted:
+                        self.events.append(CallStart(self.calls, self._new_id(), reader.name))
                     self._started, self._ws = True, ""  # the gap before a call is not content
                 if self._started and reader.out:
-                    self.events.append(CallArgs(self.calls, "".join(reader.out)))
+                    if not self._muted:
+                        self.events.append(CallArgs(self.calls, "".join(reader.out)))
                     reader.out.clear()
         except (NotACall, ValueError):
             if not self._started:
@@ -237,6 +242,8 @@ class ToolCallParser:
             if not reader.raw.strip():
                 return
             self._content(self._call_text(reader), final=True)  # no name: it was text after all
+            return
+        if self._muted:
             return
         if reader.out:
             self.events.append(CallArgs(self.calls, "".join(reader.out)))

@@ -1,0 +1,154 @@
+"""Running a response's choices on the engine and answering: submit every sequence, wait for
+admission, then either stream the deltas as SSE chunks (interleaved as they come) or fold them
+into one body. The client going away aborts every sequence."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from neuron.engine.request import FinishEvent, GenRequest
+from neuron.errors import ApiError
+from neuron.registry import ModelHandle
+
+from .choices import Choice, Delta, Merged
+from .errors import envelope
+from .state import AppState
+from .views import Folded, Usage, View
+
+log = logging.getLogger("neuron.server")
+T = TypeVar("T")
+KEEPALIVE_S = 1.0
+
+
+def _unavailable(fin: FinishEvent) -> ApiError:
+    code = "insufficient_memory" if fin.error_kind == "oom" else "model_unavailable"
+    return ApiError(503, code, fin.error or "generation failed", retry_after=5)
+
+
+def abort_all(handle: ModelHandle, choices: list[Choice]) -> None:
+    for c in choices:
+        handle.engine.abort(c.req)
+
+
+async def until_disconnect(request: Request, aw: Awaitable[T], on_gone: Callable[[], None]) -> T:
+    """Await ``aw``; if the client goes away first, call ``on_gone`` and raise CancelledError."""
+    task = asyncio.ensure_future(aw)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                on_gone()
+                raise asyncio.CancelledError("client disconnected")
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+async def start(request: Request, state: AppState, handle: ModelHandle, choices: list[Choice]) -> bool:
+    """Submit every sequence and wait until all are admitted; False if the client left."""
+    submitted: list[GenRequest] = []
+    try:
+        for c in choices:
+            state.metrics.request_started(handle.id)
+            handle.engine.submit(c.req)
+            submitted.append(c.req)
+        admitted = asyncio.gather(*(asyncio.shield(r.admitted) for r in submitted))
+        await until_disconnect(request, admitted, lambda: abort_all(handle, choices))
+    except asyncio.CancelledError:
+        return False
+    except ApiError:
+        abort_all(handle, choices)
+        raise
+    return True
+
+
+async def respond(request: Request, state: AppState, handle: ModelHandle, choices: list[Choice], view: View,
+                  stream: bool, include_usage: bool = False, continuous_usage: bool = False) -> Response:
+    if not await start(request, state, handle, choices):
+        return Response(status_code=499)
+    if stream:
+        return StreamingResponse(_sse(handle, choices, view, include_usage, continuous_usage),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        folded = await until_disconnect(request, collect(choices), lambda: abort_all(handle, choices))
+    except asyncio.CancelledError:
+        return Response(status_code=499)
+    return JSONResponse(view.whole(folded, usage(choices)))
+
+
+def usage(choices: list[Choice]) -> Usage:
+    """Prompt tokens once per prompt (its n choices share it), completion tokens of every choice."""
+    return Usage(sum(c.prompt_tokens for c in choices), sum(c.generated for c in choices))
+
+
+async def collect(choices: list[Choice]) -> list[Folded]:
+    """Every choice's deltas folded; a failed sequence fails the response."""
+    folded = [Folded() for _ in choices]
+    by_index = {c.index: i for i, c in enumerate(choices)}
+    for c in choices:
+        folded[by_index[c.index]].add(c.start())
+    events = Merged(choices)
+    try:
+        while (item := await events.next()) is not None:
+            choice, ev = item
+            if isinstance(ev, FinishEvent):
+                if ev.error is not None:
+                    raise _unavailable(ev)
+                delta = choice.on_finish(ev)
+            else:
+                delta = choice.on_token(ev)
+            folded[by_index[choice.index]].add(delta)
+    finally:
+        events.close()
+    return folded
+
+
+def _data(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _sse(handle: ModelHandle, choices: list[Choice], view: View, include_usage: bool,
+               continuous_usage: bool) -> AsyncIterator[str]:
+    events = Merged(choices)
+    failed: FinishEvent | None = None
+    pending: asyncio.Future | None = None
+    try:
+        for chunk in view.first([c.index for c in choices], {c.index: c.echo for c in choices if c.echo}):
+            yield _data(chunk)
+        while True:
+            pending = pending or asyncio.ensure_future(events.next())
+            done, _ = await asyncio.wait({pending}, timeout=KEEPALIVE_S)
+            if not done:
+                yield ": keep-alive\n\n"
+                continue
+            item, pending = pending.result(), None
+            if item is None:
+                break
+            choice, ev = item
+            if isinstance(ev, FinishEvent):
+                delta: Delta = choice.on_finish(ev)
+                failed = failed or (ev if ev.error is not None else None)
+            else:
+                delta = choice.on_token(ev)
+            chunk = view.chunk(delta, usage(choices) if continuous_usage else None)
+            if chunk is not None:
+                yield _data(chunk)
+        if failed is not None:
+            yield _data(envelope(_unavailable(failed)))
+        if include_usage:
+            yield _data(view.usage_chunk(usage(choices)))
+        yield "data: [DONE]\n\n"
+    finally:
+        abort_all(handle, choices)
+        if pending is not None:
+            pending.cancel()
+        events.close()
