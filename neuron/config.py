@@ -30,6 +30,7 @@ class ServerConfig:
     admin_api_key: str = ""
     drain_timeout_s: float = 15.0
     log_level: str = "info"
+    stored_responses: int = 256
 
 
 @dataclass
@@ -192,6 +193,8 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"models[{i}].reasoning_parser must be one of {', '.join(REASONING_PARSERS)}")
     if cfg.debug.tap and not (cfg.debug.tap.startswith("ipc://") or cfg.debug.tap.startswith("tcp://127.")):
         raise ConfigError("debug.tap must be an ipc:// or tcp://127.x endpoint (the tap is local only)")
+    if cfg.server.stored_responses < 0:
+        raise ConfigError("server.stored_responses must not be negative")
     if cfg.runtime.transport not in ("ipc", "tcp"):
         raise ConfigError("runtime.transport must be ipc or tcp")
     if cfg.engine.queue_size < 1 or cfg.engine.max_batch_tokens < 1 or cfg.engine.prefill_chunk < 1:

@@ -15,9 +15,10 @@ from neuron.errors import ApiError
 from neuron.loader.errors import LoadError
 from neuron.registry import Registry
 
-from . import admin_routes, openai_routes
+from . import admin_routes, openai_routes, responses
 from .errors import api_error_handler, http_error_handler, internal_error_handler, load_error_handler
 from .metrics import Metrics
+from .response_store import ResponseStore
 from .state import AppState
 
 log = logging.getLogger("neuron.server")
@@ -25,7 +26,8 @@ log = logging.getLogger("neuron.server")
 
 def create_app(cfg: Config) -> Starlette:
     metrics = Metrics()
-    state = AppState(cfg=cfg, registry=Registry(cfg, on_finish=metrics.request_finished), metrics=metrics)
+    state = AppState(cfg=cfg, registry=Registry(cfg, on_finish=metrics.request_finished), metrics=metrics,
+                     responses=ResponseStore(cfg.server.stored_responses))
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
@@ -40,6 +42,8 @@ def create_app(cfg: Config) -> Starlette:
         Route("/v1/chat/completions", openai_routes.chat_completions, methods=["POST"]),
         Route("/v1/completions", openai_routes.completions, methods=["POST"]),
         Route("/v1/models", openai_routes.list_models, methods=["GET"]),
+        Route("/v1/responses", responses.create_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses.get_response, methods=["GET"]),
         Route("/health", admin_routes.health, methods=["GET"]),
         Route("/metrics", admin_routes.metrics, methods=["GET"]),
         Route("/models", admin_routes.list_models, methods=["GET"]),

@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -70,19 +71,57 @@ async def start(request: Request, state: AppState, handle: ModelHandle, choices:
     return True
 
 
-async def respond(request: Request, state: AppState, handle: ModelHandle, choices: list[Choice], view: View,
-                  stream: bool, include_usage: bool = False, continuous_usage: bool = False) -> Response:
+class StreamView(Protocol):
+    """A wire format over the deltas: SSE frames while streaming, a body when whole."""
+
+    def opening(self, choices: list[Choice]) -> list[str]: ...
+
+    def frames(self, delta: Delta, choices: list[Choice]) -> list[str]: ...
+
+    def closing(self, choices: list[Choice], failed: ApiError | None) -> list[str]: ...
+
+    def body(self, folded: list[Folded], choices: list[Choice]) -> dict[str, Any]: ...
+
+
+@dataclass
+class Chunks:
+    """Chat and text completions as a StreamView: one ``data:`` chunk per delta, the usage chunk
+    when asked, ``[DONE]``."""
+
+    view: View
+    include_usage: bool = False
+    continuous_usage: bool = False
+
+    def opening(self, choices: list[Choice]) -> list[str]:
+        return [data(c) for c in self.view.first([c.index for c in choices],
+                                                   {c.index: c.echo for c in choices if c.echo})]
+
+    def frames(self, delta: Delta, choices: list[Choice]) -> list[str]:
+        chunk = self.view.chunk(delta, usage(choices) if self.continuous_usage else None)
+        return [] if chunk is None else [data(chunk)]
+
+    def closing(self, choices: list[Choice], failed: ApiError | None) -> list[str]:
+        out = [data(envelope(failed))] if failed is not None else []
+        if self.include_usage:
+            out.append(data(self.view.usage_chunk(usage(choices))))
+        return out + ["data: [DONE]\n\n"]
+
+    def body(self, folded: list[Folded], choices: list[Choice]) -> dict[str, Any]:
+        return self.view.whole(folded, usage(choices))
+
+
+async def respond(request: Request, state: AppState, handle: ModelHandle, choices: list[Choice], view: StreamView,
+                  stream: bool) -> Response:
     if not await start(request, state, handle, choices):
         return Response(status_code=499)
     if stream:
-        return StreamingResponse(_sse(handle, choices, view, include_usage, continuous_usage),
-                                 media_type="text/event-stream",
+        return StreamingResponse(_sse(handle, choices, view), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
         folded = await until_disconnect(request, collect(choices), lambda: abort_all(handle, choices))
     except asyncio.CancelledError:
         return Response(status_code=499)
-    return JSONResponse(view.whole(folded, usage(choices)))
+    return JSONResponse(view.body(folded, choices))
 
 
 def usage(choices: list[Choice]) -> Usage:
@@ -112,18 +151,17 @@ async def collect(choices: list[Choice]) -> list[Folded]:
     return folded
 
 
-def _data(obj: dict[str, Any]) -> str:
+def data(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-async def _sse(handle: ModelHandle, choices: list[Choice], view: View, include_usage: bool,
-               continuous_usage: bool) -> AsyncIterator[str]:
+async def _sse(handle: ModelHandle, choices: list[Choice], view: StreamView) -> AsyncIterator[str]:
     events = Merged(choices)
     failed: FinishEvent | None = None
     pending: asyncio.Future | None = None
     try:
-        for chunk in view.first([c.index for c in choices], {c.index: c.echo for c in choices if c.echo}):
-            yield _data(chunk)
+        for frame in view.opening(choices):
+            yield frame
         while True:
             pending = pending or asyncio.ensure_future(events.next())
             done, _ = await asyncio.wait({pending}, timeout=KEEPALIVE_S)
@@ -139,14 +177,10 @@ async def _sse(handle: ModelHandle, choices: list[Choice], view: View, include_u
                 failed = failed or (ev if ev.error is not None else None)
             else:
                 delta = choice.on_token(ev)
-            chunk = view.chunk(delta, usage(choices) if continuous_usage else None)
-            if chunk is not None:
-                yield _data(chunk)
-        if failed is not None:
-            yield _data(envelope(_unavailable(failed)))
-        if include_usage:
-            yield _data(view.usage_chunk(usage(choices)))
-        yield "data: [DONE]\n\n"
+            for frame in view.frames(delta, choices):
+                yield frame
+        for frame in view.closing(choices, _unavailable(failed) if failed is not None else None):
+            yield frame
     finally:
         abort_all(handle, choices)
         if pending is not None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hmac
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from starlette.requests import Request
@@ -13,6 +13,7 @@ from neuron.errors import ApiError
 from neuron.registry import Registry
 
 from .metrics import Metrics
+from .response_store import ResponseStore
 
 
 @dataclass
@@ -24,6 +25,7 @@ class AppState:
     draining: bool = False
     startup_error: str | None = None
     on_startup_failure: Callable[[str], None] | None = None
+    responses: ResponseStore = field(default_factory=lambda: ResponseStore(256))
 
 
 def require_key(request: Request, state: AppState, *, admin: bool) -> None:
