@@ -55,10 +55,10 @@ class Choice:
         delta = Delta(self.index, finish=fin)
         self._text(delta, "", final=True)
         reason = fin.reason
-        if reason == "stop" and getattr(self.req.constraint, "closed_early", False):
-            reason = "length"  # the budget ended the structured output, not the model
-        elif reason == "stop" and self.calls:
+        if reason == "stop" and self.calls:
             reason = "tool_calls"
+        elif reason == "stop" and getattr(self.req.constraint, "closed_early", False):
+            reason = "length"  # the budget ended the structured output, not the model
         delta.reason = reason
         return delta
 

@@ -174,7 +174,7 @@ class ResponseView:
     is done before the next begins. The same machine builds the whole response object."""
 
     def __init__(self, body: ResponsesRequest, model: str) -> None:
-        self.body = body
+        self.request = body
         self.id = f"resp_{body.request_id or uuid.uuid4().hex}"
         self.model = model
         self.created = time.time()
@@ -294,7 +294,7 @@ class ResponseView:
         return out + [self._event("response.output_item.done", output_index=index, item=item)]
 
     def response(self, choices: list[Choice], status: str) -> dict[str, Any]:
-        b = self.body
+        b = self.request
         u = usage(choices)
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status, "model": self.model,
