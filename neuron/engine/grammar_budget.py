@@ -152,11 +152,11 @@ def build_tables(tokenizer: llg.LLTokenizer, vocab: int, eos: list[int]) -> Voca
                        letter)
 
 
-def shortest_completion(matcher: llg.LLMatcher, tables: VocabTables, limit: int) -> int:
-    """Tokens the closing policy needs from ``matcher``'s state to an output the grammar accepts
-    (at most LOOKAHEAD; more than ``limit`` when it cannot get there). Forced text is taken whole
-    and preferred tokens are tried before any full mask, so this costs far less than a mask per
-    token."""
+def shortest_completion(matcher: llg.LLMatcher, tables: VocabTables, limit: int) -> int | None:
+    """Tokens the closing policy needs from ``matcher``'s state to an output the grammar accepts,
+    or None when it finds no end within ``limit`` (and LOOKAHEAD) tokens: a grammar it cannot
+    steer (an unbounded regex), or too far to tell. Forced text is taken whole and preferred tokens
+    are tried before any full mask, so this costs far less than a mask per token."""
     probe = matcher.deep_copy()
     n = 0
     while n <= min(limit, LOOKAHEAD):
@@ -165,47 +165,52 @@ def shortest_completion(matcher: llg.LLMatcher, tables: VocabTables, limit: int)
         forced = probe.compute_ff_tokens()
         if forced:
             if not probe.consume_tokens(forced):
-                return limit + 1
+                return None
             n += len(forced)
             continue
         token = tables.closing_token(probe)
         if token is None or not probe.consume_token(token):
-            return limit + 1
+            return None
         n += 1
-    return min(limit, LOOKAHEAD)
+    return None
 
 
 class Budget:
-    """The budget policy of one constrained sequence (see the module docstring)."""
+    """The budget policy of one constrained sequence (see the module docstring). Where the
+    closing policy finds no end (``cost`` None), it leaves the grammar's mask alone."""
 
     def __init__(self, tables: VocabTables, max_tokens: int) -> None:
         self.tables = tables
         self.remaining = max_tokens  # tokens still to be drawn, the next one included
         self.closing = False  # the output is on the shortest way to its end
-        self._cost: int | None = None
+        self.cost: int | None = None
+        self._checked = False
         self._since_check = 0
 
     def mask(self, matcher: llg.LLMatcher) -> np.ndarray:
         """The mask for the next token: the grammar's, narrowed as the gap requires."""
         left = self.remaining
+        gap = None
         if not self.closing:
-            gap = left - self._shortest(matcher, left)
-            self.closing = gap <= SLACK
+            cost = self._shortest(matcher, left)
+            gap = None if cost is None else left - cost
+            self.closing = gap is not None and gap <= SLACK
         if self.closing:
             token = self.tables.closing_token(matcher)
             return self.tables.eos_mask if token is None else pack([token], self.tables.vocab)
         mask = self.tables.words(matcher.compute_bitmask())
-        if self._cost is not None and gap <= self._cost + MARGIN:
+        if gap is not None and self.cost is not None and gap <= self.cost + MARGIN:
             mask = self._without_jumps(matcher, mask, left, gap)
         return mask
 
-    def _shortest(self, matcher: llg.LLMatcher, left: int) -> int:
-        if self._cost is None or self._since_check >= RECHECK_EVERY or left <= 2 * self._cost + MARGIN:
-            self._cost = shortest_completion(matcher, self.tables, left)
-            self._since_check = 0
+    def _shortest(self, matcher: llg.LLMatcher, left: int) -> int | None:
+        near = self.cost is not None and left <= 2 * self.cost + MARGIN
+        if not self._checked or self._since_check >= RECHECK_EVERY or near:
+            self.cost = shortest_completion(matcher, self.tables, left)
+            self._checked, self._since_check = True, 0
         else:
             self._since_check += 1
-        return self._cost
+        return self.cost
 
     def _without_jumps(self, matcher: llg.LLMatcher, mask: np.ndarray, left: int, gap: int) -> np.ndarray:
         risky = mask & self.tables.risky
@@ -215,7 +220,10 @@ class Budget:
             if len(ids) <= TRY_AT_MOST:
                 for t in ids.tolist():
                     probe = matcher.deep_copy()
-                    if probe.consume_token(t) and left - 1 - shortest_completion(probe, self.tables, left) >= 2:
+                    if not probe.consume_token(t):
+                        continue
+                    after = shortest_completion(probe, self.tables, left)
+                    if after is not None and left - 1 - after >= 2:
                         keep.append(t)
         narrowed = (mask & ~self.tables.risky) | pack(keep, self.tables.vocab)
         if gap <= CALM_GAP:
