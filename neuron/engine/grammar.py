@@ -129,9 +129,13 @@ class GrammarConstraint:
         self.budget = Budget(tables, max_tokens)
 
     def allowed(self) -> bytes:
-        if self.matcher.is_error():  # cannot happen while the rank honours the masks
-            return self.tables.eos_mask.tobytes()
-        return self.budget.mask(self.matcher).tobytes()
+        # This runs in the engine's step loop: a failure here must end this output, not the step.
+        try:
+            if not self.matcher.is_error():  # an error cannot happen while the rank honours the masks
+                return self.budget.mask(self.matcher).tobytes()
+        except Exception:
+            log.exception("grammar mask failed; ending the output")
+        return self.tables.eos_mask.tobytes()
 
     def accept(self, token: int) -> None:
         self.budget.remaining -= 1

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, TypeVar
 
 from starlette.requests import Request
@@ -97,8 +97,13 @@ class Chunks:
                                                    {c.index: c.echo for c in choices if c.echo})]
 
     def frames(self, delta: Delta, choices: list[Choice]) -> list[str]:
-        chunk = self.view.chunk(delta, usage(choices) if self.continuous_usage else None)
-        return [] if chunk is None else [data(chunk)]
+        deltas = [delta]
+        if delta.reasoning and (delta.content or delta.calls):
+            # Thinking ended inside this piece: its end and the answer's start go in two chunks.
+            deltas = [Delta(delta.index, reasoning=delta.reasoning),
+                      replace(delta, reasoning="")]
+        chunks = [self.view.chunk(d, usage(choices) if self.continuous_usage else None) for d in deltas]
+        return [data(c) for c in chunks if c is not None]
 
     def closing(self, choices: list[Choice], failed: ApiError | None) -> list[str]:
         out = [data(envelope(failed))] if failed is not None else []
