@@ -104,7 +104,8 @@ def test_an_unknown_previous_response_is_a_404_and_bad_fields_are_400s(tiny):
     assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
     for body, param in (({"background": True}, "background"), ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
                         ({"input": [{"type": "image", "url": "x"}]}, "input.0.type"),
-                        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "response_format.json_schema")):
+                        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.json_schema"),
+                        ({"reasoning": {"effort": "high"}}, "reasoning"), ({"max_output_tokens": 0}, "max_output_tokens")):
         r = httpx.post(f"{tiny.base}/responses", json={"model": TINY, "input": "hi", **body}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 

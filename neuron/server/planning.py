@@ -78,7 +78,9 @@ def _compile(handle: ModelHandle, spec: GrammarSpec, param: str) -> tuple[str, s
 
 
 def plan_chat(body: ChatRequest, handle: ModelHandle,
-               top: int | None) -> tuple[ChatPrompt, Callable[[], list[Choice]]]:
+              top: int | None) -> tuple[ChatPrompt, Callable[[], list[Choice]]]:
+    """The prompt, and what makes the n choices: a forced tool call or the requested output
+    format as the grammar (not both), thinking and tool-call parsing per choice."""
     plan = chat_prompt(body, handle)
     settings = settings_of(body, handle, top, 1, plan.shown)
     grammar = None
@@ -117,6 +119,7 @@ def _tool_parser(plan: ChatPrompt) -> ToolCallParser | None:
 
 
 def plan_completion(body: CompletionRequest, handle: ModelHandle, top: int | None) -> Callable[[], list[Choice]]:
+    """What makes the choices of every prompt, indexed prompt by prompt (n each)."""
     prompts: list[Prompt] = completion_prompts(body, handle)
     settings = settings_of(body, handle, top, len(prompts))
     wanted = output_grammar(body)

@@ -323,6 +323,17 @@ class ResponseView:
 
 # ----------------------------------------------------------------------------- the route
 
+# What the chat request calls the fields of this one.
+_CHAT_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format",
+               "reasoning_effort": "reasoning"}
+
+
+def _our_name(param: str | None) -> str | None:
+    if param is None:
+        return None
+    head, dot, rest = param.partition(".")
+    return _CHAT_NAMES.get(head, head) + dot + rest
+
 
 async def create_response(request: Request) -> Response:
     state: AppState = request.app.state.neuron
@@ -340,8 +351,12 @@ async def create_response(request: Request) -> Response:
             raise ApiError(404, "not_found", f"no stored response {body.previous_response_id!r}",
                            param="previous_response_id")
         history = list(found[0])
-    chat, conversation = as_chat(body, history)
-    _, build = await asyncio.to_thread(plan_chat, chat, handle, None)
+    try:
+        chat, conversation = as_chat(body, history)
+        _, build = await asyncio.to_thread(plan_chat, chat, handle, None)
+    except ApiError as exc:
+        exc.param = _our_name(exc.param)
+        raise
     choices = build()
     if body.max_tool_calls is not None and choices[0].tools is not None:
         choices[0].tools.max_calls = body.max_tool_calls
