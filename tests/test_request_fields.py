@@ -41,6 +41,8 @@ VLLM_COMPLETIONS = VLLM_SHARED + ["prompt", "suffix", "prompt_embeds"]
 
 QUESTION = "What is the capital of France?"
 REPEAT = "Repeat the word dog ten times."
+TURN = "<turn>"  # the question, for completions as a whole chat turn: an answer that ends with EOS
+CHAT_TURN = f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
 PARIS = 7042  # " Paris" in SmolLM2's vocabulary
 IM_START = 1  # "<|im_start|>", a special token
 
@@ -83,9 +85,9 @@ CASES = [
     Case("repetition_penalty", {"repetition_penalty": 2.0, "max_tokens": 12}, lambda o, b: text(o) != text(b), REPEAT),
     Case("logit_bias", {"logit_bias": {str(PARIS): 100}, "max_tokens": 3}, lambda o, b: text(o) == " Paris" * 3),
     Case("max_tokens", {"max_tokens": 3}, lambda o, b: usage(o, "completion_tokens") == 3),
-    Case("n", {"n": 2, "temperature": 1.0, "seed": 1}, lambda o, b: [c["index"] for c in o["choices"]] == [0, 1]),
-    Case("seed", {"seed": 7, "temperature": 1.5}, same_seed_same_text),
-    Case("temperature", {"temperature": 2.0, "seed": 3}, lambda o, b: text(o) != text(b)),
+    Case("n", {"n": 2, "temperature": 1.0, "seed": 1, "max_tokens": 3}, lambda o, b: [c["index"] for c in o["choices"]] == [0, 1]),
+    Case("seed", {"seed": 7, "temperature": 1.5, "max_tokens": 4}, same_seed_same_text),
+    Case("temperature", {"temperature": 2.0, "seed": 3, "max_tokens": 4}, lambda o, b: text(o) != text(b)),
     Case("top_p", {"top_p": 1e-9, "temperature": 1.0, "seed": 5}, lambda o, b: text(o) == text(b)),
     Case("top_k", {"top_k": 1, "temperature": 1.0, "seed": 5}, lambda o, b: text(o) == text(b)),
     Case("min_p", {"min_p": 1.0, "temperature": 1.0, "seed": 5}, lambda o, b: text(o) == text(b)),
@@ -94,7 +96,7 @@ CASES = [
     Case("stream_options", {"stream": True, "stream_options": {"include_usage": True}},
          lambda o, b: o["usage"]["completion_tokens"] == usage(b, "completion_tokens")),
     Case("user", {"user": "walker-alice"}, lambda o, b: o["log_has_user"]),
-    Case("response_format", {"response_format": {"type": "json_object"}, "max_tokens": 40},
+    Case("response_format", {"response_format": {"type": "json_object"}, "max_tokens": 16},
          lambda o, b: isinstance(json.loads(text(o)), dict)),
     Case("best_of", {"best_of": 3}, None),
     Case("use_beam_search", {"use_beam_search": True}, None),
@@ -103,10 +105,10 @@ CASES = [
          lambda o, b: o["choices"][0]["finish_reason"] == "stop" and "Paris" not in text(o) and "Paris" in text(b)),
     Case("include_stop_str_in_output", {"include_stop_str_in_output": True, "stop": [" Paris"]},
          lambda o, b: text(o).endswith(" Paris")),
-    Case("ignore_eos", {"ignore_eos": True, "max_tokens": 24},
-         lambda o, b: usage(o, "completion_tokens") == 24 and usage(b, "completion_tokens") < 24),
-    Case("min_tokens", {"min_tokens": 20, "max_tokens": 24},
-         lambda o, b: usage(o, "completion_tokens") >= 20 and usage(b, "completion_tokens") < 20),
+    Case("ignore_eos", {"ignore_eos": True, "max_tokens": 12}, lambda o, b: usage(o, "completion_tokens") == 12
+         and b["choices"][0]["finish_reason"] == "stop" and usage(b, "completion_tokens") < 12, prompt=TURN),
+    Case("min_tokens", {"min_tokens": 10, "max_tokens": 12}, lambda o, b: usage(o, "completion_tokens") >= 10
+         and b["choices"][0]["finish_reason"] == "stop" and usage(b, "completion_tokens") < 10, prompt=TURN),
     Case("skip_special_tokens", {"skip_special_tokens": False, "logit_bias": {str(IM_START): 100}, "max_tokens": 2},
          lambda o, b: text(o) == "<|im_start|><|im_start|>"),
     Case("spaces_between_special_tokens",
@@ -121,7 +123,7 @@ CASES = [
          lambda o, b: set(o["choices"][0]["token_ids"]) <= {PARIS, 13}),
     Case("bad_words", {"bad_words": ["Paris"]}, lambda o, b: "Paris" in text(b) and "Paris" not in text(o)),
     Case("guided_json", {"guided_json": {"type": "object", "properties": {"city": {"type": "string"}},
-                                         "required": ["city"]}, "max_tokens": 30},
+                                         "required": ["city"]}, "max_tokens": 16},
          lambda o, b: "city" in json.loads(text(o))),
     Case("guided_regex", {"guided_regex": "[A-Z][a-z]{1,9} is [A-Z][a-z]{1,9}"},
          lambda o, b: re.fullmatch("[A-Z][a-z]{1,9} is [A-Z][a-z]{1,9}", text(o))),
@@ -171,8 +173,8 @@ CASES = [
     Case("logprobs", {"logprobs": 2},
          lambda o, b: all(len(t) == 2 for t in o["choices"][0]["logprobs"]["top_logprobs"]), routes=("completions",)),
     # chat only
-    Case("messages", {"messages": [{"role": "user", "content": "What is 2 + 2?"}]},
-         lambda o, b: "4" in text(o) and "Paris" in text(b), routes=("chat",)),
+    Case("messages", {"messages": [{"role": "user", "content": "What is the capital of Germany?"}]},
+         lambda o, b: "Berlin" in text(o) and "Paris" in text(b), routes=("chat",)),
     Case("top_logprobs", {"logprobs": True, "top_logprobs": 3},
          lambda o, b: all(len(e["top_logprobs"]) == 3 for e in o["choices"][0]["logprobs"]["content"]), routes=("chat",)),
     Case("max_completion_tokens", {"max_completion_tokens": 2, "max_tokens": 6},
@@ -205,7 +207,7 @@ CASES = [
                                   "chat_template_kwargs": {"preface": "Answer the question below in one word please."}},
          lambda o, b: usage(o, "prompt_tokens") > 12, routes=("chat",)),
     # completions only
-    Case("prompt", {"prompt": ["The capital of France is", "The capital of Italy is"]},
+    Case("prompt", {"prompt": ["The capital of France is", "The capital of Italy is"], "max_tokens": 3},
          lambda o, b: "Paris" in o["choices"][0]["text"] and "Rome" in o["choices"][1]["text"], routes=("completions",)),
     Case("suffix", {"suffix": " and that is all."}, None, routes=("completions",)),
     Case("prompt_embeds", {"prompt_embeds": "AAAA"}, None, routes=("completions",)),
@@ -224,9 +226,11 @@ def test_the_walk_covers_every_field(route, fields):
 
 
 def baseline(route: str, prompt: str, model: str) -> dict:
+    if prompt == TURN:
+        prompt = QUESTION if route == "chat" else CHAT_TURN
     if route == "chat":
-        return {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 10, "temperature": 0}
-    return {"model": model, "prompt": "The capital of France is" if prompt == QUESTION else prompt, "max_tokens": 10,
+        return {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 8, "temperature": 0}
+    return {"model": model, "prompt": "The capital of France is" if prompt == QUESTION else prompt, "max_tokens": 8,
             "temperature": 0}
 
 

@@ -18,13 +18,14 @@ from conftest import DEFAULT_MODEL, TINY
 PERSON = {
     "type": "object",
     "properties": {
-        "name": {"type": "string", "maxLength": 40},
+        "name": {"type": "string", "maxLength": 12},
         "age": {"type": "integer", "minimum": 0, "maximum": 130},
         "role": {"enum": ["admin", "editor", "viewer"]},
-        "address": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                                     "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
                     "required": ["city", "zip"], "additionalProperties": False},
-        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
-        "scores": {"type": "array", "items": {"type": "number"}},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+        "scores": {"type": "array", "items": {"type": "number"}, "maxItems": 3},
         "active": {"type": "boolean"},
     },
     "required": ["name", "age", "role", "address", "tags", "active"],

@@ -1,8 +1,8 @@
 """Tool calling against a real server with the official client: a random-weight model with a
 Qwen3-style template makes the calls that tool_choice "required" or a named function demands,
 in its own <tool_call> syntax, parsed into tool_calls (whole and as streamed deltas); the results
-go back in tool messages and the model answers. The default model's template knows no tools: it
-gets a tool prompt of ours. Thinking is split into reasoning_content."""
+go back in tool messages and the model answers. A template that knows no tools (the default
+model's) gets a tool prompt of ours. Thinking is split into reasoning_content."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from conftest import DEFAULT_MODEL, TINY
+from conftest import TINY
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                             "unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -58,40 +58,45 @@ def streamed(stream) -> tuple[str, list[dict], str | None, list]:
     return content, [calls[i] for i in sorted(calls)], finish, deltas
 
 
-def test_required_tool_calls_round_trip_without_streaming(tiny):
-    c = client(tiny)
-    first = c.chat.completions.create(model=TINY, messages=ASK, tools=TOOLS, tool_choice="required",
-                                      max_tokens=200, seed=1)
-    message = first.choices[0].message
-    assert first.choices[0].finish_reason == "tool_calls" and not message.content
-    check_calls(message.tool_calls)
-    follow = ASK + [message.model_dump(exclude_none=True)] + [
-        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"result": "sunny, 21 degrees"})}
-        for call in message.tool_calls]
-    answer = c.chat.completions.create(model=TINY, messages=follow, tools=TOOLS, max_tokens=8, seed=1)
-    assert answer.choices[0].message.tool_calls is None
-    assert answer.choices[0].message.content and answer.choices[0].finish_reason in ("stop", "length")
-    # The template rendered the call and its result into the prompt.
-    assert answer.usage.prompt_tokens > first.usage.prompt_tokens + 20
+def ask(c: openai.OpenAI, stream: bool, **kw) -> tuple[str, list[dict], str | None]:
+    """(content, calls as {id, name, arguments}, finish reason), streamed or not."""
+    if not stream:
+        out = c.chat.completions.create(**kw)
+        message = out.choices[0].message
+        assert all(t.type == "function" for t in message.tool_calls or [])
+        calls = [{"id": t.id, "name": t.function.name, "arguments": t.function.arguments}
+                 for t in message.tool_calls or []]
+        return message.content or "", calls, out.choices[0].finish_reason
+    content, calls, finish, deltas = streamed(c.chat.completions.create(stream=True, **kw))
+    if calls:
+        assert len(deltas) > len(calls)  # the name first, then the arguments in pieces
+    return content, calls, finish
 
 
-def test_a_named_function_round_trip_streaming(tiny):
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}],
+                         ids=["required", "named"])
+def test_a_tool_call_round_trip(tiny, tool_choice, stream):
     c = client(tiny)
-    choice = {"type": "function", "function": {"name": "get_time"}}
-    content, calls, finish, deltas = streamed(c.chat.completions.create(
-        model=TINY, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=200, seed=2, stream=True))
-    assert content == "" and finish == "tool_calls"
-    assert [call["name"] for call in calls] == ["get_time"]
-    jsonschema.validate(json.loads(calls[0]["arguments"]), TIME)
-    assert len(deltas) > 2  # the name first, then the arguments in pieces
-    follow = ASK + [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": calls[0]["id"], "type": "function",
-             "function": {"name": "get_time", "arguments": calls[0]["arguments"]}}]},
-        {"role": "tool", "tool_call_id": calls[0]["id"], "content": "09:30"}]
-    content, calls, finish, _ = streamed(c.chat.completions.create(
-        model=TINY, messages=follow, tools=TOOLS, max_tokens=8, seed=2, stream=True))
-    assert content and not calls and finish in ("stop", "length")
+    plain = c.chat.completions.create(model=TINY, messages=ASK, tools=TOOLS, max_tokens=1)
+    content, calls, finish = ask(c, stream, model=TINY, messages=ASK, tools=TOOLS, tool_choice=tool_choice,
+                                 max_tokens=200, seed=1)
+    assert content == "" and finish == "tool_calls" and calls
+    if isinstance(tool_choice, dict):
+        assert [call["name"] for call in calls] == ["get_time"]
+    for call in calls:
+        assert call["id"].startswith("call_")
+        jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+    follow = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}
+        for call in calls]}] + [
+        {"role": "tool", "tool_call_id": call["id"], "content": json.dumps({"result": "sunny, 09:30"})}
+        for call in calls]
+    content, more_calls, finish = ask(c, stream, model=TINY, messages=follow, tools=TOOLS, max_tokens=8, seed=1)
+    assert content and not more_calls and finish in ("stop", "length")
+    # The template rendered the calls and their results into the prompt.
+    answer = c.chat.completions.create(model=TINY, messages=follow, tools=TOOLS, max_tokens=1)
+    assert answer.usage.prompt_tokens > plain.usage.prompt_tokens + 20 * len(calls)
 
 
 def test_parallel_tool_calls_false_makes_exactly_one_call(tiny):
@@ -130,13 +135,17 @@ def test_auto_parses_the_models_own_tool_call_syntax_streamed(tiny):
     assert calls == {0: {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}
 
 
-def test_a_template_without_tools_gets_our_tool_prompt(tp1):
-    c = client(tp1)
-    out = c.chat.completions.create(model=DEFAULT_MODEL, messages=ASK, tools=TOOLS[1:], tool_choice="required",
-                                    max_tokens=40, temperature=0)
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+          "{% endfor %}{{ '<|im_start|>assistant\\n' }}")
+
+
+def test_a_template_without_tools_gets_our_tool_prompt(tiny):
+    c = client(tiny)
+    kw = dict(model=TINY, messages=ASK, extra_body={"chat_template": CHATML})
+    out = c.chat.completions.create(tools=TOOLS, tool_choice="required", max_tokens=200, seed=4, **kw)
     check_calls(out.choices[0].message.tool_calls)
-    plain = c.chat.completions.create(model=DEFAULT_MODEL, messages=ASK, max_tokens=1)
-    assert out.usage.prompt_tokens > plain.usage.prompt_tokens + 50
+    plain = c.chat.completions.create(max_tokens=1, **kw)
+    assert out.usage.prompt_tokens > plain.usage.prompt_tokens + 100
 
 
 @pytest.mark.parametrize("body,param", [
