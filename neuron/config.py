@@ -16,6 +16,10 @@ class ConfigError(ValueError):
 
 
 QUANTIZE = ("", "q8_0", "q4")
+# How a model's tool calls and thinking are read from its output (neuron.server.tool_parsers,
+# neuron.server.reasoning); "auto" finds them in the chat template.
+TOOL_PARSERS = ("auto", "none", "hermes", "llama3_json", "mistral")
+REASONING_PARSERS = ("auto", "none", "think", "seed", "mistral", "kimi")
 
 
 @dataclass
@@ -34,6 +38,7 @@ class ServerConfig:
     cors_allow_origins: list[str] = field(default_factory=list)  # empty: CORS off
     cors_allow_methods: list[str] = field(default_factory=lambda: ["GET", "POST", "OPTIONS"])
     cors_allow_headers: list[str] = field(default_factory=lambda: ["authorization", "content-type", "x-request-id"])
+    stored_responses: int = 256
 
 
 @dataclass
@@ -52,6 +57,8 @@ class ModelEntry:
     gpu_memory_utilization: float = 0.9
     cuda_graphs: bool = True
     prefix_caching: bool = True
+    tool_parser: str = "auto"
+    reasoning_parser: str = "auto"
 
 
 @dataclass
@@ -202,6 +209,12 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"models[{i}].block_size must be one of 8, 16, 32, 64, 128, 256")
         if m.kv_cache_tokens < 0 or not 0.05 <= m.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"models[{i}]: kv_cache_tokens must be >= 0 and gpu_memory_utilization in [0.05, 1]")
+        if m.tool_parser not in TOOL_PARSERS:
+            raise ConfigError(f"models[{i}].tool_parser must be one of {', '.join(TOOL_PARSERS)}")
+        if m.reasoning_parser not in REASONING_PARSERS:
+            raise ConfigError(f"models[{i}].reasoning_parser must be one of {', '.join(REASONING_PARSERS)}")
+    if cfg.server.stored_responses < 0:
+        raise ConfigError("server.stored_responses must not be negative")
     if cfg.debug.tap and not (cfg.debug.tap.startswith("ipc://") or cfg.debug.tap.startswith("tcp://127.")):
         raise ConfigError("debug.tap must be an ipc:// or tcp://127.x endpoint (the tap is local only)")
     if cfg.server.log_format not in ("text", "json"):

@@ -207,3 +207,19 @@ def json_log(server: Server) -> list[dict]:
             except ValueError:
                 pass
     return out
+TINY = "tiny-tools"
+
+
+@pytest.fixture(scope="session")
+def tiny(server_tmp):
+    """A random-weight qwen3 checkpoint (it wants nothing of any grammar) with a Qwen3-style chat
+    template that renders tools and has a thinking switch, served as ``tiny-tools``."""
+    from chat_templates import HERMES_TOOLS, use_template
+    from neuron.tools.checkpoints import make_checkpoint
+
+    model_dir = make_checkpoint("qwen3", server_tmp / "tiny-tools", seed=5, max_position_embeddings=1024)
+    use_template(model_dir, HERMES_TOOLS)
+    server = start_server(server_tmp, config=f'[[models]]\nmodel = "{model_dir}"\nid = "{TINY}"\n'
+                                             'max_model_len = 1024\nmax_slots = 8\n')
+    yield server
+    server.stop()

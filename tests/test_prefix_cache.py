@@ -194,3 +194,31 @@ def test_a_small_cache_under_heavy_sharing_gives_what_no_cache_gives(prefixes, p
     got, cached, sched = serve(jobs, blocks, block_size, caching=True, in_flight=in_flight)
     assert got == reference
     assert all(c % block_size == 0 and c < len(p) for c, (p, _) in zip(cached, jobs))
+
+
+def test_requests_with_different_cache_salts_share_nothing():
+    async def main():
+        sched = Scheduler(max_slots=2, max_len=256, num_blocks=64, block_size=4, max_batch_tokens=64,
+                          prefill_chunk=32, cache_key=b"m")
+        device = Device(4)
+        prompt = list(range(1, 30))
+        found = []
+        for salt in (b"alice", b"bob", b"alice"):
+            req = request(prompt, 2)
+            req.cache_salt = salt
+            sched.waiting.append(req)
+            sched.admit()
+            while not req.finished:
+                plan = sched.schedule()
+                tokens = device.run(plan)
+                sched.completed(plan)
+                for x, tok in zip(plan, tokens):
+                    if x.sample:
+                        x.req.pending -= 1
+                        x.req.output.append(tok)
+                        if len(x.req.output) >= x.req.max_tokens:
+                            x.req.finished = True
+                            sched.release(x.req)
+            found.append(req.cached_tokens)
+        return found
+    assert asyncio.run(main()) == [0, 0, 28]

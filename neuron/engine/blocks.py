@@ -23,7 +23,7 @@ class OutOfBlocks(Exception):
 def chain_hash(parent: bytes, tokens: list[int] | tuple[int, ...], key: bytes) -> bytes:
     """The identity of a full block: its tokens, all tokens before it (through ``parent``), and
     ``key``. 128 bits of BLAKE2b: a collision would silently serve wrong K/V."""
-    h = hashlib.blake2b(parent, digest_size=16, key=key[:64])
+    h = hashlib.blake2b(parent, digest_size=16, key=hashlib.blake2b(key, digest_size=32).digest())
     h.update(b",".join(str(t).encode() for t in tokens))
     return h.digest()
 
@@ -106,17 +106,23 @@ class BlockManager:
         table.clear()
 
     # ----------------------------------------------------------------------------- prefixes
-    def match(self, tokens: list[int], limit: int) -> tuple[list[int], list[bytes]]:
+    def key(self, salt: bytes = b"") -> bytes:
+        """The hash key of a request's blocks: the model's key and the request's cache salt."""
+        assert self.cache_key is not None
+        return self.cache_key + b"|" + salt if salt else self.cache_key
+
+    def match(self, tokens: list[int], limit: int, salt: bytes = b"") -> tuple[list[int], list[bytes]]:
         """The cached blocks (and their hashes) that hold the longest prefix of ``tokens`` made of
         full blocks, at most ``limit`` tokens long. Counted as a query; not yet taken."""
         if self.cache_key is None:
             return [], []
+        key = self.key(salt)
         bs = self.block_size
         blocks: list[int] = []
         hashes: list[bytes] = []
         parent = b""
         for i in range(min(limit, len(tokens)) // bs):
-            h = chain_hash(parent, tokens[i * bs: (i + 1) * bs], self.cache_key)
+            h = chain_hash(parent, tokens[i * bs: (i + 1) * bs], key)
             b = self._by_hash.get(h)
             if b is None:
                 break

@@ -70,6 +70,7 @@ class GenRequest:
     confirmed: int = 0  # positions whose K/V a finished step has computed
     hashes: list[bytes] = field(default_factory=list)  # chain hashes of its leading full blocks
     cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
+    cache_salt: bytes = b""  # only requests with the same salt share cached prefixes
     finished: bool = False
     cancelled: bool = False
     arrival: float = field(default_factory=time.monotonic)

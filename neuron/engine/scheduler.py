@@ -68,7 +68,7 @@ class Scheduler:
             tokens = req.prompt + req.output
             # The longest cached prefix of whole blocks; the last token is always computed, since
             # its logits give the next token.
-            hits, hashes = self.blocks.match(tokens, len(tokens) - 1)
+            hits, hashes = self.blocks.match(tokens, len(tokens) - 1, req.cache_salt)
             need = self.blocks.blocks_for(len(tokens)) - len(hits) + self.blocks.revived(hits)
             # Keep a block in hand for each running sequence, which may cross into a new one next.
             if need > self.blocks.free_count - len(self.running):
@@ -114,7 +114,7 @@ class Scheduler:
             for i in range(len(req.hashes), req.confirmed // bs):
                 tokens = tokens or req.prompt + req.output
                 h = chain_hash(req.hashes[-1] if req.hashes else b"", tokens[i * bs: (i + 1) * bs],
-                               self.blocks.cache_key)
+                               self.blocks.key(req.cache_salt))
                 self.blocks.register(req.blocks[i], h)
                 req.hashes.append(h)
 

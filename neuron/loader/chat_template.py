@@ -76,11 +76,12 @@ def _compile(source: str) -> jinja2.Template:
 
 
 def render_chat(template: str | None, messages: list[dict[str, Any]], *, tools: list[dict] | None = None,
-                add_generation_prompt: bool = True, bos_token: str | None = None, eos_token: str | None = None,
+                documents: list[dict] | None = None, add_generation_prompt: bool = True,
+                bos_token: str | None = None, eos_token: str | None = None,
                 extra: dict[str, Any] | None = None) -> str:
     context = {"bos_token": bos_token or "", "eos_token": eos_token or "", **(extra or {})}
     # As transformers: ``tools`` and ``documents`` are always defined (None when not given).
-    context.update(messages=_alias_reasoning(messages), tools=tools, documents=None,
+    context.update(messages=_alias_reasoning(messages), tools=tools, documents=documents,
                    add_generation_prompt=add_generation_prompt)
     try:
         return _compile(template or CHATML).render(**context)

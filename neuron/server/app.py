@@ -25,6 +25,7 @@ from .model_access import ModelAccess
 from .request_id import HEADER, RequestIdMiddleware
 from .request_trace import log_finish, trace_of
 from .routes import route_table
+from .response_store import ResponseStore
 from .state import AppState
 
 log = logging.getLogger("neuron.server")
@@ -39,7 +40,7 @@ def create_app(cfg: Config) -> Starlette:
         log_finish(model, req, fin, trace)
 
     state = AppState(cfg=cfg, registry=Registry(cfg, on_finish=on_finish), metrics=metrics,
-                     access=ModelAccess.from_config(cfg))
+                     access=ModelAccess.from_config(cfg), responses=ResponseStore(cfg.server.stored_responses))
 
     @asynccontextmanager
     async def lifespan(app: Starlette):

@@ -54,10 +54,12 @@ def trace_of(req: GenRequest) -> RequestTrace | None:
     return events.trace if isinstance(events, TracedEvents) else None
 
 
-def log_start(trace: RequestTrace, req: GenRequest, stream: bool) -> None:
-    log.info("request started", extra={
-        "request_id": trace.request_id, "model": trace.model, "route": trace.route, "stream": stream,
-        "prompt_tokens": len(req.prompt), "max_tokens": req.max_tokens})
+def log_start(trace: RequestTrace, req: GenRequest, stream: bool, user: str | None = None) -> None:
+    fields: dict[str, Any] = {"request_id": trace.request_id, "model": trace.model, "route": trace.route,
+                              "stream": stream, "prompt_tokens": len(req.prompt), "max_tokens": req.max_tokens}
+    if user:
+        fields["user"] = user
+    log.info("request started", extra=fields)
 
 
 def log_finish(model: str, req: GenRequest, fin: FinishEvent, trace: RequestTrace | None) -> None:

@@ -1,22 +1,24 @@
-"""From an OpenAI request body to a GenRequest: body limits, validation, sampling defaults,
-the chat template and tokenizing. Every refusal is an ApiError naming the field."""
+"""From an OpenAI request body to GenRequests: body limits, validation, sampling defaults, token
+budgets, stops, and one GenRequest per sequence (prompts x n). Every refusal is an ApiError
+naming the field."""
 
 from __future__ import annotations
 
 import math
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
 
 import msgspec
 from starlette.requests import Request
 
 from neuron.engine.detokenizer import Detokenizer
-from neuron.engine.request import GenRequest
+from neuron.engine.request import GenRequest, TokenConstraint
+from neuron.engine.stops import StopMatcher
 from neuron.errors import ApiError
-from neuron.loader.chat_template import TemplateError, render_chat
 from neuron.registry import ModelHandle
 from protocol import Sampling
 
-from .schemas import ChatRequest, CompletionRequest, Message, SamplingFields
+from .schemas import SamplingFields
 
 T = TypeVar("T")
 
@@ -54,7 +56,72 @@ def _check(ok: bool, param: str, message: str) -> None:
         raise ApiError(400, "invalid_request", message, param=param)
 
 
-def resolve_sampling(body: SamplingFields, handle: ModelHandle, prompt_len: int, logprobs: int) -> Sampling:
+@dataclass
+class Settings:
+    """What every sequence of one request shares, checked once."""
+
+    n: int
+    max_tokens: int | None
+    max_param: str
+    stops: list[str]
+    stop_token_ids: list[int]
+    min_tokens: int
+    logit_bias: list[tuple[int, float]]
+    logprobs: int  # for the rank: 0 none, k: the chosen token and the k - 1 most likely
+    shown: frozenset[int] | bool  # special tokens shown in the text
+
+
+def settings_of(body: SamplingFields, handle: ModelHandle, top: int | None, sequences: int,
+                shown: set[int] | None = None) -> Settings:
+    """``top``: top logprobs asked (None: no logprobs); ``sequences``: prompts x n."""
+    vocab = handle.spec.config.vocab_size
+    n = 1 if body.n is None else body.n
+    _check(n >= 1, "n", "n must be at least 1")
+    limit = handle.engine.cfg.queue_size
+    _check(n * sequences <= limit, "n", f"n x prompts is {n * sequences}; at most {limit} sequences per request")
+    if body.max_completion_tokens is not None:
+        max_tokens, param = body.max_completion_tokens, "max_completion_tokens"
+    else:
+        max_tokens, param = body.max_tokens, "max_tokens"
+    if max_tokens is not None:
+        _check(max_tokens >= 1, param, f"{param} must be at least 1")
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    _check(len(stops) <= 16 and all(len(s) <= 1000 for s in stops), "stop", "at most 16 stop strings of 1000 characters")
+    stop_ids = list(body.stop_token_ids or [])
+    _check(len(stop_ids) <= 256 and all(0 <= t < vocab for t in stop_ids), "stop_token_ids",
+           f"stop_token_ids must be at most 256 ids in [0, {vocab})")
+    _check(body.min_tokens >= 0, "min_tokens", "min_tokens must not be negative")
+    if max_tokens is not None:
+        _check(body.min_tokens <= max_tokens, "min_tokens", f"min_tokens must not exceed {param}")
+    bias = []
+    for key, value in (body.logit_bias or {}).items():
+        _check(key.strip().lstrip("-").isdigit() and 0 <= int(key) < vocab, "logit_bias",
+               f"logit_bias keys must be token ids in [0, {vocab})")
+        _check(math.isfinite(value), "logit_bias", "logit_bias values must be finite numbers")
+        bias.append((int(key), max(-100.0, min(100.0, float(value)))))
+    _check(len(bias) <= 1024, "logit_bias", "at most 1024 logit_bias entries")
+    _check(body.truncate_prompt_tokens is None or body.truncate_prompt_tokens >= -1, "truncate_prompt_tokens",
+           "truncate_prompt_tokens must be -1 or positive")
+    visible: frozenset[int] | bool = True if not body.skip_special_tokens else frozenset(shown or ())
+    return Settings(n, max_tokens, param, stops, stop_ids, body.min_tokens, bias,
+                    0 if top is None else top + 1, visible)
+
+
+def truncate(body: SamplingFields, handle: ModelHandle, ids: list[int]) -> list[int]:
+    """``truncate_prompt_tokens``: keep that many prompt tokens (-1: the context), the last ones
+    unless ``truncation_side`` is "right"."""
+    k = body.truncate_prompt_tokens
+    if k is None:
+        return ids
+    if k == -1:
+        k = handle.max_len - 1
+    if len(ids) <= k:
+        return ids
+    return ids[:k] if body.truncation_side == "right" else ids[len(ids) - k:]
+
+
+def resolve_sampling(body: SamplingFields, handle: ModelHandle, prompt_len: int, settings: Settings,
+                     seed: int | None, eos: list[int]) -> Sampling:
     def pick(name: str) -> Any:
         value = getattr(body, name)
         if value is None:
@@ -79,97 +146,46 @@ def resolve_sampling(body: SamplingFields, handle: ModelHandle, prompt_len: int,
     if top_k >= handle.spec.config.vocab_size:
         top_k = 0  # keeping every token is no filter at all
     return Sampling(temperature=temperature, top_p=top_p, top_k=max(top_k, 0), min_p=min_p,
-                    seed=None if body.seed is None else body.seed % (2**63),
+                    seed=None if seed is None else seed % (2**63),
                     frequency_penalty=freq, presence_penalty=pres, repetition_penalty=rep,
-                    prompt_len=prompt_len, logprobs=logprobs)
+                    prompt_len=prompt_len, logprobs=settings.logprobs, logit_bias=settings.logit_bias,
+                    min_tokens=settings.min_tokens, stop_token_ids=sorted(set(eos) | set(settings.stop_token_ids)))
 
 
-def chat_prompt(body: ChatRequest, handle: ModelHandle) -> list[int]:
-    return encode_chat(body.messages, handle, tools=body.tools, template_kwargs=body.chat_template_kwargs)
-
-
-def encode_chat(messages_in: list[Message], handle: ModelHandle, *, tools: list[dict[str, Any]] | None = None,
-                template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True,
-                add_special_tokens: bool = False) -> list[int]:
-    """The conversation through the model's chat template, as the model will see it (also
-    ``/tokenize``'s, so its count is the request's prompt_tokens)."""
-    _check(bool(messages_in), "messages", "messages must not be empty")
-    messages = []
-    for i, m in enumerate(messages_in):
-        _check(m.role in ("system", "user", "assistant", "tool", "developer"), f"messages.{i}.role",
-               f"unknown role {m.role[:40]!r}")
-        content = m.content
-        if isinstance(content, list):
-            for part in content:
-                _check(part.type == "text", f"messages.{i}.content", f"content part type {part.type[:40]!r} is not supported")
-            content = "".join(part.text or "" for part in content)
-        message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
-        for key in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
-            if getattr(m, key) is not None:
-                message[key] = getattr(m, key)
-        messages.append(message)
-    info = handle.spec.tokenizer
-    try:
-        text = render_chat(info.chat_template, messages, tools=tools, bos_token=info.bos_token,
-                           eos_token=info.token(info.eos_token_ids[0]) if info.eos_token_ids else None,
-                           extra=template_kwargs, add_generation_prompt=add_generation_prompt)
-    except TemplateError as exc:
-        raise ApiError(400, "invalid_request", str(exc), param="messages") from None
-    return _with_bos(info, info.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
-
-
-def completion_prompt(body: CompletionRequest, handle: ModelHandle) -> list[int]:
-    prompt = body.prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        vocab = handle.spec.config.vocab_size
-        _check(all(0 <= t < vocab for t in prompt), "prompt", f"token ids must be in [0, {vocab})")
-        return list(prompt)  # type: ignore[arg-type]
-    if isinstance(prompt, list):
-        _check(len(prompt) == 1 and isinstance(prompt[0], str), "prompt",
-               "prompt must be a string, one string in a list, or a list of token ids")
-        prompt = prompt[0]
-    _check(isinstance(prompt, str) and prompt != "", "prompt", "prompt must be a non-empty string")
-    return encode_text(prompt, handle)  # type: ignore[arg-type]
-
-
-def encode_text(prompt: str, handle: ModelHandle, *, add_special_tokens: bool = True) -> list[int]:
-    info = handle.spec.tokenizer
-    ids = info.tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids
-    return _with_bos(info, ids) if add_special_tokens else ids
-
-
-def _with_bos(info, ids: list[int]) -> list[int]:
-    if info.add_bos and info.bos_token:
-        bos = info.tokenizer.token_to_id(info.bos_token)
-        if bos is not None and (not ids or ids[0] != bos):
-            return [bos, *ids]
-    return ids
-
-
-def make_request(body: SamplingFields, handle: ModelHandle, prompt: list[int], logprobs: int) -> GenRequest:
-    _check(body.n in (None, 1), "n", "n > 1 is not supported yet")
+def check_sequence(body: SamplingFields, handle: ModelHandle, settings: Settings, prompt: list[int]) -> Sampling:
+    """Refuse what ``make_request`` would refuse (it runs on the event loop; this need not)."""
     limit = handle.max_len
-    if body.max_completion_tokens is not None:
-        max_tokens = body.max_completion_tokens
-        param = "max_completion_tokens"
-    else:
-        max_tokens, param = body.max_tokens, "max_tokens"
-    if max_tokens is not None:
-        _check(max_tokens >= 1, param, f"{param} must be at least 1")
+    max_tokens = settings.max_tokens
     if len(prompt) >= limit or (max_tokens is not None and len(prompt) + max_tokens > limit):
         asked = len(prompt) + (max_tokens or 0)
         raise ApiError(400, "context_length_exceeded",
                        f"this model's maximum context length is {limit} tokens; the request needs {asked} "
                        f"({len(prompt)} in the prompt + {max_tokens or 0} to generate)", param="messages")
-    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    _check(len(stops) <= 16 and all(len(s) <= 1000 for s in stops), "stop", "at most 16 stop strings of 1000 characters")
-    sampling = resolve_sampling(body, handle, len(prompt), logprobs)
+    return resolve_sampling(body, handle, len(prompt), settings, body.seed, [])
+
+
+def make_request(body: SamplingFields, handle: ModelHandle, settings: Settings, prompt: list[int], choice: int,
+                 constraint: Callable[[int], TokenConstraint | None] | None = None) -> GenRequest:
+    """The GenRequest of one sequence: ``choice`` is its index among the n of its prompt (a
+    seeded request derives seed + choice, as vLLM does); ``constraint`` makes its constraint
+    from its token budget."""
+    check_sequence(body, handle, settings, prompt)
     info = handle.spec.tokenizer
-    return GenRequest(
+    eos = [] if body.ignore_eos else list(info.eos_token_ids)
+    seed = None if body.seed is None else body.seed + choice
+    budget = settings.max_tokens if settings.max_tokens is not None else handle.max_len - len(prompt)
+    req = GenRequest(
         prompt=prompt,
-        sampling=sampling,
-        max_tokens=max_tokens if max_tokens is not None else limit - len(prompt),
-        stop=stops,
-        stop_token_ids=frozenset() if body.ignore_eos else frozenset(info.eos_token_ids),
-        detokenizer=Detokenizer(info.tokenizer),
+        sampling=resolve_sampling(body, handle, len(prompt), settings, seed, eos),
+        max_tokens=budget,
+        stop=settings.stops,
+        stop_token_ids=frozenset(eos) | frozenset(settings.stop_token_ids),
+        detokenizer=Detokenizer(info.tokenizer, settings.shown),
+        constraint=constraint(budget) if constraint is not None else None,
+        cache_salt=(getattr(body, "cache_salt", None) or "").encode(),
     )
+    if body.include_stop_str_in_output or settings.min_tokens:
+        # No stop string before min_tokens tokens; the rank keeps the stop tokens out until then.
+        armed = (lambda: len(req.output) >= settings.min_tokens) if settings.min_tokens else None
+        req.stop_matcher = StopMatcher(settings.stops, include=body.include_stop_str_in_output, armed=armed)
+    return req

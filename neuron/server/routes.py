@@ -9,7 +9,7 @@ from typing import Awaitable, Callable
 from starlette.requests import Request
 from starlette.responses import Response
 
-from . import admin_routes, openai_routes, tokenize_routes
+from . import admin_routes, openai_routes, responses, tokenize_routes
 from .schemas import (ChatRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, FaultRequest,
                       LoadRequest, TokenizeRequest, TokenizeResponse, UnloadRequest)
 
@@ -35,6 +35,9 @@ ROUTES: list[ApiRoute] = [
     ApiRoute("POST", "/v1/completions", openai_routes.completions, "Text completion (SSE with stream)",
              "openai", "api", CompletionRequest, streams=True),
     ApiRoute("GET", "/v1/models", openai_routes.list_models, "Models that serve requests", "openai", "api"),
+    ApiRoute("POST", "/v1/responses", responses.create_response, "Responses API (SSE events with stream)",
+             "openai", "api", responses.ResponsesRequest, streams=True),
+    ApiRoute("GET", "/v1/responses/{response_id}", responses.get_response, "A stored response", "openai", "api"),
     ApiRoute("POST", "/tokenize", tokenize_routes.tokenize, "Prompt or conversation to token ids", "tokens",
              "api", TokenizeRequest, TokenizeResponse),
     ApiRoute("POST", "/detokenize", tokenize_routes.detokenize, "Token ids to text", "tokens", "api",

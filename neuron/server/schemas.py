@@ -1,5 +1,6 @@
-"""OpenAI request bodies as msgspec Structs. Unknown fields are ignored, wrong types are a 400
-that names the field."""
+"""OpenAI request bodies as msgspec Structs, with every field of vLLM's chat and completions
+protocols. Unknown fields are ignored; a field vLLM has and we do not honour is refused by
+``neuron.server.fields`` with a 400 that names it; wrong types are a 400 that names the field."""
 
 from __future__ import annotations
 
@@ -20,15 +21,19 @@ class Message(msgspec.Struct):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class StreamOptions(msgspec.Struct):
-    include_usage: bool = False
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
 
 
 class SamplingFields(msgspec.Struct):
+    """What chat and text completions share."""
+
     model: str
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -43,9 +48,48 @@ class SamplingFields(msgspec.Struct):
     repetition_penalty: float | None = None
     n: int | None = None
     user: str | None = None
-    # vLLM extensions: generate past EOS (benchmarks), and return the token ids alongside text
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    return_token_ids: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    truncation_side: str | None = None
+    prompt_logprobs: int | None = None
+    logprob_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    response_format: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structural_tag: Any = None
+    structured_outputs: dict[str, Any] | None = None
+    priority: int = 0
+    request_id: str | None = None
+    logits_processors: Any = None
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = False
+    return_token_offsets: bool | None = False
+    cache_salt: str | None = None
+    kv_transfer_params: Any = None
+    ec_transfer_params: Any = None
+    vllm_xargs: Any = None
+    repetition_detection: Any = None
+    max_repetition_pattern_size: int = 0
+    min_repetition_pattern_size: int = 0
+    repetition_min_count: int = 0
+    thinking_token_budget: int | None = None
+    mm_processor_kwargs: Any = None
+    media_io_kwargs: Any = None
 
 
 class ChatRequest(SamplingFields):
@@ -54,13 +98,25 @@ class ChatRequest(SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None
+    include_reasoning: bool = True
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    documents: list[dict[str, Any]] | None = None
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str | int] | None = None
+    prompt: str | list[Any] | None = None  # a string, strings, token ids, or lists of token ids
     logprobs: int | None = None
-    echo: bool | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+    add_special_tokens: bool = True
+    prompt_embeds: Any = None
 
 
 class LoadRequest(msgspec.Struct, forbid_unknown_fields=True):

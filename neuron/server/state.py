@@ -14,6 +14,7 @@ from neuron.registry import Registry
 
 from .metrics import Metrics
 from .model_access import ModelAccess
+from .response_store import ResponseStore
 
 
 @dataclass
@@ -26,6 +27,7 @@ class AppState:
     draining: bool = False
     startup_error: str | None = None
     on_startup_failure: Callable[[str], None] | None = None
+    responses: ResponseStore = field(default_factory=lambda: ResponseStore(256))
 
 
 def require_key(request: Request, state: AppState, *, admin: bool) -> None:

@@ -13,8 +13,10 @@ from starlette.responses import Response
 from neuron.errors import ApiError
 from neuron.registry import ModelHandle
 
-from .requests import encode_chat, encode_text, read_json
-from .schemas import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from .prompts import chat_prompt, completion_prompts
+from .requests import read_json
+from .schemas import (ChatRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
+                      TokenizeResponse)
 from .state import AppState, require_key
 
 
@@ -32,6 +34,11 @@ def _model(state: AppState, name: str | None) -> ModelHandle:
     return models[0]
 
 
+def _check_prompt(prompt: str | None) -> None:
+    if not prompt:
+        raise ApiError(400, "invalid_request", "prompt must be a non-empty string", param="prompt")
+
+
 async def tokenize(request: Request) -> Response:
     state: AppState = request.app.state.neuron
     require_key(request, state, admin=False)
@@ -42,13 +49,18 @@ async def tokenize(request: Request) -> Response:
     if body.continue_final_message:
         raise ApiError(400, "invalid_request", "continue_final_message is not supported",
                        param="continue_final_message")
+    # The completion routes' own prompt building: the count is the request's prompt_tokens.
     if body.messages is not None:
-        ids = await asyncio.to_thread(
-            encode_chat, body.messages, handle, tools=body.tools, template_kwargs=body.chat_template_kwargs,
-            add_generation_prompt=body.add_generation_prompt, add_special_tokens=bool(body.add_special_tokens))
+        chat = ChatRequest(model=handle.id, messages=body.messages, tools=body.tools,
+                           chat_template_kwargs=body.chat_template_kwargs,
+                           add_generation_prompt=body.add_generation_prompt,
+                           add_special_tokens=bool(body.add_special_tokens))
+        ids = (await asyncio.to_thread(chat_prompt, chat, handle)).prompt.ids
     else:
-        ids = await asyncio.to_thread(encode_text, body.prompt or "", handle,
-                                      add_special_tokens=body.add_special_tokens is not False)
+        _check_prompt(body.prompt)
+        text = CompletionRequest(model=handle.id, prompt=body.prompt or "",
+                                 add_special_tokens=body.add_special_tokens is not False)
+        ids = (await asyncio.to_thread(completion_prompts, text, handle))[0].ids
     tk = handle.spec.tokenizer.tokenizer
     strs = [tk.id_to_token(i) for i in ids] if body.return_token_strs else None
     return _json(TokenizeResponse(count=len(ids), max_model_len=handle.max_len, tokens=ids, token_strs=strs))

@@ -1,5 +1,5 @@
-"""How the Engine's events look on the wire: chat and text completion objects, streamed as
-chunks or returned whole. One event stream, two projections."""
+"""How the deltas of a response's choices look on the wire: chat and text completion objects,
+streamed as chunks or returned whole. One stream of deltas, two projections."""
 
 from __future__ import annotations
 
@@ -10,11 +10,49 @@ from typing import Any, ClassVar
 
 from tokenizers import Tokenizer
 
-from neuron.engine.request import FinishEvent, TokenEvent
+from neuron.loader.tokenizer import _byte_alphabet
+
+from .choices import Delta
+from .tool_parsers import CallArgs, CallStart
+
+_BYTES = {c: b for b, c in _byte_alphabet().items()}
 
 
-def _token_text(tk: Tokenizer, token_id: int) -> str:
-    return tk.decode([token_id], skip_special_tokens=False)
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+@dataclass
+class Folded:
+    """A choice's deltas added up: what a whole (non-streamed) response shows."""
+
+    content: str = ""
+    reasoning: str = ""
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    reason: str | None = None
+
+    def add(self, delta: Delta) -> None:
+        self.content += delta.content
+        self.reasoning += delta.reasoning
+        self.token_ids += delta.token_ids
+        self.logprobs += delta.logprobs or []
+        for ev in delta.calls:
+            if isinstance(ev, CallStart):
+                self.calls.append({"id": ev.id, "type": "function", "function": {"name": ev.name, "arguments": ""}})
+            else:
+                self.calls[ev.index]["function"]["arguments"] += ev.text
+        if delta.reason is not None:
+            self.reason = delta.reason
 
 
 @dataclass
@@ -23,115 +61,159 @@ class View:
     tokenizer: Tokenizer
     top_logprobs: int | None  # None: no logprobs asked
     return_token_ids: bool = False
+    tokens_as_ids: bool = False  # return_tokens_as_token_ids
+    request_id: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     prefix: ClassVar[str] = "cmpl"
+    kind: ClassVar[str] = "text_completion"
 
     def __post_init__(self) -> None:
-        self.id = f"{self.prefix}-{uuid.uuid4().hex[:24]}"
-        self.offset = 0  # characters of completion text so far, for text_offset
+        self.id = f"{self.prefix}-{self.request_id or uuid.uuid4().hex[:24]}"
+        self._token_text: dict[int, tuple[str, list[int]]] = {}
 
-    def _with_ids(self, body: dict[str, Any], events: list[TokenEvent]) -> dict[str, Any]:
-        """``return_token_ids``: the generated ids, whole or per chunk (a streamed chunk is sent for
-        every token then, also one whose text is still held back by the detokenizer)."""
-        if self.return_token_ids:
-            body["choices"][0]["token_ids"] = [t for ev in events for t in ev.token_ids]
+    def _frame(self, choices: list[dict[str, Any]], usage: Usage | None = None) -> dict[str, Any]:
+        body = {"id": self.id, "object": self.kind, "created": self.created, "model": self.model, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage.as_dict()
         return body
 
-    def usage(self, fin: FinishEvent) -> dict[str, Any]:
-        return {"prompt_tokens": fin.prompt_tokens, "completion_tokens": fin.completion_tokens,
-                "total_tokens": fin.prompt_tokens + fin.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": fin.cached_tokens}}
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        return self._frame([], usage)
+
+    def token(self, token_id: int) -> tuple[str, list[int]]:
+        """A token's text and bytes for logprobs (bytes, not text: a token may be half a character)."""
+        found = self._token_text.get(token_id)
+        if found is None:
+            piece = self.tokenizer.id_to_token(token_id) or ""
+            if piece and all(c in _BYTES for c in piece):  # byte-level BPE
+                raw = bytes(_BYTES[c] for c in piece)
+            else:
+                raw = self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
+            text = f"token_id:{token_id}" if self.tokens_as_ids else raw.decode("utf-8", errors="replace")
+            found = self._token_text[token_id] = (text, list(raw))
+        return found
+
+    def first(self, indices: list[int], echoes: dict[int, str]) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def chunk(self, delta: Delta, usage: Usage | None) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def whole(self, folded: list[Folded], usage: Usage) -> dict[str, Any]:
+        raise NotImplementedError
 
 
 class ChatView(View):
     prefix = "chatcmpl"
+    kind = "chat.completion.chunk"
 
-    def _chunk(self, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> dict[str, Any]:
-        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+    def first(self, indices: list[int], echoes: dict[int, str]) -> list[dict[str, Any]]:
+        return [self._frame([{"index": i, "delta": {"role": "assistant", "content": echoes.get(i, "")},
+                              "logprobs": None, "finish_reason": None}]) for i in indices]
 
-    def first(self) -> dict[str, Any] | None:
-        return self._chunk({"role": "assistant", "content": ""})
-
-    def delta(self, ev: TokenEvent) -> dict[str, Any] | None:
-        lp = self._logprobs(ev)
-        if not ev.text and lp is None and not self.return_token_ids:
+    def chunk(self, delta: Delta, usage: Usage | None) -> dict[str, Any] | None:
+        lp = self._logprobs(delta.logprobs)
+        if delta.empty and lp is None:
             return None
-        return self._with_ids(self._chunk({"content": ev.text}, logprobs=lp), [ev])
+        body: dict[str, Any] = {}
+        if delta.reasoning:
+            body["reasoning_content"] = delta.reasoning
+        if delta.content or (not delta.reasoning and not delta.calls and delta.finish is None):
+            body["content"] = delta.content
+        if delta.calls:
+            body["tool_calls"] = _call_deltas(delta.calls)
+        choice: dict[str, Any] = {"index": delta.index, "delta": body, "logprobs": lp, "finish_reason": delta.reason}
+        if self.return_token_ids:
+            choice["token_ids"] = delta.token_ids
+        return self._frame([choice], usage)
 
-    def finish(self, fin: FinishEvent) -> dict[str, Any]:
-        return self._chunk({}, fin.reason)
+    def whole(self, folded: list[Folded], usage: Usage) -> dict[str, Any]:
+        choices = []
+        for i, f in enumerate(folded):
+            message: dict[str, Any] = {"role": "assistant", "content": f.content or (None if f.calls else "")}
+            if f.reasoning:
+                message["reasoning_content"] = f.reasoning
+            if f.calls:
+                message["tool_calls"] = f.calls
+            choice: dict[str, Any] = {"index": i, "message": message, "logprobs": self._logprobs(f.logprobs)
+                                      if self.top_logprobs is not None else None, "finish_reason": f.reason}
+            if self.return_token_ids:
+                choice["token_ids"] = f.token_ids
+            choices.append(choice)
+        return {**self._frame(choices, usage), "object": "chat.completion"}
 
-    def usage_chunk(self, fin: FinishEvent) -> dict[str, Any]:
-        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                "choices": [], "usage": self.usage(fin)}
-
-    def whole(self, text: str, events: list[TokenEvent], fin: FinishEvent) -> dict[str, Any]:
-        lp = None
-        if self.top_logprobs is not None:
-            lp = {"content": [c for ev in events for c in (self._logprobs(ev) or {}).get("content", [])]}
-        return self._with_ids({"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                             "finish_reason": fin.reason}],
-                "usage": self.usage(fin)}, events)
-
-    def _logprobs(self, ev: TokenEvent) -> dict[str, Any] | None:
-        if self.top_logprobs is None or not ev.logprobs:
+    def _logprobs(self, entries: list[list[tuple[int, float]]] | None) -> dict[str, Any] | None:
+        if self.top_logprobs is None or entries is None:
             return None
         content = []
-        for entry in ev.logprobs:
-            (chosen, lp), top = entry[0], entry[1:]
-            text = _token_text(self.tokenizer, chosen)
-            content.append({"token": text, "logprob": lp, "bytes": list(text.encode()),
-                            "top_logprobs": [{"token": (t := _token_text(self.tokenizer, i)), "logprob": v,
-                                              "bytes": list(t.encode())} for i, v in top]})
-        return {"content": content}
+        for (chosen, lp), *top in entries:
+            text, raw = self.token(chosen)
+            content.append({"token": text, "logprob": lp, "bytes": raw,
+                            "top_logprobs": [{"token": self.token(i)[0], "logprob": v, "bytes": self.token(i)[1]}
+                                             for i, v in top[: self.top_logprobs]]})
+        return {"content": content, "refusal": None}
+
+
+def _call_deltas(calls: list[CallStart | CallArgs]) -> list[dict[str, Any]]:
+    """OpenAI's tool_calls deltas: the first of a call has its id, type and name; arguments follow."""
+    out: list[dict[str, Any]] = []
+    for ev in calls:
+        if isinstance(ev, CallStart):
+            out.append({"index": ev.index, "id": ev.id, "type": "function",
+                        "function": {"name": ev.name, "arguments": ""}})
+        elif out and out[-1]["index"] == ev.index:
+            out[-1]["function"]["arguments"] += ev.text
+        else:
+            out.append({"index": ev.index, "function": {"arguments": ev.text}})
+    return out
 
 
 class CompletionView(View):
     prefix = "cmpl"
+    kind = "text_completion"
 
-    def _chunk(self, text: str, finish: str | None = None, logprobs: Any = None) -> dict[str, Any]:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.offsets: dict[int, int] = {}  # characters of each choice's text so far, for text_offset
 
-    def first(self) -> dict[str, Any] | None:
-        return None
+    def first(self, indices: list[int], echoes: dict[int, str]) -> list[dict[str, Any]]:
+        out = []
+        for i in indices:
+            if echoes.get(i):
+                self.offsets[i] = len(echoes[i])
+                out.append(self._frame([{"index": i, "text": echoes[i], "logprobs": None, "finish_reason": None}]))
+        return out
 
-    def delta(self, ev: TokenEvent) -> dict[str, Any] | None:
-        lp = self._logprobs(ev)
-        if not ev.text and lp is None and not self.return_token_ids:
+    def chunk(self, delta: Delta, usage: Usage | None) -> dict[str, Any] | None:
+        lp = self._logprobs(delta.index, delta.logprobs)
+        if delta.empty and lp is None:
             return None
-        return self._with_ids(self._chunk(ev.text, logprobs=lp), [ev])
+        choice: dict[str, Any] = {"index": delta.index, "text": delta.content, "logprobs": lp,
+                                  "finish_reason": delta.reason}
+        if self.return_token_ids:
+            choice["token_ids"] = delta.token_ids
+        return self._frame([choice], usage)
 
-    def finish(self, fin: FinishEvent) -> dict[str, Any]:
-        return self._chunk("", fin.reason)
+    def whole(self, folded: list[Folded], usage: Usage) -> dict[str, Any]:
+        choices = []
+        for i, f in enumerate(folded):
+            self.offsets[i] = 0
+            choice: dict[str, Any] = {"index": i, "text": f.content, "logprobs": self._logprobs(i, f.logprobs),
+                                      "finish_reason": f.reason}
+            if self.return_token_ids:
+                choice["token_ids"] = f.token_ids
+            choices.append(choice)
+        return self._frame(choices, usage)
 
-    def usage_chunk(self, fin: FinishEvent) -> dict[str, Any]:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [], "usage": self.usage(fin)}
-
-    def whole(self, text: str, events: list[TokenEvent], fin: FinishEvent) -> dict[str, Any]:
-        lp = None
-        if self.top_logprobs is not None:
-            self.offset = 0
-            parts = [self._logprobs(ev) for ev in events]
-            lp = {k: [x for part in parts if part for x in part[k]]
-                  for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
-        return self._with_ids({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": fin.reason}],
-                "usage": self.usage(fin)}, events)
-
-    def _logprobs(self, ev: TokenEvent) -> dict[str, Any] | None:
-        if self.top_logprobs is None or not ev.logprobs:
+    def _logprobs(self, index: int, entries: list[list[tuple[int, float]]] | None) -> dict[str, Any] | None:
+        if self.top_logprobs is None or entries is None:
             return None
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for entry in ev.logprobs:
-            (chosen, lp), top = entry[0], entry[1:]
-            text = _token_text(self.tokenizer, chosen)
+        for (chosen, lp), *top in entries:
+            text = self.token(chosen)[0]
             out["tokens"].append(text)
             out["token_logprobs"].append(lp)
-            out["top_logprobs"].append({_token_text(self.tokenizer, i): v for i, v in top})
-            out["text_offset"].append(self.offset)
-            self.offset += len(text)
+            out["top_logprobs"].append({self.token(i)[0]: v for i, v in top[: self.top_logprobs]})
+            out["text_offset"].append(self.offsets.get(index, 0))
+            self.offsets[index] = self.offsets.get(index, 0) + len(text)
         return out

@@ -1,0 +1,138 @@
+"""Planning a completion: its prompt(s), and for each of its choices (prompts x n) a GenRequest
+with its constraint (grammar, forced tool call, allowed tokens, bad words) and its text pipeline
+(thinking, tool calls). Runs off the event loop; ``build`` makes the GenRequests on it."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from neuron.engine.constraints import AfterMarker, AllOf, AllowedTokens, BannedSequences, Constraint
+from neuron.engine.grammar import GrammarError, GrammarSpec, grammars_for
+from neuron.errors import ApiError
+from neuron.registry import ModelHandle
+
+from .choices import Choice
+from .prompts import ChatPrompt, Prompt, chat_prompt, completion_prompts
+from .reasoning import ReasoningSplitter
+from .requests import check_sequence, make_request, settings_of, truncate
+from .schemas import ChatRequest, CompletionRequest, SamplingFields
+from .structured import output_grammar, whitespace_of
+from .tool_parsers import PARSERS, ToolCallParser
+from .tools import forced_call_grammar
+
+
+def _bad(message: str, param: str) -> ApiError:
+    return ApiError(400, "invalid_request", message, param=param)
+
+
+def _constraint_factory(body: SamplingFields, handle: ModelHandle, grammar: tuple[str, str] | None,
+                        after: str | None) -> Callable[[int], Constraint | None] | None:
+    """Makes each sequence's constraint from its token budget: the grammar (compiled once here),
+    ``allowed_token_ids`` and ``bad_words``; the grammar waits for ``after`` when given."""
+    info = handle.spec.tokenizer
+    vocab = handle.spec.config.vocab_size
+    grammars = grammars_for(info.tokenizer, vocab, info.eos_token_ids) if grammar is not None else None
+    allowed = body.allowed_token_ids
+    if allowed is not None and (not allowed or not all(0 <= t < vocab for t in allowed)):
+        raise _bad(f"allowed_token_ids must be a non-empty list of ids in [0, {vocab})", "allowed_token_ids")
+    banned = _bad_word_sequences(body, handle)
+    if grammars is None and allowed is None and not banned:
+        return None
+
+    def make(budget: int) -> Constraint | None:
+        parts: list[Constraint] = []
+        if grammars is not None and grammar is not None:
+            constraint: Constraint = grammars.constraint(grammar[0], budget)
+            if after is not None:
+                token_bytes = grammars.tokenizer.decode_bytes
+                constraint = AfterMarker(constraint, after.encode(), lambda t: token_bytes([t]))
+            parts.append(constraint)
+        if allowed is not None:
+            parts.append(AllowedTokens(allowed, vocab))
+        if banned:
+            parts.append(BannedSequences(banned, vocab))
+        return parts[0] if len(parts) == 1 else AllOf(parts)
+
+    return make
+
+
+def _bad_word_sequences(body: SamplingFields, handle: ModelHandle) -> list[list[int]]:
+    words = body.bad_words or []
+    if len(words) > 256 or not all(isinstance(w, str) and w.strip() for w in words):
+        raise _bad("bad_words must be at most 256 non-empty strings", "bad_words")
+    tk = handle.spec.tokenizer.tokenizer
+    sequences = []
+    for word in words:  # as vLLM: the word alone and after a space
+        for text in {word.strip(), " " + word.strip()}:
+            sequences.append(tk.encode(text, add_special_tokens=False).ids)
+    return sequences
+
+
+def _compile(handle: ModelHandle, spec: GrammarSpec, param: str) -> tuple[str, str]:
+    info = handle.spec.tokenizer
+    grammars = grammars_for(info.tokenizer, handle.spec.config.vocab_size, info.eos_token_ids)
+    try:
+        return grammars.check(spec), param
+    except GrammarError as exc:
+        raise _bad(f"{param}: {exc}", param) from None
+
+
+def plan_chat(body: ChatRequest, handle: ModelHandle,
+              top: int | None) -> tuple[ChatPrompt, Callable[[], list[Choice]]]:
+    """The prompt, and what makes the n choices: a forced tool call or the requested output
+    format as the grammar (not both), thinking and tool-call parsing per choice."""
+    plan = chat_prompt(body, handle)
+    settings = settings_of(body, handle, top, 1, plan.shown)
+    grammar = None
+    wanted = output_grammar(body)
+    if plan.tools is not None and plan.tools.forced:
+        if wanted is not None:
+            raise _bad(f"{wanted[1]} cannot be combined with tool_choice {plan.tools.choice!r}", wanted[1])
+        lark = forced_call_grammar(plan.tools, handle.spec.tokenizer, whitespace_of(body))
+        grammar = _compile(handle, GrammarSpec("lark", lark), "tool_choice")
+    elif wanted is not None:
+        grammar = _compile(handle, *wanted)
+    # A thinking model thinks first: the grammar starts after its thinking.
+    after = plan.markers.end if plan.markers is not None and plan.thinking else None
+    make_constraint = _constraint_factory(body, handle, grammar, after)
+    ids = truncate(body, handle, plan.prompt.ids)
+    markers = plan.markers
+
+    def build() -> list[Choice]:
+        return [Choice(i, make_request(body, handle, settings, ids, i, make_constraint), len(ids) if i == 0 else 0,
+                       echo=plan.echo, thinking=ReasoningSplitter(markers, plan.thinking) if markers else None,
+                       tools=_tool_parser(plan), include_reasoning=body.include_reasoning)
+                for i in range(settings.n)]
+
+    check_sequence(body, handle, settings, ids)
+    return plan, build
+
+
+def _tool_parser(plan: ChatPrompt) -> ToolCallParser | None:
+    tools = plan.tools
+    if tools is None:
+        return None
+    # Llama 3's calls are bare JSON: only a call that names one of the tools is taken for one.
+    parser = PARSERS[tools.syntax](tools.names if tools.syntax == "llama3_json" else None)
+    parser.max_calls = None if tools.parallel else 1
+    return parser
+
+
+def plan_completion(body: CompletionRequest, handle: ModelHandle, top: int | None) -> Callable[[], list[Choice]]:
+    """What makes the choices of every prompt, indexed prompt by prompt (n each)."""
+    prompts: list[Prompt] = completion_prompts(body, handle)
+    settings = settings_of(body, handle, top, len(prompts))
+    wanted = output_grammar(body)
+    grammar = _compile(handle, *wanted) if wanted is not None else None
+    make_constraint = _constraint_factory(body, handle, grammar, None)
+    sequences = [(truncate(body, handle, prompt.ids), prompt.text if body.echo else "") for prompt in prompts]
+    for ids, _ in sequences:
+        check_sequence(body, handle, settings, ids)
+
+    def build() -> list[Choice]:
+        return [Choice(p * settings.n + i, make_request(body, handle, settings, ids, i, make_constraint),
+                       len(ids) if i == 0 else 0, echo=echo)
+                for p, (ids, echo) in enumerate(sequences) for i in range(settings.n)]
+
+    return build
+

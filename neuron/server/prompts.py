@@ -1,0 +1,174 @@
+"""Prompts: a chat rendered through the model's template (tools, documents, template options,
+prefilled assistant turns), or the prompts of a text completion (one or several, text or token
+ids), tokenized. Runs off the event loop."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from neuron.errors import ApiError
+from neuron.loader.chat_template import TemplateError, render_chat
+from neuron.loader.tokenizer import TokenizerInfo
+from neuron.registry import ModelHandle
+
+from .reasoning import ThinkMarkers, reasoning_markers, starts_thinking
+from .schemas import ChatRequest, CompletionRequest
+from .tools import ToolPlan, detect_syntax, plan_tools, with_tool_prompt
+
+
+def _check(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise ApiError(400, "invalid_request", message, param=param)
+
+
+@dataclass
+class Prompt:
+    ids: list[int]
+    text: str = ""  # what the completion's echo repeats
+
+
+@dataclass
+class ChatPrompt:
+    prompt: Prompt
+    tools: ToolPlan | None = None
+    markers: ThinkMarkers | None = None
+    thinking: bool | None = None  # the template leaves the model inside its thinking
+    echo: str = ""  # chat echo: the final assistant message that the answer continues
+    shown: set[int] = field(default_factory=set)  # special tokens the answer's text must show
+
+
+def chat_messages(body: ChatRequest) -> list[dict[str, Any]]:
+    _check(bool(body.messages), "messages", "messages must not be empty")
+    messages = []
+    for i, m in enumerate(body.messages):
+        _check(m.role in ("system", "user", "assistant", "tool", "developer"), f"messages.{i}.role",
+               f"unknown role {m.role[:40]!r}")
+        content = m.content
+        if isinstance(content, list):
+            for part in content:
+                _check(part.type in ("text", "input_text", "output_text"), f"messages.{i}.content",
+                       f"content part type {part.type[:40]!r} is not supported")
+            content = "".join(part.text or "" for part in content)
+        message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            if getattr(m, key) is not None:
+                message[key] = getattr(m, key)
+        if m.reasoning is not None and "reasoning_content" not in message:
+            message["reasoning_content"] = m.reasoning
+        if m.tool_calls is not None:
+            message["tool_calls"] = [_call_for_template(c, f"messages.{i}.tool_calls.{j}")
+                                     for j, c in enumerate(m.tool_calls)]
+        messages.append(message)
+    return messages
+
+
+def _call_for_template(call: dict[str, Any], param: str) -> dict[str, Any]:
+    """A call as templates read it: arguments as an object, not the JSON text OpenAI sends."""
+    fn = call.get("function")
+    _check(isinstance(fn, dict) and isinstance(fn.get("name"), str), param, "a tool call needs function.name")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            pass  # the template gets the text
+    return {**call, "type": call.get("type", "function"), "function": {**fn, "arguments": args}}
+
+
+def _render(info: TokenizerInfo, template: str | None, messages: list[dict[str, Any]], *, tools: list | None,
+            documents: list | None, add_generation_prompt: bool, extra: dict[str, Any]) -> str:
+    try:
+        return render_chat(template, messages, tools=tools, documents=documents,
+                           add_generation_prompt=add_generation_prompt, bos_token=info.bos_token,
+                           eos_token=info.token(info.eos_token_ids[0]) if info.eos_token_ids else None, extra=extra)
+    except TemplateError as exc:
+        raise ApiError(400, "invalid_request", str(exc), param="messages") from None
+
+
+def chat_prompt(body: ChatRequest, handle: ModelHandle) -> ChatPrompt:
+    info = handle.spec.tokenizer
+    entry = handle.entry
+    template = body.chat_template if body.chat_template is not None else info.chat_template
+    messages = chat_messages(body)
+    extra = dict(body.chat_template_kwargs or {})
+    for name, value in (("reasoning_effort", body.reasoning_effort), ("documents", body.documents)):
+        if value is not None:
+            _check(template is not None and name in template, name,
+                   f"{name}: this model's chat template does not use it")
+    if body.reasoning_effort is not None:
+        extra["reasoning_effort"] = body.reasoning_effort
+    if body.continue_final_message:
+        _check(not body.add_generation_prompt, "continue_final_message",
+               "continue_final_message and add_generation_prompt cannot both be true")
+        _check(messages[-1]["role"] == "assistant" and bool(messages[-1]["content"]), "continue_final_message",
+               "continue_final_message needs a final assistant message with content")
+    tool_setting = getattr(entry, "tool_parser", "auto")
+    tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, detect_syntax(tool_setting, template))
+    _check(tools is None or tool_setting != "none", "tools", "tool calling is turned off for this model")
+
+    def render(msgs: list[dict[str, Any]], with_tools: list | None) -> str:
+        return _render(info, template, msgs, tools=with_tools, documents=body.documents,
+                       add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
+                       extra=extra)
+
+    text = render(messages, tools.tools if tools else None)
+    if tools is not None and text == render(messages, None):
+        # The template ignores tools: our own tool prompt, in the syntax it asks for.
+        tools.syntax = "hermes"
+        text = render(with_tool_prompt(messages, tools.tools), None)
+    if body.continue_final_message:
+        final = messages[-1]["content"]
+        at = text.rfind(final)
+        _check(at >= 0, "continue_final_message", "the template does not show the final message as given")
+        text = text[: at + len(final)]
+    encoded = info.tokenizer.encode(text, add_special_tokens=body.add_special_tokens).ids
+    ids = encoded if body.add_special_tokens else _with_bos(info, encoded)
+    markers = reasoning_markers(getattr(entry, "reasoning_parser", "auto"), template)
+    out = ChatPrompt(Prompt(ids, text), tools, markers, starts_thinking(text, markers) if markers else None)
+    if body.echo and messages[-1]["role"] == "assistant":
+        out.echo = messages[-1]["content"]
+    marker_texts = [markers.start, markers.end] if markers else []
+    if tools is not None:
+        marker_texts += {"hermes": ["<tool_call>", "</tool_call>"], "mistral": ["[TOOL_CALLS]", "[ARGS]"],
+                         "llama3_json": ["<|python_tag|>"]}[tools.syntax]
+    out.shown = {t for t in (info.tokenizer.token_to_id(m) for m in marker_texts) if t is not None}
+    return out
+
+
+def completion_prompts(body: CompletionRequest, handle: ModelHandle) -> list[Prompt]:
+    """One prompt per string or token-id list of ``prompt``."""
+    raw = body.prompt
+    vocab = handle.spec.config.vocab_size
+    info = handle.spec.tokenizer
+    if isinstance(raw, str):
+        items: list[Any] = [raw]
+    elif isinstance(raw, list) and raw and all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
+        items = [raw]
+    elif isinstance(raw, list) and raw and all(isinstance(p, (str, list)) for p in raw):
+        items = raw
+    else:
+        raise ApiError(400, "invalid_request", "prompt must be a string, a list of strings, a list of token ids "
+                       "or a list of such lists", param="prompt")
+    prompts = []
+    for i, item in enumerate(items):
+        param = "prompt" if len(items) == 1 else f"prompt.{i}"
+        if isinstance(item, str):
+            _check(item != "", param, "a prompt must not be empty")
+            ids = info.tokenizer.encode(item, add_special_tokens=body.add_special_tokens).ids
+            prompts.append(Prompt(_with_bos(info, ids) if body.add_special_tokens else ids, item))
+            continue
+        _check(bool(item) and all(isinstance(t, int) and not isinstance(t, bool) for t in item), param,
+               "a token-id prompt must be a non-empty list of integers")
+        _check(all(0 <= t < vocab for t in item), param, f"token ids must be in [0, {vocab})")
+        prompts.append(Prompt(list(item), info.tokenizer.decode(item, skip_special_tokens=False) if body.echo else ""))
+    return prompts
+
+
+def _with_bos(info: TokenizerInfo, ids: list[int]) -> list[int]:
+    if info.add_bos and info.bos_token:
+        bos = info.tokenizer.token_to_id(info.bos_token)
+        if bos is not None and (not ids or ids[0] != bos):
+            return [bos, *ids]
+    return ids

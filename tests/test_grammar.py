@@ -1,0 +1,169 @@
+"""The leader's grammar engine (llguidance) on real tokenizers: random walks through the masks
+(what a model that wants nothing of the grammar does) always end in output that parses and
+validates, within the token budget; no torch on the way."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import subprocess
+import sys
+
+import jsonschema
+import numpy as np
+import pytest
+
+from conftest import ROOT
+from neuron.engine.grammar import GrammarError, GrammarSpec, close_objects, grammars_for
+from neuron.engine.grammar_budget import unpack
+from neuron.tools.checkpoints import EOS_TOKEN, build_tokenizer
+
+NESTED = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer"},
+        "kind": {"enum": ["alpha", "beta", "gamma"]},
+        "items": {"type": "array", "items": {
+            "type": "object",
+            "properties": {"x": {"type": "number"}, "ok": {"type": "boolean"},
+                           "tags": {"type": "array", "items": {"type": "string"}}},
+            "required": ["x", "ok", "tags"]}},
+        "owner": {"type": "object", "properties": {"name": {"type": "string"},
+                                                   "roles": {"type": "array", "items": {"enum": ["r", "w"]}}},
+                  "required": ["name", "roles"], "additionalProperties": False},
+        "note": {"type": ["string", "null"]},
+    },
+    "required": ["id", "kind", "items", "owner", "note"],
+}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The 512-token byte-level BPE of the random test checkpoints."""
+    tk = build_tokenizer()
+    return tk, grammars_for(tk, tk.get_vocab_size(), [tk.token_to_id(EOS_TOKEN)])
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """The default model's 49k-token tokenizer, rebuilt from its GGUF."""
+    from neuron.loader.spec import load_spec
+
+    spec = load_spec("SmolLM2-135M-Instruct")
+    info = spec.tokenizer
+    return info.tokenizer, grammars_for(info.tokenizer, spec.config.vocab_size, info.eos_token_ids)
+
+
+def walk(grammars, grammar: str, budget: int, rng: random.Random) -> tuple[list[int], str, bool]:
+    """Draw uniformly among the allowed tokens until EOS or the budget; (tokens, why, closed early)."""
+    constraint = grammars.constraint(grammar, budget)
+    out: list[int] = []
+    for _ in range(budget):
+        mask = np.frombuffer(constraint.allowed(), dtype="<u4")
+        assert mask.nbytes == 4 * ((grammars.vocab + 31) // 32)
+        token = int(rng.choice(np.flatnonzero(unpack(mask, grammars.vocab))))
+        constraint.accept(token)
+        if token in grammars.eos:
+            return out, "eos", constraint.closed_early
+        out.append(token)
+    return out, "length", constraint.closed_early
+
+
+@pytest.mark.parametrize("budget", [80, 150, 400])
+def test_random_walks_through_a_nested_schema_always_validate(tiny, budget):
+    tk, grammars = tiny
+    grammar = grammars.check(GrammarSpec("json_schema", NESTED))
+    rng = random.Random(budget)
+    for _ in range(12):
+        tokens, why, _ = walk(grammars, grammar, budget, rng)
+        value = json.loads(tk.decode(tokens))
+        jsonschema.validate(value, NESTED)
+        assert len(tokens) <= budget
+
+
+@pytest.mark.parametrize("budget", [3, 8, 20, 200])
+def test_any_json_object_closes_within_even_a_tight_budget(tiny, budget):
+    tk, grammars = tiny
+    grammar = grammars.check(GrammarSpec("json_object", None))
+    rng = random.Random(budget)
+    for _ in range(20):
+        tokens, why, closed_early = walk(grammars, grammar, budget, rng)
+        assert isinstance(json.loads(tk.decode(tokens)), dict)
+        assert why == "eos" or closed_early
+
+
+def test_a_budget_below_the_shortest_valid_output_ends_by_length(tiny):
+    tk, grammars = tiny
+    grammar = grammars.check(GrammarSpec("json_schema", NESTED))
+    tokens, why, closed_early = walk(grammars, grammar, 10, random.Random(0))
+    assert why == "length" and len(tokens) == 10 and not closed_early  # no ending fits: nothing is steered
+
+
+def test_the_default_models_tokenizer_walks_a_schema_too(smollm2):
+    tk, grammars = smollm2
+    grammar = grammars.check(GrammarSpec("json_schema", NESTED))
+    rng = random.Random(7)
+    for _ in range(3):
+        tokens, _, _ = walk(grammars, grammar, 150, rng)
+        jsonschema.validate(json.loads(tk.decode(tokens)), NESTED)
+
+
+def test_regex_choice_and_gbnf_grammars_hold(tiny):
+    tk, grammars = tiny
+    rng = random.Random(3)
+    regex = grammars.check(GrammarSpec("regex", r"[0-9]{3}-[a-z]{2,4}"))
+    choice = grammars.check(GrammarSpec("choice", ["yes", "no", "maybe so"]))
+    gbnf = grammars.check(GrammarSpec("grammar", 'root ::= "(" [0-9]+ ("+" [0-9]+)* ")"'))
+    for _ in range(20):
+        assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", tk.decode(walk(grammars, regex, 20, rng)[0]))
+        assert tk.decode(walk(grammars, choice, 20, rng)[0]) in ("yes", "no", "maybe so")
+        assert re.fullmatch(r"\([0-9]+(\+[0-9]+)*\)", tk.decode(walk(grammars, gbnf, 30, rng)[0]))
+
+
+def test_whitespace_between_json_tokens_is_one_space_or_an_indented_line(tiny):
+    tk, grammars = tiny
+    grammar = grammars.check(GrammarSpec("json_schema", NESTED))
+    rng = random.Random(11)
+    for _ in range(10):
+        text = tk.decode(walk(grammars, grammar, 200, rng)[0])
+        outside = re.sub(r'"(?:[^"\\]|\\.)*"', '""', text)
+        assert all(re.fullmatch(r"[ \t]|\r?\n[ \t]{0,32}", run) for run in re.findall(r"\s+", outside)), outside
+
+
+def test_no_additional_properties_closes_every_open_object():
+    closed = close_objects({"type": "object", "properties": {"a": {"type": "object"}, "b": {"enum": [{"x": 1}]}}})
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["a"]["additionalProperties"] is False
+    assert closed["properties"]["b"] == {"enum": [{"x": 1}]}
+
+
+@pytest.mark.parametrize("spec", [
+    GrammarSpec("json_schema", {"type": "object", "properties": {"a": {"type": "no-such-type"}}}),
+    GrammarSpec("regex", "(unclosed"),
+    GrammarSpec("choice", []),
+    GrammarSpec("grammar", "root ::= missing_rule"),
+])
+def test_a_grammar_that_does_not_compile_is_an_error_with_a_reason(tiny, spec):
+    _, grammars = tiny
+    with pytest.raises(GrammarError) as info:
+        grammars.check(spec)
+    assert str(info.value)
+
+
+def test_the_grammar_engine_runs_without_torch():
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'torch': raise ImportError('torch on the leader')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from neuron.engine.grammar import GrammarSpec, grammars_for\n"
+        "from neuron.tools.checkpoints import build_tokenizer\n"
+        "tk = build_tokenizer()\n"
+        "g = grammars_for(tk, tk.get_vocab_size(), [tk.token_to_id('<|im_end|>')])\n"
+        "c = g.constraint(g.check(GrammarSpec('json_object', None)), 16)\n"
+        "assert len(c.allowed()) == 64\n"
+        "assert 'torch' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
