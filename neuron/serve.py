@@ -66,6 +66,8 @@ def apply_flags(cfg: Config, args: argparse.Namespace) -> Config:
             entry.tensor_parallel = args.tensor_parallel
         if args.device:
             entry.device = args.device
+        if getattr(args, "quantize", None) is not None:
+            entry.quantize = "" if args.quantize == "none" else args.quantize
     validate(cfg)
     return cfg
 
