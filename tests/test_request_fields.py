@@ -256,7 +256,7 @@ def run(server, route: str, body: dict, case: Case, base: dict) -> dict:
     if case.field == "seed":
         out["again"] = post(server, route, body).json()
     if case.field == "user":
-        out["log_has_user"] = "user 'walker-alice'" in server.log()
+        out["log_has_user"] = "user=walker-alice" in server.log()  # the request's start line
     if case.field == "truncation_side":
         out["left"] = text(post(server, route, {**body, "truncation_side": "left"}).json())
     if case.field == "return_tokens_as_token_ids":
