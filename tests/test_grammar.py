@@ -100,6 +100,25 @@ def test_a_budget_below_the_shortest_valid_output_ends_by_length(tiny):
     assert why == "length" and len(tokens) == 10 and not closed_early  # no ending fits: nothing is steered
 
 
+@pytest.mark.parametrize("budget", [40, 90, 160])
+def test_a_repetition_is_not_begun_when_the_budget_cannot_finish_it(tiny, budget):
+    """As parallel tool calls: after each whole item the output may end or begin another; one
+    begun too late would be cut off unfinished, so the output ends instead."""
+    tk, grammars = tiny
+    item = {"type": "object", "properties": {"name": {"enum": ["get_weather", "get_time"]},
+                                             "arguments": {"type": "object", "properties": {"tz": {"type": "string"}},
+                                                           "required": ["tz"], "additionalProperties": False}},
+            "required": ["name", "arguments"], "additionalProperties": False,
+            "x-guidance": {"whitespace_flexible": False}}
+    grammar = grammars.check(GrammarSpec("lark", f'start: item ("\\n" item)*\nitem: %json {json.dumps(item)}\n'))
+    rng = random.Random(budget)
+    for _ in range(12):
+        tokens, why, closed_early = walk(grammars, grammar, budget, rng)
+        assert why == "eos" or closed_early
+        for line in tk.decode(tokens).split("\n"):
+            jsonschema.validate(json.loads(line), item)
+
+
 def test_the_default_models_tokenizer_walks_a_schema_too(smollm2):
     tk, grammars = smollm2
     grammar = grammars.check(GrammarSpec("json_schema", NESTED))

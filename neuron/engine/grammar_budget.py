@@ -10,6 +10,8 @@ tokens left minus the length of the shortest way from here to an output the gram
   on a copy of the parser and kept only if the gap stays open after them; within CALM_GAP, also no
   half UTF-8 characters or escapes (each lengthens the way out).
 - At SLACK the output takes the shortest way's own path, token by token, and ends.
+- Where the output may end, a way on that could not end within the budget (another tool call
+  with too few tokens left for it) is closed: the output ends there instead.
 
 The shortest way is found greedily over token classes (``VocabTables``): forced text whole, then
 closers, separators, plain text. It is an estimate of one fixed policy, and that same policy
@@ -199,9 +201,27 @@ class Budget:
             token = self.tables.closing_token(matcher)
             return self.tables.eos_mask if token is None else pack([token], self.tables.vocab)
         mask = self.tables.words(matcher.compute_bitmask())
+        if matcher.is_accepting():
+            return self._without_dead_ends(matcher, mask, left)
         if gap is not None and self.cost is not None and gap <= self.cost + MARGIN:
             mask = self._without_jumps(matcher, mask, left, gap)
         return mask
+
+    def _without_dead_ends(self, matcher: llg.LLMatcher, mask: np.ndarray, left: int) -> np.ndarray:
+        """At a point where the output may end, the few ways on (another tool call, another
+        item of a repetition) that could not end within the budget: an output that took one
+        would be cut off unfinished, so the output ends here instead."""
+        going_on = mask & ~self.tables.eos_mask
+        ids = np.flatnonzero(unpack(going_on, self.tables.vocab))
+        if not ids.size or len(ids) > TRY_AT_MOST:
+            return mask
+        dead = []
+        for t in ids.tolist():
+            probe = matcher.deep_copy()
+            after = shortest_completion(probe, self.tables, left - 1) if probe.consume_token(t) else None
+            if after is None or left - 1 - after < SLACK:
+                dead.append(t)
+        return mask & ~pack(dead, self.tables.vocab) if dead else mask
 
     def _shortest(self, matcher: llg.LLMatcher, left: int) -> int | None:
         near = self.cost is not None and left <= 2 * self.cost + MARGIN
