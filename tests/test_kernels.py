@@ -13,21 +13,9 @@ pytest.importorskip("triton")
 
 from neuron.models.ops import RopeTables, TorchOps  # noqa: E402
 from neuron.runner import kernels as K  # noqa: E402
+from attention_reference import reference_decode  # noqa: E402
 
 OPS = TorchOps()
-
-
-def reference_decode(q, kc, vc, tables, slots, ctx, kv_of_q, scale):
-    """Attention of each row's query over its sequence's keys, read position by position."""
-    bs = kc.shape[1]
-    out = []
-    for b in range(q.shape[0]):
-        pos = torch.arange(int(ctx[b]))
-        block = tables[slots[b], pos // bs].long()
-        k, v = kc[block, pos % bs][:, kv_of_q].double(), vc[block, pos % bs][:, kv_of_q].double()
-        p = (torch.einsum("hd,nhd->hn", q[b].double(), k) * scale).softmax(-1)
-        out.append(torch.einsum("hn,nhd->hd", p, v))
-    return torch.stack(out)
 
 
 @pytest.mark.parametrize("n_q,n_kv,hd,bs,uniform", [(8, 2, 16, 16, True), (6, 3, 32, 8, True),

@@ -1,4 +1,5 @@
-"""The CPU kernels for packed weights (``csrc/qlinear_cpu.cpp``), built for this machine's
+"""The CPU kernels: packed-weight matrix products (``csrc/qlinear_cpu.cpp``) and the step's fused
+small ops (``neuron/runner/csrc/cpu_ops.cpp``), one extension built for this machine's
 instruction set the first time a rank needs them (torch's C++ extension builder: a C++ compiler
 and ninja) and cached by torch under ``TORCH_EXTENSIONS_DIR`` (default ~/.cache/torch_extensions)."""
 
@@ -12,15 +13,17 @@ from typing import Any
 
 log = logging.getLogger("neuron.kernels")
 
-SOURCE = Path(__file__).parent / "csrc" / "qlinear_cpu.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / "qlinear_cpu.cpp",
+           Path(__file__).parent.parent / "runner" / "csrc" / "cpu_ops.cpp"]
 
 
 class KernelUnavailable(RuntimeError):
     """The CPU kernels could not be built here."""
 
 
-def qlinear_cpu() -> Any:
-    """The built module (``q4_linear``, ``q8_linear``), or KernelUnavailable (tried once)."""
+def cpu_kernels() -> Any:
+    """The built module (``q4_linear``, ``q8_linear``; ``rms_norm``, ``add_rms_norm``, ``silu_mul``,
+    ``rope_store``, ``paged_decode``), or KernelUnavailable (tried once)."""
     result = _build()
     if isinstance(result, KernelUnavailable):
         raise result
@@ -33,7 +36,7 @@ def _build() -> Any:
 
     t0 = time.perf_counter()
     try:
-        mod = load(name="neuron_qlinear_cpu", sources=[str(SOURCE)],
+        mod = load(name="neuron_cpu", sources=[str(s) for s in SOURCES],
                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, an assembler without AVX-512, ...
         return KernelUnavailable(f"the packed-weight CPU kernels could not be built: {exc}")

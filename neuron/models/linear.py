@@ -77,10 +77,10 @@ def packed_kernel_for(device: torch.device, dtype: torch.dtype) -> bool:
         return GPU_PACKED and dtype in (torch.bfloat16, torch.float16)
     if device.type != "cpu":
         return False
-    from .cpu_kernels import KernelUnavailable, qlinear_cpu
+    from .cpu_kernels import KernelUnavailable, cpu_kernels
 
     try:
-        qlinear_cpu()
+        cpu_kernels()
     except KernelUnavailable as exc:
         log.warning("%s; quantized weights are dequantized instead", exc)
         return False

@@ -309,9 +309,9 @@ class PackedLinear:
             self.u = self.u.to(self.device)
             self._kernel = None
             return
-        from .cpu_kernels import qlinear_cpu
+        from .cpu_kernels import cpu_kernels
 
-        kernels = qlinear_cpu()
+        kernels = cpu_kernels()
         self._kernel = kernels.q4_linear if self.bits == 4 else kernels.q8_linear
 
     @property

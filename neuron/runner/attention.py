@@ -3,8 +3,8 @@
 The cache holds, per layer, ``[blocks + 1, block_size, n_kv, head_dim]`` for K and for V; the
 last block is scratch (padded rows of a CUDA graph write there, unused table entries point
 there). A sequence's keys are found through its row of the block table. A step's tokens are
-either single-token decodes (one Triton flash-decoding kernel on CUDA, one batched SDPA over
-gathered keys elsewhere) or prompt chunks (SDPA over the chunk's gathered keys, causal from the
+either single-token decodes (one Triton flash-decoding kernel on CUDA, one C++ kernel over the
+paged cache on the CPU in float32, one batched SDPA over gathered keys elsewhere) or prompt chunks (SDPA over the chunk's gathered keys, causal from the
 bottom right, since a chunk's queries are the last rows of its sequence).
 """
 
@@ -82,9 +82,10 @@ class PagedAttention:
     each step."""
 
     def __init__(self, kv: PagedKvCache, tables: torch.Tensor, shape: AttentionShape, triton: bool,
-                 max_rows: int = 1) -> None:
+                 max_rows: int = 1, cpu_kernels=None) -> None:
         self.kv, self.tables, self.shape = kv, tables, shape
         self.triton = triton
+        self.cpu = cpu_kernels  # the C++ ops (float32 on the CPU), or None
         self.kv_of_q = torch.tensor(shape.kv_of_q, device=tables.device, dtype=torch.int32)
         self.kv_index = self.kv_of_q.long()
         self.meta: StepMeta | None = None
@@ -102,6 +103,10 @@ class PagedAttention:
         if self.triton:
             self.kernels.rope_store(qkv, s.n_q, s.n_kv, positions, rotary.rope.cos, rotary.rope.sin, rotary.q_norm,
                                     rotary.k_norm, rotary.eps, kc, vc, meta.store_index)
+            q = qkv[:, : s.n_q]
+        elif self.cpu is not None:
+            self.cpu.rope_store(qkv, s.n_q, s.n_kv, positions, rotary.rope.cos, rotary.rope.sin, rotary.q_norm,
+                                rotary.k_norm, rotary.eps, kc, vc, meta.store_index)
             q = qkv[:, : s.n_q]
         else:
             q, k = TorchOps().qk_norm_rope(qkv[:, : s.n_q], qkv[:, s.n_q: s.n_q + s.n_kv], positions, rotary.rope,
@@ -130,6 +135,9 @@ class PagedAttention:
             return self.kernels.paged_decode(q, kc, vc, self.tables, meta.decode_slots, meta.decode_ctx,
                                              self.kv_of_q, s.gqa_repeat, s.scale, meta.decode_max_ctx,
                                              meta.decode_splits, self.counters)
+        if self.cpu is not None:
+            return self.cpu.paged_decode(q, kc, vc, self.tables, meta.decode_slots, meta.decode_ctx, self.kv_of_q,
+                                         s.scale)
         assert meta.decode_keys is not None
         keys = kc.view(-1, *kc.shape[2:])[meta.decode_keys]  # [D, C, n_kv, hd]
         values = vc.view(-1, *vc.shape[2:])[meta.decode_keys]

@@ -1,5 +1,5 @@
-"""The model's small ops as fused Triton kernels (CUDA), with the torch reference as the fallback
-for shapes a kernel does not take."""
+"""The model's small ops fused: Triton kernels on CUDA, C++ on the CPU, with the torch reference
+as the fallback for shapes and dtypes a kernel does not take."""
 
 from __future__ import annotations
 
@@ -31,3 +31,34 @@ class TritonOps(TorchOps):
         if gate_up.dim() != 2 or gate_up.stride(1) != 1:
             return self.fallback.silu_mul(gate_up)
         return kernels.silu_mul(gate_up)
+
+
+class CpuOps(TorchOps):
+    """The small ops as fused C++ (``csrc/cpu_ops.cpp``) for float32 on the CPU, with the torch
+    reference for anything else."""
+
+    def __init__(self, fallback: TorchOps, kernels) -> None:
+        self.fallback, self.kernels = fallback, kernels
+
+    @staticmethod
+    def _takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return x.dim() == 2 and x.dtype == weight.dtype == torch.float32 and x.stride(1) == 1
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if not self._takes(x, weight):
+            return self.fallback.rms_norm(x, weight, eps)
+        return self.kernels.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes the new residual stream into ``residual`` (the model owns it)."""
+        if not self._takes(x, weight) or not x.is_contiguous() or not residual.is_contiguous() \
+                or residual.dtype != x.dtype:
+            return self.fallback.add_rms_norm(x, residual, weight, eps)
+        out, residual = self.kernels.add_rms_norm(x, residual, weight, eps)
+        return out, residual
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if gate_up.dim() != 2 or gate_up.dtype != torch.float32 or gate_up.stride(1) != 1:
+            return self.fallback.silu_mul(gate_up)
+        return self.kernels.silu_mul(gate_up)

@@ -102,13 +102,17 @@ class ModelRunner:
             from .ops import TritonOps
             model.ops = TritonOps(model.ops)
             self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.cpu_kernels = _cpu_kernels() if self.device.type == "cpu" and model.dtype == torch.float32 else None
+        if self.cpu_kernels is not None:
+            from .ops import CpuOps
+            model.ops = CpuOps(model.ops, self.cpu_kernels)
         blocks = self._size_kv()
         self.kv = PagedKvCache(model.cfg.num_layers, blocks, self.bs, shape.n_kv, shape.head_dim,
                                self.device, model.dtype)
         self.tables_host = np.full((cfg.max_seqs + 1, self.max_blocks), self.kv.scratch, dtype=np.int32)
         self.tables = torch.from_numpy(self.tables_host).to(self.device)
         self.assigned = [0] * cfg.max_seqs  # table entries the leader has filled, per slot
-        self.attention = PagedAttention(self.kv, self.tables, shape, self.triton, cfg.max_seqs + 1)
+        self.attention = PagedAttention(self.kv, self.tables, shape, self.triton, cfg.max_seqs + 1, self.cpu_kernels)
         self.sampler = DeviceSampler(cfg.max_seqs + 1, self.vocab, self.device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self._last_end: torch.cuda.Event | None = None
@@ -340,6 +344,9 @@ class ModelRunner:
                     self.model.attention_shape.n_q
                 from .kernels import decode_splits
                 meta.decode_splits = decode_splits(len(d), heads, meta.decode_max_ctx, self.sm_count)
+            elif self.cpu_kernels is not None:
+                meta.decode_slots = slot_t[meta.decode_rows] if meta.decode_rows is not None else slot_t
+                meta.decode_ctx = torch.from_numpy(ctx)
             else:
                 C = meta.decode_max_ctx
                 keys = self._key_rows(slot_of[d][:, None], np.arange(C)[None, :])
@@ -448,3 +455,14 @@ def _triton_fits(head_dim: int) -> bool:
         return False
     half = head_dim // 2
     return head_dim >= 16 and head_dim % 2 == 0 and half & (half - 1) == 0
+
+
+def _cpu_kernels():
+    """The C++ CPU ops, or None where they cannot be built (the torch ops run instead)."""
+    from neuron.models.cpu_kernels import KernelUnavailable, cpu_kernels
+
+    try:
+        return cpu_kernels()
+    except KernelUnavailable as exc:
+        log.warning("%s; the CPU step runs unfused torch ops", exc)
+        return None

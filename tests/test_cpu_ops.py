@@ -1,0 +1,82 @@
+"""The CPU step's fused C++ ops (neuron/runner/csrc/cpu_ops.cpp) against their torch references,
+on the shapes the model gives them: q a strided view of qkv, grouped and ungrouped KV heads
+(an uneven tensor-parallel split), sequences scattered over the paged cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attention_reference import reference_decode
+from neuron.models.cpu_kernels import KernelUnavailable, cpu_kernels
+from neuron.models.ops import RopeTables, TorchOps
+
+try:
+    C = cpu_kernels()
+except KernelUnavailable as exc:  # no compiler here: the CPU runs the torch ops (checked elsewhere)
+    pytest.skip(str(exc), allow_module_level=True)
+
+OPS = TorchOps()
+
+
+@pytest.mark.parametrize("n_q,n_kv,hd,bs,uniform", [(9, 3, 64, 16, True), (8, 2, 16, 16, True),
+                                                    (5, 2, 16, 16, False), (4, 4, 24, 8, True)])
+def test_paged_decode_attends_each_sequence_over_its_own_blocks(n_q, n_kv, hd, bs, uniform):
+    g = torch.Generator().manual_seed(n_q * 100 + hd)
+    blocks, max_blocks = 60, 12
+    kc = torch.randn(blocks, bs, n_kv, hd, generator=g)
+    vc = torch.randn(blocks, bs, n_kv, hd, generator=g)
+    tables = torch.randperm(blocks, generator=g)[: 5 * max_blocks].view(5, max_blocks).int()
+    slots = torch.tensor([4, 0, 2])
+    ctx = torch.tensor([1, 7, max_blocks * bs - 3])
+    qkv = torch.randn(3, n_q + 2 * n_kv, hd, generator=g)
+    q = qkv[:, :n_q]
+    kv_of_q = torch.arange(n_q) // (n_q // n_kv) if uniform else torch.arange(n_q) * n_kv // n_q
+    scale = hd ** -0.5
+    out = C.paged_decode(q, kc, vc, tables, slots, ctx, kv_of_q.int(), scale)
+    assert (out.double() - reference_decode(q, kc, vc, tables, slots, ctx, kv_of_q, scale)).abs().max() < 1e-5
+
+
+def test_paged_decode_refuses_a_table_entry_outside_the_cache():
+    kc = torch.zeros(4, 16, 1, 16)
+    tables = torch.tensor([[0, 9]], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="out of range"):
+        C.paged_decode(torch.zeros(1, 1, 16), kc, kc, tables, torch.tensor([0]), torch.tensor([20]),
+                       torch.zeros(1, dtype=torch.int32), 0.25)
+
+
+@pytest.mark.parametrize("rows", [3, 300])  # few rows run serially, many in parallel
+def test_fused_norms_and_silu_match_the_reference(rows):
+    g = torch.Generator().manual_seed(rows)
+    x, r, w = torch.randn(rows, 576, generator=g), torch.randn(rows, 576, generator=g), torch.randn(576, generator=g)
+    assert (C.rms_norm(x, w, 1e-5) - OPS.rms_norm(x, w, 1e-5)).abs().max() < 1e-5
+    ref, ref_r = OPS.add_rms_norm(x, r, w, 1e-5)
+    out, got_r = C.add_rms_norm(x, r, w, 1e-5)
+    assert got_r.data_ptr() == r.data_ptr() and (got_r - ref_r).abs().max() < 1e-6
+    assert (out - ref).abs().max() < 1e-5
+    gu = torch.randn(rows, 2 * 1536, generator=g)
+    assert (C.silu_mul(gu) - OPS.silu_mul(gu)).abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_rope_store_rotates_queries_in_place_and_puts_keys_and_values_in_their_cache_rows(norm):
+    g = torch.Generator().manual_seed(4)
+    T, n_q, n_kv, hd = 3, 4, 2, 16
+    qkv = torch.randn(T, n_q + 2 * n_kv, hd, generator=g)
+    pos = torch.tensor([0, 5, 9])
+    angles = torch.randn(20, hd // 2, generator=g)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    qn, kn = (torch.randn(hd, generator=g), torch.randn(hd, generator=g)) if norm else (None, None)
+    q, k = OPS.qk_norm_rope(qkv[:, :n_q], qkv[:, n_q: n_q + n_kv], pos, RopeTables(cos, sin), qn, kn, 1e-6)
+    got = qkv.clone()
+    kc, vc = torch.zeros(4, 4, n_kv, hd), torch.zeros(4, 4, n_kv, hd)
+    rows = torch.tensor([5, 0, 14])
+    C.rope_store(got, n_q, n_kv, pos, cos, sin, qn, kn, 1e-6, kc, vc, rows)
+    assert (got[:, :n_q] - q).abs().max() < 1e-5
+    assert (kc.view(-1, n_kv, hd)[rows] - k).abs().max() < 1e-5
+    assert torch.equal(vc.view(-1, n_kv, hd)[rows], qkv[:, n_q + n_kv:])
+    kc.view(-1, n_kv, hd)[rows] = 0
+    vc.view(-1, n_kv, hd)[rows] = 0
+    assert not kc.any() and not vc.any()
+    with pytest.raises(RuntimeError, match="out of range"):
+        C.rope_store(got, n_q, n_kv, torch.tensor([0, 5, 99]), cos, sin, qn, kn, 1e-6, kc, vc, rows)
