@@ -8,8 +8,8 @@
 //   silu_mul          [T, 2I] (gate | up) -> silu(gate) * up [T, I]
 //   rope_store        qkv [T, n_q + 2 n_kv, hd]: optional per-head RMS norm of q and k (qwen3),
 //                     neox RoPE; q rotated in place, k rotated and v written to the paged cache
-//   paged_decode      one query token per sequence over its keys in the paged cache (online
-//                     softmax), the query heads of one KV head together so its keys are read once
+//   paged_decode      one query token per sequence over its keys in the paged cache: the
+//                     scores, a softmax over them, the weighted values
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -19,6 +19,39 @@
 #include <vector>
 
 namespace {
+
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#define NEURON_AVX512 1
+
+// The sums of four vectors' lanes: [sum a0, sum a1, sum a2, sum a3].
+inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  const __m512d d01 = _mm512_castps_pd(s01), d23 = _mm512_castps_pd(s23);
+  const __m512 s = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(d01, d23)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(d01, d23)));
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// e^x for x <= 0 (softmax weights), to a few float32 ulps: 2^(x log2 e) split into an integer
+// power (applied by scalef) and 2^f, f in [-0.5, 0.5], by its Taylor polynomial.
+inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(1.4426950408889634f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));  // in [-ln2/2, ln2/2]
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+#endif
 
 inline float dot(const float* a, const float* b, int64_t n) {
   int64_t i = 0;
@@ -41,6 +74,78 @@ inline void scale_add(float* y, float c, const float* x, float w, int64_t n) {
     _mm512_storeu_ps(y + i, _mm512_fmadd_ps(_mm512_loadu_ps(x + i), vw, _mm512_mul_ps(_mm512_loadu_ps(y + i), vc)));
 #endif
   for (; i < n; ++i) y[i] = y[i] * c + x[i] * w;
+}
+
+// out[j] = scale * (q . k[j]) for C keys; four keys reduced together where hd allows.
+inline void scores(const float* q, const float* const* k, int64_t C, int64_t hd, float scale, float* out) {
+  int64_t j = 0;
+#if defined(NEURON_AVX512)
+  if (hd % 16 == 0) {
+    for (; j + 4 <= C; j += 4) {
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t d = 0; d < hd; d += 16) {
+        const __m512 qd = _mm512_loadu_ps(q + d);
+        a0 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k[j] + d), a0);
+        a1 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k[j + 1] + d), a1);
+        a2 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k[j + 2] + d), a2);
+        a3 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k[j + 3] + d), a3);
+      }
+      _mm_storeu_ps(out + j, _mm_mul_ps(reduce4(a0, a1, a2, a3), _mm_set1_ps(scale)));
+    }
+  }
+#endif
+  for (; j < C; ++j) out[j] = dot(q, k[j], hd) * scale;
+}
+
+// out = scale * sum_j p[j] v[j] (acc: hd floats of scratch), 64 dimensions at a time in registers.
+inline void weighted_sum(const float* p, const float* const* v, int64_t C, int64_t hd, float scale, float* acc,
+                         float* out) {
+  int64_t d0 = 0;
+#if defined(NEURON_AVX512)
+  for (; d0 + 64 <= hd; d0 += 64) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t j = 0; j < C; ++j) {
+      const __m512 w = _mm512_set1_ps(p[j]);
+      const float* vj = v[j] + d0;
+      a0 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vj), a0);
+      a1 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vj + 16), a1);
+      a2 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vj + 32), a2);
+      a3 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vj + 48), a3);
+    }
+    const __m512 sc = _mm512_set1_ps(scale);
+    _mm512_storeu_ps(out + d0, _mm512_mul_ps(a0, sc));
+    _mm512_storeu_ps(out + d0 + 16, _mm512_mul_ps(a1, sc));
+    _mm512_storeu_ps(out + d0 + 32, _mm512_mul_ps(a2, sc));
+    _mm512_storeu_ps(out + d0 + 48, _mm512_mul_ps(a3, sc));
+  }
+#endif
+  if (d0 == hd) return;
+  std::fill(acc + d0, acc + hd, 0.0f);
+  for (int64_t j = 0; j < C; ++j) scale_add(acc + d0, 1.0f, v[j] + d0, p[j], hd - d0);
+  for (int64_t d = d0; d < hd; ++d) out[d] = acc[d] * scale;
+}
+
+// p = exp(p - max p) in place; returns its sum.
+inline float softmax_in_place(float* p, int64_t C) {
+  float m = -INFINITY;
+  for (int64_t j = 0; j < C; ++j) m = std::max(m, p[j]);
+  int64_t j = 0;
+  float total = 0;
+#if defined(NEURON_AVX512)
+  __m512 sum = _mm512_setzero_ps();
+  const __m512 vm = _mm512_set1_ps(m);
+  for (; j + 16 <= C; j += 16) {
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(p + j), vm));
+    _mm512_storeu_ps(p + j, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  total = _mm512_reduce_add_ps(sum);
+#endif
+  for (; j < C; ++j) {
+    p[j] = std::exp(p[j] - m);
+    total += p[j];
+  }
+  return total;
 }
 
 inline float inv_rms(const float* x, int64_t n, double eps) {
@@ -183,45 +288,34 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(0 <= sl[b] && sl[b] < table_rows && 0 < cx[b] && cx[b] <= max_blocks * bs, "slot or context out of range");
   for (int64_t h = 0; h < n_q; ++h) TORCH_CHECK(0 <= kvq[h] && kvq[h] < n_kv, "kv_of_q out of range");
-  std::vector<std::vector<int64_t>> heads_of(n_kv);
-  for (int64_t h = 0; h < n_q; ++h) heads_of[kvq[h]].push_back(h);
   auto out = torch::empty({B, n_q, hd}, q.options());
   const float *qp = q.data_ptr<float>(), *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t sb = q.stride(0), sh = q.stride(1);
   int64_t keys = 0;
   for (int64_t b = 0; b < B; ++b) keys += cx[b];
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(keys / B * hd * n_q / n_kv, 1));
-  at::parallel_for(0, B * n_kv, grain, [&](int64_t w0, int64_t w1) {
-    std::vector<float> acc;
+  // One task per (sequence, query head); a thread takes enough of them to be worth waking.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(keys / B * hd, 1));
+  at::parallel_for(0, B * n_q, grain, [&](int64_t w0, int64_t w1) {
+    std::vector<float> acc(hd), p;
+    std::vector<const float*> krow, vrow;
     for (int64_t w = w0; w < w1; ++w) {
-      const int64_t b = w / n_kv, g = w % n_kv, C = cx[b];
-      const std::vector<int64_t>& hs = heads_of[g];
-      const int64_t G = static_cast<int64_t>(hs.size());
-      if (G == 0) continue;
-      acc.assign(G * hd, 0.0f);
+      const int64_t b = w / n_q, h = w % n_q, g = kvq[h], C = cx[b];
       const int32_t* table = tp + sl[b] * max_blocks;
-      std::vector<float> m(G, -INFINITY), l(G, 0.0f);
+      krow.resize(C);
+      vrow.resize(C);
       for (int64_t j = 0; j < C; ++j) {
         const int64_t block = table[j / bs];
         TORCH_CHECK(0 <= block && block < blocks, "block table entry out of range");
         const int64_t row = ((block * bs + j % bs) * n_kv + g) * hd;
-        const float *k = kc + row, *v = vc + row;
-        for (int64_t i = 0; i < G; ++i) {
-          const float s = dot(qp + b * sb + hs[i] * sh, k, hd) * static_cast<float>(scale);
-          // online softmax: rescale what is summed so far when the maximum moves
-          const float m_new = std::max(m[i], s);
-          const float c = std::exp(m[i] - m_new), p = std::exp(s - m_new);
-          l[i] = l[i] * c + p;
-          scale_add(acc.data() + i * hd, c, v, p, hd);
-          m[i] = m_new;
-        }
+        krow[j] = kc + row;
+        vrow[j] = vc + row;
       }
-      for (int64_t i = 0; i < G; ++i) {
-        float* o = op + (b * n_q + hs[i]) * hd;
-        const float inv = 1.0f / l[i];
-        for (int64_t d = 0; d < hd; ++d) o[d] = acc[i * hd + d] * inv;
-      }
+      // The scores of every key, the softmax weights in their place, then the weighted values.
+      p.resize(C);
+      scores(qp + b * sb + h * sh, krow.data(), C, hd, static_cast<float>(scale), p.data());
+      const float total = softmax_in_place(p.data(), C);
+      weighted_sum(p.data(), vrow.data(), C, hd, 1.0f / total, acc.data(), op + (b * n_q + h) * hd);
     }
   });
   return out;
