@@ -4,12 +4,17 @@ on the shapes the model gives them: q a strided view of qkv, grouped and ungroup
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
-from attention_reference import reference_decode
+from attention_reference import reference_decode, rope_case
+from conftest import ROOT
 from neuron.models.cpu_kernels import KernelUnavailable, cpu_kernels
-from neuron.models.ops import RopeTables, TorchOps
+from neuron.models.ops import TorchOps
 
 try:
     C = cpu_kernels()
@@ -60,23 +65,24 @@ def test_fused_norms_and_silu_match_the_reference(rows):
 
 @pytest.mark.parametrize("norm", [False, True])
 def test_rope_store_rotates_queries_in_place_and_puts_keys_and_values_in_their_cache_rows(norm):
-    g = torch.Generator().manual_seed(4)
-    T, n_q, n_kv, hd = 3, 4, 2, 16
-    qkv = torch.randn(T, n_q + 2 * n_kv, hd, generator=g)
-    pos = torch.tensor([0, 5, 9])
-    angles = torch.randn(20, hd // 2, generator=g)
-    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-    qn, kn = (torch.randn(hd, generator=g), torch.randn(hd, generator=g)) if norm else (None, None)
-    q, k = OPS.qk_norm_rope(qkv[:, :n_q], qkv[:, n_q: n_q + n_kv], pos, RopeTables(cos, sin), qn, kn, 1e-6)
-    got = qkv.clone()
-    kc, vc = torch.zeros(4, 4, n_kv, hd), torch.zeros(4, 4, n_kv, hd)
-    rows = torch.tensor([5, 0, 14])
-    C.rope_store(got, n_q, n_kv, pos, cos, sin, qn, kn, 1e-6, kc, vc, rows)
-    assert (got[:, :n_q] - q).abs().max() < 1e-5
-    assert (kc.view(-1, n_kv, hd)[rows] - k).abs().max() < 1e-5
-    assert torch.equal(vc.view(-1, n_kv, hd)[rows], qkv[:, n_q + n_kv:])
-    kc.view(-1, n_kv, hd)[rows] = 0
-    vc.view(-1, n_kv, hd)[rows] = 0
-    assert not kc.any() and not vc.any()
+    c = rope_case(norm)
+    got, (kc, vc) = c.qkv.clone(), c.caches()
+    C.rope_store(got, c.n_q, c.n_kv, c.pos, c.cos, c.sin, c.qn, c.kn, 1e-6, kc, vc, c.rows)
+    c.check(got, kc, vc)
     with pytest.raises(RuntimeError, match="out of range"):
-        C.rope_store(got, n_q, n_kv, torch.tensor([0, 5, 99]), cos, sin, qn, kn, 1e-6, kc, vc, rows)
+        C.rope_store(got, c.n_q, c.n_kv, torch.tensor([0, 5, 99]), c.cos, c.sin, c.qn, c.kn, 1e-6, kc, vc, c.rows)
+
+
+def test_a_build_lock_left_by_a_killed_build_does_not_stop_the_next():
+    """torch waits for ever on its build lock; one left by a process killed mid-build (a daemon
+    stopped during its first start) must not hang every later start."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from neuron.models.cpu_kernels import NAME
+
+    lock = Path(_get_build_directory(NAME, verbose=False)) / "lock"
+    lock.touch()
+    code = "from neuron.models.cpu_kernels import cpu_kernels; print(cpu_kernels().paged_decode.__name__)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0 and "paged_decode" in out.stdout, out.stderr
+    assert not lock.exists()

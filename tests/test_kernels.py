@@ -11,9 +11,9 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 pytest.importorskip("triton")
 
-from neuron.models.ops import RopeTables, TorchOps  # noqa: E402
+from neuron.models.ops import TorchOps  # noqa: E402
 from neuron.runner import kernels as K  # noqa: E402
-from attention_reference import reference_decode  # noqa: E402
+from attention_reference import reference_decode, rope_case  # noqa: E402
 
 OPS = TorchOps()
 
@@ -72,29 +72,16 @@ def test_silu_mul_matches_the_reference():
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("store", [False, True])
 def test_rope_store_rotates_queries_in_place_and_puts_keys_and_values_in_their_cache_rows(norm, store):
-    g = torch.Generator().manual_seed(4)
-    T, n_q, n_kv, hd = 3, 4, 2, 16
-    qkv = torch.randn(T, n_q + 2 * n_kv, hd, generator=g)
-    pos = torch.tensor([0, 5, 9])
-    angles = torch.randn(20, hd // 2, generator=g)
-    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-    qn, kn = (torch.randn(hd, generator=g), torch.randn(hd, generator=g)) if norm else (None, None)
-    q, k = OPS.qk_norm_rope(qkv[:, :n_q], qkv[:, n_q: n_q + n_kv], pos, RopeTables(cos, sin), qn, kn, 1e-6)
-    got = qkv.clone()
-    kc, vc = torch.zeros(4, 4, n_kv, hd), torch.zeros(4, 4, n_kv, hd)
-    rows = torch.tensor([5, 0, 14])
+    c = rope_case(norm)
+    got = c.qkv.clone()
     if store:
-        K.rope_store(got, n_q, n_kv, pos, cos, sin, qn, kn, 1e-6, kc, vc, rows)
-        assert (kc.view(-1, n_kv, hd)[rows] - k).abs().max() < 1e-5
-        assert torch.equal(vc.view(-1, n_kv, hd)[rows], qkv[:, n_q + n_kv:])
-        kc.view(-1, n_kv, hd)[rows] = 0
-        vc.view(-1, n_kv, hd)[rows] = 0
-        assert not kc.any() and not vc.any()
+        kc, vc = c.caches()
+        K.rope_store(got, c.n_q, c.n_kv, c.pos, c.cos, c.sin, c.qn, c.kn, 1e-6, kc, vc, c.rows)
+        c.check(got, kc, vc)
     else:
-        K.rope_store(got, n_q, n_kv, pos, cos, sin, qn, kn, 1e-6)
-        assert (got[:, n_q: n_q + n_kv] - k).abs().max() < 1e-5
-    assert (got[:, :n_q] - q).abs().max() < 1e-5
-    assert torch.equal(got[:, n_q + n_kv:], qkv[:, n_q + n_kv:])
+        K.rope_store(got, c.n_q, c.n_kv, c.pos, c.cos, c.sin, c.qn, c.kn, 1e-6)
+        assert (got[:, c.n_q: c.n_q + c.n_kv] - c.k).abs().max() < 1e-5
+        assert (got[:, :c.n_q] - c.q).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("config", K.GEMV_CONFIGS)

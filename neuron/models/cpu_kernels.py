@@ -5,6 +5,7 @@ and ninja) and cached by torch under ``TORCH_EXTENSIONS_DIR`` (default ~/.cache/
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import logging
 import time
@@ -13,6 +14,7 @@ from typing import Any
 
 log = logging.getLogger("neuron.kernels")
 
+NAME = "neuron_cpu"
 SOURCES = [Path(__file__).parent / "csrc" / "qlinear_cpu.cpp",
            Path(__file__).parent.parent / "runner" / "csrc" / "cpu_ops.cpp"]
 
@@ -32,12 +34,19 @@ def cpu_kernels() -> Any:
 
 @functools.cache
 def _build() -> Any:
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import _get_build_directory, load
 
     t0 = time.perf_counter()
     try:
-        mod = load(name="neuron_cpu", sources=[str(s) for s in SOURCES],
-                   extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+        build = Path(_get_build_directory(NAME, verbose=False))
+        # torch's own build lock is a plain file: one left by a process killed while it built
+        # would make every later build wait for ever. Builds take this flock first (the kernel
+        # drops it when its holder dies), so a torch lock found under it is a dead build's.
+        with open(build / "neuron.flock", "w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            (build / "lock").unlink(missing_ok=True)
+            mod = load(name=NAME, sources=[str(s) for s in SOURCES],
+                       extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, an assembler without AVX-512, ...
         return KernelUnavailable(f"the packed-weight CPU kernels could not be built: {exc}")
     log.info("packed-weight CPU kernels ready in %.1fs", time.perf_counter() - t0)
