@@ -4,8 +4,9 @@ The cache holds, per layer, ``[blocks + 1, block_size, n_kv, head_dim]`` for K a
 last block is scratch (padded rows of a CUDA graph write there, unused table entries point
 there). A sequence's keys are found through its row of the block table. A step's tokens are
 either single-token decodes (one Triton flash-decoding kernel on CUDA, one C++ kernel over the
-paged cache on the CPU in float32, one batched SDPA over gathered keys elsewhere) or prompt chunks (SDPA over the chunk's gathered keys, causal from the
-bottom right, since a chunk's queries are the last rows of its sequence).
+paged cache on the CPU in float32, one batched SDPA over gathered keys elsewhere) or prompt
+chunks (SDPA over the chunk's gathered keys, causal from the bottom right, since a chunk's
+queries are the last rows of its sequence).
 """
 
 from __future__ import annotations
