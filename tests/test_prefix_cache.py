@@ -107,6 +107,23 @@ def serve(jobs: list[tuple[list[int], int]], blocks: int, block_size: int, cachi
     return asyncio.run(main())
 
 
+def run_alone(sched: Scheduler, device: Device, req: GenRequest) -> None:
+    """Admit ``req`` into an idle scheduler and run it to its end, one step at a time."""
+    sched.waiting.append(req)
+    sched.admit()
+    while not req.finished:
+        plan = sched.schedule()
+        tokens = device.run(plan)
+        sched.completed(plan)
+        for x, tok in zip(plan, tokens):
+            if x.sample:
+                x.req.pending -= 1
+                x.req.output.append(tok)
+                if len(x.req.output) >= x.req.max_tokens:
+                    x.req.finished = True
+                    sched.release(x.req)
+
+
 def test_chain_hashes_name_the_whole_prefix_and_the_key():
     a = BlockManager(8, 4, b"model-a")
     blocks = a.allocate(2)
@@ -156,19 +173,7 @@ def test_a_multi_turn_conversation_takes_each_earlier_turn_from_the_cache():
         cached = []
         for turn in range(4):
             req = request(history + [10 + turn], 6)
-            sched.waiting.append(req)
-            sched.admit()
-            while not req.finished:
-                plan = sched.schedule()
-                tokens = device.run(plan)
-                sched.completed(plan)
-                for x, tok in zip(plan, tokens):
-                    if x.sample:
-                        x.req.pending -= 1
-                        x.req.output.append(tok)
-                        if len(x.req.output) >= x.req.max_tokens:
-                            x.req.finished = True
-                            sched.release(x.req)
+            run_alone(sched, device, req)
             cached.append(req.cached_tokens)
             history = req.prompt + req.output
         return cached
@@ -206,19 +211,7 @@ def test_requests_with_different_cache_salts_share_nothing():
         for salt in (b"alice", b"bob", b"alice"):
             req = request(prompt, 2)
             req.cache_salt = salt
-            sched.waiting.append(req)
-            sched.admit()
-            while not req.finished:
-                plan = sched.schedule()
-                tokens = device.run(plan)
-                sched.completed(plan)
-                for x, tok in zip(plan, tokens):
-                    if x.sample:
-                        x.req.pending -= 1
-                        x.req.output.append(tok)
-                        if len(x.req.output) >= x.req.max_tokens:
-                            x.req.finished = True
-                            sched.release(x.req)
+            run_alone(sched, device, req)
             found.append(req.cached_tokens)
         return found
     assert asyncio.run(main()) == [0, 0, 28]
