@@ -65,3 +65,20 @@ def rope_case(norm: bool) -> RopeCase:
     qn, kn = (torch.randn(hd, generator=g), torch.randn(hd, generator=g)) if norm else (None, None)
     q, k = TorchOps().qk_norm_rope(qkv[:, :n_q], qkv[:, n_q: n_q + n_kv], pos, RopeTables(cos, sin), qn, kn, 1e-6)
     return RopeCase(qkv, pos, cos, sin, qn, kn, q, k, torch.tensor([5, 0, 14]), n_q, n_kv, hd)
+
+
+def reference_prefill(q, kc, vc, tables, spans, kv_of_q, scale):
+    """Each chunk's queries over its sequence's keys, read position by position: query i of a
+    chunk (row, n, table row, start) is at position start + i and sees keys 0 ..= start + i.
+    Rows of q outside every chunk are left zero."""
+    bs = kc.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for row, n, slot, start in spans.tolist():
+        pos = torch.arange(start + n)
+        block = tables[slot, pos // bs].long()
+        k, v = kc[block, pos % bs][:, kv_of_q].double(), vc[block, pos % bs][:, kv_of_q].double()
+        s = torch.einsum("ihd,chd->hic", q[row: row + n].double(), k) * scale
+        seen = pos[None, :] <= start + torch.arange(n)[:, None]  # [n, C]
+        p = s.masked_fill(~seen, float("-inf")).softmax(-1)
+        out[row: row + n] = torch.einsum("hic,chd->ihd", p, v)
+    return out

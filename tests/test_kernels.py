@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 
 from neuron.models.ops import TorchOps  # noqa: E402
 from neuron.runner import kernels as K  # noqa: E402
-from attention_reference import reference_decode, rope_case  # noqa: E402
+from attention_reference import reference_decode, reference_prefill, rope_case  # noqa: E402
 
 OPS = TorchOps()
 
@@ -49,6 +49,64 @@ def test_split_count_covers_the_gpu_without_splits_shorter_than_a_tile():
     assert K.decode_splits(1, 8, 4096, 132) == 33
     assert K.decode_splits(1, 8, 100, 132) == 2
     assert K.decode_splits(64, 8, 4096, 132) == 1
+
+
+# (first row in q, tokens, table row, start position): a whole prompt; a chunk after a cached
+# prefix, starting mid-block and crossing blocks; a single token; a chunk after a block-aligned
+# prefix, long enough for two query tiles. Row 99 belongs to no chunk (a decode row).
+SPANS = [(0, 5, 3, 0), (5, 23, 0, 37), (28, 1, 2, 70), (29, 70, 1, 16)]
+
+
+def prefill_case(n_q, n_kv, hd, uniform, dtype, seed):
+    """A cache [40 blocks of 16] that is NaN wherever no chunk's key is (so a read past a
+    sequence's keys shows), shuffled block tables, and q as a strided view of qkv."""
+    g = torch.Generator().manual_seed(seed)
+    bs, max_blocks = 16, 8
+    tables = torch.randperm(40, generator=g)[: 4 * max_blocks].view(4, max_blocks).int()
+    kc = torch.full((40, bs, n_kv, hd), float("nan"))
+    vc = torch.full((40, bs, n_kv, hd), float("nan"))
+    for _, n, slot, start in SPANS:
+        pos = torch.arange(start + n)
+        block = tables[slot, pos // bs].long()
+        kc[block, pos % bs] = torch.randn(len(pos), n_kv, hd, generator=g)
+        vc[block, pos % bs] = torch.randn(len(pos), n_kv, hd, generator=g)
+    q = torch.randn(100, n_q + 2 * n_kv, hd, generator=g)[:, :n_q]
+    if uniform:
+        kv_of_q, repeat = torch.arange(n_q) // (n_q // n_kv), n_q // n_kv
+    else:
+        kv_of_q, repeat = torch.arange(n_q) * n_kv // n_q, 0
+    return q.to(dtype), kc.to(dtype), vc.to(dtype), tables, kv_of_q, repeat
+
+
+@pytest.mark.parametrize("n_q,n_kv,hd,uniform", [(4, 2, 48, True), (4, 4, 64, True), (8, 2, 128, True),
+                                                 (5, 2, 80, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_paged_prefill_attends_each_chunk_causally_after_its_cached_prefix(n_q, n_kv, hd, uniform, dtype):
+    q, kc, vc, tables, kv_of_q, repeat = prefill_case(n_q, n_kv, hd, uniform, dtype, seed=n_q * 100 + hd)
+    spans = torch.tensor(SPANS, dtype=torch.int32)
+    scale = hd ** -0.5
+    out = torch.full(q.shape, 7.0, dtype=dtype)
+    K.paged_prefill(q, kc, vc, tables, spans, kv_of_q.int(), repeat, scale, max(n for _, n, _, _ in SPANS), out)
+    ref = reference_prefill(q, kc, vc, tables, spans, kv_of_q, scale)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert (out[:99].double() - ref[:99]).abs().max() < tol
+    assert (out[99] == 7.0).all()  # a row of no chunk is not written
+
+
+def test_a_chunk_query_sees_the_keys_up_to_its_own_position_and_none_after():
+    # Every value is zero but the one at position 24, query 4 of a chunk starting at 20: queries
+    # 0-3 must not see it, 4-7 must.
+    hd, bs = 32, 16
+    kc = torch.randn(4, bs, 1, hd, generator=torch.Generator().manual_seed(5))
+    vc = torch.zeros(4, bs, 1, hd)
+    tables = torch.tensor([[2, 0, 3, 1]], dtype=torch.int32)
+    vc[0, 24 - bs] = 1.0
+    q = torch.randn(8, 1, hd, generator=torch.Generator().manual_seed(6))
+    spans = torch.tensor([[0, 8, 0, 20]], dtype=torch.int32)
+    out = K.paged_prefill(q, kc, vc, tables, spans, torch.zeros(1, dtype=torch.int32), 1, hd ** -0.5, 8)
+    assert (out[:4] == 0).all() and (out[4:] > 0).all()
+    ref = reference_prefill(q, kc, vc, tables, spans, torch.zeros(1, dtype=torch.long), hd ** -0.5)
+    assert (out.double() - ref).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -90,3 +148,48 @@ def test_the_skinny_gemm_matches_a_linear_layer(config, m):
     g = torch.Generator().manual_seed(m)
     x, w = torch.randn(m, 300, generator=g), torch.randn(70, 300, generator=g)  # ragged N and K
     assert (K.gemv(x, w, config) - x @ w.T).abs().max() < 1e-4
+
+
+def test_the_runner_gives_prompt_chunks_the_same_logits_through_the_triton_kernels():
+    """The runner's Triton wiring (span descriptor, prefill and decode kernels) against its
+    SDPA path, on a tiny model: a chunk after a cached prefix that starts mid-block, decodes and
+    new prompts in one step, both with two chunks (one SDPA call each) and three (one batched
+    call). The runner picks Triton only on CUDA, so here it is switched on by hand."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from neuron.loader.model_config import config_from_hf
+    from neuron.runner.attention import PagedAttention
+    from neuron.tools.checkpoints import make_checkpoint
+    from neuron.tools.parity import ParityJob, build
+    from protocol import Sampling, StepSeq
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = make_checkpoint("llama", Path(tmp), seed=3, head_dim=16, num_attention_heads=4,
+                               num_key_value_heads=2)
+        job = ParityJob("tiny", "safetensors", [str(p) for p in sorted(Path(ckpt).glob("*.safetensors"))],
+                        config_from_hf(json.loads((Path(ckpt) / "config.json").read_text())), prompts=[[0]] * 4)
+        plain, _ = build(job)
+        fast, _ = build(job)
+    fast.triton, fast.sm_count = True, 4
+    fast.attention = PagedAttention(fast.kv, fast.tables, fast.model.attention_shape, True, fast.cfg.max_seqs + 1)
+    g = torch.Generator().manual_seed(9)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(0, plain.vocab, (n,), generator=g).tolist()
+
+    greedy = Sampling(temperature=0.0)
+    steps = [
+        [StepSeq(slot=0, tokens=tokens(37), start_pos=0, sampling=greedy, blocks=[5, 2, 7]),
+         StepSeq(slot=1, tokens=tokens(20), start_pos=0, sample=True, sampling=greedy, blocks=[0, 6])],
+        [StepSeq(slot=0, tokens=tokens(23), start_pos=37, sample=True, blocks=[1, 4], block_start=3),
+         StepSeq(slot=1, tokens=tokens(1), start_pos=20, sample=True),
+         StepSeq(slot=2, tokens=tokens(30), start_pos=0, sample=True, sampling=greedy, blocks=[3, 8]),
+         StepSeq(slot=3, tokens=tokens(5), start_pos=0, sample=True, sampling=greedy, blocks=[9])],
+    ]
+    for seqs in steps:
+        want = plain.forward_logits(seqs, every_position=True)
+        got = fast.forward_logits(seqs, every_position=True)
+        assert fast.attention.meta.prefill_spans is not None and not fast.attention.meta.prefills
+        assert (got - want).abs().max() < 1e-4

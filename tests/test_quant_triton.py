@@ -1,6 +1,6 @@
 """The Triton kernels for packed weights (GPU path), run by Triton's interpreter on the CPU
 against the float32 torch reference: 4- and 8-bit integers, a scale per 32 or per 16, batches
-1..64, the real layouts of a GGUF tensor. The interpreter cannot multiply bfloat16 tiles
+1..64 (both paths, whole and partial K steps), the real layouts of a GGUF tensor. The interpreter cannot multiply bfloat16 tiles
 (``tl.dot`` on bf16 returns garbage there, on any kernel), so it checks float16 and float32
 activations; bfloat16 runs the same code on the GPU."""
 
@@ -19,25 +19,28 @@ pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parent.parent
 
 CHECK = r"""
-import json, numpy as np, torch, gguf
+import json, sys, numpy as np, torch, gguf
 from neuron.models.quant import decode_blocks, pack_nibbles
 from neuron.models.triton_kernels import qlinear, reference_qlinear
 from neuron.tools.checkpoints import random_quant_blocks
+device = sys.argv[1]
+dtypes = [getattr(torch, d) for d in sys.argv[2].split(",")]
 rng = np.random.default_rng(7)
 out = []
 for name in ("Q4_1", "Q8_0", "Q4_K", "Q6_K"):
     qt = gguf.GGMLQuantizationType[name]
-    raw = random_quant_blocks(name, (96, 256), rng) if name.endswith("_K") else gguf.quants.quantize(
-        (rng.standard_normal((96, 256)) * 0.1).astype(np.float32), qt)
+    K = 512 if name.endswith("_K") else 288  # super-blocks of 256; 288 leaves a partial K step
+    raw = random_quant_blocks(name, (96, K), rng) if name.endswith("_K") else gguf.quants.quantize(
+        (rng.standard_normal((96, K)) * 0.1).astype(np.float32), qt)
     q = decode_blocks(raw, qt)
     bits = 4 if q.bits <= 4 else 8
     u = torch.from_numpy(q.u)
-    u = pack_nibbles(u) if bits == 4 else u
-    s, m = torch.from_numpy(q.s), torch.from_numpy(q.m)
-    file = torch.from_numpy(gguf.quants.dequantize(raw, qt))
-    for dtype in (torch.float16, torch.float32):
-        for rows in (1, 7, 64):
-            x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    u = (pack_nibbles(u) if bits == 4 else u).to(device)
+    s, m = torch.from_numpy(q.s).to(device), torch.from_numpy(q.m).to(device)
+    file = torch.from_numpy(gguf.quants.dequantize(raw, qt)).to(device)
+    for dtype in dtypes:
+        for rows in (1, 3, 4, 7, 64):
+            x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).to(device, dtype)
             y = qlinear(x, u, s, m, bits)
             want = x.float() @ file.t()
             ref = reference_qlinear(x, u, s, m, bits)
@@ -48,20 +51,33 @@ print(json.dumps(out))
 """
 
 
-@pytest.fixture(scope="module")
-def results() -> list[dict]:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", CHECK], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+def run_check(device: str, dtypes: str, interpret: bool) -> list[dict]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env.pop("TRITON_INTERPRET", None)
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run([sys.executable, "-c", CHECK, device, dtypes], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_the_triton_kernel_computes_each_gguf_type_as_the_file_dequantizes_it(results):
-    assert len(results) == 4 * 2 * 3
+def check(results: list[dict], dtypes: int) -> None:
+    assert len(results) == 4 * dtypes * 5
     for r in results:
         print(r)
-        tol = 2e-3 if r["dtype"] == "torch.float16" else 2e-5  # float16 tiles round the weights
+        # float16 and bfloat16 tiles round the weights (8 and 11 significant bits)
+        tol = {"torch.float16": 2e-3, "torch.bfloat16": 1.6e-2}.get(r["dtype"], 2e-5)
         assert r["err"] <= tol, r
         assert r["ref_err"] <= 2e-5, r  # the torch reference itself is the file's weight
         assert r["out_dtype"] == r["dtype"] and r["shape"] == [r["rows"], 96]
+
+
+def test_the_triton_kernel_computes_each_gguf_type_as_the_file_dequantizes_it():
+    check(run_check("cpu", "float16,float32", interpret=True), 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="no NVIDIA GPU visible")
+def test_the_compiled_kernels_on_a_gpu():
+    check(run_check("cuda", "bfloat16,float16", interpret=False), 2)

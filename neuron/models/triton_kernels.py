@@ -1,12 +1,19 @@
 """GPU kernels for packed weights (Triton): ``y = x W^T`` with ``W`` in the CPU kernel's layout
 (``quant.PackedLinear``: 4-bit or 8-bit integers in groups of 32 along the input dimension,
 ``w = s * u + m`` per group, or per 16 for the K-quants), bfloat16 or float16 activations,
-float32 accumulation. One program computes a BLOCK_M x BLOCK_N tile of ``y``; each K step
-unpacks a BLOCK_N x BLOCK_K tile of ``W`` in registers and feeds ``tl.dot``.
+float32 accumulation.
 
-Only basic ``tl`` operations (loads with computed offsets, shifts, masks, ``tl.dot``), so the
-same source runs on Triton 3.6 on the GPU hosts and under ``TRITON_INTERPRET=1`` on a CPU, where
-the tests check it against the torch reference ``reference_qlinear``.
+- Up to ``GEMV_ROWS`` rows of ``x`` (decode) the product is memory-bound: ``_qgemv_kernel``
+  gives each program ``BLOCK_N`` output features over the whole of K and reads every packed
+  byte once, in tiles shaped [rows, groups, group] so that a group's scale and offset are
+  loaded once and broadcast (a load per weight would make the kernel instruction-bound).
+- More rows (prefill, larger batches): ``_dequant_kernel`` writes the weight to ``x``'s dtype in
+  slices of rows and cuBLAS multiplies: the product is compute-bound there, and writing the
+  weight once costs less than unpacking it in every tile of a GEMM.
+
+Only basic ``tl`` operations, so the same source runs on Triton 3.6 on the GPU hosts and under
+``TRITON_INTERPRET=1`` on a CPU, where the tests check it against the torch reference
+``reference_qlinear``.
 """
 
 from __future__ import annotations
@@ -17,35 +24,87 @@ import triton.language as tl
 
 
 @triton.jit
-def _qlinear_kernel(x_ptr, u_ptr, s_ptr, m_ptr, y_ptr, M, N, K, NS,
-                    BITS: tl.constexpr, GS: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    row_bytes = K * BITS // 8
+def _group_tiles(u_ptr, s_ptr, m_ptr, n, k0, N, K, NS, BITS: tl.constexpr, GS: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """One K step of rows ``n`` of W: (lo, hi, s_lo, m_lo, s_hi, m_hi, k_lo, k_hi), where ``lo``
+    and ``hi`` are float32 tiles [BLOCK_N, G, 16] of the integers at input indices ``k_lo`` and
+    ``k_hi`` ([G, 16], G = BLOCK_K / 32 groups of 32) and s/m [BLOCK_N, G] their scales. A
+    4-bit byte holds both: element j of a group in the low nibble, j + 16 in the high one."""
+    G: tl.constexpr = BLOCK_K // 32
+    g = k0 // 32 + tl.arange(0, G)
+    j = tl.arange(0, 16)
+    k_lo = g[:, None] * 32 + j[None, :]
+    k_hi = k_lo + 16
+    ok = (n[:, None, None] < N) & (g[None, :, None] < K // 32)
+    row = n[:, None, None] * (K * BITS // 8)
+    if BITS == 4:
+        raw = tl.load(u_ptr + row + (g[:, None] * 16 + j[None, :])[None, :, :], mask=ok, other=0).to(tl.int32)
+        lo = (raw & 15).to(tl.float32)
+        hi = (raw >> 4).to(tl.float32)
+    else:
+        lo = tl.load(u_ptr + row + k_lo[None, :, :], mask=ok, other=0).to(tl.float32)
+        hi = tl.load(u_ptr + row + k_hi[None, :, :], mask=ok, other=0).to(tl.float32)
+    ok_s = (n[:, None] < N) & (g[None, :] < K // 32)
+    at = n[:, None] * NS + g[None, :] * (32 // GS)
+    s_lo = tl.load(s_ptr + at, mask=ok_s, other=0.0).to(tl.float32)
+    m_lo = tl.load(m_ptr + at, mask=ok_s, other=0.0).to(tl.float32)
+    if GS == 16:  # the K-quants: the high half of a group of 32 has its own scale
+        s_hi = tl.load(s_ptr + at + 1, mask=ok_s, other=0.0).to(tl.float32)
+        m_hi = tl.load(m_ptr + at + 1, mask=ok_s, other=0.0).to(tl.float32)
+    else:
+        s_hi = s_lo
+        m_hi = m_lo
+    return lo, hi, s_lo, m_lo, s_hi, m_hi, k_lo, k_hi
+
+
+@triton.jit
+def _qgemv_kernel(x_ptr, u_ptr, s_ptr, m_ptr, y_ptr, M, N, K, NS,
+                  BITS: tl.constexpr, GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """Rows ``0..M-1`` of ``x`` (M <= BLOCK_M) times ``BLOCK_N`` packed rows of W. Products
+    accumulate element-wise in registers over the K steps and are summed once at the end: a
+    reduction per step would cost more than the memory it waits for."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    G: tl.constexpr = BLOCK_K // 32
+    acc_lo = tl.zeros((BLOCK_M, BLOCK_N, G, 16), dtype=tl.float32)
+    acc_hi = tl.zeros((BLOCK_M, BLOCK_N, G, 16), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k = k0 + rk
-        x = tl.load(x_ptr + rm[:, None] * K + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K), other=0.0)
-        if BITS == 4:  # byte j of a group of 32 holds u[j] (low nibble) and u[j + 16] (high nibble)
-            byte = (k // 32) * 16 + (k % 16)
-            shift = ((k % 32) // 16) * 4
-        else:
-            byte = k
-            shift = k * 0
-        mask_w = (rn[:, None] < N) & (k[None, :] < K)
-        raw = tl.load(u_ptr + rn[:, None] * row_bytes + byte[None, :], mask=mask_w, other=0).to(tl.int32)
-        q = (raw >> shift[None, :]) & ((1 << BITS) - 1)
-        g = k // GS
-        s = tl.load(s_ptr + rn[:, None] * NS + g[None, :], mask=mask_w, other=0.0).to(tl.float32)
-        m = tl.load(m_ptr + rn[:, None] * NS + g[None, :], mask=mask_w, other=0.0).to(tl.float32)
-        w = (q.to(tl.float32) * s + m).to(x.dtype)  # [BLOCK_N, BLOCK_K]
-        acc += tl.dot(x, tl.trans(w))
-    tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+        lo, hi, s_lo, m_lo, s_hi, m_hi, k_lo, k_hi = _group_tiles(u_ptr, s_ptr, m_ptr, n, k0, N, K, NS, BITS, GS,
+                                                                  BLOCK_K)
+        w_lo = lo * s_lo[:, :, None] + m_lo[:, :, None]  # [BLOCK_N, G, 16]
+        w_hi = hi * s_hi[:, :, None] + m_hi[:, :, None]
+        xm = (rm[:, None, None] < M) & (k_lo < K)[None, :, :]
+        x_lo = tl.load(x_ptr + rm[:, None, None] * K + k_lo[None, :, :], mask=xm, other=0.0).to(tl.float32)
+        x_hi = tl.load(x_ptr + rm[:, None, None] * K + k_hi[None, :, :], mask=xm, other=0.0).to(tl.float32)
+        acc_lo += x_lo[:, None, :, :] * w_lo[None, :, :, :]
+        acc_hi += x_hi[:, None, :, :] * w_hi[None, :, :, :]
+    acc = tl.sum(tl.sum(acc_lo + acc_hi, axis=3), axis=2)  # [BLOCK_M, BLOCK_N]
+    tl.store(y_ptr + rm[:, None] * N + n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (n[None, :] < N))
+
+
+@triton.jit
+def _dequant_kernel(u_ptr, s_ptr, m_ptr, w_ptr, N, K, NS, BITS: tl.constexpr, GS: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows ``n`` of W as ``w_ptr``'s dtype, [N, K] row-major."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    lo, hi, s_lo, m_lo, s_hi, m_hi, k_lo, k_hi = _group_tiles(u_ptr, s_ptr, m_ptr, n, k0, N, K, NS, BITS, GS,
+                                                              BLOCK_K)
+    ok = (n[:, None, None] < N) & (k_lo[None, :, :] < K)
+    row = w_ptr + n[:, None, None] * K
+    out = w_ptr.dtype.element_ty
+    tl.store(row + k_lo[None, :, :], (lo * s_lo[:, :, None] + m_lo[:, :, None]).to(out), mask=ok)
+    tl.store(row + k_hi[None, :, :], (hi * s_hi[:, :, None] + m_hi[:, :, None]).to(out), mask=ok)
+
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) of the decode kernel by BLOCK_M (rows of x rounded
+# up to a power of two); overridable for tuning (scripts/bench-qlinear --sweep).
+GEMV_CONFIG = {1: (4, 1024, 4, 2), 2: (2, 1024, 4, 2), 4: (2, 512, 4, 2)}
+GEMV_ROWS = max(GEMV_CONFIG)  # more rows than this: dequantize and cuBLAS
+DEQUANT_CONFIG = (8, 512, 4)  # BLOCK_N, BLOCK_K, num_warps
+DEQUANT_ROWS = 8192  # rows of W unpacked at a time
 
 
 def qlinear(x: torch.Tensor, u: torch.Tensor, s: torch.Tensor, m: torch.Tensor, bits: int) -> torch.Tensor:
@@ -58,12 +117,29 @@ def qlinear(x: torch.Tensor, u: torch.Tensor, s: torch.Tensor, m: torch.Tensor, 
     assert bits in (4, 8) and K % 32 == 0 and gs in (16, 32) and u.shape[1] * 8 == K * bits
     x = x.contiguous()
     y = torch.empty((M, N), device=x.device, dtype=x.dtype)
-    block_m = 16 if M <= 16 else 32 if M <= 32 else 64
-    block_n, block_k = 64, 64
-    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
-    _qlinear_kernel[grid](x, u, s, m, y, M, N, K, NS, BITS=bits, GS=gs, BLOCK_M=block_m, BLOCK_N=block_n,
-                          BLOCK_K=block_k)
+    if M <= GEMV_ROWS:
+        block_m = triton.next_power_of_2(M)
+        block_n, block_k, warps, stages = GEMV_CONFIG[block_m]
+        _qgemv_kernel[(triton.cdiv(N, block_n),)](x, u, s, m, y, M, N, K, NS, BITS=bits, GS=gs, BLOCK_M=block_m,
+                                                  BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+                                                  num_stages=stages)
+        return y
+    for n0 in range(0, N, DEQUANT_ROWS):
+        rows = slice(n0, n0 + DEQUANT_ROWS)
+        y[:, rows] = x @ dequantize(u[rows], s[rows], m[rows], bits, x.dtype).t()
     return y
+
+
+def dequantize(u: torch.Tensor, s: torch.Tensor, m: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """The packed rows ``u`` as a dense [N, K] weight of ``dtype``."""
+    N = u.shape[0]
+    K = u.shape[1] * 8 // bits
+    w = torch.empty((N, K), device=u.device, dtype=dtype)
+    block_n, block_k, warps = DEQUANT_CONFIG
+    _dequant_kernel[(triton.cdiv(N, block_n), triton.cdiv(K, block_k))](
+        u, s, m, w, N, K, s.shape[1], BITS=bits, GS=K // s.shape[1], BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps)
+    return w
 
 
 def reference_qlinear(x: torch.Tensor, u: torch.Tensor, s: torch.Tensor, m: torch.Tensor, bits: int) -> torch.Tensor:

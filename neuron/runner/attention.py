@@ -5,8 +5,9 @@ last block is scratch (padded rows of a CUDA graph write there, unused table ent
 there). A sequence's keys are found through its row of the block table. A step's tokens are
 either single-token decodes (one Triton flash-decoding kernel on CUDA, one C++ kernel over the
 paged cache on the CPU in float32, one batched SDPA over gathered keys elsewhere) or prompt
-chunks (SDPA over the chunk's gathered keys, causal from the bottom right, since a chunk's
-queries are the last rows of its sequence).
+chunks (one Triton flash-attention kernel over the paged cache for all of them on CUDA, SDPA
+over each chunk's gathered keys elsewhere), causal from the bottom right, since a chunk's
+queries are the last rows of its sequence.
 """
 
 from __future__ import annotations
@@ -76,6 +77,10 @@ class StepMeta:
     decode_mask: torch.Tensor | None = None  # [D, 1, 1, C] True where a key is the sequence's
     prefills: list[PrefillSpan] = field(default_factory=list)
     prefill_batch: PrefillBatch | None = None
+    # The Triton path's prompt chunks instead of the two above: [S, 4] int32 (first row, tokens,
+    # table row, start position) each, and the bound of their token counts (it fixes the grid).
+    prefill_spans: torch.Tensor | None = None
+    prefill_max_n: int = 0
 
 
 class PagedAttention:
@@ -115,11 +120,14 @@ class PagedAttention:
             kc.view(-1, *kc.shape[2:]).index_copy_(0, meta.store_index, k)
             vc.view(-1, *vc.shape[2:]).index_copy_(0, meta.store_index, qkv[:, s.n_q + s.n_kv:])
         T, n_q, hd = q.shape
-        if meta.decode_rows is None and not meta.prefills and meta.prefill_batch is None:
+        if meta.decode_rows is None:
             return self._decode(q, kc, vc, meta).view(T, n_q * hd)
         out = q.new_empty(T, n_q, hd)
-        if meta.decode_rows is not None and meta.decode_rows.numel():
+        if meta.decode_rows.numel():
             out[meta.decode_rows] = self._decode(q[meta.decode_rows], kc, vc, meta)
+        if meta.prefill_spans is not None:
+            self.kernels.paged_prefill(q, kc, vc, self.tables, meta.prefill_spans, self.kv_of_q, s.gqa_repeat,
+                                       s.scale, meta.prefill_max_n, out)
         for span in meta.prefills:
             out[span.row: span.row + span.n] = self._prefill(q[span.row: span.row + span.n], kc, vc, span.keys)
         if meta.prefill_batch is not None:

@@ -1,7 +1,8 @@
-"""Triton kernels of the decode fast path: paged attention, the KV store, and the small fused ops
-(RMS norm with the residual add, q/k norm + RoPE, SiLU·mul). Imported only where Triton runs
-(CUDA, or the CPU interpreter under TRITON_INTERPRET=1 in tests); every kernel has a plain torch
-reference in neuron/models/ops.py or neuron/runner/attention.py that it is checked against.
+"""Triton kernels of the GPU fast path: paged attention (decode and prefill), the KV store, and
+the small fused ops (RMS norm with the residual add, q/k norm + RoPE, SiLU·mul). Imported only
+where Triton runs (CUDA, or the CPU interpreter under TRITON_INTERPRET=1 in tests); every kernel
+has a plain torch reference in neuron/models/ops.py or neuron/runner/attention.py (or
+tests/attention_reference.py) that it is checked against.
 
 Only basic tl ops are used: the GPU image ships Triton 3.6.
 """
@@ -141,6 +142,125 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         BS=k_cache.shape[1], TILE=tile, NSPLIT=splits, NSPLIT_PAD=_pow2(splits),
         # float32 models get float32 products (tl.dot would otherwise round its inputs to tf32)
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Paged prefill attention (flash attention forward): the prompt chunks of a step in one launch,
+# each over its sequence's keys read through the block table. One program per (query tile of a
+# chunk, KV head with its query heads, chunk); the rows of a tile are (query, head of the group)
+# pairs, so a KV tile is read once for the whole group.
+
+
+@triton.jit
+def _prefill_keys(q, m, lsum, acc, K, V, Tables, slot, kv_head, qpos, lo, hi, d, dmask,
+                  stride_kb, stride_kt, stride_kh, stride_tab, qk_scale,
+                  BS: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+    """Folds keys lo..hi-1 into the running (max, sum, output) of the tile's rows. Without
+    CAUSAL every row may see every key of the range (and the range is whole tiles)."""
+    for k0 in range(lo, hi, BLOCK_N):
+        t = k0 + tl.arange(0, BLOCK_N)
+        if CAUSAL:
+            tmask = t < hi
+            block = tl.load(Tables + slot * stride_tab + t // BS, mask=tmask, other=0)
+            kvmask = tmask[:, None] & dmask[None, :]
+        else:
+            block = tl.load(Tables + slot * stride_tab + t // BS)
+            kvmask = dmask[None, :]
+        offs = block.to(tl.int64) * stride_kb + (t % BS) * stride_kt + kv_head * stride_kh
+        k = tl.load(K + offs[:, None] + d[None, :], mask=kvmask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if CAUSAL:
+            s = tl.where(t[None, :] <= qpos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        v = tl.load(V + offs[:, None] + d[None, :], mask=kvmask, other=0.0)
+        lsum = lsum * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+    return m, lsum, acc
+
+
+@triton.jit
+def _prefill_kernel(Q, K, V, Tables, Spans, KvOfQ, Out,
+                    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_tab,
+                    stride_ot, stride_oh, qk_scale,
+                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, UNIFORM: tl.constexpr,
+                    D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)  # the last tiles see the most keys: start them first
+    head = tl.program_id(1)
+    span = tl.program_id(2)
+    row0 = tl.load(Spans + span * 4)
+    n = tl.load(Spans + span * 4 + 1)
+    slot = tl.load(Spans + span * 4 + 2)
+    start = tl.load(Spans + span * 4 + 3)
+    m0 = tile * BLOCK_M
+    if m0 < n:  # the grid covers the longest chunk
+        r = tl.arange(0, BLOCK_M * GROUP_PAD)
+        i = m0 + r // GROUP_PAD  # the row's query within the chunk
+        g = r % GROUP_PAD
+        if UNIFORM:
+            heads = head * GROUP + g
+            kv_head = head
+            hmask = (g < GROUP) & (i < n)
+        else:
+            heads = head + g * 0
+            kv_head = tl.load(KvOfQ + head)
+            hmask = i < n
+        d = tl.arange(0, D_PAD)
+        dmask = d < D
+        qmask = hmask[:, None] & dmask[None, :]
+        q = tl.load(Q + (row0 + i)[:, None].to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                    mask=qmask, other=0.0)
+        q = q.to(K.dtype.element_ty)
+        qpos = start + i  # query i of the chunk sees keys 0 ..= start + i
+        m = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
+        lsum = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
+        acc = tl.zeros([BLOCK_M * GROUP_PAD, D_PAD], tl.float32)
+        # Keys every row of the tile sees need no mask; the rest, up to the tile's last query,
+        # are masked per row. Keys past the last query are never read.
+        full = (start + m0 + 1) // BLOCK_N * BLOCK_N
+        end = start + tl.minimum(m0 + BLOCK_M, n)
+        m, lsum, acc = _prefill_keys(q, m, lsum, acc, K, V, Tables, slot, kv_head, qpos, 0, full, d, dmask,
+                                     stride_kb, stride_kt, stride_kh, stride_tab, qk_scale,
+                                     BS, BLOCK_N, False, PRECISION)
+        m, lsum, acc = _prefill_keys(q, m, lsum, acc, K, V, Tables, slot, kv_head, qpos, full, end, d, dmask,
+                                     stride_kb, stride_kt, stride_kh, stride_tab, qk_scale,
+                                     BS, BLOCK_N, True, PRECISION)
+        out = acc / lsum[:, None]  # every row sees key 0 at least
+        tl.store(Out + (row0 + i)[:, None].to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 out.to(Out.dtype.element_ty), mask=qmask)
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                  spans: torch.Tensor, kv_of_q: torch.Tensor, gqa_repeat: int, scale: float, max_n: int,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of prompt chunks over the paged cache. q [T, n_q, hd] (rows may be
+    strided); caches [blocks, block_size, n_kv, hd]; tables [rows, max_blocks] int32; ``spans``
+    [S, 4] int32, one (first row in q, tokens n, table row, start position) per chunk: query i of
+    a chunk is at position start + i and sees keys 0 ..= start + i. ``max_n`` bounds every n.
+    Writes the chunks' rows of ``out`` [T, n_q, hd] (allocated when None; other rows untouched)."""
+    T, n_q, D = q.shape
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and spans.dtype == torch.int32 and spans.is_contiguous()
+    out = torch.empty(T, n_q, D, device=q.device, dtype=q.dtype) if out is None else out
+    uniform = gqa_repeat > 0
+    group = gqa_repeat if uniform else 1
+    group_pad = _pow2(group)
+    d_pad = _pow2(D)
+    block_m = max(1, 64 // group_pad)  # query positions per tile: 64 rows (query, head) when it divides
+    block_n = 64 if d_pad <= 128 else 32
+    rows = block_m * group_pad
+    grid = (triton.cdiv(max(1, max_n), block_m), n_q // group, spans.shape[0])
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, tables, spans, kv_of_q, out,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
+        out.stride(0), out.stride(1), scale * 1.4426950408889634,  # exp2 of log2(e) * x is exp(x)
+        GROUP=group, GROUP_PAD=group_pad, UNIFORM=uniform, D=D, D_PAD=d_pad, BS=k_cache.shape[1],
+        BLOCK_M=block_m, BLOCK_N=block_n,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=8 if rows * d_pad >= 128 * 128 else 4)
     return out
 
 

@@ -153,7 +153,12 @@ class ModelRunner:
         tables = torch.arange(probe.blocks, device=self.device, dtype=torch.int32)[None]
         attention = PagedAttention(probe, tables, shape, self.triton)
         rows = torch.arange(n, device=self.device)
-        attention.meta = StepMeta(store_index=rows, decode_rows=rows[:0], prefills=[PrefillSpan(0, n, rows)])
+        attention.meta = StepMeta(store_index=rows, decode_rows=rows[:0])
+        if self.triton:
+            attention.meta.prefill_spans = torch.tensor([[0, n, 0, 0]], dtype=torch.int32, device=self.device)
+            attention.meta.prefill_max_n = n
+        else:
+            attention.meta.prefills = [PrefillSpan(0, n, rows)]
         self.model.forward(torch.zeros(n, dtype=torch.long, device=self.device), rows, attention, rows[-1:])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before - probe.nbytes
@@ -352,7 +357,10 @@ class ModelRunner:
                 keys = self._key_rows(slot_of[d][:, None], np.arange(C)[None, :])
                 meta.decode_keys = upload(keys, torch.int64, self.device)
                 meta.decode_mask = upload(np.arange(C)[None, :] < ctx[:, None], torch.bool, self.device)[:, None, None, :]
-        if len(prefills) > 2:
+        if prefills and self.triton:  # the kernel reads the keys through the block table itself
+            meta.prefill_spans = upload(prefills, torch.int32, self.device)
+            meta.prefill_max_n = max(n for _, n, _, _ in prefills)
+        elif len(prefills) > 2:
             meta.prefill_batch = self._prefill_batch(prefills)
         else:
             for row, n, slot, start in prefills:

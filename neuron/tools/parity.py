@@ -36,6 +36,7 @@ class ParityJob:
     score: list[list[int]] = field(default_factory=list)  # sequences to run teacher-forced
     dense: bool = False  # every weight dequantized to ``dtype``: the reference of a packed model
     score_greedy: bool = False  # also score each prompt followed by its own greedy continuation
+    device: str = "cpu"  # cuda: one GPU per rank (rank r on cuda:r)
 
 
 @dataclass
@@ -86,11 +87,13 @@ def build(job: ParityJob, world: int = 1, rank: int = 0) -> tuple[Any, float]:
 
     t0 = time.perf_counter()
     src = open_source(job.fmt, job.paths, job.config, job.quant, job.dense)
-    dtype, cpu = getattr(torch, job.dtype), torch.device("cpu")
-    block = GROUP if packed_kernel_for(cpu, dtype) and getattr(src, "quantized", False) else 1
-    model = CausalLM(job.config, plan_shard(job.config, world, rank, block), src, dtype=dtype, device=cpu,
+    dtype = getattr(torch, job.dtype)
+    device = torch.device(f"cuda:{rank}") if job.device == "cuda" else torch.device("cpu")
+    block = GROUP if packed_kernel_for(device, dtype) and getattr(src, "quantized", False) else 1
+    model = CausalLM(job.config, plan_shard(job.config, world, rank, block), src, dtype=dtype, device=device,
                      max_len=job.max_len)
-    runner = ModelRunner(model, RunnerConfig(max_seqs=max(1, len(job.prompts)), max_len=job.max_len), rank)
+    seqs = max(1, len(job.prompts))  # a cache for these sequences only, not the device's free memory
+    runner = ModelRunner(model, RunnerConfig(max_seqs=seqs, max_len=job.max_len, kv_tokens=seqs * job.max_len), rank)
     return runner, time.perf_counter() - t0
 
 
