@@ -122,7 +122,8 @@ class PagedAttention:
         T, n_q, hd = q.shape
         if meta.decode_rows is None:
             return self._decode(q, kc, vc, meta).view(T, n_q * hd)
-        out = q.new_empty(T, n_q, hd)
+        # Zeros: a graph's padding rows belong to no span and must stay finite.
+        out = q.new_zeros(T, n_q, hd) if meta.prefill_spans is not None else q.new_empty(T, n_q, hd)
         if meta.decode_rows.numel():
             out[meta.decode_rows] = self._decode(q[meta.decode_rows], kc, vc, meta)
         if meta.prefill_spans is not None:

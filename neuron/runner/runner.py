@@ -3,7 +3,11 @@
 It owns the paged KV cache (sized from the device memory left after the weights), the block
 tables the leader fills, the device sampler, and on CUDA the fused kernels and one CUDA graph
 per decode batch-size bucket. A step whose sequences are all single-token decodes and fit a
-bucket replays that bucket's graph; anything else (prompt chunks, the CPU) runs eagerly.
+bucket replays that bucket's graph. A step with prompt chunks of up to ``PREFILL_GRAPH_TOKENS``
+tokens in all (a question after a cached prefix, a chunk beside running decodes) replays a
+prefill graph: every sequence of it, decodes included, is a span of the paged prefill kernel,
+so one graph per token bucket serves any mix. Longer steps, and the CPU, run eagerly: there
+the device's work outweighs the host's launches.
 
 A step is launched, not waited for: ``step`` returns a ``PendingStep`` whose ``wait`` blocks
 until the step's tokens reach the host (one copy per step). The device thread can meanwhile
@@ -28,6 +32,9 @@ from .sampler import DeviceSampler, check_sampling, upload
 log = logging.getLogger("neuron.runner")
 
 DEVICE_TOKEN = -1  # a decode input the rank takes from its last draw for the slot
+# Token buckets of the prefill graphs. A 50-token step launches ~300 kernels eagerly, about 20 ms
+# of host time around a few ms of device work.
+PREFILL_GRAPH_TOKENS = (32, 64, 128, 256, 512)
 
 
 class StepRejected(ValueError):
@@ -115,6 +122,7 @@ class ModelRunner:
         self.attention = PagedAttention(self.kv, self.tables, shape, self.triton, cfg.max_seqs + 1, self.cpu_kernels)
         self.sampler = DeviceSampler(cfg.max_seqs + 1, self.vocab, self.device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self._last_end: torch.cuda.Event | None = None
         if self.cuda:
             self._outs = [torch.zeros(cfg.max_seqs, dtype=torch.int64).pin_memory() for _ in range(4)]
@@ -128,6 +136,7 @@ class ModelRunner:
             except RuntimeError as exc:  # e.g. a collective the driver cannot capture: run eagerly
                 log.warning("rank %d: CUDA graph capture failed, decode steps run eagerly: %s", rank, exc)
                 self.graphs.clear()
+                self.prefill_graphs.clear()
                 torch.cuda.synchronize(self.device)
 
     @property
@@ -237,6 +246,9 @@ class ModelRunner:
                     self.sampler.feed(at[0], at[1], at[2])
         bucket = 0 if every_position else self._bucket(seqs)
         if not bucket:
+            tokens = 0 if every_position else self._prefill_bucket(seqs)
+            if tokens:
+                return (0, *self._replay_prefill(seqs, sampled, tokens))
             return (0, *self._eager(seqs, sampled, every_position))
         ids, positions, slot_t, logits = self._replay(seqs, bucket)
         if len(sampled) < len(seqs):
@@ -311,7 +323,9 @@ class ModelRunner:
         return next((n for n in sorted(self.graphs) if n >= len(seqs)), 0)
 
     # ----------------------------------------------------------------------------- eager
-    def _eager(self, seqs: list[p.StepSeq], sampled: list[int], every_position: bool = False):
+    def _flatten(self, seqs: list[p.StepSeq]):
+        """The step's tokens as rows: (ids, positions, slots, cache rows) [T] each, the rows of the
+        single-token decodes, (row, n, slot, start) of each prompt chunk, each sequence's last row."""
         T = sum(len(s.tokens) for s in seqs)
         ids = np.empty(T, dtype=np.int64)
         positions = np.empty(T, dtype=np.int64)
@@ -332,6 +346,11 @@ class ModelRunner:
             row += n
             ends.append(row - 1)
         store = self.tables_host[slot_of, positions // self.bs].astype(np.int64) * self.bs + positions % self.bs
+        return ids, positions, slot_of, store, decode_rows, prefills, ends
+
+    def _eager(self, seqs: list[p.StepSeq], sampled: list[int], every_position: bool = False):
+        ids, positions, slot_of, store, decode_rows, prefills, ends = self._flatten(seqs)
+        T = len(ids)
         inputs = upload(np.stack([ids, positions, slot_of, store]), torch.int64, self.device)
         ids_t, pos_t, slot_t, store_t = inputs
         ids_t = self._resolve(ids_t, slot_t)
@@ -435,6 +454,73 @@ class ModelRunner:
             decode_max_ctx=self.cfg.max_len, decode_splits=decode_splits(n, heads, self.cfg.max_len, self.sm_count))
         return ids, self.model.forward(ids, pos, self.attention, None)
 
+    def _prefill_bucket(self, seqs: list[p.StepSeq]) -> int:
+        if not self.prefill_graphs or len(seqs) > self.cfg.max_seqs:
+            return 0
+        T = sum(len(s.tokens) for s in seqs)
+        return next((n for n in sorted(self.prefill_graphs) if n >= T), 0)
+
+    def _replay_prefill(self, seqs: list[p.StepSeq], sampled: list[int], bucket: int):
+        """A step of prompt chunks (and decodes beside them) through the prefill graph of
+        ``bucket`` tokens: its inputs go up in one copy; padding rows write the scratch block."""
+        ids, positions, slot_of, store, _, _, ends = self._flatten(seqs)
+        T, Tmax = len(ids), self._pg_tokens
+        self._pstage = (self._pstage + 1) % len(self._pstaged)
+        staged = self._pstaged[self._pstage]
+        packed = staged.numpy()
+        packed[:] = 0
+        packed[0:T] = ids
+        packed[Tmax: Tmax + T] = positions
+        packed[2 * Tmax: 2 * Tmax + T] = slot_of
+        packed[2 * Tmax + T: 3 * Tmax] = self.scratch_row
+        packed[3 * Tmax: 3 * Tmax + T] = store
+        packed[3 * Tmax + T: 4 * Tmax] = self.kv.scratch * self.bs
+        spans = packed[4 * Tmax: 4 * Tmax + 4 * self.cfg.max_seqs].reshape(-1, 4)
+        for i, (s, end) in enumerate(zip(seqs, ends)):
+            spans[i] = (end + 1 - len(s.tokens), len(s.tokens), s.slot, s.start_pos)
+        rows = [ends[i] for i in sampled]
+        packed[4 * Tmax + 4 * self.cfg.max_seqs: 4 * Tmax + 4 * self.cfg.max_seqs + len(rows)] = rows
+        self._pg_in.copy_(staged, non_blocking=True)
+        graph, resolved, logits = self.prefill_graphs[bucket]
+        graph.replay()
+        view = self._pg_views(T)
+        return resolved[:T], view["pos"], view["slot"], logits[: len(sampled)]
+
+    def _pg_views(self, n: int) -> dict[str, torch.Tensor]:
+        """The prefill graphs' static inputs (one int64 buffer): the first ``n`` tokens of each."""
+        buf, Tmax, S = self._pg_in, self._pg_tokens, self.cfg.max_seqs
+        return {"ids": buf[:n], "pos": buf[Tmax: Tmax + n], "slot": buf[2 * Tmax: 2 * Tmax + n],
+                "store": buf[3 * Tmax: 3 * Tmax + n], "spans": buf[4 * Tmax: 4 * Tmax + 4 * S].view(S, 4),
+                "rows": buf[4 * Tmax + 4 * S: 4 * Tmax + 5 * S]}
+
+    def _prefill_forward(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The captured prefill step of ``n`` token rows over the static inputs."""
+        v = self._pg_views(n)
+        ids = self._resolve(v["ids"], v["slot"])
+        self.attention.meta = StepMeta(store_index=v["store"], decode_rows=v["ids"][:0],
+                                       prefill_spans=v["spans"].to(torch.int32), prefill_max_n=n)
+        return ids, self.model.forward(ids, v["pos"], self.attention, v["rows"])
+
+    def _capture_prefill(self, pool) -> None:
+        sizes = [n for n in PREFILL_GRAPH_TOKENS if n <= min(self.cfg.max_step_tokens, self.cfg.max_len)]
+        if not sizes:
+            return
+        Tmax, S = sizes[-1], self.cfg.max_seqs
+        self._pg_tokens = Tmax
+        self._pg_in = torch.zeros(4 * Tmax + 5 * S, dtype=torch.int64, device=self.device)
+        self._pg_in[2 * Tmax: 3 * Tmax] = self.scratch_row
+        self._pg_in[3 * Tmax: 4 * Tmax] = self.kv.scratch * self.bs
+        self._pstaged = [torch.zeros(4 * Tmax + 5 * S, dtype=torch.int64).pin_memory() for _ in range(4)]
+        self._pstage = 0
+        for n in reversed(sizes):
+            self._prefill_forward(n)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                ids, logits = self._prefill_forward(n)
+            pool = graph.pool()
+            self.prefill_graphs[n] = (graph, ids, logits)
+
     def _capture(self) -> None:
         t0 = time.perf_counter()
         sizes = graph_sizes(self.cfg.max_seqs)
@@ -451,9 +537,11 @@ class ModelRunner:
                 ids, logits = self._decode_forward(n)
             pool = graph.pool()
             self.graphs[n] = (graph, ids, logits)
+        self._capture_prefill(pool)
         torch.cuda.synchronize(self.device)
-        log.info("rank %d: captured %d decode graphs (batch %s) in %.1fs", self.rank, len(sizes),
-                 ",".join(map(str, sizes)), time.perf_counter() - t0)
+        log.info("rank %d: captured %d decode graphs (batch %s) and %d prefill graphs (tokens %s) in %.1fs",
+                 self.rank, len(sizes), ",".join(map(str, sizes)), len(self.prefill_graphs),
+                 ",".join(map(str, sorted(self.prefill_graphs))), time.perf_counter() - t0)
 
 
 def _triton_fits(head_dim: int) -> bool:
