@@ -34,7 +34,7 @@ log = logging.getLogger("neuron.runner")
 DEVICE_TOKEN = -1  # a decode input the rank takes from its last draw for the slot
 # Token buckets of the prefill graphs. A 50-token step launches ~300 kernels eagerly, about 20 ms
 # of host time around a few ms of device work.
-PREFILL_GRAPH_TOKENS = (32, 64, 128, 256, 512)
+PREFILL_GRAPH_TOKENS = (32, 64, 128, 192, 256, 320, 384, 512)
 
 
 class StepRejected(ValueError):
