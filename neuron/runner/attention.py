@@ -81,6 +81,7 @@ class StepMeta:
     # table row, start position) each, and the bound of their token counts (it fixes the grid).
     prefill_spans: torch.Tensor | None = None
     prefill_max_n: int = 0
+    prefill_splits: int = 1  # key ranges per tile (a prefill graph's rows are all chunks or padding)
 
 
 class PagedAttention:
@@ -128,7 +129,7 @@ class PagedAttention:
             out[meta.decode_rows] = self._decode(q[meta.decode_rows], kc, vc, meta)
         if meta.prefill_spans is not None:
             self.kernels.paged_prefill(q, kc, vc, self.tables, meta.prefill_spans, self.kv_of_q, s.gqa_repeat,
-                                       s.scale, meta.prefill_max_n, out)
+                                       s.scale, meta.prefill_max_n, out, meta.prefill_splits)
         for span in meta.prefills:
             out[span.row: span.row + span.n] = self._prefill(q[span.row: span.row + span.n], kc, vc, span.keys)
         if meta.prefill_batch is not None:

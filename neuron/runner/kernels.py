@@ -188,10 +188,12 @@ def _prefill_kernel(Q, K, V, Tables, Spans, KvOfQ, Out,
                     stride_ot, stride_oh, qk_scale,
                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, UNIFORM: tl.constexpr,
                     D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr,
+                    PartOut, PartML, T, NQ):
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # the last tiles see the most keys: start them first
     head = tl.program_id(1)
-    span = tl.program_id(2)
+    span = tl.program_id(2) // SPLITS
+    split = tl.program_id(2) % SPLITS
     row0 = tl.load(Spans + span * 4)
     n = tl.load(Spans + span * 4 + 1)
     slot = tl.load(Spans + span * 4 + 2)
@@ -223,27 +225,63 @@ def _prefill_kernel(Q, K, V, Tables, Spans, KvOfQ, Out,
         # are masked per row. Keys past the last query are never read.
         full = (start + m0 + 1) // BLOCK_N * BLOCK_N
         end = start + tl.minimum(m0 + BLOCK_M, n)
-        m, lsum, acc = _prefill_keys(q, m, lsum, acc, K, V, Tables, slot, kv_head, qpos, 0, full, d, dmask,
-                                     stride_kb, stride_kt, stride_kh, stride_tab, qk_scale,
+        # With SPLITS, this program takes one of SPLITS ranges of whole key tiles.
+        share = tl.cdiv(tl.cdiv(end, BLOCK_N), SPLITS) * BLOCK_N
+        lo = split * share
+        hi = tl.minimum(end, lo + share)
+        m, lsum, acc = _prefill_keys(q, m, lsum, acc, K, V, Tables, slot, kv_head, qpos, lo, tl.minimum(hi, full),
+                                     d, dmask, stride_kb, stride_kt, stride_kh, stride_tab, qk_scale,
                                      BS, BLOCK_N, False, PRECISION)
-        m, lsum, acc = _prefill_keys(q, m, lsum, acc, K, V, Tables, slot, kv_head, qpos, full, end, d, dmask,
-                                     stride_kb, stride_kt, stride_kh, stride_tab, qk_scale,
+        m, lsum, acc = _prefill_keys(q, m, lsum, acc, K, V, Tables, slot, kv_head, qpos, tl.maximum(lo, full), hi,
+                                     d, dmask, stride_kb, stride_kt, stride_kh, stride_tab, qk_scale,
                                      BS, BLOCK_N, True, PRECISION)
-        out = acc / lsum[:, None]  # every row sees key 0 at least
-        tl.store(Out + (row0 + i)[:, None].to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                 out.to(Out.dtype.element_ty), mask=qmask)
+        rows_at = (row0 + i)[:, None].to(tl.int64) * stride_ot + heads[:, None] * stride_oh
+        if SPLITS == 1:
+            out = acc / lsum[:, None]  # every row sees key 0 at least
+            tl.store(Out + rows_at + d[None, :], out.to(Out.dtype.element_ty), mask=qmask)
+        else:  # the range's unnormalised output, running max and sum; _prefill_merge adds them up
+            part = (split * T + row0 + i).to(tl.int64) * NQ + heads  # [SPLITS, T, n_q] rows
+            tl.store(PartOut + part[:, None] * D_PAD + d[None, :], acc, mask=qmask)
+            tl.store(PartML + part * 2, m, mask=hmask)
+            tl.store(PartML + part * 2 + 1, lsum, mask=hmask)
+
+
+@triton.jit
+def _prefill_merge(PartOut, PartML, Out, T, NQ, stride_ot, stride_oh, D: tl.constexpr, D_PAD: tl.constexpr,
+                   SPLITS: tl.constexpr):
+    """One (row, head): the SPLITS key ranges' outputs weighted by their share of the softmax. A
+    row no chunk covers (a graph's padding) has only empty ranges and gets zeros."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    d = tl.arange(0, D_PAD)
+    parts = (tl.arange(0, SPLITS) * T + row).to(tl.int64) * NQ + head
+    ms = tl.load(PartML + parts * 2)
+    ls = tl.load(PartML + parts * 2 + 1)
+    w = tl.where(ms == float("-inf"), 0.0, tl.exp2(ms - tl.max(ms, 0)))  # an empty range weighs nothing
+    acc = tl.load(PartOut + parts[:, None] * D_PAD + d[None, :])
+    # A range that a row sees no key of (past its position, or never written) is not read: its
+    # sums are NaN or garbage.
+    total = tl.sum(tl.where(w[:, None] > 0, acc * w[:, None], 0.0), 0)
+    lsum = tl.sum(tl.where(w > 0, ls * w, 0.0), 0)
+    out = tl.where(lsum > 0, total / tl.where(lsum > 0, lsum, 1.0), 0.0)
+    tl.store(Out + row.to(tl.int64) * stride_ot + head * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < D)
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                   spans: torch.Tensor, kv_of_q: torch.Tensor, gqa_repeat: int, scale: float, max_n: int,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, splits: int = 1) -> torch.Tensor:
     """Causal attention of prompt chunks over the paged cache. q [T, n_q, hd] (rows may be
     strided); caches [blocks, block_size, n_kv, hd]; tables [rows, max_blocks] int32; ``spans``
     [S, 4] int32, one (first row in q, tokens n, table row, start position) per chunk: query i of
     a chunk is at position start + i and sees keys 0 ..= start + i. ``max_n`` bounds every n.
-    Writes the chunks' rows of ``out`` [T, n_q, hd] (allocated when None; other rows untouched)."""
+    Writes the chunks' rows of ``out`` [T, n_q, hd] (allocated when None; other rows untouched).
+    ``splits`` > 1 (a power of two) divides each tile's keys into that many ranges run by their own programs and
+    merged after (a short chunk after a long cached prefix would otherwise keep a few programs
+    busy over thousands of keys); the merge writes every row of ``out``, so each row must then
+    be a chunk's or padding (a prefill graph's rows are)."""
     T, n_q, D = q.shape
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and spans.dtype == torch.int32 and spans.is_contiguous()
+    assert splits == _pow2(splits)
     out = torch.empty(T, n_q, D, device=q.device, dtype=q.dtype) if out is None else out
     uniform = gqa_repeat > 0
     group = gqa_repeat if uniform else 1
@@ -252,15 +290,25 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_m = max(1, 64 // group_pad)  # query positions per tile: 64 rows (query, head) when it divides
     block_n = 64 if d_pad <= 128 else 32
     rows = block_m * group_pad
-    grid = (triton.cdiv(max(1, max_n), block_m), n_q // group, spans.shape[0])
+    grid = (triton.cdiv(max(1, max_n), block_m), n_q // group, spans.shape[0] * splits)
+    part_out = part_ml = q  # unused without splits
+    if splits > 1:
+        part_out = torch.empty(splits, T, n_q, d_pad, device=q.device, dtype=torch.float32)
+        part_ml = torch.empty(splits, T, n_q, 2, device=q.device, dtype=torch.float32)
+        part_ml[..., 0] = float("-inf")  # (max, sum) of a range no program writes: empty
+        part_ml[..., 1] = 0.0
     _prefill_kernel[grid](
         q, k_cache, v_cache, tables, spans, kv_of_q, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
         out.stride(0), out.stride(1), scale * 1.4426950408889634,  # exp2 of log2(e) * x is exp(x)
         GROUP=group, GROUP_PAD=group_pad, UNIFORM=uniform, D=D, D_PAD=d_pad, BS=k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_N=block_n,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLITS=splits,
+        PartOut=part_out, PartML=part_ml, T=T, NQ=n_q,
         num_warps=8 if rows * d_pad >= 128 * 128 else 4)
+    if splits > 1:
+        _prefill_merge[(T, n_q)](part_out, part_ml, out, T, n_q, out.stride(0), out.stride(1), D=D, D_PAD=d_pad,
+                                 SPLITS=splits)
     return out
 
 

@@ -497,8 +497,11 @@ class ModelRunner:
         """The captured prefill step of ``n`` token rows over the static inputs."""
         v = self._pg_views(n)
         ids = self._resolve(v["ids"], v["slot"])
+        # Small steps split each tile's keys four ways: a question after a long cached prefix is a
+        # few query tiles over thousands of keys, too few programs to keep the device busy.
         self.attention.meta = StepMeta(store_index=v["store"], decode_rows=v["ids"][:0],
-                                       prefill_spans=v["spans"].to(torch.int32), prefill_max_n=n)
+                                       prefill_spans=v["spans"].to(torch.int32), prefill_max_n=n,
+                                       prefill_splits=4 if n <= 128 else 1)
         return ids, self.model.forward(ids, v["pos"], self.attention, v["rows"])
 
     def _capture_prefill(self, pool) -> None:
