@@ -515,14 +515,20 @@ class ModelRunner:
         self._pg_in[3 * Tmax: 4 * Tmax] = self.kv.scratch * self.bs
         self._pstaged = [torch.zeros(4 * Tmax + 5 * S, dtype=torch.int64).pin_memory() for _ in range(4)]
         self._pstage = 0
+        self._capture_each(sizes, self._prefill_forward, self.prefill_graphs, pool)
+
+    def _capture_each(self, sizes: list[int], forward, into: dict, pool):
+        """One graph of ``forward(n)`` per size into ``into``, largest first, all in one memory
+        pool; returns the pool."""
         for n in reversed(sizes):
-            self._prefill_forward(n)
+            forward(n)  # compiles the kernels and settles the allocator before capture
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                ids, logits = self._prefill_forward(n)
+                ids, logits = forward(n)
             pool = graph.pool()
-            self.prefill_graphs[n] = (graph, ids, logits)
+            into[n] = (graph, ids, logits)
+        return pool
 
     def _capture(self) -> None:
         t0 = time.perf_counter()
@@ -531,16 +537,7 @@ class ModelRunner:
         self.graph_in[2].fill_(self.scratch_row)
         self._staged = [torch.zeros(3, sizes[-1], dtype=torch.int64).pin_memory() for _ in range(4)]
         self._stage = 0
-        pool = None
-        for n in reversed(sizes):
-            self._decode_forward(n)  # compiles the kernels and settles the allocator before capture
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                ids, logits = self._decode_forward(n)
-            pool = graph.pool()
-            self.graphs[n] = (graph, ids, logits)
-        self._capture_prefill(pool)
+        self._capture_prefill(self._capture_each(sizes, self._decode_forward, self.graphs, None))
         torch.cuda.synchronize(self.device)
         log.info("rank %d: captured %d decode graphs (batch %s) and %d prefill graphs (tokens %s) in %.1fs",
                  self.rank, len(sizes), ",".join(map(str, sizes)), len(self.prefill_graphs),
