@@ -66,7 +66,7 @@ class Source(Protocol):
 
 
 # Packed weights on a GPU (triton_kernels.py): 44% (q8_0) and 69% (q4) less memory than bf16 for
-# an 8B model, but batch-1 decode at 0.54x and 0.60x of bf16's speed (scripts/perf-gpu
+# an 8B model, but batch-1 decode at 0.76x and 0.68x of bf16's speed on an H200 (scripts/perf-gpu
 # --quantize): the kernels do not reach the memory's speed yet. False: dense weights on GPUs.
 GPU_PACKED = True
 
