@@ -464,38 +464,37 @@ class ModelRunner:
         """A step of prompt chunks (and decodes beside them) through the prefill graph of
         ``bucket`` tokens: its inputs go up in one copy; padding rows write the scratch block."""
         ids, positions, slot_of, store, _, _, ends = self._flatten(seqs)
-        T, Tmax = len(ids), self._pg_tokens
+        T = len(ids)
         self._pstage = (self._pstage + 1) % len(self._pstaged)
         staged = self._pstaged[self._pstage]
-        packed = staged.numpy()
-        packed[:] = 0
-        packed[0:T] = ids
-        packed[Tmax: Tmax + T] = positions
-        packed[2 * Tmax: 2 * Tmax + T] = slot_of
-        packed[2 * Tmax + T: 3 * Tmax] = self.scratch_row
-        packed[3 * Tmax: 3 * Tmax + T] = store
-        packed[3 * Tmax + T: 4 * Tmax] = self.kv.scratch * self.bs
-        spans = packed[4 * Tmax: 4 * Tmax + 4 * self.cfg.max_seqs].reshape(-1, 4)
+        whole = self._pg_layout(staged.numpy(), self._pg_tokens)
+        for name, values, pad in (("ids", ids, 0), ("pos", positions, 0), ("slot", slot_of, self.scratch_row),
+                                  ("store", store, self.kv.scratch * self.bs)):
+            whole[name][:T] = values
+            whole[name][T:] = pad
+        whole["spans"][:] = 0
         for i, (s, end) in enumerate(zip(seqs, ends)):
-            spans[i] = (end + 1 - len(s.tokens), len(s.tokens), s.slot, s.start_pos)
-        rows = [ends[i] for i in sampled]
-        packed[4 * Tmax + 4 * self.cfg.max_seqs: 4 * Tmax + 4 * self.cfg.max_seqs + len(rows)] = rows
+            whole["spans"][i] = (end + 1 - len(s.tokens), len(s.tokens), s.slot, s.start_pos)
+        whole["rows"][:] = 0
+        whole["rows"][: len(sampled)] = [ends[i] for i in sampled]
         self._pg_in.copy_(staged, non_blocking=True)
         graph, resolved, logits = self.prefill_graphs[bucket]
         graph.replay()
-        view = self._pg_views(T)
+        view = self._pg_layout(self._pg_in, T)
         return resolved[:T], view["pos"], view["slot"], logits[: len(sampled)]
 
-    def _pg_views(self, n: int) -> dict[str, torch.Tensor]:
-        """The prefill graphs' static inputs (one int64 buffer): the first ``n`` tokens of each."""
-        buf, Tmax, S = self._pg_in, self._pg_tokens, self.cfg.max_seqs
+    def _pg_layout(self, buf, n: int) -> dict:
+        """The prefill graphs' inputs in one int64 buffer (the device's, or a host staging copy):
+        the first ``n`` of each token row's (ids, positions, slots, cache rows), the sequences'
+        spans [max_seqs, 4] and the rows to sample [max_seqs]."""
+        Tmax, S = self._pg_tokens, self.cfg.max_seqs
         return {"ids": buf[:n], "pos": buf[Tmax: Tmax + n], "slot": buf[2 * Tmax: 2 * Tmax + n],
-                "store": buf[3 * Tmax: 3 * Tmax + n], "spans": buf[4 * Tmax: 4 * Tmax + 4 * S].view(S, 4),
+                "store": buf[3 * Tmax: 3 * Tmax + n], "spans": buf[4 * Tmax: 4 * Tmax + 4 * S].reshape(S, 4),
                 "rows": buf[4 * Tmax + 4 * S: 4 * Tmax + 5 * S]}
 
     def _prefill_forward(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The captured prefill step of ``n`` token rows over the static inputs."""
-        v = self._pg_views(n)
+        v = self._pg_layout(self._pg_in, n)
         ids = self._resolve(v["ids"], v["slot"])
         # Small steps split each tile's keys four ways: a question after a long cached prefix is a
         # few query tiles over thousands of keys, too few programs to keep the device busy.
@@ -511,8 +510,9 @@ class ModelRunner:
         Tmax, S = sizes[-1], self.cfg.max_seqs
         self._pg_tokens = Tmax
         self._pg_in = torch.zeros(4 * Tmax + 5 * S, dtype=torch.int64, device=self.device)
-        self._pg_in[2 * Tmax: 3 * Tmax] = self.scratch_row
-        self._pg_in[3 * Tmax: 4 * Tmax] = self.kv.scratch * self.bs
+        whole = self._pg_layout(self._pg_in, Tmax)  # captured with every row padding
+        whole["slot"].fill_(self.scratch_row)
+        whole["store"].fill_(self.kv.scratch * self.bs)
         self._pstaged = [torch.zeros(4 * Tmax + 5 * S, dtype=torch.int64).pin_memory() for _ in range(4)]
         self._pstage = 0
         self._capture_each(sizes, self._prefill_forward, self.prefill_graphs, pool)
