@@ -92,8 +92,11 @@ def build(job: ParityJob, world: int = 1, rank: int = 0) -> tuple[Any, float]:
     block = GROUP if packed_kernel_for(device, dtype) and getattr(src, "quantized", False) else 1
     model = CausalLM(job.config, plan_shard(job.config, world, rank, block), src, dtype=dtype, device=device,
                      max_len=job.max_len)
-    seqs = max(1, len(job.prompts))  # a cache for these sequences only, not the device's free memory
-    runner = ModelRunner(model, RunnerConfig(max_seqs=seqs, max_len=job.max_len, kv_tokens=seqs * job.max_len), rank)
+    # A cache of whole blocks for these sequences only (run_model gives each its own), not the
+    # device's free memory.
+    seqs, bs = max(1, len(job.prompts)), RunnerConfig.block_size
+    runner = ModelRunner(model, RunnerConfig(max_seqs=seqs, max_len=job.max_len,
+                                             kv_tokens=seqs * -(-job.max_len // bs) * bs), rank)
     return runner, time.perf_counter() - t0
 
 
