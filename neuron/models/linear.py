@@ -66,8 +66,8 @@ class Source(Protocol):
 
 
 # Packed weights on a GPU (triton_kernels.py): 44% (q8_0) and 69% (q4) less memory than bf16 for
-# an 8B model, but batch-1 decode at 0.76x and 0.68x of bf16's speed on an H200 (scripts/perf-gpu
-# --quantize): the kernels do not reach the memory's speed yet. False: dense weights on GPUs.
+# an 8B model; batch-1 decode at 0.70x (q8_0, Triton) and 1.27x (q4, torch's tensor-core int4
+# kernel) of bf16's speed on an H200 (scripts/perf-gpu --quantize). False: dense weights on GPUs.
 GPU_PACKED = True
 
 
@@ -153,7 +153,7 @@ def describe_packing(model) -> str:
     for lin in found:
         for part in lin.parts if isinstance(lin, ConcatLinear) else [lin]:
             if isinstance(part, PackedLinear):
-                seen[f"int{part.bits} from {part.source}"] += 1
+                seen[f"int{part.bits}{' (tensor-core layout)' if part.tc4 is not None else ''} from {part.source}"] += 1
             else:
                 seen[f"dense {str(part.weight.dtype).removeprefix('torch.')}"] += 1
     return ", ".join(f"{k} x{v}" for k, v in sorted(seen.items()))

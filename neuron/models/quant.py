@@ -15,6 +15,7 @@ source says so.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -235,8 +236,9 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 
 
 def quantize(w: torch.Tensor, scheme: str) -> QuantWeight:
-    """Quantize a float weight [N, K] (K a multiple of 32) with ``scheme``; scales are rounded to
-    float16 first, so the packed weight holds exactly what this returns."""
+    """Quantize a float weight [N, K] (K a multiple of 32) with ``scheme``; scales are rounded
+    first (to float16, and for q4 to what bfloat16 holds too), so every packed form holds exactly
+    what this returns."""
     x = w.detach().float().cpu().reshape(w.shape[0], -1, GROUP)
     if scheme == "q8_0":
         d = _round_f16(x.abs().amax(-1) / 127)
@@ -244,11 +246,38 @@ def quantize(w: torch.Tensor, scheme: str) -> QuantWeight:
         return QuantWeight((q + 128).to(torch.uint8).reshape(w.shape).numpy(), d.numpy(), (-128 * d).numpy(), 8,
                            "q8_0 (in situ)")
     if scheme == "q4":
-        lo, hi = x.amin(-1), x.amax(-1)
-        s, m = _round_f16((hi - lo) / 15), _round_f16(lo)
+        s, m = _q4_scales(x.amin(-1), x.amax(-1))
         q = torch.round((x - m[..., None]) / torch.where(s == 0, 1, s)[..., None]).clamp(0, 15)
         return QuantWeight(q.to(torch.uint8).reshape(w.shape).numpy(), s.numpy(), m.numpy(), 4, "q4 (in situ)")
     raise ValueError(f"unknown quantization {scheme!r} (known: {', '.join(SCHEMES)})")
+
+
+def _q4_scales(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and offset of q4 groups spanning ``lo..hi``, held exactly by both packed forms: ``s``
+    and ``m`` are float16s (the CPU kernel's), ``s`` and ``m + 8 s`` (the weight at q = 8) are
+    bfloat16s (the GPU's tensor-core int4 kernel's, ``triton_kernels.Tc4Weight``). The weight at
+    q = 8 is rounded to a grid that both allow (a few 1/1000 of a step)."""
+    s = _round_f16(((hi - lo) / 15).to(torch.bfloat16).float())
+    zero = _on_both_grids(lo + 8 * s, lo)
+    m = zero - 8 * s
+    far = _round_f16(m) != m
+    if far.any():  # |m| > ~30 s, a group far from 0: s on the float16 grid of m, wide enough for it
+        grid = torch.exp2(_exponent(lo[far]) - 9)
+        slack = torch.exp2(_exponent(lo[far] + 8 * s[far]) - 7)  # the weight at q = 8 moves by <= half of this
+        s_far = torch.ceil((hi[far] - lo[far] + slack) / 15 / grid) * grid
+        zero_far = _on_both_grids((lo[far] + hi[far] + s_far) / 2, lo[far])  # the middle, where q = 7.5
+        s[far], m[far] = s_far, zero_far - 8 * s_far
+    return s, m  # a group that still misses (tiny and far from 0) keeps its matrix off the int4 kernel
+
+
+def _exponent(v: torch.Tensor) -> torch.Tensor:
+    return torch.floor(torch.log2(v.abs().clamp(min=2**-126)))
+
+
+def _on_both_grids(v: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``v`` rounded to a bfloat16 that also lies on the float16 grid of numbers near ``m``."""
+    grid = torch.maximum(torch.exp2(_exponent(v) - 7), torch.exp2(torch.clamp(_exponent(m) + 1, min=-14) - 10))
+    return torch.round(v / grid) * grid
 
 
 def requantize_q8(w: np.ndarray, source: str) -> QuantWeight:
@@ -278,6 +307,13 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat([g & 15, g >> 4], dim=-1).reshape(T, 2 * half)
 
 
+_ROUNDED_SCALES_LOGGED: set[str] = set()
+
+
+def _is_bf16(t: torch.Tensor) -> bool:
+    return bool(torch.equal(t.to(torch.bfloat16).float(), t.float()))
+
+
 class PackedLinear:
     """``y = x W^T + b`` from ``W`` packed in groups of 32 (4-bit, or 8-bit for wider types),
     computed by the CPU kernel with float32 activations; other activation dtypes are converted at
@@ -302,6 +338,9 @@ class PackedLinear:
             self.d = self.dm = torch.empty(0, 0, dtype=torch.float16)
         self.bias, self.dtype = bias, dtype
         self.device = device or torch.device("cpu")
+        self.tc4 = None
+        if self.device.type == "cuda" and self.bits == 4 and self._tc4(q, dtype):
+            return
         if self.device.type == "cuda":  # the Triton kernel takes float scales per group (float32: exact)
             self.s = torch.from_numpy(q.s if q.sup is not None else q.s.astype(np.float16)).to(self.device)
             self.m = torch.from_numpy(q.m if q.sup is not None else q.m.astype(np.float16)).to(self.device)
@@ -314,15 +353,41 @@ class PackedLinear:
         kernels = cpu_kernels()
         self._kernel = kernels.q4_linear if self.bits == 4 else kernels.q8_linear
 
+    def _tc4(self, q: QuantWeight, dtype: torch.dtype) -> bool:
+        """Keep a 4-bit weight in groups of 32 in the layout of torch's tensor-core int4 kernel
+        (``triton_kernels.Tc4Weight``), in place of ``u``/``s``/``m``, where that kernel runs."""
+        from .triton_kernels import Tc4Weight
+
+        if not Tc4Weight.fits(self.n, self.k, q.group, dtype, self.device):
+            return False
+        s, m = torch.from_numpy(q.s), torch.from_numpy(q.m)
+        if not (_is_bf16(s) and _is_bf16(m + 8 * s)):  # that kernel would round them: not silently
+            if q.source not in _ROUNDED_SCALES_LOGGED:
+                _ROUNDED_SCALES_LOGGED.add(q.source)
+                log.info("4-bit weights from %s stay on the Triton kernel: their scales are not bfloat16s, as the "
+                         "tensor-core int4 kernel would hold them", q.source)
+            return False
+        on = functools.partial(torch.as_tensor, device=self.device)
+        self.tc4 = Tc4Weight.build(on(np.ascontiguousarray(q.u)), on(s), on(m))
+        self.u = self.s = self.m = self.d = self.dm = torch.empty(0, device=self.device)
+        self._kernel = None
+        return True
+
     @property
     def out_features(self) -> int:
         return self.n
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.u, self.s, self.m, self.d, self.dm, *([self.bias] if self.bias is not None else [])]
+        own = self.tc4.tensors() if self.tc4 is not None else [self.u, self.s, self.m, self.d, self.dm]
+        return [*own, *([self.bias] if self.bias is not None else [])]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape, dtype = x.shape, x.dtype
+        if self.tc4 is not None:
+            y = self.tc4(x.reshape(-1, self.k))
+            if self.bias is not None:
+                y = y + self.bias
+            return y.view(*shape[:-1], self.n)
         if x.is_cuda:
             from .triton_kernels import qlinear
 
@@ -339,6 +404,8 @@ class PackedLinear:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of W, dequantized (the embedding lookup on a packed matrix)."""
+        if self.tc4 is not None:
+            return self.tc4.rows(ids, self.dtype)
         u = self.u[ids]
         if self.bits == 4:
             u = unpack_nibbles(u)

@@ -11,6 +11,12 @@ float32 accumulation.
   slices of rows and cuBLAS multiplies: the product is compute-bound there, and writing the
   weight once costs less than unpacking it in every tile of a GEMM.
 
+4-bit weights in groups of 32 with bfloat16 activations take a faster road on GPUs that have
+it (compute capability 8.0+): torch's tensor-core int4 kernel (``torch._weight_int4pack_mm``,
+"tinygemm", the one gpt-fast uses) up to ``TC4_ROWS`` rows, from its own weight layout
+(``Tc4Weight``); beyond that ``_tc4_dequant_kernel`` unpacks that layout to bf16 for cuBLAS. Its
+scales and offsets are bfloat16 (the file's float16s rounded: 2^-9 of a scale).
+
 Only basic ``tl`` operations, so the same source runs on Triton 3.6 on the GPU hosts and under
 ``TRITON_INTERPRET=1`` on a CPU, where the tests check it against the torch reference
 ``reference_qlinear``.
@@ -99,6 +105,29 @@ def _dequant_kernel(u_ptr, s_ptr, m_ptr, w_ptr, N, K, NS, BITS: tl.constexpr, GS
     tl.store(row + k_hi[None, :, :], (hi * s_hi[:, :, None] + m_hi[:, :, None]).to(out), mask=ok)
 
 
+@triton.jit
+def _tc4_dequant_kernel(p_ptr, sz_ptr, ids_ptr, w_ptr, R, N, K, IKT: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    """Rows ``ids`` of a ``Tc4Weight`` as ``w_ptr``'s dtype, [R, K] row-major. Nibble ``p`` of
+    word ``[n // 8][k // (16 IKT)][t][i]`` holds element ``(n, k)`` with ``t = 4 (n % 8) + (k % 8)
+    // 2``, ``i = (k % (16 IKT)) // 32`` and ``p = 4 (k % 2) + 2 ((k % 32) // 16) + (k % 16) // 8``
+    (the B operand of the m16n8k16 tensor-core product, two k-tiles to a word)."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    n = tl.load(ids_ptr + r, mask=r < R, other=0)
+    ok = (r[:, None] < R) & (k[None, :] < K)
+    kr = k % (16 * IKT)
+    t = (n % 8)[:, None] * 4 + ((k % 8) // 2)[None, :]
+    word = (((n // 8)[:, None] * (K // (16 * IKT)) + (k // (16 * IKT))[None, :]) * 32 + t) * (IKT // 2) + (kr // 32)[None, :]
+    nibble = 4 * (k % 2) + 2 * ((kr % 32) // 16) + (k % 16) // 8
+    q = (tl.load(p_ptr + word, mask=ok, other=0) >> (4 * nibble)[None, :]) & 15
+    at = ((k // 32)[None, :] * N + n[:, None]) * 2
+    scale = tl.load(sz_ptr + at, mask=ok, other=0.0).to(tl.float32)
+    zero = tl.load(sz_ptr + at + 1, mask=ok, other=0.0).to(tl.float32)
+    w = (q - 8).to(tl.float32) * scale + zero
+    tl.store(w_ptr + r[:, None] * K + k[None, :], w.to(w_ptr.dtype.element_ty), mask=ok)
+
+
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) of the decode kernel by BLOCK_M (rows of x rounded
 # up to a power of two); overridable for tuning (scripts/bench-qlinear --sweep).
 GEMV_CONFIG = {1: (4, 1024, 4, 2), 2: (2, 1024, 4, 2), 4: (2, 512, 4, 2)}
@@ -154,3 +183,76 @@ def reference_qlinear(x: torch.Tensor, u: torch.Tensor, s: torch.Tensor, m: torc
     gs = K // s.shape[1]
     w = q.view(N, -1, gs).float() * s.float()[..., None] + m.float()[..., None]
     return x.float() @ w.view(N, K).t()
+
+
+# ------------------------------------------------------------------------- tensor-core int4
+
+TC4_ROWS = 32  # more rows than this: unpack to bf16 and cuBLAS
+TC4_DEQUANT_CONFIG = (8, 256, 4)  # BLOCK_R, BLOCK_K, num_warps
+
+
+class Tc4Weight:
+    """A 4-bit weight in groups of 32 in the layout of ``torch._weight_int4pack_mm``: ``packed``
+    int32 [N/8, K/(16 IKT), 32, IKT/2], ``sz`` bf16 [K/32, N, 2] with ``w = (q - 8) * scale +
+    zero`` per group (so ``zero = m + 8 s`` for our ``w = s q + m``)."""
+
+    def __init__(self, packed: torch.Tensor, sz: torch.Tensor, n: int, k: int) -> None:
+        self.packed, self.sz, self.n, self.k = packed, sz, n, k
+        self.ikt = packed.shape[3] * 2
+
+    @staticmethod
+    def fits(n: int, k: int, group: int, dtype: torch.dtype, device: torch.device) -> bool:
+        return (device.type == "cuda" and dtype == torch.bfloat16 and group == 32 and n % 8 == 0 and k % 32 == 0
+                and torch.cuda.get_device_capability(device) >= (8, 0))
+
+    @classmethod
+    def build(cls, q: torch.Tensor, s: torch.Tensor, m: torch.Tensor, pack=None) -> Tc4Weight:
+        """``q`` uint8 values 0..15 [N, K], ``s``, ``m`` float [N, K/32], all on one device;
+        ``pack`` packs the nibbles (torch's own converter on a GPU, ``reference_tc4_pack``
+        elsewhere)."""
+        N, K = q.shape
+        ikt = 8 if K % 128 == 0 else 4 if K % 64 == 0 else 2
+        if pack is None:
+            packed = torch._convert_weight_to_int4pack(((q[:, ::2] << 4) | q[:, 1::2]).contiguous(), ikt)
+        else:
+            packed = pack(q, ikt)
+        s, m = s.float(), m.float()
+        sz = torch.stack([s, m + 8 * s], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        return cls(packed, sz, N, K)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.packed, self.sz]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` bf16 [M, K] -> [M, N]."""
+        if x.shape[0] <= TC4_ROWS:
+            return torch._weight_int4pack_mm(x.contiguous(), self.packed, 32, self.sz)
+        y = torch.empty((x.shape[0], self.n), device=x.device, dtype=x.dtype)
+        ids = torch.arange(self.n, device=x.device, dtype=torch.int32)
+        for n0 in range(0, self.n, DEQUANT_ROWS):
+            part = ids[n0:n0 + DEQUANT_ROWS]
+            y[:, n0:n0 + len(part)] = x @ self.rows(part, x.dtype).t()
+        return y
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` of W, dequantized [len(ids), K]."""
+        R = ids.shape[0]
+        w = torch.empty((R, self.k), device=self.packed.device, dtype=dtype)
+        block_r, block_k, warps = TC4_DEQUANT_CONFIG
+        _tc4_dequant_kernel[(triton.cdiv(R, block_r), triton.cdiv(self.k, block_k))](
+            self.packed, self.sz, ids.to(torch.int32).contiguous(), w, R, self.n, self.k, IKT=self.ikt,
+            BLOCK_R=block_r, BLOCK_K=block_k, num_warps=warps)
+        return w
+
+
+def reference_tc4_pack(q: torch.Tensor, ikt: int) -> torch.Tensor:
+    """What ``torch._convert_weight_to_int4pack`` makes of values 0..15 [N, K] (N % 8 == 0), in
+    torch ops: word ``[n // 8][k // (16 ikt)][t][i]``, nibble ``p``, as ``_tc4_dequant_kernel``
+    reads it. The GPU test checks it against torch's own converter."""
+    N, K = q.shape
+    # q[nT, a, kO, i, jh, jl, b, lo] with n = 8 nT + a, k = 16 ikt kO + 32 i + 16 jh + 8 jl + 2 b + lo
+    v = q.to(torch.int64).reshape(N // 8, 8, K // (16 * ikt), ikt // 2, 2, 2, 4, 2)
+    # -> [nT, kO, t = 4 a + b, i, nibble = 4 lo + 2 jh + jl]
+    v = v.permute(0, 2, 1, 6, 3, 7, 4, 5).reshape(N // 8, K // (16 * ikt), 32, ikt // 2, 8)
+    words = (v << (4 * torch.arange(8, device=q.device))).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
