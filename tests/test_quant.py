@@ -233,3 +233,23 @@ def test_each_rank_holds_at_most_1_15_times_its_share_of_the_file(runs, models, 
         print(f"{name} TP={world} rank {rank}: {held} bytes resident, {share:.0f} bytes of the file, "
               f"{held / share:.3f}x")
         assert held <= 1.15 * share
+
+
+def test_in_situ_q4_scales_are_exact_in_the_cpu_and_the_gpu_forms():
+    """s and m are float16s (the CPU kernel's), s and m + 8 s bfloat16s (the GPU's tensor-core
+    int4 kernel's), so both compute the very weight ``dequantize`` gives; the error stays within
+    about half a step, also for groups far from 0 and for tiny ones."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(64, 256, generator=g) * 0.02
+    w[:8] += 0.5
+    w[8:16] -= 3
+    w[16:24] *= 1e-3
+    w[24] = 0
+    q = quantize(w, "q4")
+    s, m = torch.from_numpy(q.s), torch.from_numpy(q.m)
+    for t, dtype in ((s, torch.float16), (m, torch.float16), (s, torch.bfloat16), (m + 8 * s, torch.bfloat16)):
+        assert torch.equal(t.to(dtype).float(), t)
+    x = w.view(64, -1, GROUP)
+    step = ((x.amax(-1) - x.amin(-1)) / 15).clamp(min=1e-12)
+    err = (torch.from_numpy(q.dequantize()) - w).abs().view(64, -1, GROUP).amax(-1) / step
+    assert float(err[24:].max()) <= 0.51 and float(err[:8].max()) <= 0.6 and float(err.max()) <= 1.8
