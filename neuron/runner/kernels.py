@@ -94,7 +94,10 @@ def _decode_kernel(Q, K, V, Tables, Slots, Ctx, KvOfQ, Out, PartOut, PartLse, Co
             w = tl.where(lses > float("-inf"), tl.exp(lses - tl.where(top > float("-inf"), top, 0.0)[:, None]), 0.0)
             w = w / tl.maximum(tl.sum(w, 1), 1e-30)[:, None]
             merged = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
-            for i in range(NSPLIT):
+            # Only the splits that hold keys: the grid is sized for the longest context a graph
+            # serves, and reading every split's part one after another cost a 300-token decode
+            # 20 us per layer at 33 splits.
+            for i in range(0, (ctx + split_tokens - 1) // split_tokens):
                 part = tl.load(PartOut + ((seq * tl.num_programs(1) * GROUP + heads) * NSPLIT + i)[:, None] * D_PAD
                                + d[None, :], mask=hmask[:, None], other=0.0, cache_modifier=".cg")
                 wi = tl.sum(tl.where(s_[None, :] == i, w, 0.0), 1)
