@@ -71,7 +71,7 @@ class StepMeta:
     decode_rows: torch.Tensor | None  # rows of the single-token decodes; None when every row is one
     decode_slots: torch.Tensor | None = None  # [D] their block-table rows
     decode_ctx: torch.Tensor | None = None  # [D] int32 keys of each (the new one included)
-    decode_max_ctx: int = 0  # bound of decode_ctx: with decode_splits it fixes the kernel's grid
+    decode_max_ctx: int = 0  # bound of decode_ctx: it sizes decode_splits
     decode_splits: int = 1
     decode_keys: torch.Tensor | None = None  # [D, C] flat key rows, for the gather path (no Triton)
     decode_mask: torch.Tensor | None = None  # [D, 1, 1, C] True where a key is the sequence's
@@ -144,8 +144,7 @@ class PagedAttention:
         s = self.shape
         if self.triton:
             return self.kernels.paged_decode(q, kc, vc, self.tables, meta.decode_slots, meta.decode_ctx,
-                                             self.kv_of_q, s.gqa_repeat, s.scale, meta.decode_max_ctx,
-                                             meta.decode_splits, self.counters)
+                                             self.kv_of_q, s.gqa_repeat, s.scale, meta.decode_splits, self.counters)
         if self.cpu is not None:
             return self.cpu.paged_decode(q, kc, vc, self.tables, meta.decode_slots, meta.decode_ctx, self.kv_of_q,
                                          s.scale)

@@ -26,7 +26,7 @@ def _pow2(n: int) -> int:
 @triton.jit
 def _decode_kernel(Q, K, V, Tables, Slots, Ctx, KvOfQ, Out, PartOut, PartLse, Counters,
                    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_tab,
-                   stride_ot, stride_oh, split_tokens, scale,
+                   stride_ot, stride_oh, scale,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, UNIFORM: tl.constexpr,
                    D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
                    NSPLIT: tl.constexpr, NSPLIT_PAD: tl.constexpr, PRECISION: tl.constexpr):
@@ -48,6 +48,9 @@ def _decode_kernel(Q, K, V, Tables, Slots, Ctx, KvOfQ, Out, PartOut, PartLse, Co
         hmask = g < 1
     q = tl.load(Q + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=hmask[:, None] & dmask[None, :], other=0.0)
+    # The context is split evenly by its own length (whole tiles), not by the longest context
+    # the launch serves: the splits past it are empty and cost almost nothing.
+    split_tokens = ((ctx + NSPLIT - 1) // NSPLIT + TILE - 1) // TILE * TILE
     start = split * split_tokens
     end = tl.minimum(start + split_tokens, ctx)
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -94,9 +97,8 @@ def _decode_kernel(Q, K, V, Tables, Slots, Ctx, KvOfQ, Out, PartOut, PartLse, Co
             w = tl.where(lses > float("-inf"), tl.exp(lses - tl.where(top > float("-inf"), top, 0.0)[:, None]), 0.0)
             w = w / tl.maximum(tl.sum(w, 1), 1e-30)[:, None]
             merged = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
-            # Only the splits that hold keys: the grid is sized for the longest context a graph
-            # serves, and reading every split's part one after another cost a 300-token decode
-            # 20 us per layer at 33 splits.
+            # Only the splits that hold keys: reading every split's part one after another cost a
+            # 300-token decode 20 us per layer at 33 splits.
             for i in range(0, (ctx + split_tokens - 1) // split_tokens):
                 part = tl.load(PartOut + ((seq * tl.num_programs(1) * GROUP + heads) * NSPLIT + i)[:, None] * D_PAD
                                + d[None, :], mask=hmask[:, None], other=0.0, cache_modifier=".cg")
@@ -116,12 +118,12 @@ def decode_splits(batch: int, programs_per_split: int, max_ctx: int, sm_count: i
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                  slots: torch.Tensor, ctx: torch.Tensor, kv_of_q: torch.Tensor, gqa_repeat: int, scale: float,
-                 max_ctx: int, splits: int, counters: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+                 splits: int, counters: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence. q [B, n_q, hd] (rows may be strided); caches
     [blocks, block_size, n_kv, hd]; tables [rows, max_blocks] int32 indexed by ``slots`` [B];
     ``ctx`` [B] keys per sequence (the new token's included). Returns [B, n_q, hd].
-    ``max_ctx`` bounds every ``ctx`` and, with ``splits``, fixes the launch grid (so a CUDA
-    graph captured with them stays valid for any context up to ``max_ctx``). ``counters`` is an
+    ``splits`` fixes the launch grid (so a CUDA graph captured with it serves any context); each
+    sequence's context is split evenly into as many parts, of whole tiles. ``counters`` is an
     int32 scratch of at least B * n_q zeros, left zero."""
     B, n_q, D = q.shape
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and counters.numel() >= B * n_q
@@ -130,9 +132,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     group = gqa_repeat if uniform else 1
     heads = n_q // group
     d_pad = _pow2(D)
-    tile = 64
-    split_tokens = -(-max(1, max_ctx) // splits)
-    split_tokens = -(-split_tokens // tile) * tile
     part_out = part_lse = out
     if splits > 1:
         part_out = torch.empty(B * n_q * splits, d_pad, device=q.device, dtype=torch.float32)
@@ -140,9 +139,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     _decode_kernel[(B, heads, splits)](
         q, k_cache, v_cache, tables, slots, ctx, kv_of_q, out, part_out, part_lse, counters,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
-        out.stride(0), out.stride(1), split_tokens, scale,
+        out.stride(0), out.stride(1), scale,
         GROUP=group, GROUP_PAD=max(16, _pow2(group)), UNIFORM=uniform, D=D, D_PAD=d_pad,
-        BS=k_cache.shape[1], TILE=tile, NSPLIT=splits, NSPLIT_PAD=_pow2(splits),
+        BS=k_cache.shape[1], TILE=64, NSPLIT=splits, NSPLIT_PAD=_pow2(splits),
         # float32 models get float32 products (tl.dot would otherwise round its inputs to tf32)
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
     return out
