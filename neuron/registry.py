@@ -108,6 +108,7 @@ class Registry:
         self._loading: dict[str, asyncio.Task] = {}
         self._recovering: set[asyncio.Task] = set()
         self.closing = False
+        self.draining = False
 
     def get(self, model_id: str) -> ModelHandle:
         handle = self.models.get(model_id)
@@ -220,6 +221,10 @@ class Registry:
         handle = next((h for h in self.models.values() if h.group is group), None)
         if handle is None or self.closing or handle.status not in ("loaded",):
             return
+        if self.draining:
+            log.warning("%s: rank group failed while the server drains (%s); not respawned", handle.id, reason)
+            handle.engine.detach(f"model {handle.id!r} failed: {reason}")
+            return
         handle.status = "poisoned"
         handle.error = reason
         handle.engine.detach(f"model {handle.id!r} failed: {reason}")
@@ -262,6 +267,7 @@ class Registry:
         log.info("%s unloaded", model_id)
 
     def stop_admission(self) -> None:
+        self.draining = True  # a group that fails from now on is not respawned
         for handle in self.models.values():
             handle.engine.accepting = False
 

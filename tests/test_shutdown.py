@@ -4,6 +4,7 @@ no rank process behind."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -14,6 +15,17 @@ from conftest import DEFAULT_MODEL, SMALL, alive, start_server
 
 
 def test_sigterm_lets_in_flight_requests_finish_then_exits_cleanly(server_tmp):
+    drain_on(server_tmp, lambda server: server.proc.send_signal(signal.SIGTERM))
+
+
+def test_sigterm_to_the_whole_process_group_drains_too(server_tmp):
+    """As systemd's stop or ``kill -TERM -PGID`` sends it: the ranks ignore it and keep serving
+    the requests the leader drains, and no rank is respawned on the way out."""
+    server = drain_on(server_tmp, lambda server: os.killpg(server.proc.pid, signal.SIGTERM))
+    assert server.log().count("spawned 2 rank(s)") == 1 and "failed" not in server.log()
+
+
+def drain_on(server_tmp, send):
     server = start_server(server_tmp, config=SMALL + "\n[server]\ndrain_timeout_s = 15\n",
                           args=["--tensor-parallel", "2"])
     ranks = server.rank_pids()
@@ -34,7 +46,7 @@ def test_sigterm_lets_in_flight_requests_finish_then_exits_cleanly(server_tmp):
     reader.start()
     assert started.wait(60)
     t0 = time.monotonic()
-    server.proc.send_signal(signal.SIGTERM)
+    send(server)
     time.sleep(0.3)
     refused = httpx.post(f"{server.base}/chat/completions", timeout=10, json={
         "model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "hi"}]})
@@ -54,3 +66,4 @@ def test_sigterm_lets_in_flight_requests_finish_then_exits_cleanly(server_tmp):
         time.sleep(0.1)
     assert not any(alive(pid) for pid in ranks)
     assert "Traceback" not in server.log()
+    return server

@@ -132,7 +132,10 @@ def main(argv: list[str] | None = None) -> None:
     # Three threads share the GIL (socket loop, device, collector): hand it over quickly, so the
     # device thread launches the next step while the last one runs.
     sys.setswitchinterval(2e-4)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the leader decides when ranks stop
+    # The leader decides when ranks stop: a signal to the whole process group (Ctrl-C, systemd's
+    # stop, kill -TERM -PGID) must leave them serving the requests the leader drains.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     proc = RankProcess(args)
     try:
         import uvloop
