@@ -9,8 +9,9 @@
 //             exactly how those files build them (float16 x 6-bit fits a float32 exactly).
 //
 // Each weight group is unpacked once into two 16-lane float registers and multiplied into up to
-// eight activation rows, so a batch of M rows reads the weights ceil(M / 8) times. Rows of W are
-// split over torch's intra-op threads.
+// eight activation rows, so a batch of M rows reads the weights ceil(M / 8) times; with several
+// rows, two rows of W go together so that each load of x feeds four FMAs. Rows of W are split
+// over torch's intra-op threads.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -87,7 +88,40 @@ void rows_kernel(const float* x, const float* xsum, int64_t K, const uint8_t* u,
   constexpr int BYTES = BITS * G / 8;
   const int64_t groups = K / G, ns = scales.ns;
   float* mbuf = sbuf + ns;
-  for (int64_t n = n0; n < n1; ++n) {
+  int64_t n = n0;
+  if constexpr (MT > 1) {  // two rows of W at a time: each load of x feeds both
+    float* sbuf2 = sbuf + 2 * ns;
+    float* mbuf2 = sbuf2 + ns;
+    for (; n + 1 < n1; n += 2) {
+      const uint8_t* u0 = u + n * groups * BYTES;
+      const uint8_t* u1 = u0 + groups * BYTES;
+      scales.row(n, sbuf, mbuf);
+      scales.row(n + 1, sbuf2, mbuf2);
+      __m512 acc0[MT], acc1[MT];
+      for (int t = 0; t < MT; ++t) acc0[t] = acc1[t] = _mm512_setzero_ps();
+      for (int64_t g = 0; g < groups; ++g) {
+        __m512 lo0, hi0, lo1, hi1;
+        load_group<BITS>(u0 + g * BYTES, lo0, hi0);
+        load_group<BITS>(u1 + g * BYTES, lo1, hi1);
+        const int64_t a = HALF ? 2 * g : g, b = HALF ? 2 * g + 1 : g;
+        lo0 = _mm512_fmadd_ps(lo0, _mm512_set1_ps(sbuf[a]), _mm512_set1_ps(mbuf[a]));
+        hi0 = _mm512_fmadd_ps(hi0, _mm512_set1_ps(sbuf[b]), _mm512_set1_ps(mbuf[b]));
+        lo1 = _mm512_fmadd_ps(lo1, _mm512_set1_ps(sbuf2[a]), _mm512_set1_ps(mbuf2[a]));
+        hi1 = _mm512_fmadd_ps(hi1, _mm512_set1_ps(sbuf2[b]), _mm512_set1_ps(mbuf2[b]));
+        for (int t = 0; t < MT; ++t) {
+          const float* xg = x + t * K + g * G;
+          const __m512 xl = _mm512_loadu_ps(xg), xh = _mm512_loadu_ps(xg + 16);
+          acc0[t] = _mm512_fmadd_ps(hi0, xh, _mm512_fmadd_ps(lo0, xl, acc0[t]));
+          acc1[t] = _mm512_fmadd_ps(hi1, xh, _mm512_fmadd_ps(lo1, xl, acc1[t]));
+        }
+      }
+      for (int t = 0; t < MT; ++t) {
+        y[t * N + n] = _mm512_reduce_add_ps(acc0[t]);
+        y[t * N + n + 1] = _mm512_reduce_add_ps(acc1[t]);
+      }
+    }
+  }
+  for (; n < n1; ++n) {
     const uint8_t* un = u + n * groups * BYTES;
     scales.row(n, sbuf, mbuf);
     __m512 acc[MT][2];
@@ -174,7 +208,7 @@ void run(const float* xp, const uint8_t* up, const Scales& scales, float* yp, in
     }
   const int64_t grain = std::max<int64_t>(16, 4096 / std::max<int64_t>(K / 64, 1));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    std::vector<float> sbuf(2 * ns + 16);
+    std::vector<float> sbuf(4 * ns + 16);  // scales and offsets of two rows
     for (int64_t r = 0; r < M; r += 8) {
       const float* xr = xp + r * K;
       const float* xs = xsum.data() + r * ns;
