@@ -128,6 +128,10 @@ class ModelRunner:
             self._outs = [torch.zeros(cfg.max_seqs, dtype=torch.int64).pin_memory() for _ in range(4)]
             self._out = 0
         self.graph_in: torch.Tensor | None = None
+        if self.cuda and model.comm.world > 1:
+            rows = max(graph_sizes(cfg.max_seqs) + list(PREFILL_GRAPH_TOKENS))
+            how = model.comm.use_peer_memory(rows * model.cfg.hidden_size, model.dtype, self.device)
+            log.info("rank %d: all-reduces of up to %d rows: %s", rank, rows, how)
         if self.cuda and cfg.cuda_graphs and model.capturable and self.triton:
             from .linear import tune
             tune(model, graph_sizes(cfg.max_seqs))
