@@ -235,9 +235,11 @@ def validate(cfg: Config) -> None:
 def engine_sizes(engine: EngineConfig, entry: ModelEntry, on_gpu: bool) -> tuple[int, int, int]:
     """(max_batch_tokens, prefill_chunk, prefill_chunk_decoding) for a model: the configured
     values, or the device's defaults. On a GPU a prompt alone goes in 2048-token chunks (a
-    4096-token prompt is two steps), but beside running decodes a step takes at most 256 prompt
-    tokens, so the streams it shares a step with stall little."""
+    4096-token prompt is two steps), but beside running decodes a step takes at most 192 prompt
+    tokens, so the streams it shares a step with stall little (on an H200, Qwen3-8B shape: 8
+    streams' ITL p99 1.86x its value alone, against 2.09x with 256-token chunks; the prompt's TTFT
+    beside them 213-217 ms against 182-192 ms)."""
     chunk = engine.prefill_chunk or (2048 if on_gpu else 256)
     budget = engine.max_batch_tokens or (chunk + entry.max_slots if on_gpu else 4 * chunk)
-    decoding = engine.prefill_chunk_decoding or (256 if on_gpu else chunk)
+    decoding = engine.prefill_chunk_decoding or (192 if on_gpu else chunk)
     return budget, min(chunk, budget), min(decoding, chunk)
