@@ -80,16 +80,6 @@ inline void load_group(const uint8_t* p, __m512& lo, __m512& hi) {
   hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
 }
 
-// sum_j m[j] xs[j]: a row's offsets against the per-group sums of x.
-inline float offsets(const float* m, const float* xs, int64_t ns) {
-  __m512 off = _mm512_setzero_ps();
-  int64_t j = 0;
-  for (; j + 16 <= ns; j += 16) off = _mm512_fmadd_ps(_mm512_loadu_ps(m + j), _mm512_loadu_ps(xs + j), off);
-  float tail = _mm512_reduce_add_ps(off);
-  for (; j < ns; ++j) tail += m[j] * xs[j];
-  return tail;
-}
-
 // sum_k w[n,k] x[t,k] = sum_g s_g (u_g . x_g) + sum_g m_g xsum_g: the integers meet x unscaled,
 // one FMA per group applies the scale, and the offsets meet the per-group sums of x at the end.
 template <int BITS, bool HALF, int MT>
@@ -99,31 +89,6 @@ void rows_kernel(const float* x, const float* xsum, int64_t K, const uint8_t* u,
   const int64_t groups = K / G, ns = scales.ns;
   float* mbuf = sbuf + ns;
   int64_t n = n0;
-  if constexpr (MT == 1 && !HALF) {  // one row of x: four rows of W at a time share its loads
-    constexpr int R = 4;
-    for (; n + R <= n1; n += R) {
-      float* s[R];
-      const uint8_t* ur[R];
-      __m512 acc[R][2];
-      for (int r = 0; r < R; ++r) {
-        s[r] = sbuf + 2 * ns * r;
-        scales.row(n + r, s[r], s[r] + ns);
-        ur[r] = u + (n + r) * groups * BYTES;
-        acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-      }
-      for (int64_t g = 0; g < groups; ++g) {
-        const __m512 xl = _mm512_loadu_ps(x + g * G), xh = _mm512_loadu_ps(x + g * G + 16);
-        for (int r = 0; r < R; ++r) {
-          __m512 lo, hi;
-          load_group<BITS>(ur[r] + g * BYTES, lo, hi);
-          const __m512 dot = _mm512_fmadd_ps(hi, xh, _mm512_mul_ps(lo, xl));
-          acc[r][g & 1] = _mm512_fmadd_ps(dot, _mm512_set1_ps(s[r][g]), acc[r][g & 1]);
-        }
-      }
-      for (int r = 0; r < R; ++r)
-        y[n + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])) + offsets(s[r] + ns, xsum, ns);
-    }
-  }
   if constexpr (MT > 1) {  // two rows of W at a time: each load of x feeds both
     float* sbuf2 = sbuf + 2 * ns;
     float* mbuf2 = sbuf2 + ns;
@@ -192,8 +157,15 @@ void rows_kernel(const float* x, const float* xsum, int64_t K, const uint8_t* u,
         }
       }
     }
-    for (int t = 0; t < MT; ++t)
-      y[t * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t][0], acc[t][1])) + offsets(mbuf, xsum + t * ns, ns);
+    for (int t = 0; t < MT; ++t) {
+      const float* xs = xsum + t * ns;
+      __m512 off = _mm512_setzero_ps();
+      int64_t j = 0;
+      for (; j + 16 <= ns; j += 16) off = _mm512_fmadd_ps(_mm512_loadu_ps(mbuf + j), _mm512_loadu_ps(xs + j), off);
+      float tail = 0;
+      for (; j < ns; ++j) tail += mbuf[j] * xs[j];
+      y[t * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[t][0], acc[t][1]), off)) + tail;
+    }
   }
 }
 
@@ -236,7 +208,7 @@ void run(const float* xp, const uint8_t* up, const Scales& scales, float* yp, in
     }
   const int64_t grain = std::max<int64_t>(16, 4096 / std::max<int64_t>(K / 64, 1));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    std::vector<float> sbuf(8 * ns + 16);  // scales and offsets of up to four rows
+    std::vector<float> sbuf(4 * ns + 16);  // scales and offsets of two rows
     for (int64_t r = 0; r < M; r += 8) {
       const float* xr = xp + r * K;
       const float* xs = xsum.data() + r * ns;
