@@ -14,8 +14,10 @@ float32 accumulation.
 4-bit weights in groups of 32 with bfloat16 activations take a faster road on GPUs that have
 it (compute capability 8.0+): torch's tensor-core int4 kernel (``torch._weight_int4pack_mm``,
 "tinygemm", the one gpt-fast uses) up to ``TC4_ROWS`` rows, from its own weight layout
-(``Tc4Weight``); beyond that ``_tc4_dequant_kernel`` unpacks that layout to bf16 for cuBLAS. Its
-scales and offsets are bfloat16 (the file's float16s rounded: 2^-9 of a scale).
+(``Tc4Weight``); beyond that ``_tc4_dequant_kernel`` unpacks that layout to bf16 for cuBLAS. That
+kernel holds scales and offsets as bfloat16s, so only weights whose scales are bfloat16s take
+it (in-situ q4 makes them so, ``quant._q4_scales``); a GGUF's float16 scales keep the Triton
+kernels, which compute them exactly.
 
 Only basic ``tl`` operations, so the same source runs on Triton 3.6 on the GPU hosts and under
 ``TRITON_INTERPRET=1`` on a CPU, where the tests check it against the torch reference
