@@ -326,6 +326,11 @@ class PackedLinear:
             raise ValueError(f"a packed weight needs rows of whole {GROUP}-element groups, not {K}")
         self.n, self.k, self.source, self.group = N, K, q.source, q.group
         self.bits = 4 if q.bits <= 4 else 8
+        self.bias, self.dtype = bias, dtype
+        self.device = device or torch.device("cpu")
+        self.tc4 = None
+        if self.device.type == "cuda" and self.bits == 4 and self._tc4(q, dtype):
+            return  # held in that kernel's layout only: nothing below is built
         u = torch.from_numpy(np.ascontiguousarray(q.u))
         self.u = pack_nibbles(u) if self.bits == 4 else u
         if q.sup is not None:  # exact: the integers and float16s the file builds its scales from
@@ -336,11 +341,6 @@ class PackedLinear:
             self.s = torch.from_numpy(q.s).to(torch.float16).contiguous()
             self.m = torch.from_numpy(q.m).to(torch.float16).contiguous()
             self.d = self.dm = torch.empty(0, 0, dtype=torch.float16)
-        self.bias, self.dtype = bias, dtype
-        self.device = device or torch.device("cpu")
-        self.tc4 = None
-        if self.device.type == "cuda" and self.bits == 4 and self._tc4(q, dtype):
-            return
         if self.device.type == "cuda":  # the Triton kernel takes float scales per group (float32: exact)
             self.s = torch.from_numpy(q.s if q.sup is not None else q.s.astype(np.float16)).to(self.device)
             self.m = torch.from_numpy(q.m if q.sup is not None else q.m.astype(np.float16)).to(self.device)
