@@ -4,9 +4,8 @@
 float32 accumulation.
 
 - Up to ``GEMV_ROWS`` rows of ``x`` (decode) the product is memory-bound: ``_qgemv_kernel``
-  gives each program ``BLOCK_N`` output features over the whole of K and reads every packed
-  byte once, in tiles shaped [rows, groups, group] so that a group's scale and offset are
-  loaded once and broadcast (a load per weight would make the kernel instruction-bound).
+  gives each program ``BLOCK_N`` output features over the whole of K, in tiles shaped [rows, groups, 16] so that a group's scale and offset are loaded once and
+  broadcast (a load per weight would make the kernel instruction-bound).
 - More rows (prefill, larger batches): ``_dequant_kernel`` writes the weight to ``x``'s dtype in
   slices of rows and cuBLAS multiplies: the product is compute-bound there, and writing the
   weight once costs less than unpacking it in every tile of a GEMM.
@@ -66,29 +65,64 @@ def _group_tiles(u_ptr, s_ptr, m_ptr, n, k0, N, K, NS, BITS: tl.constexpr, GS: t
 
 
 @triton.jit
-def _qgemv_kernel(x_ptr, u_ptr, s_ptr, m_ptr, y_ptr, M, N, K, NS,
+def _qgemv_kernel(x_ptr, u_ptr, s_ptr, m_ptr, y_ptr, M, N, K, NS, stride_u,
                   BITS: tl.constexpr, GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr):
-    """Rows ``0..M-1`` of ``x`` (M <= BLOCK_M) times ``BLOCK_N`` packed rows of W. Products
-    accumulate element-wise in registers over the K steps and are summed once at the end: a
-    reduction per step would cost more than the memory it waits for."""
+    """Rows ``0..M-1`` of ``x`` (M <= BLOCK_M) times ``BLOCK_N`` packed rows of W, in tiles
+    [rows of W, groups of 32, 16]: a 4-bit byte holds element j of a group in its low nibble and
+    j + 16 in its high one, so an 8-bit group is read as two such tiles.
+
+    Every operand is loaded in the weight tile's own shape (``x`` with a zero stride over the
+    rows of W) so that Triton gives them one register layout: a broadcast from a smaller tile
+    would move it through shared memory at every step, and at 8 bits that cost more than the
+    weights' own loads. With one row of ``x`` the products accumulate element-wise over the K
+    steps and are summed once at the end; with more, each row's products are summed at every
+    step (a tile per row would not fit the registers)."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, BLOCK_M)
     G: tl.constexpr = BLOCK_K // 32
-    acc_lo = tl.zeros((BLOCK_M, BLOCK_N, G, 16), dtype=tl.float32)
-    acc_hi = tl.zeros((BLOCK_M, BLOCK_N, G, 16), dtype=tl.float32)
+    j = tl.arange(0, 16)
+    rm = tl.arange(0, BLOCK_M)
+    acc = tl.zeros((BLOCK_N, G, 16), dtype=tl.float32)
+    acc_rows = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        lo, hi, s_lo, m_lo, s_hi, m_hi, k_lo, k_hi = _group_tiles(u_ptr, s_ptr, m_ptr, n, k0, N, K, NS, BITS, GS,
-                                                                  BLOCK_K)
-        w_lo = lo * s_lo[:, :, None] + m_lo[:, :, None]  # [BLOCK_N, G, 16]
-        w_hi = hi * s_hi[:, :, None] + m_hi[:, :, None]
-        xm = (rm[:, None, None] < M) & (k_lo < K)[None, :, :]
-        x_lo = tl.load(x_ptr + rm[:, None, None] * K + k_lo[None, :, :], mask=xm, other=0.0).to(tl.float32)
-        x_hi = tl.load(x_ptr + rm[:, None, None] * K + k_hi[None, :, :], mask=xm, other=0.0).to(tl.float32)
-        acc_lo += x_lo[:, None, :, :] * w_lo[None, :, :, :]
-        acc_hi += x_hi[:, None, :, :] * w_hi[None, :, :, :]
-    acc = tl.sum(tl.sum(acc_lo + acc_hi, axis=3), axis=2)  # [BLOCK_M, BLOCK_N]
-    tl.store(y_ptr + rm[:, None] * N + n[None, :], acc.to(y_ptr.dtype.element_ty),
+        g = k0 // 32 + tl.arange(0, G)
+        in_k = g < K // 32
+        ok = (n[:, None, None] < N) & in_k[None, :, None]
+        at_u = u_ptr + n[:, None, None] * stride_u + (g[:, None] * (4 * BITS) + j[None, :])[None, :, :]
+        raw = tl.load(at_u, mask=ok, other=0, eviction_policy="evict_first")
+        if BITS == 8:
+            q_lo = raw.to(tl.float32)
+            q_hi = tl.load(at_u + 16, mask=ok, other=0, eviction_policy="evict_first").to(tl.float32)
+        else:
+            q_lo = (raw & 15).to(tl.float32)
+            q_hi = (raw >> 4).to(tl.float32)
+        ok_s = (n[:, None] < N) & in_k[None, :]
+        at = n[:, None] * NS + g[None, :] * (32 // GS)
+        s_lo = tl.load(s_ptr + at, mask=ok_s, other=0.0).to(tl.float32)[:, :, None]
+        m_lo = tl.load(m_ptr + at, mask=ok_s, other=0.0).to(tl.float32)[:, :, None]
+        if GS == 16:  # the K-quants: the high half of a group of 32 has its own scale
+            s_hi = tl.load(s_ptr + at + 1, mask=ok_s, other=0.0).to(tl.float32)[:, :, None]
+            m_hi = tl.load(m_ptr + at + 1, mask=ok_s, other=0.0).to(tl.float32)[:, :, None]
+        else:
+            s_hi = s_lo
+            m_hi = m_lo
+        w_lo = q_lo * s_lo + m_lo
+        w_hi = q_hi * s_hi + m_hi
+        at_x = x_ptr + (g[:, None] * 32 + j[None, :])[None, :, :] + n[:, None, None] * 0
+        if BLOCK_M == 1:
+            x_lo = tl.load(at_x, mask=ok, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            x_hi = tl.load(at_x + 16, mask=ok, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            acc += x_lo * w_lo + x_hi * w_hi
+        else:
+            for r in tl.static_range(BLOCK_M):
+                ok_x = ok & (tl.full((1, 1, 1), r, tl.int32) < M)
+                x_lo = tl.load(at_x + r * K, mask=ok_x, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                x_hi = tl.load(at_x + r * K + 16, mask=ok_x, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                part = tl.sum(tl.sum(x_lo * w_lo + x_hi * w_hi, axis=2), axis=1)
+                acc_rows += tl.where(rm[:, None] == r, part[None, :], 0.0)
+    if BLOCK_M == 1:
+        acc_rows = tl.sum(tl.sum(acc, axis=2), axis=1)[None, :]
+    tl.store(y_ptr + rm[:, None] * N + n[None, :], acc_rows.to(y_ptr.dtype.element_ty),
              mask=(rm[:, None] < M) & (n[None, :] < N))
 
 
@@ -130,10 +164,10 @@ def _tc4_dequant_kernel(p_ptr, sz_ptr, ids_ptr, w_ptr, R, N, K, IKT: tl.constexp
     tl.store(w_ptr + r[:, None] * K + k[None, :], w.to(w_ptr.dtype.element_ty), mask=ok)
 
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) of the decode kernel by BLOCK_M (rows of x rounded
-# up to a power of two); overridable for tuning (scripts/bench-qlinear --sweep).
-GEMV_CONFIG = {1: (4, 1024, 4, 2), 2: (2, 1024, 4, 2), 4: (2, 512, 4, 2)}
-GEMV_ROWS = max(GEMV_CONFIG)  # more rows than this: dequantize and cuBLAS
+# (BLOCK_N, BLOCK_K, num_warps) of the decode kernel by rows of x rounded up to a power of two;
+# overridable for tuning (scripts/bench-qlinear --sweep).
+GEMV_CONFIG = {1: (1, 2048, 2), 2: (2, 1024, 1), 4: (2, 512, 1), 8: (2, 512, 1)}
+GEMV_ROWS = 4  # more rows than this: dequantize and cuBLAS
 DEQUANT_CONFIG = (8, 512, 4)  # BLOCK_N, BLOCK_K, num_warps
 DEQUANT_ROWS = 8192  # rows of W unpacked at a time
 
@@ -149,11 +183,10 @@ def qlinear(x: torch.Tensor, u: torch.Tensor, s: torch.Tensor, m: torch.Tensor, 
     x = x.contiguous()
     y = torch.empty((M, N), device=x.device, dtype=x.dtype)
     if M <= GEMV_ROWS:
-        block_m = triton.next_power_of_2(M)
-        block_n, block_k, warps, stages = GEMV_CONFIG[block_m]
-        _qgemv_kernel[(triton.cdiv(N, block_n),)](x, u, s, m, y, M, N, K, NS, BITS=bits, GS=gs, BLOCK_M=block_m,
-                                                  BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-                                                  num_stages=stages)
+        block_n, block_k, warps = GEMV_CONFIG[triton.next_power_of_2(M)]
+        _qgemv_kernel[(triton.cdiv(N, block_n),)](x, u, s, m, y, M, N, K, NS, u.stride(0), BITS=bits, GS=gs,
+                                                  BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n,
+                                                  BLOCK_K=block_k, num_warps=warps, num_stages=1)
         return y
     for n0 in range(0, N, DEQUANT_ROWS):
         rows = slice(n0, n0 + DEQUANT_ROWS)
