@@ -1,6 +1,6 @@
 """The Triton kernels for packed weights (GPU path), run by Triton's interpreter on the CPU
 against the float32 torch reference: 4- and 8-bit integers, a scale per 32 or per 16, batches
-1..64 (both paths, whole and partial K steps), the real layouts of a GGUF tensor. The interpreter cannot multiply bfloat16 tiles
+1..65 (the three paths, whole and partial K steps), the real layouts of a GGUF tensor. The interpreter cannot multiply bfloat16 tiles
 (``tl.dot`` on bf16 returns garbage there, on any kernel), so it checks float16 and float32
 activations; bfloat16 runs the same code on the GPU."""
 
@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CHECK = r"""
 import json, sys, numpy as np, torch, gguf
 from neuron.models.quant import decode_blocks, pack_nibbles
+from neuron.models import triton_kernels as tk
 from neuron.models.triton_kernels import qlinear, reference_qlinear
 from neuron.tools.checkpoints import random_quant_blocks
 device = sys.argv[1]
@@ -39,14 +40,24 @@ for name in ("Q4_1", "Q8_0", "Q4_K", "Q6_K"):
     s, m = torch.from_numpy(q.s).to(device), torch.from_numpy(q.m).to(device)
     file = torch.from_numpy(gguf.quants.dequantize(raw, qt)).to(device)
     for dtype in dtypes:
-        for rows in (1, 3, 4, 7, 64):
+        for rows in (1, 3, 4, 7, 64, 65):
             x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).to(device, dtype)
             y = qlinear(x, u, s, m, bits)
             want = x.float() @ file.t()
             ref = reference_qlinear(x, u, s, m, bits)
-            out.append(dict(name=name, dtype=str(dtype), rows=rows, out_dtype=str(y.dtype), shape=list(y.shape),
-                            err=float((y.float() - want).abs().max() / want.abs().max()),
-                            ref_err=float((ref - want).abs().max() / want.abs().max())))
+            row = dict(name=name, dtype=str(dtype), rows=rows, out_dtype=str(y.dtype), shape=list(y.shape),
+                       err=float((y.float() - want).abs().max() / want.abs().max()),
+                       ref_err=float((ref - want).abs().max() / want.abs().max()))
+            if rows == 7:  # the tensor-core kernel, which takes only wide matrices
+                tk.WIDE_N, default = 0, tk.WIDE_N
+                row["err_gemm"] = float((qlinear(x, u, s, m, bits).float() - want).abs().max() / want.abs().max())
+                tk.WIDE_N = default
+            if rows == 1:  # tiles that divide the matrix: the loads without masks
+                tk.GEMV_CONFIG[1], default = (2, 32, 1), tk.GEMV_CONFIG[1]
+                even = qlinear(x, u, s, m, bits).float()
+                tk.GEMV_CONFIG[1] = default
+                row["err_even"] = float((even - want).abs().max() / want.abs().max())
+            out.append(row)
 print(json.dumps(out))
 """
 
@@ -63,12 +74,12 @@ def run_check(device: str, dtypes: str, interpret: bool) -> list[dict]:
 
 
 def check(results: list[dict], dtypes: int) -> None:
-    assert len(results) == 4 * dtypes * 5
+    assert len(results) == 4 * dtypes * 6
     for r in results:
         print(r)
         # float16 and bfloat16 tiles round the weights (8 and 11 significant bits)
         tol = {"torch.float16": 2e-3, "torch.bfloat16": 1.6e-2}.get(r["dtype"], 2e-5)
-        assert r["err"] <= tol, r
+        assert r["err"] <= tol and r.get("err_even", 0.0) <= tol and r.get("err_gemm", 0.0) <= tol, r
         assert r["ref_err"] <= 2e-5, r  # the torch reference itself is the file's weight
         assert r["out_dtype"] == r["dtype"] and r["shape"] == [r["rows"], 96]
 

@@ -4,11 +4,16 @@
 float32 accumulation.
 
 - Up to ``GEMV_ROWS`` rows of ``x`` (decode) the product is memory-bound: ``_qgemv_kernel``
-  gives each program ``BLOCK_N`` output features over the whole of K, in tiles shaped [rows, groups, 16] so that a group's scale and offset are loaded once and
-  broadcast (a load per weight would make the kernel instruction-bound).
-- More rows (prefill, larger batches): ``_dequant_kernel`` writes the weight to ``x``'s dtype in
-  slices of rows and cuBLAS multiplies: the product is compute-bound there, and writing the
-  weight once costs less than unpacking it in every tile of a GEMM.
+  gives each program ``BLOCK_N`` output features over the whole of K, in tiles shaped [rows,
+  groups, 16] so that a group's scale and offset are loaded once and broadcast (a load per
+  weight would make the kernel instruction-bound).
+- Up to ``GEMM_ROWS`` rows (a batch of decodes) of a wide W (``WIDE_N`` rows and more: the
+  MLP's gate and up, the vocabulary): ``_qgemm_kernel`` unpacks each tile of W once in registers
+  and multiplies it on the tensor cores. A narrower W gives it too few tiles to fill the GPU
+  (64 of 64 rows for 4096), so it is unpacked whole and cuBLAS multiplies, as for more rows.
+- Otherwise (prefill): ``_dequant_kernel`` writes the weight to ``x``'s dtype in slices of rows
+  and cuBLAS multiplies: the product is compute-bound there, and writing the weight once costs
+  less than unpacking it in every tile of a GEMM.
 
 4-bit weights in groups of 32 with bfloat16 activations take a faster road on GPUs that have
 it (compute capability 8.0+): torch's tensor-core int4 kernel (``torch._weight_int4pack_mm``,
@@ -65,9 +70,19 @@ def _group_tiles(u_ptr, s_ptr, m_ptr, n, k0, N, K, NS, BITS: tl.constexpr, GS: t
 
 
 @triton.jit
+def _load(at, ok, EVEN: tl.constexpr, POLICY: tl.constexpr):
+    """``at`` where ``ok``, else 0; unmasked when the tiles divide the matrix (``EVEN``): a
+    masked load zeroes its registers first, an instruction per element."""
+    if EVEN:
+        return tl.load(at, eviction_policy=POLICY)
+    else:
+        return tl.load(at, mask=ok, other=0, eviction_policy=POLICY)
+
+
+@triton.jit
 def _qgemv_kernel(x_ptr, u_ptr, s_ptr, m_ptr, y_ptr, M, N, K, NS, stride_u,
                   BITS: tl.constexpr, GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
+                  BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
     """Rows ``0..M-1`` of ``x`` (M <= BLOCK_M) times ``BLOCK_N`` packed rows of W, in tiles
     [rows of W, groups of 32, 16]: a 4-bit byte holds element j of a group in its low nibble and
     j + 16 in its high one, so an 8-bit group is read as two such tiles.
@@ -89,20 +104,20 @@ def _qgemv_kernel(x_ptr, u_ptr, s_ptr, m_ptr, y_ptr, M, N, K, NS, stride_u,
         in_k = g < K // 32
         ok = (n[:, None, None] < N) & in_k[None, :, None]
         at_u = u_ptr + n[:, None, None] * stride_u + (g[:, None] * (4 * BITS) + j[None, :])[None, :, :]
-        raw = tl.load(at_u, mask=ok, other=0, eviction_policy="evict_first")
+        raw = _load(at_u, ok, EVEN, "evict_first")
         if BITS == 8:
             q_lo = raw.to(tl.float32)
-            q_hi = tl.load(at_u + 16, mask=ok, other=0, eviction_policy="evict_first").to(tl.float32)
+            q_hi = _load(at_u + 16, ok, EVEN, "evict_first").to(tl.float32)
         else:
             q_lo = (raw & 15).to(tl.float32)
             q_hi = (raw >> 4).to(tl.float32)
         ok_s = (n[:, None] < N) & in_k[None, :]
         at = n[:, None] * NS + g[None, :] * (32 // GS)
-        s_lo = tl.load(s_ptr + at, mask=ok_s, other=0.0).to(tl.float32)[:, :, None]
-        m_lo = tl.load(m_ptr + at, mask=ok_s, other=0.0).to(tl.float32)[:, :, None]
+        s_lo = _load(s_ptr + at, ok_s, EVEN, "").to(tl.float32)[:, :, None]
+        m_lo = _load(m_ptr + at, ok_s, EVEN, "").to(tl.float32)[:, :, None]
         if GS == 16:  # the K-quants: the high half of a group of 32 has its own scale
-            s_hi = tl.load(s_ptr + at + 1, mask=ok_s, other=0.0).to(tl.float32)[:, :, None]
-            m_hi = tl.load(m_ptr + at + 1, mask=ok_s, other=0.0).to(tl.float32)[:, :, None]
+            s_hi = _load(s_ptr + at + 1, ok_s, EVEN, "").to(tl.float32)[:, :, None]
+            m_hi = _load(m_ptr + at + 1, ok_s, EVEN, "").to(tl.float32)[:, :, None]
         else:
             s_hi = s_lo
             m_hi = m_lo
@@ -110,19 +125,70 @@ def _qgemv_kernel(x_ptr, u_ptr, s_ptr, m_ptr, y_ptr, M, N, K, NS, stride_u,
         w_hi = q_hi * s_hi + m_hi
         at_x = x_ptr + (g[:, None] * 32 + j[None, :])[None, :, :] + n[:, None, None] * 0
         if BLOCK_M == 1:
-            x_lo = tl.load(at_x, mask=ok, other=0.0, eviction_policy="evict_last").to(tl.float32)
-            x_hi = tl.load(at_x + 16, mask=ok, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            x_lo = _load(at_x, ok, EVEN, "evict_last").to(tl.float32)
+            x_hi = _load(at_x + 16, ok, EVEN, "evict_last").to(tl.float32)
             acc += x_lo * w_lo + x_hi * w_hi
         else:
             for r in tl.static_range(BLOCK_M):
                 ok_x = ok & (tl.full((1, 1, 1), r, tl.int32) < M)
-                x_lo = tl.load(at_x + r * K, mask=ok_x, other=0.0, eviction_policy="evict_last").to(tl.float32)
-                x_hi = tl.load(at_x + r * K + 16, mask=ok_x, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                x_lo = _load(at_x + r * K, ok_x, False, "evict_last").to(tl.float32)
+                x_hi = _load(at_x + r * K + 16, ok_x, False, "evict_last").to(tl.float32)
                 part = tl.sum(tl.sum(x_lo * w_lo + x_hi * w_hi, axis=2), axis=1)
                 acc_rows += tl.where(rm[:, None] == r, part[None, :], 0.0)
     if BLOCK_M == 1:
         acc_rows = tl.sum(tl.sum(acc, axis=2), axis=1)[None, :]
     tl.store(y_ptr + rm[:, None] * N + n[None, :], acc_rows.to(y_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (n[None, :] < N))
+
+
+@triton.jit
+def _qgemm_kernel(x_ptr, u_ptr, s_ptr, m_ptr, y_ptr, M, N, K, NS, stride_u,
+                  BITS: tl.constexpr, GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """A few dozen rows of ``x`` (a decode batch): each [BLOCK_N, BLOCK_K] tile of W is read
+    once, unpacked to ``x``'s dtype in registers and multiplied on the tensor cores, the low
+    and high halves of each group as two products (so no tile is interleaved)."""
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    G: tl.constexpr = BLOCK_K // 32
+    j = tl.arange(0, 16)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        g = k0 // 32 + tl.arange(0, G)
+        in_k = g < K // 32
+        ok = (n[:, None, None] < N) & in_k[None, :, None]
+        at_u = u_ptr + n[:, None, None] * stride_u + (g[:, None] * (4 * BITS) + j[None, :])[None, :, :]
+        raw = tl.load(at_u, mask=ok, other=0)
+        if BITS == 8:
+            q_lo = raw.to(tl.float32)
+            q_hi = tl.load(at_u + 16, mask=ok, other=0).to(tl.float32)
+        else:
+            q_lo = (raw & 15).to(tl.float32)
+            q_hi = (raw >> 4).to(tl.float32)
+        ok_s = (n[:, None] < N) & in_k[None, :]
+        at = n[:, None] * NS + g[None, :] * (32 // GS)
+        s_lo = tl.load(s_ptr + at, mask=ok_s, other=0.0).to(tl.float32)[:, :, None]
+        m_lo = tl.load(m_ptr + at, mask=ok_s, other=0.0).to(tl.float32)[:, :, None]
+        if GS == 16:
+            s_hi = tl.load(s_ptr + at + 1, mask=ok_s, other=0.0).to(tl.float32)[:, :, None]
+            m_hi = tl.load(m_ptr + at + 1, mask=ok_s, other=0.0).to(tl.float32)[:, :, None]
+        else:
+            s_hi = s_lo
+            m_hi = m_lo
+        dt = x_ptr.dtype.element_ty
+        w_lo = tl.reshape((q_lo * s_lo + m_lo).to(dt), (BLOCK_N, BLOCK_K // 2))
+        w_hi = tl.reshape((q_hi * s_hi + m_hi).to(dt), (BLOCK_N, BLOCK_K // 2))
+        xm = (rm[:, None, None] < M) & in_k[None, :, None]
+        at_x = x_ptr + rm[:, None, None] * K + (g[:, None] * 32 + j[None, :])[None, :, :]
+        x_lo = tl.reshape(tl.load(at_x, mask=xm, other=0.0), (BLOCK_M, BLOCK_K // 2))
+        x_hi = tl.reshape(tl.load(at_x + 16, mask=xm, other=0.0), (BLOCK_M, BLOCK_K // 2))
+        if IEEE:
+            acc += tl.dot(x_lo, tl.trans(w_lo), input_precision="ieee")
+            acc += tl.dot(x_hi, tl.trans(w_hi), input_precision="ieee")
+        else:
+            acc += tl.dot(x_lo, tl.trans(w_lo))
+            acc += tl.dot(x_hi, tl.trans(w_hi))
+    tl.store(y_ptr + rm[:, None] * N + n[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=(rm[:, None] < M) & (n[None, :] < N))
 
 
@@ -164,10 +230,16 @@ def _tc4_dequant_kernel(p_ptr, sz_ptr, ids_ptr, w_ptr, R, N, K, IKT: tl.constexp
     tl.store(w_ptr + r[:, None] * K + k[None, :], w.to(w_ptr.dtype.element_ty), mask=ok)
 
 
-# (BLOCK_N, BLOCK_K, num_warps) of the decode kernel by rows of x rounded up to a power of two;
-# overridable for tuning (scripts/bench-qlinear --sweep).
+# (BLOCK_N, BLOCK_K, num_warps) of the decode kernel by rows of x rounded up to a power of two,
+# and for one row of a matrix of at least WIDE_N rows; overridable for tuning
+# (scripts/bench-qlinear --sweep, measured on an H200).
 GEMV_CONFIG = {1: (1, 2048, 2), 2: (2, 1024, 1), 4: (2, 512, 1), 8: (2, 512, 1)}
-GEMV_ROWS = 4  # more rows than this: dequantize and cuBLAS
+GEMV_WIDE_CONFIG = (1, 1024, 1)
+WIDE_N = 16384
+GEMV_ROWS = 4  # more rows than this: the tensor-core kernel
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the tensor-core kernel by rows of x
+GEMM_CONFIG = {16: (16, 64, 128, 4, 3), 32: (32, 64, 128, 4, 3)}
+GEMM_ROWS = 32  # more rows than this, or fewer than WIDE_N rows of W: dequantize and cuBLAS
 DEQUANT_CONFIG = (8, 512, 4)  # BLOCK_N, BLOCK_K, num_warps
 DEQUANT_ROWS = 8192  # rows of W unpacked at a time
 
@@ -183,10 +255,18 @@ def qlinear(x: torch.Tensor, u: torch.Tensor, s: torch.Tensor, m: torch.Tensor, 
     x = x.contiguous()
     y = torch.empty((M, N), device=x.device, dtype=x.dtype)
     if M <= GEMV_ROWS:
-        block_n, block_k, warps = GEMV_CONFIG[triton.next_power_of_2(M)]
+        block_m = triton.next_power_of_2(M)
+        block_n, block_k, warps = GEMV_WIDE_CONFIG if block_m == 1 and N >= WIDE_N else GEMV_CONFIG[block_m]
         _qgemv_kernel[(triton.cdiv(N, block_n),)](x, u, s, m, y, M, N, K, NS, u.stride(0), BITS=bits, GS=gs,
-                                                  BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n,
-                                                  BLOCK_K=block_k, num_warps=warps, num_stages=1)
+                                                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                                                  EVEN=N % block_n == 0 and K % block_k == 0, num_warps=warps,
+                                                  num_stages=1)
+        return y
+    if M <= GEMM_ROWS and N >= WIDE_N:
+        block_m, block_n, block_k, warps, stages = GEMM_CONFIG[max(16, triton.next_power_of_2(M))]
+        _qgemm_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m))](
+            x, u, s, m, y, M, N, K, NS, u.stride(0), BITS=bits, GS=gs, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_K=block_k, IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
         return y
     for n0 in range(0, N, DEQUANT_ROWS):
         rows = slice(n0, n0 + DEQUANT_ROWS)
