@@ -127,7 +127,8 @@ def _qgemv_kernel(x_ptr, u_ptr, s_ptr, m_ptr, y_ptr, M, N, K, NS, stride_u,
         if BLOCK_M == 1:
             x_lo = _load(at_x, ok, EVEN, "evict_last").to(tl.float32)
             x_hi = _load(at_x + 16, ok, EVEN, "evict_last").to(tl.float32)
-            acc += x_lo * w_lo + x_hi * w_hi
+            acc += x_lo * w_lo  # two statements: two fused multiply-adds, not a multiply and two adds
+            acc += x_hi * w_hi
         else:
             for r in tl.static_range(BLOCK_M):
                 ok_x = ok & (tl.full((1, 1, 1), r, tl.int32) < M)
@@ -233,8 +234,8 @@ def _tc4_dequant_kernel(p_ptr, sz_ptr, ids_ptr, w_ptr, R, N, K, IKT: tl.constexp
 # (BLOCK_N, BLOCK_K, num_warps) of the decode kernel by rows of x rounded up to a power of two,
 # and for one row of a matrix of at least WIDE_N rows; overridable for tuning
 # (scripts/bench-qlinear --sweep, measured on an H200).
-GEMV_CONFIG = {1: (1, 2048, 2), 2: (2, 1024, 1), 4: (2, 512, 1), 8: (2, 512, 1)}
-GEMV_WIDE_CONFIG = (1, 1024, 1)
+GEMV_CONFIG = {1: (2, 1024, 2), 2: (2, 1024, 1), 4: (2, 512, 1), 8: (2, 512, 1)}
+GEMV_WIDE_CONFIG = (2, 512, 1)
 WIDE_N = 16384
 GEMV_ROWS = 4  # more rows than this: the tensor-core kernel
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the tensor-core kernel by rows of x
