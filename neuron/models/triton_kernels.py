@@ -80,12 +80,39 @@ def _load(at, ok, EVEN: tl.constexpr, POLICY: tl.constexpr):
 
 
 @triton.jit
+def _weight_tiles(u_ptr, s_ptr, m_ptr, n, g, in_k, ok, N, NS, stride_u, BITS: tl.constexpr, GS: tl.constexpr,
+                  EVEN: tl.constexpr, POLICY: tl.constexpr):
+    """Rows ``n`` of W at groups ``g`` as float32 tiles [rows, groups, 16]: the first and the
+    second half of each group of 32. A 4-bit byte holds element j of a group in its low nibble
+    and j + 16 in its high one, so an 8-bit group is read as two such tiles."""
+    j = tl.arange(0, 16)
+    at_u = u_ptr + n[:, None, None] * stride_u + (g[:, None] * (4 * BITS) + j[None, :])[None, :, :]
+    raw = _load(at_u, ok, EVEN, POLICY)
+    if BITS == 8:
+        q_lo = raw.to(tl.float32)
+        q_hi = _load(at_u + 16, ok, EVEN, POLICY).to(tl.float32)
+    else:
+        q_lo = (raw & 15).to(tl.float32)
+        q_hi = (raw >> 4).to(tl.float32)
+    ok_s = (n[:, None] < N) & in_k[None, :]
+    at = n[:, None] * NS + g[None, :] * (32 // GS)
+    s_lo = _load(s_ptr + at, ok_s, EVEN, "").to(tl.float32)[:, :, None]
+    m_lo = _load(m_ptr + at, ok_s, EVEN, "").to(tl.float32)[:, :, None]
+    if GS == 16:  # the K-quants: the high half of a group of 32 has its own scale
+        s_hi = _load(s_ptr + at + 1, ok_s, EVEN, "").to(tl.float32)[:, :, None]
+        m_hi = _load(m_ptr + at + 1, ok_s, EVEN, "").to(tl.float32)[:, :, None]
+    else:
+        s_hi = s_lo
+        m_hi = m_lo
+    return q_lo * s_lo + m_lo, q_hi * s_hi + m_hi
+
+
+@triton.jit
 def _qgemv_kernel(x_ptr, u_ptr, s_ptr, m_ptr, y_ptr, M, N, K, NS, stride_u,
                   BITS: tl.constexpr, GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
     """Rows ``0..M-1`` of ``x`` (M <= BLOCK_M) times ``BLOCK_N`` packed rows of W, in tiles
-    [rows of W, groups of 32, 16]: a 4-bit byte holds element j of a group in its low nibble and
-    j + 16 in its high one, so an 8-bit group is read as two such tiles.
+    [rows of W, groups of 32, 16] (``_weight_tiles``).
 
     Every operand is loaded in the weight tile's own shape (``x`` with a zero stride over the
     rows of W) so that Triton gives them one register layout: a broadcast from a smaller tile
@@ -103,26 +130,8 @@ def _qgemv_kernel(x_ptr, u_ptr, s_ptr, m_ptr, y_ptr, M, N, K, NS, stride_u,
         g = k0 // 32 + tl.arange(0, G)
         in_k = g < K // 32
         ok = (n[:, None, None] < N) & in_k[None, :, None]
-        at_u = u_ptr + n[:, None, None] * stride_u + (g[:, None] * (4 * BITS) + j[None, :])[None, :, :]
-        raw = _load(at_u, ok, EVEN, "evict_first")
-        if BITS == 8:
-            q_lo = raw.to(tl.float32)
-            q_hi = _load(at_u + 16, ok, EVEN, "evict_first").to(tl.float32)
-        else:
-            q_lo = (raw & 15).to(tl.float32)
-            q_hi = (raw >> 4).to(tl.float32)
-        ok_s = (n[:, None] < N) & in_k[None, :]
-        at = n[:, None] * NS + g[None, :] * (32 // GS)
-        s_lo = _load(s_ptr + at, ok_s, EVEN, "").to(tl.float32)[:, :, None]
-        m_lo = _load(m_ptr + at, ok_s, EVEN, "").to(tl.float32)[:, :, None]
-        if GS == 16:  # the K-quants: the high half of a group of 32 has its own scale
-            s_hi = _load(s_ptr + at + 1, ok_s, EVEN, "").to(tl.float32)[:, :, None]
-            m_hi = _load(m_ptr + at + 1, ok_s, EVEN, "").to(tl.float32)[:, :, None]
-        else:
-            s_hi = s_lo
-            m_hi = m_lo
-        w_lo = q_lo * s_lo + m_lo
-        w_hi = q_hi * s_hi + m_hi
+        w_lo, w_hi = _weight_tiles(u_ptr, s_ptr, m_ptr, n, g, in_k, ok, N, NS, stride_u, BITS, GS, EVEN,
+                                   "evict_first")
         at_x = x_ptr + (g[:, None] * 32 + j[None, :])[None, :, :] + n[:, None, None] * 0
         if BLOCK_M == 1:
             x_lo = _load(at_x, ok, EVEN, "evict_last").to(tl.float32)
@@ -158,27 +167,10 @@ def _qgemm_kernel(x_ptr, u_ptr, s_ptr, m_ptr, y_ptr, M, N, K, NS, stride_u,
         g = k0 // 32 + tl.arange(0, G)
         in_k = g < K // 32
         ok = (n[:, None, None] < N) & in_k[None, :, None]
-        at_u = u_ptr + n[:, None, None] * stride_u + (g[:, None] * (4 * BITS) + j[None, :])[None, :, :]
-        raw = tl.load(at_u, mask=ok, other=0)
-        if BITS == 8:
-            q_lo = raw.to(tl.float32)
-            q_hi = tl.load(at_u + 16, mask=ok, other=0).to(tl.float32)
-        else:
-            q_lo = (raw & 15).to(tl.float32)
-            q_hi = (raw >> 4).to(tl.float32)
-        ok_s = (n[:, None] < N) & in_k[None, :]
-        at = n[:, None] * NS + g[None, :] * (32 // GS)
-        s_lo = tl.load(s_ptr + at, mask=ok_s, other=0.0).to(tl.float32)[:, :, None]
-        m_lo = tl.load(m_ptr + at, mask=ok_s, other=0.0).to(tl.float32)[:, :, None]
-        if GS == 16:
-            s_hi = tl.load(s_ptr + at + 1, mask=ok_s, other=0.0).to(tl.float32)[:, :, None]
-            m_hi = tl.load(m_ptr + at + 1, mask=ok_s, other=0.0).to(tl.float32)[:, :, None]
-        else:
-            s_hi = s_lo
-            m_hi = m_lo
+        w_lo, w_hi = _weight_tiles(u_ptr, s_ptr, m_ptr, n, g, in_k, ok, N, NS, stride_u, BITS, GS, False, "")
         dt = x_ptr.dtype.element_ty
-        w_lo = tl.reshape((q_lo * s_lo + m_lo).to(dt), (BLOCK_N, BLOCK_K // 2))
-        w_hi = tl.reshape((q_hi * s_hi + m_hi).to(dt), (BLOCK_N, BLOCK_K // 2))
+        w_lo = tl.reshape(w_lo.to(dt), (BLOCK_N, BLOCK_K // 2))
+        w_hi = tl.reshape(w_hi.to(dt), (BLOCK_N, BLOCK_K // 2))
         xm = (rm[:, None, None] < M) & in_k[None, :, None]
         at_x = x_ptr + rm[:, None, None] * K + (g[:, None] * 32 + j[None, :])[None, :, :]
         x_lo = tl.reshape(tl.load(at_x, mask=xm, other=0.0), (BLOCK_M, BLOCK_K // 2))
