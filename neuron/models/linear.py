@@ -153,7 +153,7 @@ def describe_packing(model) -> str:
     for lin in found:
         for part in lin.parts if isinstance(lin, ConcatLinear) else [lin]:
             if isinstance(part, PackedLinear):
-                seen[f"int{part.bits}{' (tensor-core layout)' if part.tc4 is not None else ''} from {part.source}"] += 1
+                seen[f"int{part.bits} from {part.source}"] += 1
             else:
                 seen[f"dense {str(part.weight.dtype).removeprefix('torch.')}"] += 1
     return ", ".join(f"{k} x{v}" for k, v in sorted(seen.items()))

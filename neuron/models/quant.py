@@ -15,7 +15,6 @@ source says so.
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass
 
@@ -253,10 +252,11 @@ def quantize(w: torch.Tensor, scheme: str) -> QuantWeight:
 
 
 def _q4_scales(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale and offset of q4 groups spanning ``lo..hi``, held exactly by both packed forms: ``s``
-    and ``m`` are float16s (the CPU kernel's), ``s`` and ``m + 8 s`` (the weight at q = 8) are
-    bfloat16s (the GPU's tensor-core int4 kernel's, ``triton_kernels.Tc4Weight``). The weight at
-    q = 8 is rounded to a grid that both allow (a few 1/1000 of a step)."""
+    """Scale and offset of q4 groups spanning ``lo..hi``: float16s (what the packed forms hold),
+    with ``s`` and ``m + 8 s`` (the weight at q = 8) also bfloat16s, the form torch's tensor-core
+    int4 kernel took when the GPU ran it (before the int8-activation kernel replaced it); kept so
+    that in-situ q4 weights quantize as before. The weight at q = 8 is rounded to a grid that both
+    allow (a few 1/1000 of a step)."""
     s = _round_f16(((hi - lo) / 15).to(torch.bfloat16).float())
     zero = _on_both_grids(lo + 8 * s, lo)
     m = zero - 8 * s
@@ -307,13 +307,6 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat([g & 15, g >> 4], dim=-1).reshape(T, 2 * half)
 
 
-_ROUNDED_SCALES_LOGGED: set[str] = set()
-
-
-def _is_bf16(t: torch.Tensor) -> bool:
-    return bool(torch.equal(t.to(torch.bfloat16).float(), t.float()))
-
-
 class PackedLinear:
     """``y = x W^T + b`` from ``W`` packed in groups of 32 (4-bit, or 8-bit for wider types),
     computed by the CPU kernel with float32 activations; other activation dtypes are converted at
@@ -328,9 +321,6 @@ class PackedLinear:
         self.bits = 4 if q.bits <= 4 else 8
         self.bias, self.dtype = bias, dtype
         self.device = device or torch.device("cpu")
-        self.tc4 = None
-        if self.device.type == "cuda" and self.bits == 4 and self._tc4(q, dtype):
-            return  # held in that kernel's layout only: nothing below is built
         u = torch.from_numpy(np.ascontiguousarray(q.u))
         self.u = pack_nibbles(u) if self.bits == 4 else u
         if q.sup is not None:  # exact: the integers and float16s the file builds its scales from
@@ -353,41 +343,15 @@ class PackedLinear:
         kernels = cpu_kernels()
         self._kernel = kernels.q4_linear if self.bits == 4 else kernels.q8_linear
 
-    def _tc4(self, q: QuantWeight, dtype: torch.dtype) -> bool:
-        """Keep a 4-bit weight in groups of 32 in the layout of torch's tensor-core int4 kernel
-        (``triton_kernels.Tc4Weight``), in place of ``u``/``s``/``m``, where that kernel runs."""
-        from .triton_kernels import Tc4Weight
-
-        if not Tc4Weight.fits(self.n, self.k, q.group, dtype, self.device):
-            return False
-        s, m = torch.from_numpy(q.s), torch.from_numpy(q.m)
-        if not (_is_bf16(s) and _is_bf16(m + 8 * s)):  # that kernel would round them: not silently
-            if q.source not in _ROUNDED_SCALES_LOGGED:
-                _ROUNDED_SCALES_LOGGED.add(q.source)
-                log.info("4-bit weights from %s stay on the Triton kernel: their scales are not bfloat16s, as the "
-                         "tensor-core int4 kernel would hold them", q.source)
-            return False
-        on = functools.partial(torch.as_tensor, device=self.device)
-        self.tc4 = Tc4Weight.build(on(np.ascontiguousarray(q.u)), on(s), on(m))
-        self.u = self.s = self.m = self.d = self.dm = torch.empty(0, device=self.device)
-        self._kernel = None
-        return True
-
     @property
     def out_features(self) -> int:
         return self.n
 
     def tensors(self) -> list[torch.Tensor]:
-        own = self.tc4.tensors() if self.tc4 is not None else [self.u, self.s, self.m, self.d, self.dm]
-        return [*own, *([self.bias] if self.bias is not None else [])]
+        return [self.u, self.s, self.m, self.d, self.dm, *([self.bias] if self.bias is not None else [])]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape, dtype = x.shape, x.dtype
-        if self.tc4 is not None:
-            y = self.tc4(x.reshape(-1, self.k))
-            if self.bias is not None:
-                y = y + self.bias
-            return y.view(*shape[:-1], self.n)
         if x.is_cuda:
             from .triton_kernels import qlinear
 
@@ -404,8 +368,6 @@ class PackedLinear:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of W, dequantized (the embedding lookup on a packed matrix)."""
-        if self.tc4 is not None:
-            return self.tc4.rows(ids, self.dtype)
         u = self.u[ids]
         if self.bits == 4:
             u = unpack_nibbles(u)

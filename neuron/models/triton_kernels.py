@@ -3,10 +3,13 @@
 ``w = s * u + m`` per group, or per 16 for the K-quants), bfloat16 or float16 activations,
 float32 accumulation.
 
-- Up to ``GEMV_ROWS`` rows of ``x`` (decode) the product is memory-bound: ``_qgemv_kernel``
-  gives each program ``BLOCK_N`` output features over the whole of K, in tiles shaped [rows,
-  groups, 16] so that a group's scale and offset are loaded once and broadcast (a load per
-  weight would make the kernel instruction-bound).
+- Up to ``GEMV_ROWS`` rows of ``x`` (decode) the product is memory-bound, and a kernel that
+  converts every weight to a float spends more instructions than the memory allows (an H200
+  streams ~2 weights a cycle per scheduler). So, as llama.cpp's CUDA kernels do, the rows of
+  ``x`` are first quantized to int8 per group of 32 (``_quantize_rows_kernel``: ``q = round(x /
+  d)``, ``d = max|x| / 127``) and ``_qgemv_kernel`` multiplies W's bytes as they are, four
+  products an instruction (``dp4a``): ``y = sum_g s d (u . q) + m d sum(q)``. The int8
+  activations cost ~0.3% of a product's magnitude (as much as one more bfloat16 rounding).
 - Up to ``GEMM_ROWS`` rows (a batch of decodes) of a wide W (``WIDE_N`` rows and more: the
   MLP's gate and up, the vocabulary): ``_qgemm_kernel`` unpacks each tile of W once in registers
   and multiplies it on the tensor cores. A narrower W gives it too few tiles to fill the GPU
@@ -15,20 +18,16 @@ float32 accumulation.
   and cuBLAS multiplies: the product is compute-bound there, and writing the weight once costs
   less than unpacking it in every tile of a GEMM.
 
-4-bit weights in groups of 32 with bfloat16 activations take a faster road on GPUs that have
-it (compute capability 8.0+): torch's tensor-core int4 kernel (``torch._weight_int4pack_mm``,
-"tinygemm", the one gpt-fast uses) up to ``TC4_ROWS`` rows, from its own weight layout
-(``Tc4Weight``); beyond that ``_tc4_dequant_kernel`` unpacks that layout to bf16 for cuBLAS. That
-kernel holds scales and offsets as bfloat16s, so only weights whose scales are bfloat16s take
-it (in-situ q4 makes them so, ``quant._q4_scales``); a GGUF's float16 scales keep the Triton
-kernels, which compute them exactly.
-
-Only basic ``tl`` operations, so the same source runs on Triton 3.6 on the GPU hosts and under
-``TRITON_INTERPRET=1`` on a CPU, where the tests check it against the torch reference
-``reference_qlinear``.
+Only basic ``tl`` operations and one instruction of inline PTX (``dp4a``, which
+``TRITON_INTERPRET=1`` cannot run: there ``_dp4a`` computes the same sum from shifted bytes), so
+the same source runs on Triton 3.6 on the GPU hosts and under the interpreter on a CPU, where
+the tests check it against the torch references ``reference_qlinear`` and
+``reference_quantized_rows``.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -108,46 +107,96 @@ def _weight_tiles(u_ptr, s_ptr, m_ptr, n, g, in_k, ok, N, NS, stride_u, BITS: tl
 
 
 @triton.jit
-def _qgemv_kernel(x_ptr, u_ptr, s_ptr, m_ptr, y_ptr, M, N, K, NS, stride_u,
-                  BITS: tl.constexpr, GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
-    """Rows ``0..M-1`` of ``x`` (M <= BLOCK_M) times ``BLOCK_N`` packed rows of W, in tiles
-    [rows of W, groups of 32, 16] (``_weight_tiles``).
+def _dp4a(a, b, c, EMU: tl.constexpr):
+    """``c`` plus the products of ``a``'s 4 unsigned bytes with ``b``'s 4 signed bytes (int32
+    words): one ``dp4a`` on the GPU; shifted bytes under the interpreter (``EMU``)."""
+    if EMU:
+        for sh in tl.static_range(0, 32, 8):
+            c += ((a >> sh) & 255) * ((b << (24 - sh)) >> 24)
+        return c
+    else:
+        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                         is_pure=True, pack=1)
 
-    Every operand is loaded in the weight tile's own shape (``x`` with a zero stride over the
-    rows of W) so that Triton gives them one register layout: a broadcast from a smaller tile
-    would move it through shared memory at every step, and at 8 bits that cost more than the
-    weights' own loads. With one row of ``x`` the products accumulate element-wise over the K
-    steps and are summed once at the end; with more, each row's products are summed at every
-    step (a tile per row would not fit the registers)."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    G: tl.constexpr = BLOCK_K // 32
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, d_ptr, t_ptr, K, BLOCK_G: tl.constexpr):
+    """Row ``program_id(1)`` of ``x`` in groups of 32: ``q = round(x / d)`` (int8 [M, K]) with
+    ``d = max|x| / 127`` (float32 [M, K/32]), and ``d * sum(q)`` per 16 (float32 [M, K/16])."""
+    r = tl.program_id(1)
+    g = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)
+    h = tl.arange(0, 2)
     j = tl.arange(0, 16)
+    ok = g < K // 32
+    at = r * K + g[:, None, None] * 32 + h[None, :, None] * 16 + j[None, None, :]
+    x = tl.load(x_ptr + at, mask=ok[:, None, None], other=0.0).to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
+    d = amax / 127.0
+    q = x * tl.where(amax > 0, 127.0 / amax, 0.0)[:, None, None]
+    q = tl.where(q >= 0, tl.floor(q + 0.5), -tl.floor(0.5 - q))  # half away from zero
+    tl.store(q_ptr + at, q.to(tl.int8), mask=ok[:, None, None])
+    tl.store(d_ptr + r * (K // 32) + g, d, mask=ok)
+    tl.store(t_ptr + r * (K // 16) + g[:, None] * 2 + h[None, :], tl.sum(q, axis=2) * d[:, None],
+             mask=ok[:, None])
+
+
+@triton.jit
+def _qgemv_kernel(q_ptr, d_ptr, t_ptr, w_ptr, s_ptr, m_ptr, y_ptr, M, N, K, NS, stride_w,
+                  BITS: tl.constexpr, GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_G: tl.constexpr, EVEN: tl.constexpr, EMU: tl.constexpr):
+    """Rows ``0..M-1`` of the quantized ``x`` (``q`` as int32 words, ``d``, ``t``: see
+    ``_quantize_rows_kernel``) times ``BLOCK_N`` packed rows of W (int32 words), ``BLOCK_G``
+    groups of 32 a step.
+
+    A thread holds 16 bytes of a row of W at a time (tiles [rows of W, groups, 4 words]), so the
+    sums over a group stay in its registers: an 8-bit group is two such tiles (elements 0..15 and
+    16..31); a 4-bit group is one, whose low nibbles are elements 0..15 (byte j: element j) and
+    high nibbles 16..31. ``x``'s words are loaded in the same shape, with no row dimension, so
+    every row of W in a thread shares them."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    gi = tl.arange(0, BLOCK_G)
+    i4 = tl.arange(0, 4)
     rm = tl.arange(0, BLOCK_M)
-    acc = tl.zeros((BLOCK_N, G, 16), dtype=tl.float32)
-    acc_rows = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        g = k0 // 32 + tl.arange(0, G)
-        in_k = g < K // 32
-        ok = (n[:, None, None] < N) & in_k[None, :, None]
-        w_lo, w_hi = _weight_tiles(u_ptr, s_ptr, m_ptr, n, g, in_k, ok, N, NS, stride_u, BITS, GS, EVEN,
-                                   "evict_first")
-        at_x = x_ptr + (g[:, None] * 32 + j[None, :])[None, :, :] + n[:, None, None] * 0
-        if BLOCK_M == 1:
-            x_lo = _load(at_x, ok, EVEN, "evict_last").to(tl.float32)
-            x_hi = _load(at_x + 16, ok, EVEN, "evict_last").to(tl.float32)
-            acc += x_lo * w_lo  # two statements: two fused multiply-adds, not a multiply and two adds
-            acc += x_hi * w_hi
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_G), dtype=tl.float32)
+    for g0 in range(0, K // 32, BLOCK_G):
+        g = g0 + gi
+        okg = g < K // 32
+        at = w_ptr + n[:, None, None] * stride_w + (g[:, None] * BITS + i4[None, :])[None]
+        ok = (n[:, None, None] < N) & okg[None, :, None]
+        w_lo = _load(at, ok, EVEN, "evict_first")
+        if BITS == 8:
+            w_hi = _load(at + 4, ok, EVEN, "evict_first")
         else:
-            for r in tl.static_range(BLOCK_M):
-                ok_x = ok & (tl.full((1, 1, 1), r, tl.int32) < M)
-                x_lo = _load(at_x + r * K, ok_x, False, "evict_last").to(tl.float32)
-                x_hi = _load(at_x + r * K + 16, ok_x, False, "evict_last").to(tl.float32)
-                part = tl.sum(tl.sum(x_lo * w_lo + x_hi * w_hi, axis=2), axis=1)
-                acc_rows += tl.where(rm[:, None] == r, part[None, :], 0.0)
-    if BLOCK_M == 1:
-        acc_rows = tl.sum(tl.sum(acc, axis=2), axis=1)[None, :]
-    tl.store(y_ptr + rm[:, None] * N + n[None, :], acc_rows.to(y_ptr.dtype.element_ty),
+            w_hi = (w_lo >> 4) & 0x0F0F0F0F
+            w_lo = w_lo & 0x0F0F0F0F
+        oks = (n[:, None] < N) & okg[None, :]
+        ats = n[:, None] * NS + g[None, :] * (32 // GS)
+        s_lo = _load(s_ptr + ats, oks, EVEN, "").to(tl.float32)
+        m_lo = _load(m_ptr + ats, oks, EVEN, "").to(tl.float32)
+        if GS == 16:  # the K-quants: the high half of a group of 32 has its own scale
+            s_hi = _load(s_ptr + ats + 1, oks, EVEN, "").to(tl.float32)
+            m_hi = _load(m_ptr + ats + 1, oks, EVEN, "").to(tl.float32)
+        for r in tl.static_range(BLOCK_M):
+            okr = okg & (tl.full((BLOCK_G,), r, tl.int32) < M)
+            at_q = q_ptr + r * (K // 4) + g[:, None] * 8 + i4[None, :]
+            okq = okr[:, None] & (i4[None, :] < 4)
+            q_lo = tl.load(at_q, mask=okq, other=0, eviction_policy="evict_last")[None]
+            q_hi = tl.load(at_q + 4, mask=okq, other=0, eviction_policy="evict_last")[None]
+            p_lo = tl.sum(_dp4a(w_lo, q_lo, tl.zeros_like(w_lo), EMU), axis=2).to(tl.float32)
+            p_hi = tl.sum(_dp4a(w_hi, q_hi, tl.zeros_like(w_hi), EMU), axis=2).to(tl.float32)
+            d = tl.load(d_ptr + r * (K // 32) + g, mask=okr, other=0.0)[None, :]
+            at_t = t_ptr + r * (K // 16) + g * 2
+            t_lo = tl.load(at_t, mask=okr, other=0.0)[None, :]
+            t_hi = tl.load(at_t + 1, mask=okr, other=0.0)[None, :]
+            if GS == 16:
+                part = p_lo * (s_lo * d) + p_hi * (s_hi * d) + m_lo * t_lo + m_hi * t_hi
+            else:
+                part = (p_lo + p_hi) * (s_lo * d) + m_lo * (t_lo + t_hi)
+            if BLOCK_M == 1:
+                acc += part[None]
+            else:
+                acc += tl.where(rm[:, None, None] == r, part[None], 0.0)
+    tl.store(y_ptr + rm[:, None] * N + n[None, :], tl.sum(acc, axis=2).to(y_ptr.dtype.element_ty),
              mask=(rm[:, None] < M) & (n[None, :] < N))
 
 
@@ -200,36 +249,15 @@ def _dequant_kernel(u_ptr, s_ptr, m_ptr, w_ptr, N, K, NS, BITS: tl.constexpr, GS
     tl.store(row + k_hi[None, :, :], (hi * s_hi[:, :, None] + m_hi[:, :, None]).to(out), mask=ok)
 
 
-@triton.jit
-def _tc4_dequant_kernel(p_ptr, sz_ptr, ids_ptr, w_ptr, R, N, K, IKT: tl.constexpr, BLOCK_R: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
-    """Rows ``ids`` of a ``Tc4Weight`` as ``w_ptr``'s dtype, [R, K] row-major. Nibble ``p`` of
-    word ``[n // 8][k // (16 IKT)][t][i]`` holds element ``(n, k)`` with ``t = 4 (n % 8) + (k % 8)
-    // 2``, ``i = (k % (16 IKT)) // 32`` and ``p = 4 (k % 2) + 2 ((k % 32) // 16) + (k % 16) // 8``
-    (the B operand of the m16n8k16 tensor-core product, two k-tiles to a word)."""
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    n = tl.load(ids_ptr + r, mask=r < R, other=0)
-    ok = (r[:, None] < R) & (k[None, :] < K)
-    kr = k % (16 * IKT)
-    t = (n % 8)[:, None] * 4 + ((k % 8) // 2)[None, :]
-    word = (((n // 8)[:, None] * (K // (16 * IKT)) + (k // (16 * IKT))[None, :]) * 32 + t) * (IKT // 2) + (kr // 32)[None, :]
-    nibble = 4 * (k % 2) + 2 * ((kr % 32) // 16) + (k % 16) // 8
-    q = (tl.load(p_ptr + word, mask=ok, other=0) >> (4 * nibble)[None, :]) & 15
-    at = ((k // 32)[None, :] * N + n[:, None]) * 2
-    scale = tl.load(sz_ptr + at, mask=ok, other=0.0).to(tl.float32)
-    zero = tl.load(sz_ptr + at + 1, mask=ok, other=0.0).to(tl.float32)
-    w = (q - 8).to(tl.float32) * scale + zero
-    tl.store(w_ptr + r[:, None] * K + k[None, :], w.to(w_ptr.dtype.element_ty), mask=ok)
-
-
-# (BLOCK_N, BLOCK_K, num_warps) of the decode kernel by rows of x rounded up to a power of two,
-# and for one row of a matrix of at least WIDE_N rows; overridable for tuning
-# (scripts/bench-qlinear --sweep, measured on an H200).
-GEMV_CONFIG = {1: (2, 1024, 2), 2: (2, 1024, 1), 4: (2, 512, 1), 8: (2, 512, 1)}
-GEMV_WIDE_CONFIG = (2, 512, 1)
+# (BLOCK_N, BLOCK_G, num_warps) of the decode kernel by rows of x rounded up to a power of two, for
+# K < LONG_K and for K >= LONG_K (the MLP's down projection); overridable for tuning (measured on
+# an H200 with scripts/bench-qlinear --sweep and .gpu/cmp9.py).
+GEMV_CONFIG = {1: (2, 32, 1), 2: (2, 16, 1), 4: (2, 16, 1), 8: (2, 16, 1)}
+GEMV_LONG_K_CONFIG = {1: (1, 64, 2), 2: (1, 32, 1), 4: (1, 128, 4), 8: (1, 32, 1)}
+LONG_K = 8192
+GEMV_ROWS = 8  # more rows than this: the tensor-core kernel
+QUANTIZE_ROWS_GROUPS = 8  # groups of 32 a program of _quantize_rows_kernel
 WIDE_N = 16384
-GEMV_ROWS = 4  # more rows than this: the tensor-core kernel
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the tensor-core kernel by rows of x
 GEMM_CONFIG = {16: (16, 64, 128, 4, 3), 32: (32, 64, 128, 4, 3)}
 GEMM_ROWS = 32  # more rows than this, or fewer than WIDE_N rows of W: dequantize and cuBLAS
@@ -248,11 +276,14 @@ def qlinear(x: torch.Tensor, u: torch.Tensor, s: torch.Tensor, m: torch.Tensor, 
     x = x.contiguous()
     y = torch.empty((M, N), device=x.device, dtype=x.dtype)
     if M <= GEMV_ROWS:
+        q, d, t = quantize_rows(x)
         block_m = triton.next_power_of_2(M)
-        block_n, block_k, warps = GEMV_WIDE_CONFIG if block_m == 1 and N >= WIDE_N else GEMV_CONFIG[block_m]
-        _qgemv_kernel[(triton.cdiv(N, block_n),)](x, u, s, m, y, M, N, K, NS, u.stride(0), BITS=bits, GS=gs,
-                                                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                                                  EVEN=N % block_n == 0 and K % block_k == 0, num_warps=warps,
+        block_n, block_g, warps = (GEMV_LONG_K_CONFIG if K >= LONG_K else GEMV_CONFIG)[block_m]
+        w = u.view(torch.int32)
+        _qgemv_kernel[(triton.cdiv(N, block_n),)](q.view(torch.int32), d, t, w, s, m, y, M, N, K, NS, w.stride(0),
+                                                  BITS=bits, GS=gs, BLOCK_M=block_m, BLOCK_N=block_n,
+                                                  BLOCK_G=block_g, EVEN=N % block_n == 0 and K // 32 % block_g == 0,
+                                                  EMU=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps,
                                                   num_stages=1)
         return y
     if M <= GEMM_ROWS and N >= WIDE_N:
@@ -279,6 +310,29 @@ def dequantize(u: torch.Tensor, s: torch.Tensor, m: torch.Tensor, bits: int, dty
     return w
 
 
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` [M, K] as int8 per group of 32: ``q`` [M, K], ``d`` [M, K/32] and ``d * sum(q)``
+    per 16 [M, K/16] (float32), the decode kernel's operands."""
+    M, K = x.shape
+    q = torch.empty((M, K), device=x.device, dtype=torch.int8)
+    d = torch.empty((M, K // 32), device=x.device, dtype=torch.float32)
+    t = torch.empty((M, K // 16), device=x.device, dtype=torch.float32)
+    _quantize_rows_kernel[(triton.cdiv(K // 32, QUANTIZE_ROWS_GROUPS), M)](x, q, d, t, K,
+                                                                          BLOCK_G=QUANTIZE_ROWS_GROUPS, num_warps=1)
+    return q, d, t
+
+
+def reference_quantized_rows(x: torch.Tensor) -> torch.Tensor:
+    """What the decode kernel multiplies for ``x`` [M, K]: ``d * round(x / d)`` per group of 32
+    (float32 torch ops); ``reference_qlinear`` of it is the decode kernel's product."""
+    M, K = x.shape
+    g = x.float().view(M, K // 32, 32)
+    amax = g.abs().amax(-1, keepdim=True)
+    v = g * torch.where(amax > 0, 127.0 / amax, 0.0)
+    q = torch.sign(v) * torch.floor(v.abs() + 0.5)  # half away from zero, as the kernel rounds
+    return (q * (amax / 127.0)).view(M, K)
+
+
 def reference_qlinear(x: torch.Tensor, u: torch.Tensor, s: torch.Tensor, m: torch.Tensor, bits: int) -> torch.Tensor:
     """The same product in float32 torch ops (the weight dequantized whole)."""
     N = u.shape[0]
@@ -291,76 +345,3 @@ def reference_qlinear(x: torch.Tensor, u: torch.Tensor, s: torch.Tensor, m: torc
     gs = K // s.shape[1]
     w = q.view(N, -1, gs).float() * s.float()[..., None] + m.float()[..., None]
     return x.float() @ w.view(N, K).t()
-
-
-# ------------------------------------------------------------------------- tensor-core int4
-
-TC4_ROWS = 32  # more rows than this: unpack to bf16 and cuBLAS
-TC4_DEQUANT_CONFIG = (8, 256, 4)  # BLOCK_R, BLOCK_K, num_warps
-
-
-class Tc4Weight:
-    """A 4-bit weight in groups of 32 in the layout of ``torch._weight_int4pack_mm``: ``packed``
-    int32 [N/8, K/(16 IKT), 32, IKT/2], ``sz`` bf16 [K/32, N, 2] with ``w = (q - 8) * scale +
-    zero`` per group (so ``zero = m + 8 s`` for our ``w = s q + m``)."""
-
-    def __init__(self, packed: torch.Tensor, sz: torch.Tensor, n: int, k: int) -> None:
-        self.packed, self.sz, self.n, self.k = packed, sz, n, k
-        self.ikt = packed.shape[3] * 2
-
-    @staticmethod
-    def fits(n: int, k: int, group: int, dtype: torch.dtype, device: torch.device) -> bool:
-        return (device.type == "cuda" and dtype == torch.bfloat16 and group == 32 and n % 8 == 0 and k % 32 == 0
-                and torch.cuda.get_device_capability(device) >= (8, 0))
-
-    @classmethod
-    def build(cls, q: torch.Tensor, s: torch.Tensor, m: torch.Tensor, pack=None) -> Tc4Weight:
-        """``q`` uint8 values 0..15 [N, K], ``s``, ``m`` float [N, K/32], all on one device;
-        ``pack`` packs the nibbles (torch's own converter on a GPU, ``reference_tc4_pack``
-        elsewhere)."""
-        N, K = q.shape
-        ikt = 8 if K % 128 == 0 else 4 if K % 64 == 0 else 2
-        if pack is None:
-            packed = torch._convert_weight_to_int4pack(((q[:, ::2] << 4) | q[:, 1::2]).contiguous(), ikt)
-        else:
-            packed = pack(q, ikt)
-        s, m = s.float(), m.float()
-        sz = torch.stack([s, m + 8 * s], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
-        return cls(packed, sz, N, K)
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.packed, self.sz]
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` bf16 [M, K] -> [M, N]."""
-        if x.shape[0] <= TC4_ROWS:
-            return torch._weight_int4pack_mm(x.contiguous(), self.packed, 32, self.sz)
-        y = torch.empty((x.shape[0], self.n), device=x.device, dtype=x.dtype)
-        ids = torch.arange(self.n, device=x.device, dtype=torch.int32)
-        for n0 in range(0, self.n, DEQUANT_ROWS):
-            part = ids[n0:n0 + DEQUANT_ROWS]
-            y[:, n0:n0 + len(part)] = x @ self.rows(part, x.dtype).t()
-        return y
-
-    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Rows ``ids`` of W, dequantized [len(ids), K]."""
-        R = ids.shape[0]
-        w = torch.empty((R, self.k), device=self.packed.device, dtype=dtype)
-        block_r, block_k, warps = TC4_DEQUANT_CONFIG
-        _tc4_dequant_kernel[(triton.cdiv(R, block_r), triton.cdiv(self.k, block_k))](
-            self.packed, self.sz, ids.to(torch.int32).contiguous(), w, R, self.n, self.k, IKT=self.ikt,
-            BLOCK_R=block_r, BLOCK_K=block_k, num_warps=warps)
-        return w
-
-
-def reference_tc4_pack(q: torch.Tensor, ikt: int) -> torch.Tensor:
-    """What ``torch._convert_weight_to_int4pack`` makes of values 0..15 [N, K] (N % 8 == 0), in
-    torch ops: word ``[n // 8][k // (16 ikt)][t][i]``, nibble ``p``, as ``_tc4_dequant_kernel``
-    reads it. The GPU test checks it against torch's own converter."""
-    N, K = q.shape
-    # q[nT, a, kO, i, jh, jl, b, lo] with n = 8 nT + a, k = 16 ikt kO + 32 i + 16 jh + 8 jl + 2 b + lo
-    v = q.to(torch.int64).reshape(N // 8, 8, K // (16 * ikt), ikt // 2, 2, 2, 4, 2)
-    # -> [nT, kO, t = 4 a + b, i, nibble = 4 lo + 2 jh + jl]
-    v = v.permute(0, 2, 1, 6, 3, 7, 4, 5).reshape(N // 8, K // (16 * ikt), 32, ikt // 2, 8)
-    words = (v << (4 * torch.arange(8, device=q.device))).sum(-1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
