@@ -66,8 +66,8 @@ class Source(Protocol):
 
 
 # Packed weights on a GPU (triton_kernels.py): 44% (q8_0) and 69% (q4) less memory than bf16 for
-# an 8B model; batch-1 decode at 0.70x (q8_0, Triton) and 1.27x (q4, torch's tensor-core int4
-# kernel) of bf16's speed on an H200 (scripts/perf-gpu --quantize). False: dense weights on GPUs.
+# an 8B model; batch-1 decode at 1.47x (q8_0) and 1.82x (q4) of bf16's speed on an H200
+# (scripts/perf-gpu --quantize). False: dense weights on GPUs.
 GPU_PACKED = True
 
 

@@ -253,7 +253,7 @@ def _dequant_kernel(u_ptr, s_ptr, m_ptr, w_ptr, N, K, NS, BITS: tl.constexpr, GS
 # K < LONG_K and for K >= LONG_K (the MLP's down projection); overridable for tuning (measured on
 # an H200 with scripts/bench-qlinear --sweep and .gpu/cmp9.py).
 GEMV_CONFIG = {1: (2, 32, 1), 2: (2, 16, 1), 4: (2, 16, 1), 8: (2, 16, 1)}
-GEMV_LONG_K_CONFIG = {1: (1, 64, 2), 2: (1, 32, 1), 4: (1, 128, 4), 8: (1, 32, 1)}
+GEMV_LONG_K_CONFIG = {1: (1, 64, 1), 2: (1, 32, 1), 4: (1, 128, 4), 8: (1, 32, 1)}
 LONG_K = 8192
 GEMV_ROWS = 8  # more rows than this: the tensor-core kernel
 QUANTIZE_ROWS_GROUPS = 8  # groups of 32 a program of _quantize_rows_kernel
