@@ -129,6 +129,22 @@ def test_silu_mul_matches_the_reference():
     assert (K.silu_mul(gu) - OPS.silu_mul(gu)).abs().max() < 1e-6
 
 
+def test_norms_and_silu_mul_write_the_int8_form_the_decode_kernel_would_make():
+    """With ``quantize`` the kernels also attach their output's int8 groups (``out.int8_rows``),
+    the same bits as quantizing the output afterwards: what a packed projection reads instead."""
+    from neuron.models.triton_kernels import quantize_rows
+
+    g = torch.Generator().manual_seed(5)
+    x, r, w = (torch.randn(3, 96, generator=g).half(), torch.randn(3, 96, generator=g).half(),
+               torch.randn(96, generator=g).half())
+    outs = [K.rms_norm(x, w, 1e-6, quantize=True)[0], K.rms_norm(x, w, 1e-6, r.clone(), quantize=True)[0],
+            K.silu_mul(torch.randn(2, 2 * 1056, generator=g).half(), quantize=True)]  # 1056: a partial block
+    for out in outs:
+        for mine, want in zip(out.int8_rows, quantize_rows(out)):
+            assert torch.equal(mine, want)
+    assert not hasattr(K.rms_norm(x, w, 1e-6)[0], "int8_rows")
+
+
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("store", [False, True])
 def test_rope_store_rotates_queries_in_place_and_puts_keys_and_values_in_their_cache_rows(norm, store):

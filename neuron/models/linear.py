@@ -136,12 +136,10 @@ def _zero_rows(n: int, k: int, bits: int) -> QuantWeight:
                        np.zeros((n, k // 32), np.float32), bits, "")
 
 
-def describe_packing(model) -> str:
-    """How a shard's projections are stored: "int4 from Q4_1 x210, int8 planes from Q8_0 x1"."""
-    from collections import Counter
-
-    seen: Counter[str] = Counter()
+def _linears(model) -> tuple[list[AnyLinear], list[str]]:
+    """A shard's projections, and how many layers hold their sparse experts dense (by dtype)."""
     found: list[AnyLinear] = [model.embed] + ([] if model.lm_head is model.embed else [model.lm_head])
+    dense_experts = []
     for layer in model.layers:
         found += [layer.attn.qkv, layer.attn.o]
         if hasattr(layer.mlp, "gate_up"):
@@ -149,11 +147,24 @@ def describe_packing(model) -> str:
         else:  # sparse experts: packed pairs, or stacked dense tensors
             found += [lin for pair in layer.mlp.packed for lin in pair]
             if not layer.mlp.packed:
-                seen[f"dense {str(layer.mlp.down.dtype).removeprefix('torch.')} experts"] += 1
-    for lin in found:
-        for part in lin.parts if isinstance(lin, ConcatLinear) else [lin]:
-            if isinstance(part, PackedLinear):
-                seen[f"int{part.bits} from {part.source}"] += 1
-            else:
-                seen[f"dense {str(part.weight.dtype).removeprefix('torch.')}"] += 1
+                dense_experts.append(str(layer.mlp.down.dtype).removeprefix("torch."))
+    parts = [part for lin in found for part in (lin.parts if isinstance(lin, ConcatLinear) else [lin])]
+    return parts, dense_experts
+
+
+def has_packed(model) -> bool:
+    return any(isinstance(part, PackedLinear) for part in _linears(model)[0])
+
+
+def describe_packing(model) -> str:
+    """How a shard's projections are stored: "int4 from Q4_1 x210, int8 planes from Q8_0 x1"."""
+    from collections import Counter
+
+    parts, dense_experts = _linears(model)
+    seen: Counter[str] = Counter(f"dense {dtype} experts" for dtype in dense_experts)
+    for part in parts:
+        if isinstance(part, PackedLinear):
+            seen[f"int{part.bits} from {part.source}"] += 1
+        else:
+            seen[f"dense {str(part.weight.dtype).removeprefix('torch.')}"] += 1
     return ", ".join(f"{k} x{v}" for k, v in sorted(seen.items()))

@@ -355,7 +355,7 @@ class PackedLinear:
         if x.is_cuda:
             from .triton_kernels import qlinear
 
-            y = qlinear(x.reshape(-1, self.k), self.u, self.s, self.m, self.bits)
+            y = qlinear(x.reshape(-1, self.k), self.u, self.s, self.m, self.bits, getattr(x, "int8_rows", None))
             if self.bias is not None:
                 y = y + self.bias
             return y.view(*shape[:-1], self.n)

@@ -120,24 +120,32 @@ def _dp4a(a, b, c, EMU: tl.constexpr):
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, d_ptr, t_ptr, K, BLOCK_G: tl.constexpr):
-    """Row ``program_id(1)`` of ``x`` in groups of 32: ``q = round(x / d)`` (int8 [M, K]) with
-    ``d = max|x| / 127`` (float32 [M, K/32]), and ``d * sum(q)`` per 16 (float32 [M, K/16])."""
-    r = tl.program_id(1)
-    g = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)
+def _quantize_groups(v, g, ok, q_ptr, d_ptr, t_ptr):
+    """Store groups ``g`` [G] of one row (pointers at its start) from ``v``, their values [G, 2,
+    16] in float32, where ``ok``: ``q = round(v / d)`` (int8), ``d = max|v| / 127`` (float32) and
+    ``d * sum(q)`` of each half (float32). The decode kernel's operands; a kernel that writes the
+    activations can call this on them too (``runner/kernels.py``: RMS norm, SiLU·mul)."""
     h = tl.arange(0, 2)
     j = tl.arange(0, 16)
-    ok = g < K // 32
-    at = r * K + g[:, None, None] * 32 + h[None, :, None] * 16 + j[None, None, :]
-    x = tl.load(x_ptr + at, mask=ok[:, None, None], other=0.0).to(tl.float32)
-    amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
+    amax = tl.max(tl.max(tl.abs(v), axis=2), axis=1)
     d = amax / 127.0
-    q = x * tl.where(amax > 0, 127.0 / amax, 0.0)[:, None, None]
+    q = v * (127.0 / tl.where(amax > 0, amax, 1.0))[:, None, None]  # amax = 0: v = 0
     q = tl.where(q >= 0, tl.floor(q + 0.5), -tl.floor(0.5 - q))  # half away from zero
+    at = g[:, None, None] * 32 + h[None, :, None] * 16 + j[None, None, :]
     tl.store(q_ptr + at, q.to(tl.int8), mask=ok[:, None, None])
-    tl.store(d_ptr + r * (K // 32) + g, d, mask=ok)
-    tl.store(t_ptr + r * (K // 16) + g[:, None] * 2 + h[None, :], tl.sum(q, axis=2) * d[:, None],
-             mask=ok[:, None])
+    tl.store(d_ptr + g, d, mask=ok)
+    tl.store(t_ptr + g[:, None] * 2 + h[None, :], tl.sum(q, axis=2) * d[:, None], mask=ok[:, None])
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, d_ptr, t_ptr, K, BLOCK_G: tl.constexpr):
+    """Row ``program_id(1)`` of ``x`` in groups of 32 (``_quantize_groups``)."""
+    r = tl.program_id(1)
+    g = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)
+    ok = g < K // 32
+    at = g[:, None, None] * 32 + tl.arange(0, 2)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
+    x = tl.load(x_ptr + r * K + at, mask=ok[:, None, None], other=0.0).to(tl.float32)
+    _quantize_groups(x, g, ok, q_ptr + r * K, d_ptr + r * (K // 32), t_ptr + r * (K // 16))
 
 
 @triton.jit
@@ -265,9 +273,11 @@ DEQUANT_CONFIG = (8, 512, 4)  # BLOCK_N, BLOCK_K, num_warps
 DEQUANT_ROWS = 8192  # rows of W unpacked at a time
 
 
-def qlinear(x: torch.Tensor, u: torch.Tensor, s: torch.Tensor, m: torch.Tensor, bits: int) -> torch.Tensor:
+def qlinear(x: torch.Tensor, u: torch.Tensor, s: torch.Tensor, m: torch.Tensor, bits: int,
+            int8_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``x`` [M, K] (bf16/fp16); ``u`` uint8 [N, K*bits/8]; ``s``, ``m`` [N, K/32] or [N, K/16]
-    (any float dtype, float32 keeps K-quant scales exact) -> ``y`` [M, N] in ``x``'s dtype."""
+    (any float dtype, float32 keeps K-quant scales exact) -> ``y`` [M, N] in ``x``'s dtype.
+    ``int8_rows``: ``quantize_rows(x)`` if the kernel that wrote ``x`` made it too."""
     M, K = x.shape
     N = u.shape[0]
     NS = s.shape[1]
@@ -276,7 +286,8 @@ def qlinear(x: torch.Tensor, u: torch.Tensor, s: torch.Tensor, m: torch.Tensor, 
     x = x.contiguous()
     y = torch.empty((M, N), device=x.device, dtype=x.dtype)
     if M <= GEMV_ROWS:
-        q, d, t = quantize_rows(x)
+        fits = int8_rows is not None and tuple(int8_rows[0].shape) == (M, K)
+        q, d, t = int8_rows if fits else quantize_rows(x)
         block_m = triton.next_power_of_2(M)
         block_n, block_g, warps = (GEMV_LONG_K_CONFIG if K >= LONG_K else GEMV_CONFIG)[block_m]
         w = u.view(torch.int32)
@@ -310,13 +321,18 @@ def dequantize(u: torch.Tensor, s: torch.Tensor, m: torch.Tensor, bits: int, dty
     return w
 
 
+def int8_rows_buffers(M: int, K: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Empty ``q`` int8 [M, K], ``d`` [M, K/32] and ``t`` [M, K/16] (float32)."""
+    return (torch.empty((M, K), device=device, dtype=torch.int8),
+            torch.empty((M, K // 32), device=device, dtype=torch.float32),
+            torch.empty((M, K // 16), device=device, dtype=torch.float32))
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x`` [M, K] as int8 per group of 32: ``q`` [M, K], ``d`` [M, K/32] and ``d * sum(q)``
     per 16 [M, K/16] (float32), the decode kernel's operands."""
     M, K = x.shape
-    q = torch.empty((M, K), device=x.device, dtype=torch.int8)
-    d = torch.empty((M, K // 32), device=x.device, dtype=torch.float32)
-    t = torch.empty((M, K // 16), device=x.device, dtype=torch.float32)
+    q, d, t = int8_rows_buffers(M, K, x.device)
     _quantize_rows_kernel[(triton.cdiv(K // 32, QUANTIZE_ROWS_GROUPS), M)](x, q, d, t, K,
                                                                           BLOCK_G=QUANTIZE_ROWS_GROUPS, num_warps=1)
     return q, d, t

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from neuron.models.triton_kernels import _quantize_groups, int8_rows_buffers
+
 
 def _pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, n))
@@ -319,8 +321,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 @triton.jit
-def _rms_norm_kernel(X, R, W, Out, RNew, stride_x, stride_r, stride_o, eps,
-                     N: tl.constexpr, N_PAD: tl.constexpr, ADD: tl.constexpr):
+def _rms_norm_kernel(X, R, W, Out, RNew, Q, D, S, stride_x, stride_r, stride_o, eps,
+                     N: tl.constexpr, N_PAD: tl.constexpr, ADD: tl.constexpr, QUANT: tl.constexpr):
     row = tl.program_id(0)
     i = tl.arange(0, N_PAD)
     mask = i < N
@@ -331,19 +333,35 @@ def _rms_norm_kernel(X, R, W, Out, RNew, stride_x, stride_r, stride_o, eps,
     h = x.to(tl.float32)
     h = h * tl.rsqrt(tl.sum(h * h, 0) / N + eps)
     w = tl.load(W + i, mask=mask, other=0.0)
-    tl.store(Out + row * stride_o + i, (w.to(tl.float32) * h.to(x.dtype).to(tl.float32)).to(x.dtype), mask=mask)
+    out = (w.to(tl.float32) * h.to(x.dtype).to(tl.float32)).to(x.dtype)
+    tl.store(Out + row * stride_o + i, out, mask=mask)
+    if QUANT:  # the packed projection that follows multiplies these as int8 groups of 32
+        g = tl.arange(0, N_PAD // 32)
+        _quantize_groups(tl.reshape(out.to(tl.float32), (N_PAD // 32, 2, 16)), g, g < N // 32, Q + row * N,
+                         D + row * (N // 32), S + row * (N // 16))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _int8_rows(out: torch.Tensor, quantize: bool) -> tuple[torch.Tensor, ...]:
+    """The buffers of ``out``'s int8 form, attached to it as ``out.int8_rows`` (which a packed
+    projection reads in place of quantizing ``out`` itself); ``out`` thrice when not wanted."""
+    if not quantize:
+        return out, out, out
+    out.int8_rows = int8_rows_buffers(*out.shape, out.device)
+    return out.int8_rows
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             quantize: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """norm(x) or, with ``residual``, (norm(residual + x), residual + x) — the sum written into
-    ``residual`` in place. Rows of x [T, N] must be contiguous."""
+    ``residual`` in place. Rows of x [T, N] must be contiguous. ``quantize`` (N a multiple of 32):
+    the output's int8 form too (``_int8_rows``)."""
     T, N = x.shape
     out = torch.empty_like(x)
     add = residual is not None
     r = residual if add else x
-    _rms_norm_kernel[(T,)](x, r, weight, out, r, x.stride(0), r.stride(0), out.stride(0), eps,
-                           N=N, N_PAD=_pow2(N), ADD=add, num_warps=8 if N >= 2048 else 4)
+    _rms_norm_kernel[(T,)](x, r, weight, out, r, *_int8_rows(out, quantize), x.stride(0), r.stride(0),
+                           out.stride(0), eps, N=N, N_PAD=_pow2(N), ADD=add, QUANT=quantize,
+                           num_warps=8 if N >= 2048 else 4)
     return out, residual
 
 
@@ -414,23 +432,29 @@ def rope_store(qkv: torch.Tensor, n_q: int, n_kv: int, positions: torch.Tensor, 
 
 
 @triton.jit
-def _silu_mul_kernel(X, Out, stride_x, stride_o, N, BLOCK: tl.constexpr):
+def _silu_mul_kernel(X, Out, Q, D, S, stride_x, stride_o, N, BLOCK: tl.constexpr, QUANT: tl.constexpr):
     t = tl.program_id(0)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = i < N
     gate = tl.load(X + t * stride_x + i, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(X + t * stride_x + N + i, mask=mask, other=0.0)
     silu = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
-    tl.store(Out + t * stride_o + i, (silu.to(tl.float32) * up.to(tl.float32)).to(up.dtype), mask=mask)
+    out = (silu.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+    tl.store(Out + t * stride_o + i, out, mask=mask)
+    if QUANT:  # as in _rms_norm_kernel
+        g = tl.program_id(1) * (BLOCK // 32) + tl.arange(0, BLOCK // 32)
+        _quantize_groups(tl.reshape(out.to(tl.float32), (BLOCK // 32, 2, 16)), g, g < N // 32, Q + t * N,
+                         D + t * (N // 32), S + t * (N // 16))
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, quantize: bool = False) -> torch.Tensor:
+    """SiLU(gate) * up of [T, 2N]; ``quantize`` (N a multiple of 32): the int8 form too."""
     T, N2 = gate_up.shape
     N = N2 // 2
     out = torch.empty(T, N, device=gate_up.device, dtype=gate_up.dtype)
     block = 1024
-    _silu_mul_kernel[(T, triton.cdiv(N, block))](gate_up, out, gate_up.stride(0), out.stride(0), N,
-                                                   BLOCK=block, num_warps=4)
+    _silu_mul_kernel[(T, triton.cdiv(N, block))](gate_up, out, *_int8_rows(out, quantize), gate_up.stride(0),
+                                                   out.stride(0), N, BLOCK=block, QUANT=quantize, num_warps=4)
     return out
 
 

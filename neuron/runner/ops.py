@@ -9,28 +9,37 @@ from neuron.models.ops import TorchOps
 
 
 class TritonOps(TorchOps):
-    def __init__(self, fallback: TorchOps) -> None:
+    """``int8_rows``: the model's projections are packed, so the norms and SiLU·mul also write
+    their outputs' int8 form for the decode kernel (a few rows: ``triton_kernels.GEMV_ROWS``),
+    which saves it a launch to quantize them."""
+
+    def __init__(self, fallback: TorchOps, int8_rows: bool = False) -> None:
         from . import kernels  # Triton: only where a GPU runs them
 
-        self.fallback, self.kernels = fallback, kernels
+        self.fallback, self.kernels, self.int8_rows = fallback, kernels, int8_rows
+
+    def _quantize(self, x: torch.Tensor, n: int) -> bool:
+        from neuron.models.triton_kernels import GEMV_ROWS
+
+        return self.int8_rows and x.shape[0] <= GEMV_ROWS and n % 32 == 0
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dim() != 2 or x.stride(1) != 1:
             return self.fallback.rms_norm(x, weight, eps)
-        return self.kernels.rms_norm(x, weight, eps)[0]
+        return self.kernels.rms_norm(x, weight, eps, quantize=self._quantize(x, x.shape[1]))[0]
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes the new residual stream into ``residual`` (the model owns it)."""
         if x.dim() != 2 or x.stride(1) != 1 or residual.stride() != x.stride():
             return self.fallback.add_rms_norm(x, residual, weight, eps)
-        out, residual = self.kernels.rms_norm(x, weight, eps, residual)
+        out, residual = self.kernels.rms_norm(x, weight, eps, residual, quantize=self._quantize(x, x.shape[1]))
         return out, residual
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if gate_up.dim() != 2 or gate_up.stride(1) != 1:
             return self.fallback.silu_mul(gate_up)
-        return self.kernels.silu_mul(gate_up)
+        return self.kernels.silu_mul(gate_up, quantize=self._quantize(gate_up, gate_up.shape[1] // 2))
 
 
 class CpuOps(TorchOps):

@@ -106,8 +106,10 @@ class ModelRunner:
         shape = model.attention_shape
         self.triton = self.cuda and _triton_fits(shape.head_dim)
         if self.triton:
+            from neuron.models.linear import has_packed
+
             from .ops import TritonOps
-            model.ops = TritonOps(model.ops)
+            model.ops = TritonOps(model.ops, int8_rows=has_packed(model))
             self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.cpu_kernels = _cpu_kernels() if self.device.type == "cpu" and model.dtype == torch.float32 else None
         if self.cpu_kernels is not None:
