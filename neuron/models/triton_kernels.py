@@ -148,7 +148,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, d_ptr, t_ptr, K, BLOCK_G: tl.constexpr):
     _quantize_groups(x, g, ok, q_ptr + r * K, d_ptr + r * (K // 32), t_ptr + r * (K // 16))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compiled kernel for 2..8 rows
 def _qgemv_kernel(q_ptr, d_ptr, t_ptr, w_ptr, s_ptr, m_ptr, y_ptr, M, N, K, NS, stride_w,
                   BITS: tl.constexpr, GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_G: tl.constexpr, EVEN: tl.constexpr, EMU: tl.constexpr):
@@ -208,7 +208,7 @@ def _qgemv_kernel(q_ptr, d_ptr, t_ptr, w_ptr, s_ptr, m_ptr, y_ptr, M, N, K, NS, 
              mask=(rm[:, None] < M) & (n[None, :] < N))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _qgemm_kernel(x_ptr, u_ptr, s_ptr, m_ptr, y_ptr, M, N, K, NS, stride_u,
                   BITS: tl.constexpr, GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, IEEE: tl.constexpr):

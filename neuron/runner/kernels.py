@@ -186,7 +186,7 @@ def _prefill_keys(q, m, lsum, acc, K, V, Tables, slot, kv_head, qpos, lo, hi, d,
     return m, lsum, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # one compiled kernel for every step length
 def _prefill_kernel(Q, K, V, Tables, Spans, KvOfQ, Out,
                     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_tab,
                     stride_ot, stride_oh, qk_scale,
@@ -250,7 +250,7 @@ def _prefill_kernel(Q, K, V, Tables, Spans, KvOfQ, Out,
             tl.store(PartML + part * 2 + 1, lsum, mask=hmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _prefill_merge(PartOut, PartML, Out, T, NQ, stride_ot, stride_oh, D: tl.constexpr, D_PAD: tl.constexpr,
                    SPLITS: tl.constexpr):
     """One (row, head): the SPLITS key ranges' outputs weighted by their share of the softmax. A
@@ -465,7 +465,7 @@ def silu_mul(gate_up: torch.Tensor, quantize: bool = False) -> torch.Tensor:
 GEMV_CONFIGS: tuple[tuple[int, int, int], ...] = ((16, 256, 4), (32, 256, 4), (32, 512, 3), (64, 128, 4))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(X, W, Out, M, N, K, stride_xm, stride_wn, stride_om, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
