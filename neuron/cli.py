@@ -4,7 +4,6 @@ talk to a running one over HTTP. Flags override the TOML file, which overrides d
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from .ctl import chat, commands

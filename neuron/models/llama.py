@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
 from protocol import ModelConfig
 

@@ -400,7 +400,6 @@ class ModelRunner:
     def _prefill_batch(self, prefills: list[tuple[int, int, int, int]]) -> PrefillBatch:
         n_max = max(n for _, n, _, _ in prefills)
         c_max = max(start + n for _, n, _, start in prefills)
-        S = len(prefills)
         rows = np.array([row for row, _, _, _ in prefills])[:, None]
         n = np.array([n for _, n, _, _ in prefills])[:, None]
         start = np.array([start for _, _, _, start in prefills])[:, None]
