@@ -118,6 +118,7 @@ def test_packed_weights_on_a_gpu_agree_with_their_dequantized_weights(tmp_path):
     top-1 agreement >= 99%, greedy continuations identical on >= 90% of prompts."""
     from test_quant import KQUANT_SIZES, NEW_TOKENS, PROMPTS, config_of
 
+    from neuron.models import triton_kernels as tk
     from neuron.tools.checkpoints import make_checkpoint, write_random_kquant_gguf
     from neuron.tools.parity import ParityJob, run_parity
 
@@ -129,9 +130,9 @@ def test_packed_weights_on_a_gpu_agree_with_their_dequantized_weights(tmp_path):
     k = make_checkpoint("qwen3", tmp_path / "qwen3-k", seed=32, **KQUANT_SIZES)
     models["qwen3-Q4_K"] = ("gguf", [str(write_random_kquant_gguf(k, "Q4_K", seed=33))], None)
 
-    def job(name, fmt, paths, quant, **kw):
-        return ParityJob(name, fmt, paths, config_of(fmt, paths), PROMPTS, NEW_TOKENS, dtype="bfloat16", quant=quant, max_len=128,
-                         device="cuda", **kw)
+    def job(name, fmt, paths, quant, prompts=PROMPTS, **kw):
+        return ParityJob(name, fmt, paths, config_of(fmt, paths), prompts, NEW_TOKENS, dtype="bfloat16", quant=quant,
+                         max_len=128, device="cuda", **kw)
 
     refs = {r.name: r for r in run_parity([job(n, *m, dense=True, score_greedy=True) for n, m in models.items()])}
     for name, (fmt, paths, quant) in models.items():
@@ -143,6 +144,17 @@ def test_packed_weights_on_a_gpu_agree_with_their_dequantized_weights(tmp_path):
         print(f"{name}: top-1 {agree:.4f} of {positions}, greedy identical {same:.2f}, bytes {r.weight_bytes}")
         assert agree >= 0.99 and same >= 0.9, name
         assert r.weight_bytes[0] < want.weight_bytes[0] * 0.7  # the weights really are packed (bf16: 2 B)
+    # Eight streams decode through the int8-activation kernel (up to GEMV_ROWS rows): the same bar,
+    # teacher-forced along the dense model's greedy path one decode step at a time.
+    few = PROMPTS[:tk.GEMV_ROWS]
+    refs = {r.name: r for r in run_parity([job(n, *m, prompts=few, dense=True) for n, m in models.items()])}
+    for name, (fmt, paths, quant) in models.items():
+        want = refs[name].greedy
+        r = run_parity([job(name, fmt, paths, quant, prompts=few, forced=want)])[0]
+        agree = sum(a == b for x, y in zip(want, r.forced_argmax) for a, b in zip(x, y)) / sum(map(len, want))
+        same = sum(a == b for a, b in zip(want, r.greedy)) / len(want)
+        print(f"{name}, {len(few)} decode streams: top-1 {agree:.4f}, greedy identical {same:.2f}")
+        assert agree >= 0.99 and same >= 0.9, name
 
 
 @pytest.mark.skipif(_gpus() < 2, reason="needs two NVIDIA GPUs")

@@ -37,6 +37,7 @@ class ParityJob:
     dense: bool = False  # every weight dequantized to ``dtype``: the reference of a packed model
     score_greedy: bool = False  # also score each prompt followed by its own greedy continuation
     device: str = "cpu"  # cuda: one GPU per rank (rank r on cuda:r)
+    forced: list[list[int]] = field(default_factory=list)  # per prompt: tokens fed one decode step each
 
 
 @dataclass
@@ -47,6 +48,7 @@ class ParityResult:
     load_seconds: float
     weight_bytes: list[int] = field(default_factory=list)  # one per rank
     argmax: list[list[int]] = field(default_factory=list)  # per ``score`` sequence: the argmax at every position
+    forced_argmax: list[list[int]] = field(default_factory=list)  # per prompt: the argmax before each forced token
 
 
 class DenseView:
@@ -123,6 +125,30 @@ def run_model(runner: Any, job: ParityJob) -> tuple[list[Any], list[list[int]]]:
     return first, tokens
 
 
+def run_forced_decode(runner: Any, job: ParityJob) -> list[list[int]]:
+    """Teacher forcing through the decode path: prefill every prompt in one step, then feed each
+    sequence its ``job.forced`` tokens one decode step at a time, all sequences batched (so a few
+    prompts decode as a server's few streams do); per prompt, the argmax before each forced token."""
+    from protocol import Sampling, Step, StepSeq
+
+    if not job.forced:
+        return []
+    per_seq = -(-job.max_len // runner.bs)
+    greedy = Sampling(temperature=0.0)
+    seqs = [StepSeq(slot=i, tokens=list(p), start_pos=0, sample=True, sampling=greedy,
+                    blocks=list(range(i * per_seq, (i + 1) * per_seq)))
+            for i, p in enumerate(job.prompts)]
+    out: list[list[int]] = [[] for _ in job.prompts]
+    for i in range(len(job.forced[0])):
+        pending = runner.step(Step(id=0, epoch=0, step_id=0, seqs=seqs))  # None on ranks but 0
+        drawn = pending.wait()[0] if pending is not None else [-1] * len(seqs)
+        for argmax, tok in zip(out, drawn):
+            argmax.append(tok)
+        seqs = [StepSeq(slot=s.slot, tokens=[job.forced[j][i]], start_pos=s.start_pos + len(s.tokens), sample=True)
+                for j, s in enumerate(seqs)]
+    return out
+
+
 def run_teacher_forced(runner: Any, job: ParityJob, greedy: list[list[int]]) -> list[list[int]]:
     """The argmax after every position of each ``job.score`` sequence (or prompt + ``greedy``),
     one prefill each."""
@@ -146,7 +172,7 @@ def run_parity(jobs: list[ParityJob], world: int = 1, timeout: float = 300.0) ->
             runner, seconds = build(job)
             logits, greedy = run_model(runner, job)
             results.append(ParityResult(job.name, logits, greedy, seconds, [runner.model.weight_bytes()],
-                                        run_teacher_forced(runner, job, greedy)))
+                                        run_teacher_forced(runner, job, greedy), run_forced_decode(runner, job)))
         return results
     import torch.multiprocessing as mp
 
@@ -180,7 +206,7 @@ def _rank_main(rank: int, world: int, port: int, jobs: list[ParityJob], out_dir:
             runner, seconds = build(job, world, rank)
             logits, greedy = run_model(runner, job)
             results.append(ParityResult(job.name, logits, greedy, seconds, [runner.model.weight_bytes()],
-                                        run_teacher_forced(runner, job, greedy)))
+                                        run_teacher_forced(runner, job, greedy), run_forced_decode(runner, job)))
             del runner
         (Path(out_dir) / f"rank{rank}.pkl").write_bytes(pickle.dumps(results))
     finally:
