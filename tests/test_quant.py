@@ -253,3 +253,20 @@ def test_in_situ_q4_scales_are_exact_in_the_cpu_and_the_gpu_forms():
     step = ((x.amax(-1) - x.amin(-1)) / 15).clamp(min=1e-12)
     err = (torch.from_numpy(q.dequantize()) - w).abs().view(64, -1, GROUP).amax(-1) / step
     assert float(err[24:].max()) <= 0.51 and float(err[:8].max()) <= 0.6 and float(err.max()) <= 1.8
+
+
+def test_forced_decode_steps_give_the_greedy_tokens_back(tmp_path):
+    """``ParityJob.forced`` (teacher forcing one decode step at a time, as the GPU test scores the
+    decode kernel) fed a model's own greedy continuations draws them again, step for step."""
+    from neuron.tools.checkpoints import make_checkpoint
+
+    d = make_checkpoint("qwen3", tmp_path / "m", seed=41)
+    paths = [str(p) for p in sorted(d.glob("*.safetensors"))]
+
+    def job(**kw):
+        return ParityJob("m", "safetensors", paths, config_of("safetensors", paths), PROMPTS[:4], 12, quant="q4",
+                         **kw)
+
+    greedy = run_parity([job()])[0].greedy
+    forced = run_parity([job(forced=greedy)])[0]
+    assert forced.forced_argmax == greedy and len(greedy[0]) == 12
