@@ -86,7 +86,7 @@ def check(results: list[dict], dtypes: int) -> None:
         # float16 and bfloat16 tiles round the weights (8 and 11 significant bits)
         tol = {"torch.float16": 2e-3, "torch.bfloat16": 1.6e-2}.get(r["dtype"], 2e-5)
         assert r.get("err_q", r["err"]) <= tol and r.get("err_even", 0.0) <= tol and r.get("err_gemm", 0.0) <= tol, r
-        assert r["err"] <= (3e-2 if "err_q" in r else tol), r  # int8 activations: ~0.3% of a product's magnitude
+        assert r["err"] <= (3e-2 if "err_q" in r else tol), r  # int8 activations: 0.4-0.7% measured here
         assert r["ref_err"] <= 2e-5, r  # the torch reference itself is the file's weight
         assert r["out_dtype"] == r["dtype"] and r["shape"] == [r["rows"], 96]
 

@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # as Triton reads it, at import
+
 
 @triton.jit
 def _load(at, ok, EVEN: tl.constexpr, POLICY: tl.constexpr):
@@ -260,7 +262,7 @@ def qlinear(x: torch.Tensor, u: torch.Tensor, s: torch.Tensor, m: torch.Tensor, 
         _qgemv_kernel[(triton.cdiv(N, block_n),)](q.view(torch.int32), d, t, w, s, m, y, M, N, K, NS, w.stride(0),
                                                   BITS=bits, GS=gs, BLOCK_M=block_m, BLOCK_N=block_n,
                                                   BLOCK_G=block_g, EVEN=N % block_n == 0 and K // 32 % block_g == 0,
-                                                  EMU=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps,
+                                                  EMU=_INTERPRETED, num_warps=warps,
                                                   num_stages=1)
         return y
     if M <= GEMM_ROWS and N >= WIDE_N:

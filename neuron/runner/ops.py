@@ -16,12 +16,13 @@ class TritonOps(TorchOps):
     def __init__(self, fallback: TorchOps, int8_rows: bool = False) -> None:
         from . import kernels  # Triton: only where a GPU runs them
 
-        self.fallback, self.kernels, self.int8_rows = fallback, kernels, int8_rows
-
-    def _quantize(self, x: torch.Tensor, n: int) -> bool:
         from neuron.models.triton_kernels import GEMV_ROWS
 
-        return self.int8_rows and x.shape[0] <= GEMV_ROWS and n % 32 == 0
+        self.fallback, self.kernels = fallback, kernels
+        self.int8_rows = GEMV_ROWS if int8_rows else 0  # the most rows written in int8 too
+
+    def _quantize(self, x: torch.Tensor, n: int) -> bool:
+        return x.shape[0] <= self.int8_rows and n % 32 == 0
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dim() != 2 or x.stride(1) != 1:

@@ -106,47 +106,42 @@ def run_model(runner: Any, job: ParityJob) -> tuple[list[Any], list[list[int]]]:
     """Prefill every prompt in one batched step (one slot and its own KV blocks each), then decode
     greedily one token per sequence per step, all sequences batched together, each step's input
     taken from the rank's last draw (as overlapped steps do)."""
-    from protocol import Sampling, Step, StepSeq
+    prefill = _prefill(runner, job)
+    first = [row.clone() for row in runner.forward_logits(prefill)]
+    return first, _decode(runner, prefill, job.new_tokens)
+
+
+def run_forced_decode(runner: Any, job: ParityJob) -> list[list[int]]:
+    """Teacher forcing through the decode path: as ``run_model``, but each step's input is the
+    sequence's next ``job.forced`` token (so a few prompts decode as a server's few streams do);
+    per prompt, the argmax before each forced token."""
+    return _decode(runner, _prefill(runner, job), len(job.forced[0]), job.forced) if job.forced else []
+
+
+def _prefill(runner: Any, job: ParityJob) -> list[Any]:
+    from protocol import Sampling, StepSeq
 
     per_seq = -(-job.max_len // runner.bs)
     greedy = Sampling(temperature=0.0)
-    prefill = [StepSeq(slot=i, tokens=list(p), start_pos=0, sample=True, sampling=greedy,
-                       blocks=list(range(i * per_seq, (i + 1) * per_seq)))
-               for i, p in enumerate(job.prompts)]
-    first = [row.clone() for row in runner.forward_logits(prefill)]
-    tokens: list[list[int]] = [[] for _ in job.prompts]
-    seqs = prefill
-    for _ in range(job.new_tokens):
+    return [StepSeq(slot=i, tokens=list(p), start_pos=0, sample=True, sampling=greedy,
+                    blocks=list(range(i * per_seq, (i + 1) * per_seq)))
+            for i, p in enumerate(job.prompts)]
+
+
+def _decode(runner: Any, seqs: list[Any], steps: int, forced: list[list[int]] | None = None) -> list[list[int]]:
+    """``steps`` batched steps from the prefill ``seqs``: each sequence's draws. A step's input is
+    the rank's last draw, or with ``forced`` the sequence's token of that step."""
+    from protocol import Step, StepSeq
+
+    tokens: list[list[int]] = [[] for _ in seqs]
+    for i in range(steps):
         pending = runner.step(Step(id=0, epoch=0, step_id=0, seqs=seqs))  # None on ranks but 0
         drawn = pending.wait()[0] if pending is not None else [-1] * len(seqs)
         for out, tok in zip(tokens, drawn):
             out.append(tok)
-        seqs = [StepSeq(slot=s.slot, tokens=[-1], start_pos=s.start_pos + len(s.tokens), sample=True) for s in seqs]
-    return first, tokens
-
-
-def run_forced_decode(runner: Any, job: ParityJob) -> list[list[int]]:
-    """Teacher forcing through the decode path: prefill every prompt in one step, then feed each
-    sequence its ``job.forced`` tokens one decode step at a time, all sequences batched (so a few
-    prompts decode as a server's few streams do); per prompt, the argmax before each forced token."""
-    from protocol import Sampling, Step, StepSeq
-
-    if not job.forced:
-        return []
-    per_seq = -(-job.max_len // runner.bs)
-    greedy = Sampling(temperature=0.0)
-    seqs = [StepSeq(slot=i, tokens=list(p), start_pos=0, sample=True, sampling=greedy,
-                    blocks=list(range(i * per_seq, (i + 1) * per_seq)))
-            for i, p in enumerate(job.prompts)]
-    out: list[list[int]] = [[] for _ in job.prompts]
-    for i in range(len(job.forced[0])):
-        pending = runner.step(Step(id=0, epoch=0, step_id=0, seqs=seqs))  # None on ranks but 0
-        drawn = pending.wait()[0] if pending is not None else [-1] * len(seqs)
-        for argmax, tok in zip(out, drawn):
-            argmax.append(tok)
-        seqs = [StepSeq(slot=s.slot, tokens=[job.forced[j][i]], start_pos=s.start_pos + len(s.tokens), sample=True)
-                for j, s in enumerate(seqs)]
-    return out
+        seqs = [StepSeq(slot=s.slot, tokens=[forced[j][i] if forced else -1], start_pos=s.start_pos + len(s.tokens),
+                        sample=True) for j, s in enumerate(seqs)]
+    return tokens
 
 
 def run_teacher_forced(runner: Any, job: ParityJob, greedy: list[list[int]]) -> list[list[int]]:
