@@ -145,6 +145,28 @@ def test_norms_and_silu_mul_write_the_int8_form_the_decode_kernel_would_make():
     assert not hasattr(K.rms_norm(x, w, 1e-6)[0], "int8_rows")
 
 
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("uniform", [True, False])
+def test_paged_decode_writes_the_int8_form_of_its_output(splits, uniform):
+    """Each program quantizes the heads it wrote (whole groups of 32 of the flat row), after the
+    split-K merge too: the same bits as quantizing the output afterwards."""
+    from neuron.models.triton_kernels import int8_rows_buffers, quantize_rows
+
+    g = torch.Generator().manual_seed(11 + splits)
+    n_q, n_kv, hd, bs = 4, 2, 64, 16
+    kc, vc = (torch.randn(12, bs, n_kv, hd, generator=g).half() for _ in range(2))
+    tables = torch.randperm(12, generator=g)[:12].view(3, 4).int()
+    q = torch.randn(3, n_q, hd, generator=g).half()
+    kv_of_q = torch.arange(n_q) // 2 if uniform else torch.tensor([0, 1, 1, 0])
+    args = (q, kc, vc, tables, torch.tensor([2, 0, 1]), torch.tensor([5, 40, 64], dtype=torch.int32),
+            kv_of_q.int(), 2 if uniform else 0, hd ** -0.5, splits, torch.zeros(3 * n_q, dtype=torch.int32))
+    rows = int8_rows_buffers(3, n_q * hd, q.device)
+    out = K.paged_decode(*args, int8_rows=rows)
+    assert torch.equal(out, K.paged_decode(*args))
+    for mine, want in zip(rows, quantize_rows(out.view(3, n_q * hd))):
+        assert torch.equal(mine, want)
+
+
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("store", [False, True])
 def test_rope_store_rotates_queries_in_place_and_puts_keys_and_values_in_their_cache_rows(norm, store):

@@ -152,8 +152,13 @@ def _linears(model) -> tuple[list[AnyLinear], list[str]]:
     return parts, dense_experts
 
 
+def packed_parts(model) -> list[PackedLinear]:
+    """The shard's packed matrices (a concatenated projection's parts one by one)."""
+    return [part for part in _linears(model)[0] if isinstance(part, PackedLinear)]
+
+
 def has_packed(model) -> bool:
-    return any(isinstance(part, PackedLinear) for part in _linears(model)[0])
+    return bool(packed_parts(model))
 
 
 def describe_packing(model) -> str:

@@ -337,6 +337,7 @@ class PackedLinear:
             self.d = self.dm = torch.empty(0, 0, dtype=torch.float16, device=self.device)
             self.u = self.u.to(self.device)
             self._kernel = None
+            self.gemv_configs: dict[int, tuple[int, int, int]] = {}  # measured at load: runner/linear.py
             return
         from .cpu_kernels import cpu_kernels
 
@@ -355,7 +356,8 @@ class PackedLinear:
         if x.is_cuda:
             from .triton_kernels import qlinear
 
-            y = qlinear(x.reshape(-1, self.k), self.u, self.s, self.m, self.bits, getattr(x, "int8_rows", None))
+            y = qlinear(x.reshape(-1, self.k), self.u, self.s, self.m, self.bits, getattr(x, "int8_rows", None),
+                        self.gemv_configs)
             if self.bias is not None:
                 y = y + self.bias
             return y.view(*shape[:-1], self.n)

@@ -28,6 +28,7 @@ the tests check it against the torch references ``reference_qlinear`` and
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -35,6 +36,36 @@ import triton
 import triton.language as tl
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # as Triton reads it, at import
+
+
+@functools.cache
+def pdl(device: torch.device) -> bool:
+    """Whether kernels on ``device`` are launched with programmatic dependent launch (PDL, Hopper
+    and later; ``NEURON_PDL=0`` turns it off): a kernel then starts while the one before it in
+    the stream is still running, instead of after it has drained, and waits (``_grid_sync``) only
+    where it needs that kernel's results. A decode step is ~330 short kernels, so the gaps and
+    the ramps between them are a good part of it; a projection also fetches its first weights
+    (which no kernel writes) before it waits."""
+    if _INTERPRETED or device.type != "cuda" or os.environ.get("NEURON_PDL", "1") == "0":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pdl_args(device: torch.device) -> dict[str, bool]:
+    """The launch arguments of a kernel that calls ``_grid_sync(PDL)``."""
+    on = pdl(device)
+    return {"PDL": on, "launch_pdl": on}
+
+
+@triton.jit
+def _grid_sync(PDL: tl.constexpr):
+    """Under PDL: let the next kernel of the stream launch, then wait until the previous one has
+    finished and its writes are visible. Every program calls this before it reads anything an
+    earlier kernel writes or writes anything, and before it may exit (the wait is what makes
+    the chain transitive: a kernel finishes only after the one before it has)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
 
 
 @triton.jit
@@ -107,8 +138,9 @@ def _quantize_groups(v, g, ok, q_ptr, d_ptr, t_ptr):
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, d_ptr, t_ptr, K, BLOCK_G: tl.constexpr):
+def _quantize_rows_kernel(x_ptr, q_ptr, d_ptr, t_ptr, K, BLOCK_G: tl.constexpr, PDL: tl.constexpr):
     """Row ``program_id(1)`` of ``x`` in groups of 32 (``_quantize_groups``)."""
+    _grid_sync(PDL)
     r = tl.program_id(1)
     g = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)
     ok = g < K // 32
@@ -117,10 +149,70 @@ def _quantize_rows_kernel(x_ptr, q_ptr, d_ptr, t_ptr, K, BLOCK_G: tl.constexpr):
     _quantize_groups(x, g, ok, q_ptr + r * K, d_ptr + r * (K // 32), t_ptr + r * (K // 16))
 
 
+@triton.jit
+def _packed_groups(w_ptr, s_ptr, m_ptr, n, g, N, K, NS, stride_w, BITS: tl.constexpr, GS: tl.constexpr,
+                   EVEN: tl.constexpr):
+    """Rows ``n`` of W at groups ``g`` for the decode kernel: the bytes of each group's halves as
+    int32 words [rows, groups, 4] (elements 0..15 and 16..31), and the halves' scales and mins
+    [rows, groups] in float32."""
+    i4 = tl.arange(0, 4)
+    okg = g < K // 32
+    at = w_ptr + n[:, None, None] * stride_w + (g[:, None] * BITS + i4[None, :])[None]
+    ok = (n[:, None, None] < N) & okg[None, :, None]
+    w_lo = _load(at, ok, EVEN, "evict_first")
+    if BITS == 8:
+        w_hi = _load(at + 4, ok, EVEN, "evict_first")
+    else:
+        w_hi = (w_lo >> 4) & 0x0F0F0F0F
+        w_lo = w_lo & 0x0F0F0F0F
+    oks = (n[:, None] < N) & okg[None, :]
+    ats = n[:, None] * NS + g[None, :] * (32 // GS)
+    s_lo = _load(s_ptr + ats, oks, EVEN, "").to(tl.float32)
+    m_lo = _load(m_ptr + ats, oks, EVEN, "").to(tl.float32)
+    if GS == 16:  # the K-quants: the high half of a group of 32 has its own scale
+        s_hi = _load(s_ptr + ats + 1, oks, EVEN, "").to(tl.float32)
+        m_hi = _load(m_ptr + ats + 1, oks, EVEN, "").to(tl.float32)
+    else:
+        s_hi = s_lo
+        m_hi = m_lo
+    return w_lo, w_hi, s_lo, m_lo, s_hi, m_hi
+
+
+@triton.jit
+def _qgemv_groups(acc, w_lo, w_hi, s_lo, m_lo, s_hi, m_hi, g, q_ptr, d_ptr, t_ptr, M, K, GS: tl.constexpr,
+                  BLOCK_M: tl.constexpr, EMU: tl.constexpr):
+    """``acc`` [rows of x, rows of W, groups] plus the products of groups ``g`` of W (as
+    ``_packed_groups`` gives them) with the rows of the quantized ``x``."""
+    i4 = tl.arange(0, 4)
+    rm = tl.arange(0, BLOCK_M)
+    okg = g < K // 32
+    for r in tl.static_range(BLOCK_M):
+        okr = okg & (tl.full(g.shape, r, tl.int32) < M)
+        at_q = q_ptr + r * (K // 4) + g[:, None] * 8 + i4[None, :]
+        okq = okr[:, None] & (i4[None, :] < 4)
+        q_lo = tl.load(at_q, mask=okq, other=0, eviction_policy="evict_last")[None]
+        q_hi = tl.load(at_q + 4, mask=okq, other=0, eviction_policy="evict_last")[None]
+        p_lo = tl.sum(_dp4a(w_lo, q_lo, tl.zeros_like(w_lo), EMU), axis=2).to(tl.float32)
+        p_hi = tl.sum(_dp4a(w_hi, q_hi, tl.zeros_like(w_hi), EMU), axis=2).to(tl.float32)
+        d = tl.load(d_ptr + r * (K // 32) + g, mask=okr, other=0.0)[None, :]
+        at_t = t_ptr + r * (K // 16) + g * 2
+        t_lo = tl.load(at_t, mask=okr, other=0.0)[None, :]
+        t_hi = tl.load(at_t + 1, mask=okr, other=0.0)[None, :]
+        if GS == 16:
+            part = p_lo * (s_lo * d) + p_hi * (s_hi * d) + m_lo * t_lo + m_hi * t_hi
+        else:
+            part = (p_lo + p_hi) * (s_lo * d) + m_lo * (t_lo + t_hi)
+        if BLOCK_M == 1:
+            acc += part[None]
+        else:
+            acc += tl.where(rm[:, None, None] == r, part[None], 0.0)
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for 2..8 rows
 def _qgemv_kernel(q_ptr, d_ptr, t_ptr, w_ptr, s_ptr, m_ptr, y_ptr, M, N, K, NS, stride_w,
                   BITS: tl.constexpr, GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_G: tl.constexpr, EVEN: tl.constexpr, EMU: tl.constexpr):
+                  BLOCK_G: tl.constexpr, EVEN: tl.constexpr, EMU: tl.constexpr, PDL: tl.constexpr):
     """Rows ``0..M-1`` of the quantized ``x`` (``q`` as int32 words, ``d``, ``t``: see
     ``_quantize_rows_kernel``) times ``BLOCK_N`` packed rows of W (int32 words), ``BLOCK_G``
     groups of 32 a step.
@@ -129,50 +221,25 @@ def _qgemv_kernel(q_ptr, d_ptr, t_ptr, w_ptr, s_ptr, m_ptr, y_ptr, M, N, K, NS, 
     sums over a group stay in its registers: an 8-bit group is two such tiles (elements 0..15 and
     16..31); a 4-bit group is one, whose low nibbles are elements 0..15 (byte j: element j) and
     high nibbles 16..31. ``x``'s words are loaded in the same shape, with no row dimension, so
-    every row of W in a thread shares them."""
+    every row of W in a thread shares them.
+
+    The first step's groups of W are loaded before ``_grid_sync``: no kernel writes W, so under
+    programmatic dependent launch (``pdl``) the kernel fetches them while the one that writes
+    ``x`` still runs. (Loading every next step ahead as well, two steps in flight, made a q8_0
+    decode step 14% slower on an H200.)"""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     gi = tl.arange(0, BLOCK_G)
-    i4 = tl.arange(0, 4)
-    rm = tl.arange(0, BLOCK_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_G), dtype=tl.float32)
-    for g0 in range(0, K // 32, BLOCK_G):
-        g = g0 + gi
-        okg = g < K // 32
-        at = w_ptr + n[:, None, None] * stride_w + (g[:, None] * BITS + i4[None, :])[None]
-        ok = (n[:, None, None] < N) & okg[None, :, None]
-        w_lo = _load(at, ok, EVEN, "evict_first")
-        if BITS == 8:
-            w_hi = _load(at + 4, ok, EVEN, "evict_first")
-        else:
-            w_hi = (w_lo >> 4) & 0x0F0F0F0F
-            w_lo = w_lo & 0x0F0F0F0F
-        oks = (n[:, None] < N) & okg[None, :]
-        ats = n[:, None] * NS + g[None, :] * (32 // GS)
-        s_lo = _load(s_ptr + ats, oks, EVEN, "").to(tl.float32)
-        m_lo = _load(m_ptr + ats, oks, EVEN, "").to(tl.float32)
-        if GS == 16:  # the K-quants: the high half of a group of 32 has its own scale
-            s_hi = _load(s_ptr + ats + 1, oks, EVEN, "").to(tl.float32)
-            m_hi = _load(m_ptr + ats + 1, oks, EVEN, "").to(tl.float32)
-        for r in tl.static_range(BLOCK_M):
-            okr = okg & (tl.full((BLOCK_G,), r, tl.int32) < M)
-            at_q = q_ptr + r * (K // 4) + g[:, None] * 8 + i4[None, :]
-            okq = okr[:, None] & (i4[None, :] < 4)
-            q_lo = tl.load(at_q, mask=okq, other=0, eviction_policy="evict_last")[None]
-            q_hi = tl.load(at_q + 4, mask=okq, other=0, eviction_policy="evict_last")[None]
-            p_lo = tl.sum(_dp4a(w_lo, q_lo, tl.zeros_like(w_lo), EMU), axis=2).to(tl.float32)
-            p_hi = tl.sum(_dp4a(w_hi, q_hi, tl.zeros_like(w_hi), EMU), axis=2).to(tl.float32)
-            d = tl.load(d_ptr + r * (K // 32) + g, mask=okr, other=0.0)[None, :]
-            at_t = t_ptr + r * (K // 16) + g * 2
-            t_lo = tl.load(at_t, mask=okr, other=0.0)[None, :]
-            t_hi = tl.load(at_t + 1, mask=okr, other=0.0)[None, :]
-            if GS == 16:
-                part = p_lo * (s_lo * d) + p_hi * (s_hi * d) + m_lo * t_lo + m_hi * t_hi
-            else:
-                part = (p_lo + p_hi) * (s_lo * d) + m_lo * (t_lo + t_hi)
-            if BLOCK_M == 1:
-                acc += part[None]
-            else:
-                acc += tl.where(rm[:, None, None] == r, part[None], 0.0)
+    w_lo, w_hi, s_lo, m_lo, s_hi, m_hi = _packed_groups(w_ptr, s_ptr, m_ptr, n, gi, N, K, NS, stride_w, BITS, GS,
+                                                        EVEN)
+    _grid_sync(PDL)
+    acc = _qgemv_groups(acc, w_lo, w_hi, s_lo, m_lo, s_hi, m_hi, gi, q_ptr, d_ptr, t_ptr, M, K, GS, BLOCK_M, EMU)
+    for g0 in range(BLOCK_G, K // 32, BLOCK_G):
+        w_lo, w_hi, s_lo, m_lo, s_hi, m_hi = _packed_groups(w_ptr, s_ptr, m_ptr, n, g0 + gi, N, K, NS, stride_w,
+                                                            BITS, GS, EVEN)
+        acc = _qgemv_groups(acc, w_lo, w_hi, s_lo, m_lo, s_hi, m_hi, g0 + gi, q_ptr, d_ptr, t_ptr, M, K, GS,
+                            BLOCK_M, EMU)
+    rm = tl.arange(0, BLOCK_M)
     tl.store(y_ptr + rm[:, None] * N + n[None, :], tl.sum(acc, axis=2).to(y_ptr.dtype.element_ty),
              mask=(rm[:, None] < M) & (n[None, :] < N))
 
@@ -180,10 +247,11 @@ def _qgemv_kernel(q_ptr, d_ptr, t_ptr, w_ptr, s_ptr, m_ptr, y_ptr, M, N, K, NS, 
 @triton.jit(do_not_specialize=["M"])
 def _qgemm_kernel(x_ptr, u_ptr, s_ptr, m_ptr, y_ptr, M, N, K, NS, stride_u,
                   BITS: tl.constexpr, GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+                  BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     """A few dozen rows of ``x`` (a decode batch): each [BLOCK_N, BLOCK_K] tile of W is read
     once, unpacked to ``x``'s dtype in registers and multiplied on the tensor cores, the low
     and high halves of each group as two products (so no tile is interleaved)."""
+    _grid_sync(PDL)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     G: tl.constexpr = BLOCK_K // 32
@@ -213,8 +281,9 @@ def _qgemm_kernel(x_ptr, u_ptr, s_ptr, m_ptr, y_ptr, M, N, K, NS, stride_u,
 
 @triton.jit
 def _dequant_kernel(u_ptr, s_ptr, m_ptr, w_ptr, N, K, NS, stride_u, BITS: tl.constexpr, GS: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """Rows ``n`` of W as ``w_ptr``'s dtype, [N, K] row-major."""
+    _grid_sync(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     g = tl.program_id(1) * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
     in_k = g < K // 32
@@ -242,10 +311,13 @@ DEQUANT_ROWS = 8192  # rows of W unpacked at a time
 
 
 def qlinear(x: torch.Tensor, u: torch.Tensor, s: torch.Tensor, m: torch.Tensor, bits: int,
-            int8_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+            int8_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+            gemv_configs: dict[int, tuple[int, int, int]] | None = None) -> torch.Tensor:
     """``x`` [M, K] (bf16/fp16); ``u`` uint8 [N, K*bits/8]; ``s``, ``m`` [N, K/32] or [N, K/16]
     (any float dtype, float32 keeps K-quant scales exact) -> ``y`` [M, N] in ``x``'s dtype.
-    ``int8_rows``: ``quantize_rows(x)`` if the kernel that wrote ``x`` made it too."""
+    ``int8_rows``: ``quantize_rows(x)`` if the kernel that wrote ``x`` made it too.
+    ``gemv_configs``: the decode kernel's config by rows of x (a power of two) where one was
+    measured for this weight (``runner/linear.tune_packed``), else ``GEMV_CONFIG``'s."""
     M, K = x.shape
     N = u.shape[0]
     NS = s.shape[1]
@@ -257,19 +329,21 @@ def qlinear(x: torch.Tensor, u: torch.Tensor, s: torch.Tensor, m: torch.Tensor, 
         fits = int8_rows is not None and tuple(int8_rows[0].shape) == (M, K)
         q, d, t = int8_rows if fits else quantize_rows(x)
         block_m = triton.next_power_of_2(M)
-        block_n, block_g, warps = (GEMV_LONG_K_CONFIG if K >= LONG_K else GEMV_CONFIG)[block_m]
+        block_n, block_g, warps = (gemv_configs or {}).get(block_m) or (
+            GEMV_LONG_K_CONFIG if K >= LONG_K else GEMV_CONFIG)[block_m]
         w = u.view(torch.int32)
         _qgemv_kernel[(triton.cdiv(N, block_n),)](q.view(torch.int32), d, t, w, s, m, y, M, N, K, NS, w.stride(0),
                                                   BITS=bits, GS=gs, BLOCK_M=block_m, BLOCK_N=block_n,
                                                   BLOCK_G=block_g, EVEN=N % block_n == 0 and K // 32 % block_g == 0,
-                                                  EMU=_INTERPRETED, num_warps=warps,
-                                                  num_stages=1)
+                                                  EMU=_INTERPRETED, num_warps=warps, num_stages=1,
+                                                  **pdl_args(x.device))
         return y
     if M <= GEMM_ROWS and N >= WIDE_N:
         block_m, block_n, block_k, warps, stages = GEMM_CONFIG[max(16, triton.next_power_of_2(M))]
         _qgemm_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m))](
             x, u, s, m, y, M, N, K, NS, u.stride(0), BITS=bits, GS=gs, BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_K=block_k, IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
+            BLOCK_K=block_k, IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages,
+            **pdl_args(x.device))
         return y
     for n0 in range(0, N, DEQUANT_ROWS):
         rows = slice(n0, n0 + DEQUANT_ROWS)
@@ -285,7 +359,7 @@ def dequantize(u: torch.Tensor, s: torch.Tensor, m: torch.Tensor, bits: int, dty
     block_n, block_k, warps = DEQUANT_CONFIG
     _dequant_kernel[(triton.cdiv(N, block_n), triton.cdiv(K, block_k))](
         u, s, m, w, N, K, s.shape[1], u.stride(0), BITS=bits, GS=K // s.shape[1], BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps)
+        num_warps=warps, **pdl_args(u.device))
     return w
 
 
@@ -302,7 +376,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     M, K = x.shape
     q, d, t = int8_rows_buffers(M, K, x.device)
     _quantize_rows_kernel[(triton.cdiv(K // 32, QUANTIZE_ROWS_GROUPS), M)](x, q, d, t, K,
-                                                                          BLOCK_G=QUANTIZE_ROWS_GROUPS, num_warps=1)
+                                                                          BLOCK_G=QUANTIZE_ROWS_GROUPS, num_warps=1,
+                                                                          **pdl_args(x.device))
     return q, d, t
 
 

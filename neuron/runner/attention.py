@@ -89,7 +89,10 @@ class PagedAttention:
     each step."""
 
     def __init__(self, kv: PagedKvCache, tables: torch.Tensor, shape: AttentionShape, triton: bool,
-                 max_rows: int = 1, cpu_kernels=None) -> None:
+                 max_rows: int = 1, cpu_kernels=None, int8_rows: int = 0) -> None:
+        """``int8_rows``: a decode step of at most this many rows also writes its output's int8
+        form (``out.int8_rows``), which the packed output projection reads instead of quantizing
+        it in a launch of its own."""
         self.kv, self.tables, self.shape = kv, tables, shape
         self.triton = triton
         self.cpu = cpu_kernels  # the C++ ops (float32 on the CPU), or None
@@ -99,6 +102,7 @@ class PagedAttention:
         if triton:
             from . import kernels
             self.kernels = kernels
+            self.int8_rows = int8_rows if kernels.quantizable(shape.head_dim) else 0
             # The split-K decode kernel's per-(sequence, head) arrival counters: left zero.
             self.counters = torch.zeros(max_rows * shape.n_q, dtype=torch.int32, device=tables.device)
 
@@ -122,7 +126,12 @@ class PagedAttention:
             vc.view(-1, *vc.shape[2:]).index_copy_(0, meta.store_index, qkv[:, s.n_q + s.n_kv:])
         T, n_q, hd = q.shape
         if meta.decode_rows is None:
-            return self._decode(q, kc, vc, meta).view(T, n_q * hd)
+            if not self.triton or T > self.int8_rows:
+                return self._decode(q, kc, vc, meta).view(T, n_q * hd)
+            rows = self.kernels.int8_rows_buffers(T, n_q * hd, q.device)
+            out = self._decode(q, kc, vc, meta, rows).view(T, n_q * hd)
+            out.int8_rows = rows
+            return out
         # Zeros: a graph's padding rows belong to no span and must stay finite.
         out = q.new_zeros(T, n_q, hd) if meta.prefill_spans is not None else q.new_empty(T, n_q, hd)
         if meta.decode_rows.numel():
@@ -140,11 +149,13 @@ class PagedAttention:
             out[pb.rows] = got.reshape(-1, n_q, hd)[pb.picked]
         return out.view(T, n_q * hd)
 
-    def _decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: StepMeta) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: StepMeta,
+                int8_rows: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
         s = self.shape
         if self.triton:
             return self.kernels.paged_decode(q, kc, vc, self.tables, meta.decode_slots, meta.decode_ctx,
-                                             self.kv_of_q, s.gqa_repeat, s.scale, meta.decode_splits, self.counters)
+                                             self.kv_of_q, s.gqa_repeat, s.scale, meta.decode_splits, self.counters,
+                                             int8_rows=int8_rows)
         if self.cpu is not None:
             return self.cpu.paged_decode(q, kc, vc, self.tables, meta.decode_slots, meta.decode_ctx, self.kv_of_q,
                                          s.scale)

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from neuron.models.triton_kernels import _quantize_groups, int8_rows_buffers
+from neuron.models.triton_kernels import _grid_sync, _quantize_groups, int8_rows_buffers, pdl_args
 
 
 def _pow2(n: int) -> int:
@@ -26,12 +26,31 @@ def _pow2(n: int) -> int:
 
 
 @triton.jit
-def _decode_kernel(Q, K, V, Tables, Slots, Ctx, KvOfQ, Out, PartOut, PartLse, Counters,
+def _store_heads(Out, out, seq, heads, hmask, d, dmask, stride_ot, stride_oh, Q8, Q8D, Q8T, NQ,
+                 D: tl.constexpr, GROUP_PAD: tl.constexpr, QUANT: tl.constexpr):
+    """A sequence's output rows of ``heads`` [GROUP_PAD, D_PAD]; with ``QUANT`` (D a multiple of
+    32) also their int8 groups of 32 in the flat row [NQ * D] (``_quantize_groups``), for the
+    packed output projection."""
+    out = out.to(Out.dtype.element_ty)
+    tl.store(Out + seq * stride_ot + heads[:, None] * stride_oh + d[None, :], out, mask=hmask[:, None] & dmask[None, :])
+    if QUANT:
+        G: tl.constexpr = GROUP_PAD * (D // 32)
+        j = tl.arange(0, D // 32)
+        g = tl.reshape(heads[:, None] * (D // 32) + j[None, :], (G,))
+        ok = tl.reshape(hmask[:, None] & (j[None, :] < D // 32), (G,))
+        _quantize_groups(tl.reshape(out.to(tl.float32), (G, 2, 16)), g, ok, Q8 + seq * NQ * D,
+                         Q8D + seq * (NQ * D // 32), Q8T + seq * (NQ * D // 16))
+
+
+@triton.jit
+def _decode_kernel(Q, K, V, Tables, Slots, Ctx, KvOfQ, Out, PartOut, PartLse, Counters, Q8, Q8D, Q8T,
                    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_tab,
-                   stride_ot, stride_oh, scale,
+                   stride_ot, stride_oh, scale, NQ,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, UNIFORM: tl.constexpr,
                    D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
-                   NSPLIT: tl.constexpr, NSPLIT_PAD: tl.constexpr, PRECISION: tl.constexpr):
+                   NSPLIT: tl.constexpr, NSPLIT_PAD: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
+                   PDL: tl.constexpr):
+    _grid_sync(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.program_id(2)
@@ -76,10 +95,9 @@ def _decode_kernel(Q, K, V, Tables, Slots, Ctx, KvOfQ, Out, PartOut, PartLse, Co
         m = m_new
     empty = lsum == 0.0
     out = acc / tl.where(empty, 1.0, lsum)[:, None]
-    omask = hmask[:, None] & dmask[None, :]
     if NSPLIT == 1:
-        tl.store(Out + seq * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
-                 mask=omask)
+        _store_heads(Out, out, seq, heads, hmask, d, dmask, stride_ot, stride_oh, Q8, Q8D, Q8T, NQ, D, GROUP_PAD,
+                     QUANT)
     else:
         # Each split leaves its partial result; the last split of the (sequence, heads) to finish
         # merges them by their log-sum-exp (one launch, no merge kernel).
@@ -106,9 +124,14 @@ def _decode_kernel(Q, K, V, Tables, Slots, Ctx, KvOfQ, Out, PartOut, PartLse, Co
                                + d[None, :], mask=hmask[:, None], other=0.0, cache_modifier=".cg")
                 wi = tl.sum(tl.where(s_[None, :] == i, w, 0.0), 1)
                 merged += part * wi[:, None]
-            tl.store(Out + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                     merged.to(Out.dtype.element_ty), mask=omask)
+            _store_heads(Out, merged, seq, heads, hmask, d, dmask, stride_ot, stride_oh, Q8, Q8D, Q8T, NQ, D,
+                         GROUP_PAD, QUANT)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+
+
+def quantizable(head_dim: int) -> bool:
+    """Whether ``paged_decode`` can write its output's int8 form: whole groups of 32 per head."""
+    return head_dim % 32 == 0 and head_dim == _pow2(head_dim)
 
 
 def decode_splits(batch: int, programs_per_split: int, max_ctx: int, sm_count: int, tile: int = 64) -> int:
@@ -120,15 +143,18 @@ def decode_splits(batch: int, programs_per_split: int, max_ctx: int, sm_count: i
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                  slots: torch.Tensor, ctx: torch.Tensor, kv_of_q: torch.Tensor, gqa_repeat: int, scale: float,
-                 splits: int, counters: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+                 splits: int, counters: torch.Tensor, out: torch.Tensor | None = None,
+                 int8_rows: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """One query token per sequence. q [B, n_q, hd] (rows may be strided); caches
     [blocks, block_size, n_kv, hd]; tables [rows, max_blocks] int32 indexed by ``slots`` [B];
     ``ctx`` [B] keys per sequence (the new token's included). Returns [B, n_q, hd].
     ``splits`` fixes the launch grid (so a CUDA graph captured with it serves any context); each
     sequence's context is split evenly into as many parts, of whole tiles. ``counters`` is an
-    int32 scratch of at least B * n_q zeros, left zero."""
+    int32 scratch of at least B * n_q zeros, left zero. ``int8_rows``: buffers
+    (``int8_rows_buffers(B, n_q * hd)``, ``quantizable(hd)``) the output's int8 form goes into too."""
     B, n_q, D = q.shape
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and counters.numel() >= B * n_q
+    assert int8_rows is None or quantizable(D)
     out = torch.empty(B, n_q, D, device=q.device, dtype=q.dtype) if out is None else out
     uniform = gqa_repeat > 0
     group = gqa_repeat if uniform else 1
@@ -140,12 +166,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         part_lse = torch.empty(B * n_q * splits, device=q.device, dtype=torch.float32)
     _decode_kernel[(B, heads, splits)](
         q, k_cache, v_cache, tables, slots, ctx, kv_of_q, out, part_out, part_lse, counters,
+        *(int8_rows or (out, out, out)),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
-        out.stride(0), out.stride(1), scale,
+        out.stride(0), out.stride(1), scale, n_q,
         GROUP=group, GROUP_PAD=max(16, _pow2(group)), UNIFORM=uniform, D=D, D_PAD=d_pad,
         BS=k_cache.shape[1], TILE=64, NSPLIT=splits, NSPLIT_PAD=_pow2(splits),
         # float32 models get float32 products (tl.dot would otherwise round its inputs to tf32)
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=int8_rows is not None, num_warps=4,
+        **pdl_args(q.device))
     return out
 
 
@@ -193,7 +221,8 @@ def _prefill_kernel(Q, K, V, Tables, Spans, KvOfQ, Out,
                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, UNIFORM: tl.constexpr,
                     D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr,
-                    PartOut, PartML, T, NQ):
+                    PartOut, PartML, T, NQ, PDL: tl.constexpr):
+    _grid_sync(PDL)  # before the early exit below: a program may finish only after it
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # the last tiles see the most keys: start them first
     head = tl.program_id(1)
     span = tl.program_id(2) // SPLITS
@@ -252,9 +281,10 @@ def _prefill_kernel(Q, K, V, Tables, Spans, KvOfQ, Out,
 
 @triton.jit(do_not_specialize=["T"])
 def _prefill_merge(PartOut, PartML, Out, T, NQ, stride_ot, stride_oh, D: tl.constexpr, D_PAD: tl.constexpr,
-                   SPLITS: tl.constexpr):
+                   SPLITS: tl.constexpr, PDL: tl.constexpr):
     """One (row, head): the SPLITS key ranges' outputs weighted by their share of the softmax. A
     row no chunk covers (a graph's padding) has only empty ranges and gets zeros."""
+    _grid_sync(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     d = tl.arange(0, D_PAD)
@@ -309,10 +339,10 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         BLOCK_M=block_m, BLOCK_N=block_n,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLITS=splits,
         PartOut=part_out, PartML=part_ml, T=T, NQ=n_q,
-        num_warps=8 if rows * d_pad >= 128 * 128 else 4)
+        num_warps=8 if rows * d_pad >= 128 * 128 else 4, **pdl_args(q.device))
     if splits > 1:
         _prefill_merge[(T, n_q)](part_out, part_ml, out, T, n_q, out.stride(0), out.stride(1), D=D, D_PAD=d_pad,
-                                 SPLITS=splits)
+                                 SPLITS=splits, **pdl_args(q.device))
     return out
 
 
@@ -322,7 +352,9 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 @triton.jit
 def _rms_norm_kernel(X, R, W, Out, RNew, Q, D, S, stride_x, stride_r, stride_o, eps,
-                     N: tl.constexpr, N_PAD: tl.constexpr, ADD: tl.constexpr, QUANT: tl.constexpr):
+                     N: tl.constexpr, N_PAD: tl.constexpr, ADD: tl.constexpr, QUANT: tl.constexpr,
+                     PDL: tl.constexpr):
+    _grid_sync(PDL)
     row = tl.program_id(0)
     i = tl.arange(0, N_PAD)
     mask = i < N
@@ -361,7 +393,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     r = residual if add else x
     _rms_norm_kernel[(T,)](x, r, weight, out, r, *_int8_rows(out, quantize), x.stride(0), r.stride(0),
                            out.stride(0), eps, N=N, N_PAD=_pow2(N), ADD=add, QUANT=quantize,
-                           num_warps=8 if N >= 2048 else 4)
+                           num_warps=8 if N >= 2048 else 4, **pdl_args(x.device))
     return out, residual
 
 
@@ -373,7 +405,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 @triton.jit
 def _rope_store_kernel(X, Pos, Cos, Sin, WQ, WK, Kc, Vc, Index, stride_xt, stride_xh, stride_cs, stride_crow,
                        eps, n_q, n_kv, D: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr,
-                       STORE: tl.constexpr):
+                       STORE: tl.constexpr, PDL: tl.constexpr):
+    _grid_sync(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     i = tl.arange(0, HALF)
@@ -424,7 +457,7 @@ def rope_store(qkv: torch.Tensor, n_q: int, n_kv: int, positions: torch.Tensor, 
         qkv, positions, cos, sin, q_norm if norm else cos, k_norm if norm else cos,
         k_cache if store else qkv, v_cache if store else qkv, index if store else positions,
         qkv.stride(0), qkv.stride(1), cos.stride(0), n_kv * D, eps, n_q, n_kv,
-        D=D, HALF=D // 2, NORM=norm, STORE=store, num_warps=1)
+        D=D, HALF=D // 2, NORM=norm, STORE=store, num_warps=1, **pdl_args(qkv.device))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -432,7 +465,9 @@ def rope_store(qkv: torch.Tensor, n_q: int, n_kv: int, positions: torch.Tensor, 
 
 
 @triton.jit
-def _silu_mul_kernel(X, Out, Q, D, S, stride_x, stride_o, N, BLOCK: tl.constexpr, QUANT: tl.constexpr):
+def _silu_mul_kernel(X, Out, Q, D, S, stride_x, stride_o, N, BLOCK: tl.constexpr, QUANT: tl.constexpr,
+                     PDL: tl.constexpr):
+    _grid_sync(PDL)
     t = tl.program_id(0)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = i < N
@@ -454,7 +489,8 @@ def silu_mul(gate_up: torch.Tensor, quantize: bool = False) -> torch.Tensor:
     out = torch.empty(T, N, device=gate_up.device, dtype=gate_up.dtype)
     block = 1024
     _silu_mul_kernel[(T, triton.cdiv(N, block))](gate_up, out, *_int8_rows(out, quantize), gate_up.stride(0),
-                                                   out.stride(0), N, BLOCK=block, QUANT=quantize, num_warps=4)
+                                                   out.stride(0), N, BLOCK=block, QUANT=quantize, num_warps=4,
+                                                   **pdl_args(gate_up.device))
     return out
 
 
@@ -467,7 +503,8 @@ GEMV_CONFIGS: tuple[tuple[int, int, int], ...] = ((16, 256, 4), (32, 256, 4), (3
 
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(X, W, Out, M, N, K, stride_xm, stride_wn, stride_om, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+                 BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    _grid_sync(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, 16)
     acc = tl.zeros([16, BLOCK_N], tl.float32)
@@ -487,5 +524,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int] = G
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
     block_n, block_k, stages = config
     _gemv_kernel[(triton.cdiv(N, block_n),)](x, weight, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0),
-                                              BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=stages)
+                                              BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=stages,
+                                              **pdl_args(x.device))
     return out

@@ -1,5 +1,6 @@
 """Small-batch products on the GPU: for each weight shape and decode batch size, whichever of
-cuBLAS and our Triton skinny GEMM ran faster when the model was loaded (measured, not assumed).
+cuBLAS and our Triton skinny GEMM ran faster when the model was loaded (measured, not assumed);
+for packed weights, the decode kernel's config for one row of x that ran fastest on each shape.
 """
 
 from __future__ import annotations
@@ -100,3 +101,56 @@ def tune(model, batch_sizes: list[int]) -> None:
         plan = plans[tuple(linear.weight.shape)]
         if plan:
             setattr(owner, name, SkinnyLinear(linear, plan))
+
+
+# Configs (BLOCK_N, BLOCK_G, num_warps) of the packed decode kernel tried for one row of x. The
+# fastest differs by shape and bits: in an H200 sweep (scripts/bench-qlinear --sweep) the narrow
+# 4-bit matrices wanted 4 rows of W a program, the 8-bit ones 1-2, and the long-K ones more warps.
+PACKED_CANDIDATES: tuple[Config, ...] = ((2, 32, 1), (4, 32, 4), (4, 64, 2), (4, 128, 1), (2, 64, 4), (1, 128, 4),
+                                         (1, 64, 1))
+
+
+def _graph_ms(fn, reps: int = 10) -> float:
+    """Milliseconds a replay of ``fn`` captured in a CUDA graph takes (as a decode step runs it:
+    no launch costs from the host, consecutive kernels overlapping as they do there)."""
+    fn()  # compiles the kernel
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def tune_packed(model) -> None:
+    """For every packed weight shape, time ``PACKED_CANDIDATES`` for one row of x over all the
+    model's weights of that shape in a row (so that none is read from the L2 cache); where one
+    beats the default config by 3%, the weights of that shape use it."""
+    from neuron.models.linear import packed_parts
+    from neuron.models.triton_kernels import qlinear, quantize_rows
+
+    by_shape: dict[tuple, list] = {}
+    for part in packed_parts(model):
+        by_shape.setdefault((part.n, part.k, part.bits, part.s.shape[1], part.s.dtype), []).append(part)
+    for (n, k, bits, _, _), parts in by_shape.items():
+        x = torch.randn(1, k, device=model.device, dtype=model.dtype)
+        rows = quantize_rows(x)
+
+        def run(config: Config | None) -> None:
+            for p in parts:
+                qlinear(x, p.u, p.s, p.m, p.bits, rows, {1: config} if config else None)
+
+        default = _graph_ms(lambda: run(None))
+        best, config = min((_graph_ms(lambda: run(c)), c) for c in PACKED_CANDIDATES)
+        if best < 0.97 * default:
+            for p in parts:
+                p.gemv_configs = {1: config}
+        log.info("packed decode of %dx%d int%d at one row: %s, %.1f us (default %.1f us)", n, k, bits,
+                 config if best < 0.97 * default else "default", 1000 * best / len(parts),
+                 1000 * default / len(parts))

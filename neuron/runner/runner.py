@@ -121,7 +121,8 @@ class ModelRunner:
         self.tables_host = np.full((cfg.max_seqs + 1, self.max_blocks), self.kv.scratch, dtype=np.int32)
         self.tables = torch.from_numpy(self.tables_host).to(self.device)
         self.assigned = [0] * cfg.max_seqs  # table entries the leader has filled, per slot
-        self.attention = PagedAttention(self.kv, self.tables, shape, self.triton, cfg.max_seqs + 1, self.cpu_kernels)
+        self.attention = PagedAttention(self.kv, self.tables, shape, self.triton, cfg.max_seqs + 1, self.cpu_kernels,
+                                        model.ops.int8_rows if self.triton else 0)
         self.sampler = DeviceSampler(cfg.max_seqs + 1, self.vocab, self.device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
@@ -135,8 +136,9 @@ class ModelRunner:
             how = model.comm.use_peer_memory(rows * model.cfg.hidden_size, model.dtype, self.device)
             log.info("rank %d: all-reduces of up to %d rows: %s", rank, rows, how)
         if self.cuda and cfg.cuda_graphs and model.capturable and self.triton:
-            from .linear import tune
+            from .linear import tune, tune_packed
             tune(model, graph_sizes(cfg.max_seqs))
+            tune_packed(model)
             try:
                 self._capture()
             except RuntimeError as exc:  # e.g. a collective the driver cannot capture: run eagerly
