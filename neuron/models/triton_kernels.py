@@ -38,15 +38,28 @@ import triton.language as tl
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # as Triton reads it, at import
 
 
+_pdl_by_default = True
+
+
+def pdl_by_default(on: bool) -> None:
+    """Whether ``pdl`` is on where ``NEURON_PDL`` does not say. The runner turns it off on
+    tensor-parallel ranks: there one of six runs of the TP=2 test against the CPU failed with it,
+    cause not seen, so it waits for a proof (``NEURON_PDL=1`` turns it on)."""
+    global _pdl_by_default
+    _pdl_by_default = on
+    pdl.cache_clear()
+
+
 @functools.cache
 def pdl(device: torch.device) -> bool:
     """Whether kernels on ``device`` are launched with programmatic dependent launch (PDL, Hopper
-    and later; ``NEURON_PDL=0`` turns it off): a kernel then starts while the one before it in
-    the stream is still running, instead of after it has drained, and waits (``_grid_sync``) only
-    where it needs that kernel's results. A decode step is ~330 short kernels, so the gaps and
-    the ramps between them are a good part of it; a projection also fetches its first weights
-    (which no kernel writes) before it waits."""
-    if _INTERPRETED or device.type != "cuda" or os.environ.get("NEURON_PDL", "1") == "0":
+    and later; ``NEURON_PDL=0`` turns it off, ``=1`` on): a kernel then starts while the one before
+    it in the stream is still running, instead of after it has drained, and waits
+    (``_grid_sync``) only where it needs that kernel's results. A decode step is ~330 short
+    kernels, so the gaps and the ramps between them are a good part of it; a projection also
+    fetches its first weights (which no kernel writes) before it waits."""
+    wanted = os.environ.get("NEURON_PDL", "1" if _pdl_by_default else "0") != "0"
+    if _INTERPRETED or device.type != "cuda" or not wanted:
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
 

@@ -108,8 +108,11 @@ class ModelRunner:
         if self.triton:
             from neuron.models.linear import has_packed
 
+            from neuron.models.triton_kernels import pdl_by_default
+
             from .ops import TritonOps
             model.ops = TritonOps(model.ops, int8_rows=has_packed(model))
+            pdl_by_default(model.comm.world == 1)
             self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.cpu_kernels = _cpu_kernels() if self.device.type == "cpu" and model.dtype == torch.float32 else None
         if self.cpu_kernels is not None:
