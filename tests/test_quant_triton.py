@@ -47,7 +47,7 @@ for name in ("Q4_1", "Q8_0", "Q4_K", "Q6_K"):
     s, m = torch.from_numpy(q.s).to(device), torch.from_numpy(q.m).to(device)
     file = torch.from_numpy(gguf.quants.dequantize(raw, qt)).to(device)
     for dtype in dtypes:
-        for rows in (1, 3, 8, 9, 64, 65):
+        for rows in (1, 3, 8, 9, 65):
             x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).to(device, dtype)
             y = qlinear(x, u, s, m, bits)
             want = x.float() @ file.t()
@@ -85,7 +85,7 @@ def run_check(device: str, dtypes: str, interpret: bool) -> list[dict]:
 
 
 def check(results: list[dict], dtypes: int) -> None:
-    assert len(results) == 4 * dtypes * 6
+    assert len(results) == 4 * dtypes * 5
     for r in results:
         print(r)
         # float16 and bfloat16 tiles round the weights (8 and 11 significant bits)
