@@ -106,17 +106,24 @@ def _weight_tiles(u_ptr, s_ptr, m_ptr, n, g, in_k, ok, N, NS, stride_u, BITS: tl
     else:
         q_lo = (raw & 15).to(tl.float32)
         q_hi = (raw >> 4).to(tl.float32)
-    ok_s = (n[:, None] < N) & in_k[None, :]
+    s_lo, m_lo, s_hi, m_hi = _group_scales(s_ptr, m_ptr, n, g, (n[:, None] < N) & in_k[None, :], NS, GS, EVEN)
+    return q_lo * s_lo[:, :, None] + m_lo[:, :, None], q_hi * s_hi[:, :, None] + m_hi[:, :, None]
+
+
+@triton.jit
+def _group_scales(s_ptr, m_ptr, n, g, ok, NS, GS: tl.constexpr, EVEN: tl.constexpr):
+    """The scales and mins [rows, groups] (float32) of the first and the second half of groups
+    ``g`` of rows ``n``: one pair per group of 32, or per 16 for the K-quants."""
     at = n[:, None] * NS + g[None, :] * (32 // GS)
-    s_lo = _load(s_ptr + at, ok_s, EVEN, "").to(tl.float32)[:, :, None]
-    m_lo = _load(m_ptr + at, ok_s, EVEN, "").to(tl.float32)[:, :, None]
-    if GS == 16:  # the K-quants: the high half of a group of 32 has its own scale
-        s_hi = _load(s_ptr + at + 1, ok_s, EVEN, "").to(tl.float32)[:, :, None]
-        m_hi = _load(m_ptr + at + 1, ok_s, EVEN, "").to(tl.float32)[:, :, None]
+    s_lo = _load(s_ptr + at, ok, EVEN, "").to(tl.float32)
+    m_lo = _load(m_ptr + at, ok, EVEN, "").to(tl.float32)
+    if GS == 16:
+        s_hi = _load(s_ptr + at + 1, ok, EVEN, "").to(tl.float32)
+        m_hi = _load(m_ptr + at + 1, ok, EVEN, "").to(tl.float32)
     else:
         s_hi = s_lo
         m_hi = m_lo
-    return q_lo * s_lo + m_lo, q_hi * s_hi + m_hi
+    return s_lo, m_lo, s_hi, m_hi
 
 
 @triton.jit
@@ -178,16 +185,7 @@ def _packed_groups(w_ptr, s_ptr, m_ptr, n, g, N, K, NS, stride_w, BITS: tl.const
     else:
         w_hi = (w_lo >> 4) & 0x0F0F0F0F
         w_lo = w_lo & 0x0F0F0F0F
-    oks = (n[:, None] < N) & okg[None, :]
-    ats = n[:, None] * NS + g[None, :] * (32 // GS)
-    s_lo = _load(s_ptr + ats, oks, EVEN, "").to(tl.float32)
-    m_lo = _load(m_ptr + ats, oks, EVEN, "").to(tl.float32)
-    if GS == 16:  # the K-quants: the high half of a group of 32 has its own scale
-        s_hi = _load(s_ptr + ats + 1, oks, EVEN, "").to(tl.float32)
-        m_hi = _load(m_ptr + ats + 1, oks, EVEN, "").to(tl.float32)
-    else:
-        s_hi = s_lo
-        m_hi = m_lo
+    s_lo, m_lo, s_hi, m_hi = _group_scales(s_ptr, m_ptr, n, g, (n[:, None] < N) & okg[None, :], NS, GS, EVEN)
     return w_lo, w_hi, s_lo, m_lo, s_hi, m_hi
 
 

@@ -107,7 +107,6 @@ class ModelRunner:
         self.triton = self.cuda and _triton_fits(shape.head_dim)
         if self.triton:
             from neuron.models.linear import has_packed
-
             from neuron.models.triton_kernels import pdl_by_default
 
             from .ops import TritonOps
