@@ -44,9 +44,30 @@ def test_paged_decode_attends_each_sequence_over_its_own_blocks(n_q, n_kv, hd, b
         assert (out.double() - ref).abs().max() < 1e-5 and not counters.any()
 
 
-def test_split_count_covers_the_gpu_without_splits_shorter_than_a_tile():
-    assert K.decode_splits(1, 8, 4096, 132) == 33
+@pytest.mark.parametrize("splits", [3, 16])
+def test_paged_decode_splits_each_context_by_its_own_length(splits):
+    """One launch of 16 splits serves contexts of one key up to several tiles, each split evenly
+    by its own length (the splits past its end merge nothing); one of 3 splits gives each part
+    several tiles."""
+    g = torch.Generator().manual_seed(splits)
+    n_q, n_kv, hd, bs, per_seq = 8, 2, 32, 16, 40
+    kc, vc = (torch.randn(4 * per_seq, bs, n_kv, hd, generator=g) for _ in range(2))
+    tables = torch.randperm(4 * per_seq, generator=g).view(4, per_seq).int()
+    ctx = torch.tensor([1, 130, 300, per_seq * bs - 5], dtype=torch.int32)
+    q = torch.randn(4, n_q, hd, generator=g)
+    kv_of_q = torch.arange(n_q) // (n_q // n_kv)
+    slots = torch.tensor([3, 1, 0, 2])
+    counters = torch.zeros(4 * n_q, dtype=torch.int32)
+    ref = reference_decode(q, kc, vc, tables, slots, ctx, kv_of_q, hd ** -0.5)
+    for _ in range(2):
+        out = K.paged_decode(q, kc, vc, tables, slots, ctx, kv_of_q.int(), n_q // n_kv, hd ** -0.5, splits, counters)
+        assert (out.double() - ref).abs().max() < 1e-5 and not counters.any()
+
+
+def test_split_count_covers_the_gpu_once_without_splits_shorter_than_a_tile():
+    assert K.decode_splits(1, 8, 4096, 132) == 16
     assert K.decode_splits(1, 8, 100, 132) == 2
+    assert K.decode_splits(4, 8, 4096, 132) == 4
     assert K.decode_splits(64, 8, 4096, 132) == 1
 
 
