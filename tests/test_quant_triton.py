@@ -62,11 +62,11 @@ for name in ("Q4_1", "Q8_0", "Q4_K", "Q6_K"):
                 tk.WIDE_N, default = 0, tk.WIDE_N
                 row["err_gemm"] = float((qlinear(x, u, s, m, bits).float() - want).abs().max() / want.abs().max())
                 tk.WIDE_N = default
-            if rows in (1, 3):  # tiles that divide the matrix: the loads without masks
-                key = 1 if rows == 1 else 4  # the config of 3 rows is that of 4
-                block, tk.GEMV_CONFIG[key] = tk.GEMV_CONFIG[key], (2, 16 if K % 512 == 0 else 1, 1)
+            if rows == 1:  # tiles that divide the matrix: the loads without masks (the rows of x
+                # are masked apart from them, by BLOCK_M)
+                block, tk.GEMV_CONFIG[1] = tk.GEMV_CONFIG[1], (2, 16 if K % 512 == 0 else 1, 1)
                 even = qlinear(x, u, s, m, bits).float()
-                tk.GEMV_CONFIG[key] = block
+                tk.GEMV_CONFIG[1] = block
                 row["err_even"] = float((even - want_q).abs().max() / want_q.abs().max())
             out.append(row)
 print(json.dumps(out))
