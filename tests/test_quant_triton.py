@@ -44,28 +44,29 @@ for name in ("Q4_1", "Q8_0", "Q4_K", "Q6_K"):
     bits = 4 if q.bits <= 4 else 8
     u = torch.from_numpy(q.u)
     u = (pack_nibbles(u) if bits == 4 else u).to(device)
-    s, m = torch.from_numpy(q.s).to(device), torch.from_numpy(q.m).to(device)
+    dt = torch.float32 if name.endswith("_K") else torch.float16  # as PackedLinear keeps them
+    sm = tk.pair_scales(torch.from_numpy(q.s).to(dt), torch.from_numpy(q.m).to(dt)).to(device)
     file = torch.from_numpy(gguf.quants.dequantize(raw, qt)).to(device)
     for dtype in dtypes:
-        for rows in (1, 3, 8, 9, 65):
+        for rows in (1, 2, 3, 8, 9, 65):  # BLOCK_M 1, 2, 4 (row 3 masked), 8; the other two paths  # BLOCK_M 1, 2, 4 (row 3 masked), 8; the other two paths
             x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).to(device, dtype)
-            y = qlinear(x, u, s, m, bits)
+            y = qlinear(x, u, sm, bits)
             want = x.float() @ file.t()
-            ref = reference_qlinear(x, u, s, m, bits)
+            ref = reference_qlinear(x, u, sm, bits)
             row = dict(name=name, dtype=str(dtype), rows=rows, out_dtype=str(y.dtype), shape=list(y.shape),
                        err=float((y.float() - want).abs().max() / want.abs().max()),
                        ref_err=float((ref - want).abs().max() / want.abs().max()))
             if rows <= tk.GEMV_ROWS:  # int8 activations: against their own product, and the file's
-                want_q = reference_qlinear(tk.reference_quantized_rows(x), u, s, m, bits)
+                want_q = reference_qlinear(tk.reference_quantized_rows(x), u, sm, bits)
                 row["err_q"] = float((y.float() - want_q).abs().max() / want_q.abs().max())
             if rows == 9:  # the tensor-core kernel, which takes only wide matrices
                 tk.WIDE_N, default = 0, tk.WIDE_N
-                row["err_gemm"] = float((qlinear(x, u, s, m, bits).float() - want).abs().max() / want.abs().max())
+                row["err_gemm"] = float((qlinear(x, u, sm, bits).float() - want).abs().max() / want.abs().max())
                 tk.WIDE_N = default
             if rows == 1:  # tiles that divide the matrix: the loads without masks (the rows of x
                 # are masked apart from them, by BLOCK_M)
                 block, tk.GEMV_CONFIG[1] = tk.GEMV_CONFIG[1], (2, 16 if K % 512 == 0 else 1, 1)
-                even = qlinear(x, u, s, m, bits).float()
+                even = qlinear(x, u, sm, bits).float()
                 tk.GEMV_CONFIG[1] = block
                 row["err_even"] = float((even - want_q).abs().max() / want_q.abs().max())
             out.append(row)
@@ -85,7 +86,7 @@ def run_check(device: str, dtypes: str, interpret: bool) -> list[dict]:
 
 
 def check(results: list[dict], dtypes: int) -> None:
-    assert len(results) == 4 * dtypes * 5
+    assert len(results) == 4 * dtypes * 6
     for r in results:
         print(r)
         # float16 and bfloat16 tiles round the weights (8 and 11 significant bits)

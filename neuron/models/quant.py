@@ -331,9 +331,13 @@ class PackedLinear:
             self.s = torch.from_numpy(q.s).to(torch.float16).contiguous()
             self.m = torch.from_numpy(q.m).to(torch.float16).contiguous()
             self.d = self.dm = torch.empty(0, 0, dtype=torch.float16)
-        if self.device.type == "cuda":  # the Triton kernel takes float scales per group (float32: exact)
-            self.s = torch.from_numpy(q.s if q.sup is not None else q.s.astype(np.float16)).to(self.device)
-            self.m = torch.from_numpy(q.m if q.sup is not None else q.m.astype(np.float16)).to(self.device)
+        if self.device.type == "cuda":  # the Triton kernels take each group's scale and offset side
+            # by side (pair_scales), in float16, or float32 for the K-quants (exact)
+            from .triton_kernels import pair_scales
+
+            scales = [torch.from_numpy(t if q.sup is not None else t.astype(np.float16)) for t in (q.s, q.m)]
+            self.sm = pair_scales(*scales).to(self.device)
+            self.s, self.m = self.sm[..., 0], self.sm[..., 1]
             self.d = self.dm = torch.empty(0, 0, dtype=torch.float16, device=self.device)
             self.u = self.u.to(self.device)
             self._kernel = None
@@ -349,14 +353,15 @@ class PackedLinear:
         return self.n
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.u, self.s, self.m, self.d, self.dm, *([self.bias] if self.bias is not None else [])]
+        scales = [self.sm] if self._kernel is None else [self.s, self.m]
+        return [self.u, *scales, self.d, self.dm, *([self.bias] if self.bias is not None else [])]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape, dtype = x.shape, x.dtype
         if x.is_cuda:
             from .triton_kernels import qlinear
 
-            y = qlinear(x.reshape(-1, self.k), self.u, self.s, self.m, self.bits, getattr(x, "int8_rows", None),
+            y = qlinear(x.reshape(-1, self.k), self.u, self.sm, self.bits, getattr(x, "int8_rows", None),
                         self.gemv_configs)
             if self.bias is not None:
                 y = y + self.bias

@@ -92,7 +92,7 @@ def _load(at, ok, EVEN: tl.constexpr, POLICY: tl.constexpr):
 
 
 @triton.jit
-def _weight_tiles(u_ptr, s_ptr, m_ptr, n, g, in_k, ok, N, NS, stride_u, BITS: tl.constexpr, GS: tl.constexpr,
+def _weight_tiles(u_ptr, sm_ptr, n, g, in_k, ok, N, NS, stride_u, BITS: tl.constexpr, GS: tl.constexpr,
                   EVEN: tl.constexpr, POLICY: tl.constexpr):
     """Rows ``n`` of W at groups ``g`` as float32 tiles [rows, groups, 16]: the first and the
     second half of each group of 32. A 4-bit byte holds element j of a group in its low nibble
@@ -106,20 +106,32 @@ def _weight_tiles(u_ptr, s_ptr, m_ptr, n, g, in_k, ok, N, NS, stride_u, BITS: tl
     else:
         q_lo = (raw & 15).to(tl.float32)
         q_hi = (raw >> 4).to(tl.float32)
-    s_lo, m_lo, s_hi, m_hi = _group_scales(s_ptr, m_ptr, n, g, (n[:, None] < N) & in_k[None, :], NS, GS, EVEN)
+    s_lo, m_lo, s_hi, m_hi = _group_scales(sm_ptr, n, g, (n[:, None] < N) & in_k[None, :], NS, GS, EVEN, "")
     return q_lo * s_lo[:, :, None] + m_lo[:, :, None], q_hi * s_hi[:, :, None] + m_hi[:, :, None]
 
 
 @triton.jit
-def _group_scales(s_ptr, m_ptr, n, g, ok, NS, GS: tl.constexpr, EVEN: tl.constexpr):
+def _unpair(word):
+    """A scale and an offset from the word that holds both (``pair_scales``): two float16 in an
+    int32 word, or two float32 in an int64 one; as float32."""
+    if word.dtype == tl.int64:
+        s = word.to(tl.int32).to(tl.float32, bitcast=True)
+        m = (word >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    else:
+        s = word.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        m = (word >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return s, m
+
+
+@triton.jit
+def _group_scales(sm_ptr, n, g, ok, NS, GS: tl.constexpr, EVEN: tl.constexpr, POLICY: tl.constexpr):
     """The scales and mins [rows, groups] (float32) of the first and the second half of groups
-    ``g`` of rows ``n``: one pair per group of 32, or per 16 for the K-quants."""
-    at = n[:, None] * NS + g[None, :] * (32 // GS)
-    s_lo = _load(s_ptr + at, ok, EVEN, "").to(tl.float32)
-    m_lo = _load(m_ptr + at, ok, EVEN, "").to(tl.float32)
+    ``g`` of rows ``n``: one pair per group of 32, or per 16 for the K-quants, each pair one word
+    of ``sm_ptr``."""
+    at = sm_ptr + n[:, None] * NS + g[None, :] * (32 // GS)
+    s_lo, m_lo = _unpair(_load(at, ok, EVEN, POLICY))
     if GS == 16:
-        s_hi = _load(s_ptr + at + 1, ok, EVEN, "").to(tl.float32)
-        m_hi = _load(m_ptr + at + 1, ok, EVEN, "").to(tl.float32)
+        s_hi, m_hi = _unpair(_load(at + 1, ok, EVEN, POLICY))
     else:
         s_hi = s_lo
         m_hi = m_lo
@@ -170,7 +182,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, d_ptr, t_ptr, K, BLOCK_G: tl.constexpr, 
 
 
 @triton.jit
-def _packed_groups(w_ptr, s_ptr, m_ptr, n, g, N, K, NS, stride_w, BITS: tl.constexpr, GS: tl.constexpr,
+def _packed_groups(w_ptr, sm_ptr, n, g, N, K, NS, stride_w, BITS: tl.constexpr, GS: tl.constexpr,
                    EVEN: tl.constexpr):
     """Rows ``n`` of W at groups ``g`` for the decode kernel: the bytes of each group's halves as
     int32 words [rows, groups, 4] (elements 0..15 and 16..31), and the halves' scales and mins
@@ -185,54 +197,90 @@ def _packed_groups(w_ptr, s_ptr, m_ptr, n, g, N, K, NS, stride_w, BITS: tl.const
     else:
         w_hi = (w_lo >> 4) & 0x0F0F0F0F
         w_lo = w_lo & 0x0F0F0F0F
-    s_lo, m_lo, s_hi, m_hi = _group_scales(s_ptr, m_ptr, n, g, (n[:, None] < N) & okg[None, :], NS, GS, EVEN)
+    s_lo, m_lo, s_hi, m_hi = _group_scales(sm_ptr, n, g, (n[:, None] < N) & okg[None, :], NS, GS, EVEN,
+                                           "evict_first")
     return w_lo, w_hi, s_lo, m_lo, s_hi, m_hi
 
 
 @triton.jit
-def _qgemv_groups(acc, w_lo, w_hi, s_lo, m_lo, s_hi, m_hi, g, q_ptr, d_ptr, t_ptr, M, K, GS: tl.constexpr,
-                  BLOCK_M: tl.constexpr, EMU: tl.constexpr):
-    """``acc`` [rows of x, rows of W, groups] plus the products of groups ``g`` of W (as
-    ``_packed_groups`` gives them) with the rows of the quantized ``x``."""
+def _row(w_lo, w_hi, s_lo, m_lo, s_hi, m_hi, g, q_ptr, d_ptr, t_ptr, r: tl.constexpr, M, K, GS: tl.constexpr,
+         BLOCK_M: tl.constexpr, EVEN: tl.constexpr, EMU: tl.constexpr):
+    """Groups ``g`` of W (as ``_packed_groups`` gives them) times row ``r`` of the quantized
+    ``x``: [rows of W, groups] (zero past row ``M``; ``EVEN``: ``M == BLOCK_M``, no masks).
+
+    x's words and scales are loaded as [1, groups, ...] tiles, whose layout is W's tile's, or for
+    one row of x as [groups, ...] and then expanded: whichever compiles shorter. In the sm_90 code
+    of Triton 3.6 (the GPU image's), at 8 rows of x over 2 rows of W and 32 groups, expanding
+    after the load costs shuffles for every row of x (47 instructions a product of a row of x, a
+    row of W and a group, against 29); at one row it is the other way (143 instructions a step
+    against 153; 67 against 119 for 4 rows of W on 4 warps)."""
     i4 = tl.arange(0, 4)
-    rm = tl.arange(0, BLOCK_M)
-    okg = g < K // 32
-    for r in tl.static_range(BLOCK_M):
-        okr = okg & (tl.full(g.shape, r, tl.int32) < M)
-        at_q = q_ptr + r * (K // 4) + g[:, None] * 8 + i4[None, :]
-        okq = okr[:, None] & (i4[None, :] < 4)
-        q_lo = tl.load(at_q, mask=okq, other=0, eviction_policy="evict_last")[None]
-        q_hi = tl.load(at_q + 4, mask=okq, other=0, eviction_policy="evict_last")[None]
+    okr = (g < K // 32) & (tl.full(g.shape, r, tl.int32) < M)
+    at_q = q_ptr + r * (K // 4) + g[:, None] * 8 + i4[None, :]
+    okq = okr[:, None] & (i4[None, :] < 4)
+    at_d = d_ptr + r * (K // 32) + g
+    at_t = t_ptr + r * (K // 16) + g * 2
+    if BLOCK_M == 1:
+        q_lo = _load(at_q, okq, EVEN, "evict_last")[None]
+        q_hi = _load(at_q + 4, okq, EVEN, "evict_last")[None]
+        d = _load(at_d, okr, EVEN, "evict_last")[None, :]
+        t_lo = _load(at_t, okr, EVEN, "evict_last")[None, :]
+        t_hi = _load(at_t + 1, okr, EVEN, "evict_last")[None, :]
+    else:
+        q_lo = _load(at_q[None], okq[None], EVEN, "evict_last")
+        q_hi = _load(at_q[None] + 4, okq[None], EVEN, "evict_last")
+        d = _load(at_d[None, :], okr[None, :], EVEN, "evict_last")
+        t_lo = _load(at_t[None, :], okr[None, :], EVEN, "evict_last")
+        t_hi = _load(at_t[None, :] + 1, okr[None, :], EVEN, "evict_last")
+    if GS == 16:
         p_lo = tl.sum(_dp4a(w_lo, q_lo, tl.zeros_like(w_lo), EMU), axis=2).to(tl.float32)
         p_hi = tl.sum(_dp4a(w_hi, q_hi, tl.zeros_like(w_hi), EMU), axis=2).to(tl.float32)
-        d = tl.load(d_ptr + r * (K // 32) + g, mask=okr, other=0.0)[None, :]
-        at_t = t_ptr + r * (K // 16) + g * 2
-        t_lo = tl.load(at_t, mask=okr, other=0.0)[None, :]
-        t_hi = tl.load(at_t + 1, mask=okr, other=0.0)[None, :]
-        if GS == 16:
-            part = p_lo * (s_lo * d) + p_hi * (s_hi * d) + m_lo * t_lo + m_hi * t_hi
-        else:
-            part = (p_lo + p_hi) * (s_lo * d) + m_lo * (t_lo + t_hi)
-        if BLOCK_M == 1:
-            acc += part[None]
-        else:
-            acc += tl.where(rm[:, None, None] == r, part[None], 0.0)
-    return acc
+        return p_lo * (s_lo * d) + p_hi * (s_hi * d) + m_lo * t_lo + m_hi * t_hi
+    else:  # one scale for both halves: one sum
+        p = tl.sum(_dp4a(w_hi, q_hi, _dp4a(w_lo, q_lo, tl.zeros_like(w_lo), EMU), EMU), axis=2).to(tl.float32)
+        return p * (s_lo * d) + m_lo * (t_lo + t_hi)
+
+
+@triton.jit
+def _qgemv_groups(a0, a1, a2, a3, a4, a5, a6, a7, w_lo, w_hi, s_lo, m_lo, s_hi, m_hi, g, q_ptr, d_ptr, t_ptr, M,
+                  K, GS: tl.constexpr, BLOCK_M: tl.constexpr, EVEN: tl.constexpr, EMU: tl.constexpr):
+    """The accumulators of rows 0..BLOCK_M-1 of x ([rows of W, groups] each) plus their products
+    with groups ``g`` of W. One accumulator a row, not one tensor [rows of x, ...]: adding a row's
+    part into a slice of such a tensor costs a select over all of it, or shuffles."""
+    a0 += _row(w_lo, w_hi, s_lo, m_lo, s_hi, m_hi, g, q_ptr, d_ptr, t_ptr, 0, M, K, GS, BLOCK_M, EVEN, EMU)
+    if BLOCK_M > 1:
+        a1 += _row(w_lo, w_hi, s_lo, m_lo, s_hi, m_hi, g, q_ptr, d_ptr, t_ptr, 1, M, K, GS, BLOCK_M, EVEN, EMU)
+    if BLOCK_M > 2:
+        a2 += _row(w_lo, w_hi, s_lo, m_lo, s_hi, m_hi, g, q_ptr, d_ptr, t_ptr, 2, M, K, GS, BLOCK_M, EVEN, EMU)
+        a3 += _row(w_lo, w_hi, s_lo, m_lo, s_hi, m_hi, g, q_ptr, d_ptr, t_ptr, 3, M, K, GS, BLOCK_M, EVEN, EMU)
+    if BLOCK_M > 4:
+        a4 += _row(w_lo, w_hi, s_lo, m_lo, s_hi, m_hi, g, q_ptr, d_ptr, t_ptr, 4, M, K, GS, BLOCK_M, EVEN, EMU)
+        a5 += _row(w_lo, w_hi, s_lo, m_lo, s_hi, m_hi, g, q_ptr, d_ptr, t_ptr, 5, M, K, GS, BLOCK_M, EVEN, EMU)
+        a6 += _row(w_lo, w_hi, s_lo, m_lo, s_hi, m_hi, g, q_ptr, d_ptr, t_ptr, 6, M, K, GS, BLOCK_M, EVEN, EMU)
+        a7 += _row(w_lo, w_hi, s_lo, m_lo, s_hi, m_hi, g, q_ptr, d_ptr, t_ptr, 7, M, K, GS, BLOCK_M, EVEN, EMU)
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@triton.jit
+def _store_row(y_ptr, acc, r: tl.constexpr, n, M, N):
+    tl.store(y_ptr + r * N + n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty),
+             mask=(n < N) & (tl.full(n.shape, r, tl.int32) < M))
 
 
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for 2..8 rows
-def _qgemv_kernel(q_ptr, d_ptr, t_ptr, w_ptr, s_ptr, m_ptr, y_ptr, M, N, K, NS, stride_w,
+def _qgemv_kernel(q_ptr, d_ptr, t_ptr, w_ptr, sm_ptr, y_ptr, M, N, K, NS, stride_w,
                   BITS: tl.constexpr, GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_G: tl.constexpr, EVEN: tl.constexpr, EMU: tl.constexpr, PDL: tl.constexpr):
-    """Rows ``0..M-1`` of the quantized ``x`` (``q`` as int32 words, ``d``, ``t``: see
-    ``_quantize_rows_kernel``) times ``BLOCK_N`` packed rows of W (int32 words), ``BLOCK_G``
-    groups of 32 a step.
+    """Rows ``0..M-1`` (``M <= BLOCK_M <= 8``) of the quantized ``x`` (``q`` as int32 words,
+    ``d``, ``t``: see ``_quantize_rows_kernel``) times ``BLOCK_N`` packed rows of W (int32
+    words), ``BLOCK_G`` groups of 32 a step.
 
     A thread holds 16 bytes of a row of W at a time (tiles [rows of W, groups, 4 words]), so the
     sums over a group stay in its registers: an 8-bit group is two such tiles (elements 0..15 and
     16..31); a 4-bit group is one, whose low nibbles are elements 0..15 (byte j: element j) and
     high nibbles 16..31. ``x``'s words are loaded in the same shape, with no row dimension, so
-    every row of W in a thread shares them.
+    every row of W in a thread shares them; each row of x has an accumulator of its own
+    (``_qgemv_groups``).
 
     The first step's groups of W are loaded before ``_grid_sync``: no kernel writes W, so under
     programmatic dependent launch (``pdl``) the kernel fetches them while the one that writes
@@ -240,23 +288,33 @@ def _qgemv_kernel(q_ptr, d_ptr, t_ptr, w_ptr, s_ptr, m_ptr, y_ptr, M, N, K, NS, 
     decode step 14% slower on an H200.)"""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     gi = tl.arange(0, BLOCK_G)
-    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_G), dtype=tl.float32)
-    w_lo, w_hi, s_lo, m_lo, s_hi, m_hi = _packed_groups(w_ptr, s_ptr, m_ptr, n, gi, N, K, NS, stride_w, BITS, GS,
-                                                        EVEN)
+    a0 = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
+    a1, a2, a3, a4, a5, a6, a7 = a0, a0, a0, a0, a0, a0, a0
+    w_lo, w_hi, s_lo, m_lo, s_hi, m_hi = _packed_groups(w_ptr, sm_ptr, n, gi, N, K, NS, stride_w, BITS, GS, EVEN)
     _grid_sync(PDL)
-    acc = _qgemv_groups(acc, w_lo, w_hi, s_lo, m_lo, s_hi, m_hi, gi, q_ptr, d_ptr, t_ptr, M, K, GS, BLOCK_M, EMU)
+    a0, a1, a2, a3, a4, a5, a6, a7 = _qgemv_groups(a0, a1, a2, a3, a4, a5, a6, a7, w_lo, w_hi, s_lo, m_lo, s_hi,
+                                                   m_hi, gi, q_ptr, d_ptr, t_ptr, M, K, GS, BLOCK_M, EVEN, EMU)
     for g0 in range(BLOCK_G, K // 32, BLOCK_G):
-        w_lo, w_hi, s_lo, m_lo, s_hi, m_hi = _packed_groups(w_ptr, s_ptr, m_ptr, n, g0 + gi, N, K, NS, stride_w,
-                                                            BITS, GS, EVEN)
-        acc = _qgemv_groups(acc, w_lo, w_hi, s_lo, m_lo, s_hi, m_hi, g0 + gi, q_ptr, d_ptr, t_ptr, M, K, GS,
-                            BLOCK_M, EMU)
-    rm = tl.arange(0, BLOCK_M)
-    tl.store(y_ptr + rm[:, None] * N + n[None, :], tl.sum(acc, axis=2).to(y_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (n[None, :] < N))
+        w_lo, w_hi, s_lo, m_lo, s_hi, m_hi = _packed_groups(w_ptr, sm_ptr, n, g0 + gi, N, K, NS, stride_w, BITS,
+                                                            GS, EVEN)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _qgemv_groups(a0, a1, a2, a3, a4, a5, a6, a7, w_lo, w_hi, s_lo, m_lo, s_hi,
+                                                       m_hi, g0 + gi, q_ptr, d_ptr, t_ptr, M, K, GS, BLOCK_M, EVEN,
+                                                       EMU)
+    _store_row(y_ptr, a0, 0, n, M, N)
+    if BLOCK_M > 1:
+        _store_row(y_ptr, a1, 1, n, M, N)
+    if BLOCK_M > 2:
+        _store_row(y_ptr, a2, 2, n, M, N)
+        _store_row(y_ptr, a3, 3, n, M, N)
+    if BLOCK_M > 4:
+        _store_row(y_ptr, a4, 4, n, M, N)
+        _store_row(y_ptr, a5, 5, n, M, N)
+        _store_row(y_ptr, a6, 6, n, M, N)
+        _store_row(y_ptr, a7, 7, n, M, N)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _qgemm_kernel(x_ptr, u_ptr, s_ptr, m_ptr, y_ptr, M, N, K, NS, stride_u,
+def _qgemm_kernel(x_ptr, u_ptr, sm_ptr, y_ptr, M, N, K, NS, stride_u,
                   BITS: tl.constexpr, GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     """A few dozen rows of ``x`` (a decode batch): each [BLOCK_N, BLOCK_K] tile of W is read
@@ -272,7 +330,7 @@ def _qgemm_kernel(x_ptr, u_ptr, s_ptr, m_ptr, y_ptr, M, N, K, NS, stride_u,
         g = k0 // 32 + tl.arange(0, G)
         in_k = g < K // 32
         ok = (n[:, None, None] < N) & in_k[None, :, None]
-        w_lo, w_hi = _weight_tiles(u_ptr, s_ptr, m_ptr, n, g, in_k, ok, N, NS, stride_u, BITS, GS, False, "")
+        w_lo, w_hi = _weight_tiles(u_ptr, sm_ptr, n, g, in_k, ok, N, NS, stride_u, BITS, GS, False, "")
         dt = x_ptr.dtype.element_ty
         w_lo = tl.reshape(w_lo.to(dt), (BLOCK_N, BLOCK_K // 2))
         w_hi = tl.reshape(w_hi.to(dt), (BLOCK_N, BLOCK_K // 2))
@@ -291,7 +349,7 @@ def _qgemm_kernel(x_ptr, u_ptr, s_ptr, m_ptr, y_ptr, M, N, K, NS, stride_u,
 
 
 @triton.jit
-def _dequant_kernel(u_ptr, s_ptr, m_ptr, w_ptr, N, K, NS, stride_u, BITS: tl.constexpr, GS: tl.constexpr,
+def _dequant_kernel(u_ptr, sm_ptr, w_ptr, N, K, NS, stride_u, BITS: tl.constexpr, GS: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """Rows ``n`` of W as ``w_ptr``'s dtype, [N, K] row-major."""
     _grid_sync(PDL)
@@ -299,7 +357,7 @@ def _dequant_kernel(u_ptr, s_ptr, m_ptr, w_ptr, N, K, NS, stride_u, BITS: tl.con
     g = tl.program_id(1) * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
     in_k = g < K // 32
     ok = (n[:, None, None] < N) & in_k[None, :, None]
-    w_lo, w_hi = _weight_tiles(u_ptr, s_ptr, m_ptr, n, g, in_k, ok, N, NS, stride_u, BITS, GS, False, "")
+    w_lo, w_hi = _weight_tiles(u_ptr, sm_ptr, n, g, in_k, ok, N, NS, stride_u, BITS, GS, False, "")
     at = w_ptr + n[:, None, None] * K + (g[:, None] * 32 + tl.arange(0, 16)[None, :])[None, :, :]
     tl.store(at, w_lo.to(w_ptr.dtype.element_ty), mask=ok)
     tl.store(at + 16, w_hi.to(w_ptr.dtype.element_ty), mask=ok)
@@ -321,17 +379,32 @@ DEQUANT_CONFIG = (8, 512, 4)  # BLOCK_N, BLOCK_K, num_warps
 DEQUANT_ROWS = 8192  # rows of W unpacked at a time
 
 
-def qlinear(x: torch.Tensor, u: torch.Tensor, s: torch.Tensor, m: torch.Tensor, bits: int,
+def pair_scales(s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """The kernels' scales: ``s`` and ``m`` [N, K/32] (or [N, K/16]) side by side, [N, K/32, 2],
+    in float16, or float32 (which keeps the K-quants' scales exact). A kernel reads the pair of a
+    group as one word: one load where there were two."""
+    dtype = torch.float16 if s.dtype == m.dtype == torch.float16 else torch.float32
+    return torch.stack([s.to(dtype), m.to(dtype)], dim=-1).contiguous()
+
+
+def _scale_words(sm: torch.Tensor) -> torch.Tensor:
+    """``pair_scales``' pairs as one word each, [N, NS]: int32 (two float16), int64 (two float32)."""
+    assert sm.dtype in (torch.float16, torch.float32) and sm.shape[-1] == 2 and sm.is_contiguous()
+    return sm.view(torch.int32 if sm.dtype == torch.float16 else torch.int64).view(sm.shape[:2])
+
+
+def qlinear(x: torch.Tensor, u: torch.Tensor, sm: torch.Tensor, bits: int,
             int8_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
             gemv_configs: dict[int, tuple[int, int, int]] | None = None) -> torch.Tensor:
-    """``x`` [M, K] (bf16/fp16); ``u`` uint8 [N, K*bits/8]; ``s``, ``m`` [N, K/32] or [N, K/16]
-    (any float dtype, float32 keeps K-quant scales exact) -> ``y`` [M, N] in ``x``'s dtype.
+    """``x`` [M, K] (bf16/fp16); ``u`` uint8 [N, K*bits/8]; ``sm`` the scale and offset of each
+    group of 32 or 16, [N, K/32 or K/16, 2] (``pair_scales``) -> ``y`` [M, N] in ``x``'s dtype.
     ``int8_rows``: ``quantize_rows(x)`` if the kernel that wrote ``x`` made it too.
     ``gemv_configs``: the decode kernel's config by rows of x (a power of two) where one was
     measured for this weight (``runner/linear.tune_packed``), else ``GEMV_CONFIG``'s."""
     M, K = x.shape
     N = u.shape[0]
-    NS = s.shape[1]
+    words = _scale_words(sm)
+    NS = words.shape[1]
     gs = K // NS
     assert bits in (4, 8) and K % 32 == 0 and gs in (16, 32) and u.shape[1] * 8 == K * bits
     x = x.contiguous()
@@ -343,34 +416,37 @@ def qlinear(x: torch.Tensor, u: torch.Tensor, s: torch.Tensor, m: torch.Tensor, 
         block_n, block_g, warps = (gemv_configs or {}).get(block_m) or (
             GEMV_LONG_K_CONFIG if K >= LONG_K else GEMV_CONFIG)[block_m]
         w = u.view(torch.int32)
-        _qgemv_kernel[(triton.cdiv(N, block_n),)](q.view(torch.int32), d, t, w, s, m, y, M, N, K, NS, w.stride(0),
+        _qgemv_kernel[(triton.cdiv(N, block_n),)](q.view(torch.int32), d, t, w, words, y, M, N, K, NS, w.stride(0),
                                                   BITS=bits, GS=gs, BLOCK_M=block_m, BLOCK_N=block_n,
-                                                  BLOCK_G=block_g, EVEN=N % block_n == 0 and K // 32 % block_g == 0,
+                                                  BLOCK_G=block_g,
+                                                  EVEN=N % block_n == 0 and K // 32 % block_g == 0 and M == block_m,
                                                   EMU=_INTERPRETED, num_warps=warps, num_stages=1,
                                                   **pdl_args(x.device))
         return y
     if M <= GEMM_ROWS and N >= WIDE_N:
         block_m, block_n, block_k, warps, stages = GEMM_CONFIG[max(16, triton.next_power_of_2(M))]
         _qgemm_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m))](
-            x, u, s, m, y, M, N, K, NS, u.stride(0), BITS=bits, GS=gs, BLOCK_M=block_m, BLOCK_N=block_n,
+            x, u, words, y, M, N, K, NS, u.stride(0), BITS=bits, GS=gs, BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_K=block_k, IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages,
             **pdl_args(x.device))
         return y
     for n0 in range(0, N, DEQUANT_ROWS):
         rows = slice(n0, n0 + DEQUANT_ROWS)
-        y[:, rows] = x @ dequantize(u[rows], s[rows], m[rows], bits, x.dtype).t()
+        y[:, rows] = x @ dequantize(u[rows], sm[rows], bits, x.dtype).t()
     return y
 
 
-def dequantize(u: torch.Tensor, s: torch.Tensor, m: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
-    """The packed rows ``u`` as a dense [N, K] weight of ``dtype``."""
+def dequantize(u: torch.Tensor, sm: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """The packed rows ``u`` (scales ``sm``, as ``qlinear`` takes them) as a dense [N, K] weight
+    of ``dtype``."""
     N = u.shape[0]
     K = u.shape[1] * 8 // bits
     w = torch.empty((N, K), device=u.device, dtype=dtype)
     block_n, block_k, warps = DEQUANT_CONFIG
+    words = _scale_words(sm)
     _dequant_kernel[(triton.cdiv(N, block_n), triton.cdiv(K, block_k))](
-        u, s, m, w, N, K, s.shape[1], u.stride(0), BITS=bits, GS=K // s.shape[1], BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, **pdl_args(u.device))
+        u, words, w, N, K, words.shape[1], u.stride(0), BITS=bits, GS=K // words.shape[1], BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=warps, **pdl_args(u.device))
     return w
 
 
@@ -403,8 +479,9 @@ def reference_quantized_rows(x: torch.Tensor) -> torch.Tensor:
     return (q * (amax / 127.0)).view(M, K)
 
 
-def reference_qlinear(x: torch.Tensor, u: torch.Tensor, s: torch.Tensor, m: torch.Tensor, bits: int) -> torch.Tensor:
+def reference_qlinear(x: torch.Tensor, u: torch.Tensor, sm: torch.Tensor, bits: int) -> torch.Tensor:
     """The same product in float32 torch ops (the weight dequantized whole)."""
+    s, m = sm[..., 0], sm[..., 1]
     N = u.shape[0]
     K = x.shape[1]
     if bits == 4:

@@ -137,14 +137,14 @@ def tune_packed(model) -> None:
 
     by_shape: dict[tuple, list] = {}
     for part in packed_parts(model):
-        by_shape.setdefault((part.n, part.k, part.bits, part.s.shape[1], part.s.dtype), []).append(part)
+        by_shape.setdefault((part.n, part.k, part.bits, part.sm.shape[1], part.sm.dtype), []).append(part)
     for (n, k, bits, _, _), parts in by_shape.items():
         x = torch.randn(1, k, device=model.device, dtype=model.dtype)
         rows = quantize_rows(x)
 
         def run(config: Config | None) -> None:
             for p in parts:
-                qlinear(x, p.u, p.s, p.m, p.bits, rows, {1: config} if config else None)
+                qlinear(x, p.u, p.sm, p.bits, rows, {1: config} if config else None)
 
         default = _graph_ms(lambda: run(None))
         best, config = min((_graph_ms(lambda: run(c)), c) for c in PACKED_CANDIDATES)
