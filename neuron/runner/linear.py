@@ -108,6 +108,11 @@ def tune(model, batch_sizes: list[int]) -> None:
 # 4-bit matrices wanted 4 rows of W a program, the 8-bit ones 1-2, and the long-K ones more warps.
 PACKED_CANDIDATES: tuple[Config, ...] = ((2, 32, 1), (4, 32, 4), (4, 64, 2), (4, 128, 1), (2, 64, 4), (1, 128, 4),
                                          (1, 64, 1))
+# For 2..8 rows of x, where each row adds accumulators a thread keeps: few rows of W a program.
+# Counted in the sm_90 code of Triton 3.6 at 8 rows, not yet timed: a product of a row of x, a
+# row of W and a group costs 47 instructions with (2, 16, 1), the measured default of the kernel
+# before rows had accumulators of their own, 29 with (2, 32, 1) and 23 with (4, 32, 1).
+PACKED_BATCH_CANDIDATES: tuple[Config, ...] = ((2, 16, 1), (2, 32, 1), (4, 32, 1), (1, 32, 1))
 
 
 def _graph_ms(fn, reps: int = 10) -> float:
@@ -128,29 +133,36 @@ def _graph_ms(fn, reps: int = 10) -> float:
     return start.elapsed_time(end) / reps
 
 
-def tune_packed(model) -> None:
-    """For every packed weight shape, time ``PACKED_CANDIDATES`` for one row of x over all the
-    model's weights of that shape in a row (so that none is read from the L2 cache); where one
-    beats the default config by 3%, the weights of that shape use it."""
+def tune_packed(model, batch_sizes: list[int]) -> None:
+    """For every packed weight shape and every decode batch of up to ``GEMV_ROWS`` rows (its
+    rows rounded up to a power of two, as the kernel's ``BLOCK_M``), time the decode kernel's
+    candidate configs over all the model's weights of that shape in a row (so that none is read
+    from the L2 cache); where one beats the default config by 3%, the weights of that shape use
+    it for that many rows."""
+    import triton
+
     from neuron.models.linear import packed_parts
-    from neuron.models.triton_kernels import qlinear, quantize_rows
+    from neuron.models.triton_kernels import GEMV_ROWS, qlinear, quantize_rows
 
     by_shape: dict[tuple, list] = {}
     for part in packed_parts(model):
         by_shape.setdefault((part.n, part.k, part.bits, part.sm.shape[1], part.sm.dtype), []).append(part)
+    blocks = sorted({triton.next_power_of_2(b) for b in batch_sizes if b <= GEMV_ROWS})
     for (n, k, bits, _, _), parts in by_shape.items():
-        x = torch.randn(1, k, device=model.device, dtype=model.dtype)
-        rows = quantize_rows(x)
+        for block_m in blocks:
+            x = torch.randn(block_m, k, device=model.device, dtype=model.dtype)
+            rows = quantize_rows(x)
 
-        def run(config: Config | None) -> None:
-            for p in parts:
-                qlinear(x, p.u, p.sm, p.bits, rows, {1: config} if config else None)
+            def run(config: Config | None) -> None:
+                for p in parts:
+                    qlinear(x, p.u, p.sm, p.bits, rows, {block_m: config} if config else None)
 
-        default = _graph_ms(lambda: run(None))
-        best, config = min((_graph_ms(lambda: run(c)), c) for c in PACKED_CANDIDATES)
-        if best < 0.97 * default:
-            for p in parts:
-                p.gemv_configs = {1: config}
-        log.info("packed decode of %dx%d int%d at one row: %s, %.1f us (default %.1f us)", n, k, bits,
-                 config if best < 0.97 * default else "default", 1000 * best / len(parts),
-                 1000 * default / len(parts))
+            default = _graph_ms(lambda: run(None))
+            candidates = PACKED_CANDIDATES if block_m == 1 else PACKED_BATCH_CANDIDATES
+            best, config = min((_graph_ms(lambda: run(c)), c) for c in candidates)
+            if best < 0.97 * default:
+                for p in parts:
+                    p.gemv_configs[block_m] = config
+            log.info("packed decode of %dx%d int%d at %d row(s): %s, %.1f us (default %.1f us)", n, k, bits, block_m,
+                     config if best < 0.97 * default else "default", 1000 * best / len(parts),
+                     1000 * default / len(parts))

@@ -140,7 +140,7 @@ class ModelRunner:
         if self.cuda and cfg.cuda_graphs and model.capturable and self.triton:
             from .linear import tune, tune_packed
             tune(model, graph_sizes(cfg.max_seqs))
-            tune_packed(model)
+            tune_packed(model, graph_sizes(cfg.max_seqs))
             try:
                 self._capture()
             except RuntimeError as exc:  # e.g. a collective the driver cannot capture: run eagerly
