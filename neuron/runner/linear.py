@@ -105,9 +105,10 @@ def tune(model, batch_sizes: list[int]) -> None:
 
 # Configs (BLOCK_N, BLOCK_G, num_warps) of the packed decode kernel tried for one row of x. The
 # fastest differs by shape and bits: in an H200 sweep (scripts/bench-qlinear --sweep) the narrow
-# 4-bit matrices wanted 4 rows of W a program, the 8-bit ones 1-2, and the long-K ones more warps.
-PACKED_CANDIDATES: tuple[Config, ...] = ((2, 32, 1), (4, 32, 4), (4, 64, 2), (4, 128, 1), (2, 64, 4), (1, 128, 4),
-                                         (1, 64, 1))
+# 4-bit matrices wanted 4 rows of W a program, the 8-bit ones 1-2, and the long-K ones more warps
+# (q4 qkv of Qwen3-8B: (4, 64, 1) 6.83 us, (4, 64, 2) 7.18, the default (2, 32, 1) 7.64).
+PACKED_CANDIDATES: tuple[Config, ...] = ((2, 32, 1), (4, 32, 4), (4, 64, 1), (4, 64, 2), (4, 128, 1), (2, 64, 4),
+                                         (1, 128, 4), (1, 64, 1))
 # For 2..8 rows of x, where each row adds accumulators a thread keeps: few rows of W a program.
 # Counted in the sm_90 code of Triton 3.6 at 8 rows, not yet timed: a product of a row of x, a
 # row of W and a group costs 47 instructions with (2, 16, 1), the measured default of the kernel
