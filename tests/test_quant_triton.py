@@ -48,7 +48,7 @@ for name in ("Q4_1", "Q8_0", "Q4_K", "Q6_K"):
     sm = tk.pair_scales(torch.from_numpy(q.s).to(dt), torch.from_numpy(q.m).to(dt)).to(device)
     file = torch.from_numpy(gguf.quants.dequantize(raw, qt)).to(device)
     for dtype in dtypes:
-        for rows in (1, 2, 3, 8, 9, 65):  # BLOCK_M 1, 2, 4 (row 3 masked), 8; the other two paths  # BLOCK_M 1, 2, 4 (row 3 masked), 8; the other two paths
+        for rows in (1, 2, 3, 8, 9, 65):  # BLOCK_M 1, 2, 4 (row 3 masked), 8; the other two paths
             x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).to(device, dtype)
             y = qlinear(x, u, sm, bits)
             want = x.float() @ file.t()
@@ -63,8 +63,8 @@ for name in ("Q4_1", "Q8_0", "Q4_K", "Q6_K"):
                 tk.WIDE_N, default = 0, tk.WIDE_N
                 row["err_gemm"] = float((qlinear(x, u, sm, bits).float() - want).abs().max() / want.abs().max())
                 tk.WIDE_N = default
-            if rows == 1:  # tiles that divide the matrix: the loads without masks (the rows of x
-                # are masked apart from them, by BLOCK_M)
+            if rows == 1:  # tiles that divide the matrix and M == BLOCK_M: the loads of W and of x
+                # without masks (at 2 and 8 rows the K-quants' K = 512 divides the default tiles)
                 block, tk.GEMV_CONFIG[1] = tk.GEMV_CONFIG[1], (2, 16 if K % 512 == 0 else 1, 1)
                 even = qlinear(x, u, sm, bits).float()
                 tk.GEMV_CONFIG[1] = block

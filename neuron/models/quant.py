@@ -353,7 +353,7 @@ class PackedLinear:
         return self.n
 
     def tensors(self) -> list[torch.Tensor]:
-        scales = [self.sm] if self._kernel is None else [self.s, self.m]
+        scales = [self.sm] if self.device.type == "cuda" else [self.s, self.m]  # s, m: views of sm there
         return [self.u, *scales, self.d, self.dm, *([self.bias] if self.bias is not None else [])]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
