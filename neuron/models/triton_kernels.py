@@ -365,9 +365,10 @@ def _dequant_kernel(u_ptr, sm_ptr, w_ptr, N, K, NS, stride_u, BITS: tl.constexpr
 
 # (BLOCK_N, BLOCK_G, num_warps) of the decode kernel by rows of x rounded up to a power of two, for
 # K < LONG_K and for K >= LONG_K (the MLP's down projection); overridable for tuning (measured on
-# an H200 with scripts/bench-qlinear --sweep and .gpu/cmp9.py).
-GEMV_CONFIG = {1: (2, 32, 1), 2: (2, 16, 1), 4: (2, 16, 1), 8: (2, 16, 1)}
-GEMV_LONG_K_CONFIG = {1: (1, 64, 1), 2: (1, 32, 1), 4: (1, 128, 4), 8: (1, 32, 1)}
+# an H200 with scripts/bench-qlinear --sweep; 2-8 rows with the kernel's accumulators by row, on
+# Qwen3-8B's four shapes at 4 and 8 bits: a config near the fastest of each, the tuner picks per shape).
+GEMV_CONFIG = {1: (2, 32, 1), 2: (2, 32, 1), 4: (2, 32, 1), 8: (4, 32, 1)}
+GEMV_LONG_K_CONFIG = {1: (1, 64, 1), 2: (1, 32, 1), 4: (2, 32, 1), 8: (4, 32, 1)}
 LONG_K = 8192
 GEMV_ROWS = 8  # more rows than this: the tensor-core kernel
 QUANTIZE_ROWS_GROUPS = 8  # groups of 32 a program of _quantize_rows_kernel

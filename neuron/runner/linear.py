@@ -109,11 +109,11 @@ def tune(model, batch_sizes: list[int]) -> None:
 # (q4 qkv of Qwen3-8B: (4, 64, 1) 6.83 us, (4, 64, 2) 7.18, the default (2, 32, 1) 7.64).
 PACKED_CANDIDATES: tuple[Config, ...] = ((2, 32, 1), (4, 32, 4), (4, 64, 1), (4, 64, 2), (4, 128, 1), (2, 64, 4),
                                          (1, 128, 4), (1, 64, 1))
-# For 2..8 rows of x, where each row adds accumulators a thread keeps: few rows of W a program.
-# Counted in the sm_90 code of Triton 3.6 at 8 rows, not yet timed: a product of a row of x, a
-# row of W and a group costs 47 instructions with (2, 16, 1), the measured default of the kernel
-# before rows had accumulators of their own, 29 with (2, 32, 1) and 23 with (4, 32, 1).
-PACKED_BATCH_CANDIDATES: tuple[Config, ...] = ((2, 16, 1), (2, 32, 1), (4, 32, 1), (1, 32, 1))
+# For 2..8 rows of x, where each row adds accumulators a thread keeps. Timed on an H200 at 8 rows
+# (q4 / q8_0, us): qkv (8, 32, 1) 15.3 / (2, 32, 1) 16.3, o (4, 64, 1) 8.8 / (4, 32, 1) 10.7,
+# gate_up (8, 32, 1) 45.0 / (2, 32, 1) 56.6, down (4, 64, 1) 23.5 / (4, 32, 1) 29.7; at 2 and 4 rows
+# (2, 32, 1) or (1, 32, 1) won.
+PACKED_BATCH_CANDIDATES: tuple[Config, ...] = ((2, 32, 1), (4, 32, 1), (1, 32, 1), (8, 32, 1), (4, 64, 1))
 
 
 def _graph_ms(fn, reps: int = 10) -> float:
