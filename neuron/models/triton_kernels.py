@@ -11,10 +11,12 @@ float32 accumulation.
   products an instruction (``dp4a``): ``y = sum_g s d (u . q) + m d sum(q)``. With int8
   activations the largest error of an output is 0.4-0.7% of the largest output on random data
   (tests/test_quant_triton.py), about what rounding the activations to bfloat16 costs.
-- Up to ``GEMM_ROWS`` rows (a batch of decodes) of a wide W (``WIDE_N`` rows and more: the
-  MLP's gate and up, the vocabulary): ``_qgemm_kernel`` unpacks each tile of W once in registers
-  and multiplies it on the tensor cores. A narrower W gives it too few tiles to fill the GPU
-  (64 of 64 rows for 4096), so it is unpacked whole and cuBLAS multiplies, as for more rows.
+- Up to ``GEMM_ROWS`` rows (a batch of decodes): ``_qgemm_kernel`` unpacks each tile of W once
+  in registers and multiplies it on the tensor cores. A few rows over a narrow W make too few
+  tiles to keep the memory system busy (48 of 128 rows for Qwen3-8B's q/k/v), so K is split into
+  parts until there are a few programs a multiprocessor (``gemm_split``), and
+  ``_split_sum_kernel`` adds the parts. Packed weights stay slower than bfloat16 there (at 16
+  rows about 0.8x its speed a step on an H200): the kernel unpacks in registers with float math.
 - Otherwise (prefill): ``_dequant_kernel`` writes the weight to ``x``'s dtype in slices of rows
   and cuBLAS multiplies: the product is compute-bound there, and writing the weight once costs
   less than unpacking it in every tile of a GEMM.
@@ -314,19 +316,23 @@ def _qgemv_kernel(q_ptr, d_ptr, t_ptr, w_ptr, sm_ptr, y_ptr, M, N, K, NS, stride
 
 
 @triton.jit(do_not_specialize=["M"])
-def _qgemm_kernel(x_ptr, u_ptr, sm_ptr, y_ptr, M, N, K, NS, stride_u,
+def _qgemm_kernel(x_ptr, u_ptr, sm_ptr, y_ptr, part_ptr, M, N, K, NS, stride_u, K_SPLIT,
                   BITS: tl.constexpr, GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                  BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     """A few dozen rows of ``x`` (a decode batch): each [BLOCK_N, BLOCK_K] tile of W is read
     once, unpacked to ``x``'s dtype in registers and multiplied on the tensor cores, the low
-    and high halves of each group as two products (so no tile is interleaved)."""
+    and high halves of each group as two products (so no tile is interleaved). With ``SPLIT``
+    > 1, program (.., .., s) takes the ``K_SPLIT`` columns from ``s * K_SPLIT`` and leaves its
+    float32 sum in ``part_ptr`` [SPLIT, M, N] for ``_split_sum_kernel``: a few rows of x over a
+    narrow W make too few tiles to keep the GPU's memory system busy otherwise."""
     _grid_sync(PDL)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     G: tl.constexpr = BLOCK_K // 32
     j = tl.arange(0, 16)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = tl.program_id(2) * K_SPLIT
+    for k0 in range(k_start, tl.minimum(k_start + K_SPLIT, K), BLOCK_K):
         g = k0 // 32 + tl.arange(0, G)
         in_k = g < K // 32
         ok = (n[:, None, None] < N) & in_k[None, :, None]
@@ -344,8 +350,24 @@ def _qgemm_kernel(x_ptr, u_ptr, sm_ptr, y_ptr, M, N, K, NS, stride_u,
         else:
             acc += tl.dot(x_lo, tl.trans(w_lo))
             acc += tl.dot(x_hi, tl.trans(w_hi))
-    tl.store(y_ptr + rm[:, None] * N + n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (n[None, :] < N))
+    out = (rm[:, None] < M) & (n[None, :] < N)
+    if SPLIT == 1:
+        tl.store(y_ptr + rm[:, None] * N + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=out)
+    else:
+        tl.store(part_ptr + (tl.program_id(2) * M + rm[:, None]) * N + n[None, :], acc, mask=out)
+
+
+@triton.jit
+def _split_sum_kernel(part_ptr, y_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """``y`` = the sum of the ``SPLIT`` float32 parts [SPLIT, MN] ``_qgemm_kernel`` left, in
+    ``y``'s dtype."""
+    _grid_sync(PDL)
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < MN
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(SPLIT):
+        acc += tl.load(part_ptr + s * MN + i, mask=ok, other=0.0)
+    tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -372,10 +394,15 @@ GEMV_LONG_K_CONFIG = {1: (1, 64, 1), 2: (1, 32, 1), 4: (2, 32, 1), 8: (4, 32, 1)
 LONG_K = 8192
 GEMV_ROWS = 8  # more rows than this: the tensor-core kernel
 QUANTIZE_ROWS_GROUPS = 8  # groups of 32 a program of _quantize_rows_kernel
-WIDE_N = 16384
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the tensor-core kernel by rows of x
-GEMM_CONFIG = {16: (16, 64, 128, 4, 3), 32: (32, 64, 128, 4, 3)}
-GEMM_ROWS = 32  # more rows than this, or fewer than WIDE_N rows of W: dequantize and cuBLAS
+# and how many programs a multiprocessor it splits K for (gemm_split). Timed on an H200 with
+# .gpu/gemm.py, Qwen3-8B's shapes, 4 and 8 bits (us at 16 rows, q4: q/k/v 19.4, o 19.5, gate/up
+# 56.8, down 41.5; unpacking for cuBLAS took 36.1, 24.2, 142.5 and 68.8, bfloat16 15.3, 13.1, 48.9
+# and 28.7; at 32 rows: 29.2, 25.4, 90.5, 53.3 against 36.4, 25.0, 144 and 69.6).
+GEMM_CONFIG = {16: (16, 128, 128, 4, 3), 32: (32, 64, 128, 4, 3)}
+GEMM_PROGRAMS_PER_SM = {16: 2, 32: 4}
+GEMM_ROWS = 32  # more rows than this: dequantize and cuBLAS
+GEMM_SPLIT: int | None = None  # a fixed split of K for the tensor-core kernel (tests, benchmarks), else gemm_split
 DEQUANT_CONFIG = (8, 512, 4)  # BLOCK_N, BLOCK_K, num_warps
 DEQUANT_ROWS = 8192  # rows of W unpacked at a time
 
@@ -424,17 +451,38 @@ def qlinear(x: torch.Tensor, u: torch.Tensor, sm: torch.Tensor, bits: int,
                                                   EMU=_INTERPRETED, num_warps=warps, num_stages=1,
                                                   **pdl_args(x.device))
         return y
-    if M <= GEMM_ROWS and N >= WIDE_N:
+    if M <= GEMM_ROWS:
         block_m, block_n, block_k, warps, stages = GEMM_CONFIG[max(16, triton.next_power_of_2(M))]
-        _qgemm_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m))](
-            x, u, words, y, M, N, K, NS, u.stride(0), BITS=bits, GS=gs, BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_K=block_k, IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages,
-            **pdl_args(x.device))
+        tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
+        split = GEMM_SPLIT or gemm_split(tiles, triton.cdiv(K, block_k), GEMM_PROGRAMS_PER_SM[block_m], x.device)
+        k_split = triton.cdiv(triton.cdiv(K, block_k), split) * block_k
+        part = torch.empty((split, M, N), device=x.device, dtype=torch.float32) if split > 1 else y
+        _qgemm_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m), split)](
+            x, u, words, y, part, M, N, K, NS, u.stride(0), k_split, BITS=bits, GS=gs, BLOCK_M=block_m,
+            BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, IEEE=x.dtype == torch.float32, num_warps=warps,
+            num_stages=stages, **pdl_args(x.device))
+        if split > 1:
+            _split_sum_kernel[(triton.cdiv(M * N, 1024),)](part, y, M * N, SPLIT=split, BLOCK=1024, num_warps=4,
+                                                           **pdl_args(x.device))
         return y
     for n0 in range(0, N, DEQUANT_ROWS):
         rows = slice(n0, n0 + DEQUANT_ROWS)
         y[:, rows] = x @ dequantize(u[rows], sm[rows], bits, x.dtype).t()
     return y
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def gemm_split(tiles: int, steps: int, per_sm: int, device: torch.device) -> int:
+    """How many parts the tensor-core kernel splits K into: doubled while the programs number
+    fewer than ``per_sm`` a multiprocessor and each part keeps two or more ``BLOCK_K`` steps."""
+    split, want = 1, per_sm * _multiprocessors(device)
+    while tiles * split < want and steps >= 4 * split:
+        split *= 2
+    return split
 
 
 def dequantize(u: torch.Tensor, sm: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
