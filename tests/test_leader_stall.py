@@ -1,0 +1,46 @@
+"""A leader whose event loop stalls (a long synchronous stretch, a starved CPU) must not blame its
+ranks for the heartbeats it could not read meanwhile: the rank group stays up, and a rank that
+really stops answering is still found."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import zmq.asyncio
+
+from neuron.config import TimeoutConfig
+from neuron.rankgroup import RankGroup
+
+
+async def _group(tmp_path) -> RankGroup:
+    group = RankGroup(model_id="stall", devices=["cpu"], ctx=zmq.asyncio.Context(), runtime_dir=tmp_path,
+                      timeouts=TimeoutConfig(heartbeat_timeout_s=1.0))
+    await group.start()
+    return group
+
+
+def test_a_stalled_leader_loop_does_not_fail_its_live_ranks(tmp_path):
+    async def main() -> tuple[str | None, str | None]:
+        group = await _group(tmp_path)
+        try:
+            await asyncio.sleep(0.6)
+            time.sleep(2.5)  # the loop stalls: the rank's heartbeats wait unread in the socket
+            await asyncio.sleep(1.5)
+            after_stall = group.failure
+            os.kill(group.pids[0], signal.SIGSTOP)  # a rank that really goes silent
+            await asyncio.sleep(3.0)
+            return after_stall, group.failure
+        finally:
+            try:
+                os.kill(group.pids[0], signal.SIGCONT)
+            except ProcessLookupError:  # the failed group has killed it already
+                pass
+            group.kill()
+            await group.close_after_failure()
+
+    after_stall, frozen = asyncio.run(main())
+    assert after_stall is None
+    assert frozen is not None and "heartbeat" in frozen
