@@ -15,16 +15,12 @@ from neuron.config import TimeoutConfig
 from neuron.rankgroup import RankGroup
 
 
-async def _group(tmp_path) -> RankGroup:
-    group = RankGroup(model_id="stall", devices=["cpu"], ctx=zmq.asyncio.Context(), runtime_dir=tmp_path,
-                      timeouts=TimeoutConfig(heartbeat_timeout_s=1.0))
-    await group.start()
-    return group
-
-
 def test_a_stalled_leader_loop_does_not_fail_its_live_ranks(tmp_path):
     async def main() -> tuple[str | None, str | None]:
-        group = await _group(tmp_path)
+        ctx = zmq.asyncio.Context()
+        group = RankGroup(model_id="stall", devices=["cpu"], ctx=ctx, runtime_dir=tmp_path,
+                          timeouts=TimeoutConfig(heartbeat_timeout_s=1.0))
+        await group.start()
         try:
             await asyncio.sleep(0.6)
             time.sleep(2.5)  # the loop stalls: the rank's heartbeats wait unread in the socket
@@ -40,6 +36,7 @@ def test_a_stalled_leader_loop_does_not_fail_its_live_ranks(tmp_path):
                 pass
             group.kill()
             await group.close_after_failure()
+            ctx.destroy(linger=0)
 
     after_stall, frozen = asyncio.run(main())
     assert after_stall is None

@@ -13,7 +13,8 @@ float32 accumulation.
   (tests/test_quant_triton.py), about what rounding the activations to bfloat16 costs.
 - Up to ``GEMM_ROWS`` rows (a batch of decodes): ``_qgemm_kernel`` unpacks each tile of W once
   in registers and multiplies it on the tensor cores. A few rows over a narrow W make too few
-  tiles to keep the memory system busy (48 of 128 rows for Qwen3-8B's q/k/v), so K is split into
+  tiles to keep the memory system busy (Qwen3-8B's q/k/v: 48 tiles of 128 rows for 132
+  multiprocessors), so K is split into
   parts until there are a few programs a multiprocessor (``gemm_split``), and
   ``_split_sum_kernel`` adds the parts. Packed weights stay slower than bfloat16 there (at 16
   rows about 0.8x its speed a step on an H200): the kernel unpacks in registers with float math.
