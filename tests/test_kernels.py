@@ -189,50 +189,6 @@ def test_paged_decode_writes_the_int8_form_of_its_output(splits, uniform):
 
 
 @pytest.mark.parametrize("norm", [False, True])
-@pytest.mark.parametrize("uniform,splits,dtype", [(True, 1, torch.float32), (True, 4, torch.float16),
-                                                  (False, 3, torch.float32)])
-def test_paged_decode_positions_the_new_tokens_itself_as_rope_store_would(norm, uniform, splits, dtype):
-    """With ``NewTokens`` the kernel reads the projection's qkv as it is, normalises and rotates
-    q and the new k, stores the new k and v in their cache rows and attends them: what
-    rope_store followed by paged_decode gives. The cache rows it stores into hold other values
-    before (read ahead of the store, they must not be attended); qkv is left untouched."""
-    from neuron.models.triton_kernels import int8_rows_buffers, quantize_rows
-
-    g = torch.Generator().manual_seed(splits + 10 * norm)
-    B, n_q, n_kv, hd, bs, per_seq = 3, 4, 2, 32, 8, 6
-    kc, vc = (torch.randn(3 * per_seq + 1, bs, n_kv, hd, generator=g).to(dtype) for _ in range(2))
-    tables = torch.randperm(3 * per_seq, generator=g).view(3, per_seq).int()
-    slots = torch.tensor([2, 0, 1])
-    ctx = torch.tensor([1, 9, per_seq * bs - 2], dtype=torch.int32)
-    positions = (ctx - 1).long()
-    index = tables[slots, positions // bs].long() * bs + positions % bs
-    angles = torch.randn(per_seq * bs, hd // 2, generator=g)
-    cos, sin = (torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
-    qn, kn = (torch.randn(hd, generator=g).to(dtype), torch.randn(hd, generator=g).to(dtype)) if norm else (None, None)
-    qkv = torch.randn(B, n_q + 2 * n_kv, hd, generator=g).to(dtype)
-    kv_of_q = torch.arange(n_q) // 2 if uniform else torch.tensor([1, 0, 0, 1])
-    repeat = 2 if uniform else 0
-
-    def run(q, k_cache, v_cache, **kw):
-        return K.paged_decode(q, k_cache, v_cache, tables, slots, ctx, kv_of_q.int(), repeat, hd ** -0.5, splits,
-                              torch.zeros(B * n_q, dtype=torch.int32), **kw)
-
-    rotated, kc_want, vc_want = qkv.clone(), kc.clone(), vc.clone()
-    K.rope_store(rotated, n_q, n_kv, positions, cos, sin, qn, kn, 1e-6, kc_want, vc_want, index)
-    want = run(rotated[:, :n_q], kc_want, vc_want)
-    kc_got, vc_got, before = kc.clone(), vc.clone(), qkv.clone()
-    rows = int8_rows_buffers(B, n_q * hd, qkv.device)
-    got = run(qkv, kc_got, vc_got, int8_rows=rows,
-              new=K.NewTokens(n_kv, positions, cos, sin, qn, kn, 1e-6, index))
-    tol = 1e-5 if dtype == torch.float32 else 2e-3
-    assert (got.float() - want.float()).abs().max() < tol
-    assert torch.equal(qkv, before)
-    assert (kc_got.float() - kc_want.float()).abs().max() < tol and torch.equal(vc_got, vc_want)
-    for mine, expect in zip(rows, quantize_rows(got.view(B, n_q * hd))):
-        assert torch.equal(mine, expect)
-
-
-@pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("store", [False, True])
 def test_rope_store_rotates_queries_in_place_and_puts_keys_and_values_in_their_cache_rows(norm, store):
     c = rope_case(norm)
@@ -292,15 +248,9 @@ def test_the_runner_gives_prompt_chunks_the_same_logits_through_the_triton_kerne
          StepSeq(slot=1, tokens=tokens(1), start_pos=20, sample=True),
          StepSeq(slot=2, tokens=tokens(30), start_pos=0, sample=True, sampling=greedy, blocks=[3, 8]),
          StepSeq(slot=3, tokens=tokens(5), start_pos=0, sample=True, sampling=greedy, blocks=[9])],
-        # decodes only: the decode kernel positions q and k and stores k/v itself
-        [StepSeq(slot=s, tokens=tokens(1), start_pos=p, sample=True) for s, p in ((0, 60), (1, 21), (2, 30), (3, 5))],
     ]
-    for i, seqs in enumerate(steps):
+    for seqs in steps:
         want = plain.forward_logits(seqs, every_position=True)
         got = fast.forward_logits(seqs, every_position=True)
-        meta = fast.attention.meta
-        if i < 2:
-            assert meta.prefill_spans is not None and not meta.prefills
-        else:
-            assert meta.decode_rows is None and fast.attention.fused
+        assert fast.attention.meta.prefill_spans is not None and not fast.attention.meta.prefills
         assert (got - want).abs().max() < 1e-4

@@ -24,9 +24,6 @@ from neuron.models.ops import Rotary, TorchOps
 # cuDNN's attention builds an execution plan for every new shape, tens of milliseconds each on an
 # H200, and a prompt chunk's key length is new almost every time. The others take any shape.
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-# Decode-only steps on the Triton path position q/k and store k/v inside the attention kernel (one
-# launch a layer, keys fetched before the projection ends) instead of in rope_store before it.
-FUSED_ROPE = True
 
 
 class PagedKvCache:
@@ -108,16 +105,12 @@ class PagedAttention:
             self.int8_rows = int8_rows if kernels.quantizable(shape.head_dim) else 0
             # The split-K decode kernel's per-(sequence, head) arrival counters: left zero.
             self.counters = torch.zeros(max_rows * shape.n_q, dtype=torch.int32, device=tables.device)
-        # A step of decodes only: the decode kernel positions q and k and stores k/v itself.
-        self.fused = triton and self.kernels.positions_itself(shape.head_dim) and FUSED_ROPE
 
     def __call__(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor, rotary: Rotary) -> torch.Tensor:
         meta = self.meta
         assert meta is not None
         s = self.shape
         kc, vc = self.kv.k[layer], self.kv.v[layer]
-        if self.fused and meta.decode_rows is None:
-            return self._decode_positioning(qkv, kc, vc, positions, rotary, meta)
         if self.triton:
             self.kernels.rope_store(qkv, s.n_q, s.n_kv, positions, rotary.rope.cos, rotary.rope.sin, rotary.q_norm,
                                     rotary.k_norm, rotary.eps, kc, vc, meta.store_index)
@@ -155,21 +148,6 @@ class PagedAttention:
             got = self._sdpa(q[pb.q_rows], keys, values, pb.mask).transpose(1, 2)  # [S, n_max, n_q, hd]
             out[pb.rows] = got.reshape(-1, n_q, hd)[pb.picked]
         return out.view(T, n_q * hd)
-
-    def _decode_positioning(self, qkv: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, positions: torch.Tensor,
-                            rotary: Rotary, meta: StepMeta) -> torch.Tensor:
-        """A step of single-token decodes in one launch a layer: ``paged_decode`` with ``NewTokens``
-        does what ``rope_store`` would before it."""
-        s, T = self.shape, qkv.shape[0]
-        new = self.kernels.NewTokens(s.n_kv, positions, rotary.rope.cos, rotary.rope.sin, rotary.q_norm, rotary.k_norm,
-                                     rotary.eps, meta.store_index)
-        rows = self.kernels.int8_rows_buffers(T, s.n_q * s.head_dim, qkv.device) if T <= self.int8_rows else None
-        out = self.kernels.paged_decode(qkv, kc, vc, self.tables, meta.decode_slots, meta.decode_ctx, self.kv_of_q,
-                                        s.gqa_repeat, s.scale, meta.decode_splits, self.counters, int8_rows=rows,
-                                        new=new).view(T, s.n_q * s.head_dim)
-        if rows is not None:
-            out.int8_rows = rows
-        return out
 
     def _decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: StepMeta,
                 int8_rows: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:

@@ -9,8 +9,6 @@ Only basic tl ops are used: the GPU image ships Triton 3.6.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -45,57 +43,18 @@ def _store_heads(Out, out, seq, heads, hmask, d, dmask, stride_ot, stride_oh, Q8
 
 
 @triton.jit
-def _kv_tile(K, V, Tables, slot, kv_head, t, tmask, d, dmask, stride_kb, stride_kt, stride_kh, stride_tab,
-             BS: tl.constexpr):
-    """Keys and values ``t`` [TILE] of a sequence (its block-table row ``slot``), zero where not
-    ``tmask``: two tiles [TILE, D_PAD]."""
-    block = tl.load(Tables + slot * stride_tab + t // BS, mask=tmask, other=0)
-    offs = block.to(tl.int64) * stride_kb + (t % BS) * stride_kt + kv_head * stride_kh
-    kvmask = tmask[:, None] & dmask[None, :]
-    return (tl.load(K + offs[:, None] + d[None, :], mask=kvmask, other=0.0),
-            tl.load(V + offs[:, None] + d[None, :], mask=kvmask, other=0.0))
-
-
-@triton.jit
-def _normed_rotated(row, heads_at, hmask, d, pos, Cos, Sin, stride_cs, W, eps, D: tl.constexpr,
-                    NORM: tl.constexpr):
-    """Heads of one token's q or k (``row`` its qkv row, ``heads_at`` [R] the heads' offsets in
-    it): the optional RMS norm by ``W``, then RoPE at ``pos`` ("rotate half"; the ``Cos``/``Sin``
-    rows hold the halves repeated). [R, D] in the input's dtype, rounded where
-    ``_rope_store_kernel`` rounds."""
-    HALF: tl.constexpr = D // 2
-    other = d ^ HALF  # the element each is rotated with: d + HALF below the middle, d - HALF above
-    x = tl.load(row + heads_at[:, None] + d[None, :], mask=hmask[:, None], other=0.0)
-    dt = x.dtype
-    a = x.to(tl.float32)
-    b = tl.load(row + heads_at[:, None] + other[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
-    if NORM:
-        inv = tl.rsqrt(tl.sum(a * a, 1) / D + eps)[:, None]
-        a = (tl.load(W + d).to(tl.float32)[None, :] * (a * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        b = (tl.load(W + other).to(tl.float32)[None, :] * (b * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    c = tl.load(Cos + pos * stride_cs + d).to(tl.float32)[None, :]
-    s = tl.load(Sin + pos * stride_cs + d).to(tl.float32)[None, :]
-    return (a * c + tl.where(d[None, :] < HALF, -b, b) * s).to(dt)
-
-
-@triton.jit
 def _decode_kernel(Q, K, V, Tables, Slots, Ctx, KvOfQ, Out, PartOut, PartLse, Counters, Q8, Q8D, Q8T,
-                   Pos, Cos, Sin, WQ, WK, Index,
                    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_tab,
-                   stride_ot, stride_oh, stride_cs, scale, eps, NQ, NKV,
+                   stride_ot, stride_oh, scale, NQ,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, UNIFORM: tl.constexpr,
                    D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
                    NSPLIT: tl.constexpr, NSPLIT_PAD: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
-                   ROPE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
-    """With ``ROPE``, ``Q`` is the step's qkv [T, NQ + 2 NKV, D] as the projection wrote it: the
-    program positions its query heads and its KV head's new key itself (``_normed_rotated``),
-    stores the new key and value in the cache (split 0 of each head) and attends with them in
-    place of the cache's row, which no launch before it wrote: so the keys it reads are fetched
-    before ``_grid_sync``, while the projection still runs."""
+                   PDL: tl.constexpr):
+    _grid_sync(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.program_id(2)
-    ctx = tl.load(Ctx + seq)  # ctx, slots, tables and kv_of_q: written by the host before the step
+    ctx = tl.load(Ctx + seq)
     slot = tl.load(Slots + seq)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, D_PAD)
@@ -108,54 +67,32 @@ def _decode_kernel(Q, K, V, Tables, Slots, Ctx, KvOfQ, Out, PartOut, PartLse, Co
         heads = head + g * 0
         kv_head = tl.load(KvOfQ + head)
         hmask = g < 1
+    q = tl.load(Q + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=hmask[:, None] & dmask[None, :], other=0.0)
     # The context is split evenly by its own length (whole tiles), not by the longest context
     # the launch serves: the splits past it are empty and cost almost nothing.
     split_tokens = ((ctx + NSPLIT - 1) // NSPLIT + TILE - 1) // TILE * TILE
     start = split * split_tokens
     end = tl.minimum(start + split_tokens, ctx)
-    t = start + tl.arange(0, TILE)
-    if ROPE:
-        k, v = _kv_tile(K, V, Tables, slot, kv_head, t, t < end, d, dmask, stride_kb, stride_kt, stride_kh,
-                        stride_tab, BS)
-        _grid_sync(PDL)
-        pos = tl.load(Pos + seq)
-        row = Q + seq * stride_qt
-        q = _normed_rotated(row, heads * stride_qh, hmask, d, pos, Cos, Sin, stride_cs, WQ, eps, D, NORM)
-        one = tl.arange(0, 1)
-        k_new = _normed_rotated(row, (NQ + kv_head + one) * stride_qh, one < 1, d, pos, Cos, Sin, stride_cs, WK, eps,
-                                D, NORM)
-        v_new = tl.load(row + (NQ + NKV + kv_head + one)[:, None] * stride_qh + d[None, :])
-        if split == 0:
-            at = tl.load(Index + seq).to(tl.int64) * stride_kt + kv_head * stride_kh
-            tl.store(K + at + one[:, None] * 0 + d[None, :], k_new)  # [1, D] as k_new
-            tl.store(V + at + one[:, None] * 0 + d[None, :], v_new)
-    else:
-        _grid_sync(PDL)
-        k, v = _kv_tile(K, V, Tables, slot, kv_head, t, t < end, d, dmask, stride_kb, stride_kt, stride_kh,
-                        stride_tab, BS)
-        q = tl.load(Q + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                    mask=hmask[:, None] & dmask[None, :], other=0.0)
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     lsum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
     for t0 in range(start, end, TILE):
         t = t0 + tl.arange(0, TILE)
         tmask = t < end
-        if ROPE:  # the new token's key and value, from registers
-            new = (t == ctx - 1)[:, None]
-            k = tl.where(new, k_new, k)
-            v = tl.where(new, v_new, v)
+        block = tl.load(Tables + slot * stride_tab + t // BS, mask=tmask, other=0)
+        offs = block.to(tl.int64) * stride_kb + (t % BS) * stride_kt + kv_head * stride_kh
+        kvmask = tmask[:, None] & dmask[None, :]
+        k = tl.load(K + offs[:, None] + d[None, :], mask=kvmask, other=0.0)
         s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where(tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
+        v = tl.load(V + offs[:, None] + d[None, :], mask=kvmask, other=0.0)
         lsum = lsum * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
-        t = t + TILE  # the next tile's keys, fetched while this one is summed
-        k, v = _kv_tile(K, V, Tables, slot, kv_head, t, t < end, d, dmask, stride_kb, stride_kt, stride_kh,
-                        stride_tab, BS)
     empty = lsum == 0.0
     out = acc / tl.where(empty, 1.0, lsum)[:, None]
     if NSPLIT == 1:
@@ -206,49 +143,20 @@ def decode_splits(batch: int, programs_per_split: int, max_ctx: int, sm_count: i
     return max(1, min(want, -(-max_ctx // tile), 64))
 
 
-@dataclass(frozen=True)
-class NewTokens:
-    """What ``paged_decode`` needs to position a decode step's queries and new keys itself
-    (optional per-head RMS norm, then RoPE) and to store the new keys and values in the cache: the
-    work of ``rope_store``, in the same launch."""
-
-    n_kv: int
-    positions: torch.Tensor  # [B] each token's position
-    cos: torch.Tensor  # [max_len, hd] RoPE tables (halves repeated)
-    sin: torch.Tensor
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    eps: float
-    index: torch.Tensor  # [B] flat cache row of each new key
-
-
-def positions_itself(head_dim: int) -> bool:
-    """Whether ``paged_decode`` can take ``NewTokens``: a head of a power of two."""
-    return head_dim >= 16 and head_dim == _pow2(head_dim)
-
-
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                  slots: torch.Tensor, ctx: torch.Tensor, kv_of_q: torch.Tensor, gqa_repeat: int, scale: float,
                  splits: int, counters: torch.Tensor, out: torch.Tensor | None = None,
-                 int8_rows: tuple[torch.Tensor, ...] | None = None, new: NewTokens | None = None) -> torch.Tensor:
+                 int8_rows: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """One query token per sequence. q [B, n_q, hd] (rows may be strided); caches
     [blocks, block_size, n_kv, hd]; tables [rows, max_blocks] int32 indexed by ``slots`` [B];
     ``ctx`` [B] keys per sequence (the new token's included). Returns [B, n_q, hd].
     ``splits`` fixes the launch grid (so a CUDA graph captured with it serves any context); each
     sequence's context is split evenly into as many parts, of whole tiles. ``counters`` is an
     int32 scratch of at least B * n_q zeros, left zero. ``int8_rows``: buffers
-    (``int8_rows_buffers(B, n_q * hd)``, ``quantizable(hd)``) the output's int8 form goes into too.
-    ``new`` (``positions_itself(hd)``, caches contiguous): ``q`` is the step's whole qkv [B, n_q + 2
-    n_kv, hd] as the projection wrote it, left as it is; the kernel does ``rope_store``'s work too
-    (the cache rows at ``new.index`` are written, and attended as the new keys and values)."""
+    (``int8_rows_buffers(B, n_q * hd)``, ``quantizable(hd)``) the output's int8 form goes into too."""
     B, n_q, D = q.shape
-    assert q.stride(2) == 1 and k_cache.stride(3) == 1
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and counters.numel() >= B * n_q
     assert int8_rows is None or quantizable(D)
-    if new is not None:
-        n_q -= 2 * new.n_kv
-        assert positions_itself(D) and k_cache.is_contiguous() and v_cache.is_contiguous()
-        assert new.cos.stride(1) == 1 and new.cos.stride() == new.sin.stride()
-    assert counters.numel() >= B * n_q
     out = torch.empty(B, n_q, D, device=q.device, dtype=q.dtype) if out is None else out
     uniform = gqa_repeat > 0
     group = gqa_repeat if uniform else 1
@@ -258,20 +166,16 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if splits > 1:
         part_out = torch.empty(B * n_q * splits, d_pad, device=q.device, dtype=torch.float32)
         part_lse = torch.empty(B * n_q * splits, device=q.device, dtype=torch.float32)
-    norm = new is not None and new.q_norm is not None
-    rope = (new.positions, new.cos, new.sin, new.q_norm if norm else q, new.k_norm if norm else q, new.index) \
-        if new is not None else (ctx, out, out, out, out, ctx)
     _decode_kernel[(B, heads, splits)](
         q, k_cache, v_cache, tables, slots, ctx, kv_of_q, out, part_out, part_lse, counters,
-        *(int8_rows or (out, out, out)), *rope,
+        *(int8_rows or (out, out, out)),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
-        out.stride(0), out.stride(1), new.cos.stride(0) if new is not None else 0, scale,
-        new.eps if new is not None else 0.0, n_q, new.n_kv if new is not None else 0,
+        out.stride(0), out.stride(1), scale, n_q,
         GROUP=group, GROUP_PAD=max(16, _pow2(group)), UNIFORM=uniform, D=D, D_PAD=d_pad,
         BS=k_cache.shape[1], TILE=64, NSPLIT=splits, NSPLIT_PAD=_pow2(splits),
         # float32 models get float32 products (tl.dot would otherwise round its inputs to tf32)
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=int8_rows is not None,
-        ROPE=new is not None, NORM=norm, num_warps=4, **pdl_args(q.device))
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=int8_rows is not None, num_warps=4,
+        **pdl_args(q.device))
     return out
 
 
