@@ -70,6 +70,35 @@ def test_the_cpu_kernel_computes_what_the_dequantized_float32_weight_computes(na
     assert torch.equal(lin.rows(ids), held[ids])
 
 
+def test_the_cpu_kernel_lets_the_other_threads_run_while_it_computes():
+    """A rank's socket loop (heartbeats, pings) shares the process with the device thread, so a
+    kernel must not hold the GIL while it computes: here a thread that sleeps 1 ms at a time
+    never waits for a call of the kernel (one of 0.2 s or more) to end before it wakes."""
+    import threading
+    import time
+
+    q = quantize(torch.randn(2048, 2048, generator=torch.Generator().manual_seed(6)), "q4")
+    lin = PackedLinear(q, None)
+    rows, took = 16, 0.0
+    while took < 0.2 and rows <= 8192:  # a call long enough to see, on any machine
+        rows *= 2
+        x = torch.randn(rows, 2048)
+        t0 = time.perf_counter()
+        lin(x)
+        took = time.perf_counter() - t0
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (lin(x), done.set()))
+    worker.start()
+    gaps, last = [], time.perf_counter()
+    while not done.is_set():
+        time.sleep(0.001)
+        now = time.perf_counter()
+        gaps.append(now - last)
+        last = now
+    worker.join()
+    assert took >= 0.2 and len(gaps) > 10 and max(gaps) < took / 4, (took, max(gaps), len(gaps))
+
+
 def test_bfloat16_activations_go_through_the_float32_kernel():
     q = decode_blocks(raw_tensor("Q4_1", (64, 256), np.random.default_rng(4)), gguf.GGMLQuantizationType.Q4_1)
     lin = PackedLinear(q, torch.ones(64, dtype=torch.bfloat16), torch.bfloat16)
