@@ -49,7 +49,7 @@ def _decode_kernel(Q, K, V, Tables, Slots, Ctx, KvOfQ, Out, PartOut, PartLse, Co
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, UNIFORM: tl.constexpr,
                    D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
                    NSPLIT: tl.constexpr, NSPLIT_PAD: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
-                   PDL: tl.constexpr):
+                   MERGE: tl.constexpr, PDL: tl.constexpr):
     _grid_sync(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -118,15 +118,24 @@ def _decode_kernel(Q, K, V, Tables, Slots, Ctx, KvOfQ, Out, PartOut, PartLse, Co
             w = w / tl.maximum(tl.sum(w, 1), 1e-30)[:, None]
             merged = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
             # Only the splits that hold keys: reading every split's part one after another cost a
-            # 300-token decode 20 us per layer at 33 splits.
-            for i in range(0, (ctx + split_tokens - 1) // split_tokens):
-                part = tl.load(PartOut + ((seq * tl.num_programs(1) * GROUP + heads) * NSPLIT + i)[:, None] * D_PAD
-                               + d[None, :], mask=hmask[:, None], other=0.0, cache_modifier=".cg")
-                wi = tl.sum(tl.where(s_[None, :] == i, w, 0.0), 1)
-                merged += part * wi[:, None]
+            # 300-token decode 20 us per layer at 33 splits. MERGE parts a round, their loads in
+            # flight together (one L2 round trip where there were MERGE).
+            used = (ctx + split_tokens - 1) // split_tokens
+            for i0 in range(0, used, MERGE):
+                for j in tl.static_range(MERGE):
+                    i = i0 + j
+                    part = tl.load(PartOut + ((seq * tl.num_programs(1) * GROUP + heads) * NSPLIT + i)[:, None]
+                                   * D_PAD + d[None, :], mask=(hmask & (g * 0 + i < used))[:, None], other=0.0,
+                                   cache_modifier=".cg")
+                    wi = tl.sum(tl.where(s_[None, :] == i, w, 0.0), 1)
+                    merged += part * wi[:, None]
             _store_heads(Out, merged, seq, heads, hmask, d, dmask, stride_ot, stride_oh, Q8, Q8D, Q8T, NQ, D,
                          GROUP_PAD, QUANT)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+
+
+# Split parts the last split of a decode merges a round (loaded together).
+MERGE_PARTS = 4
 
 
 def quantizable(head_dim: int) -> bool:
@@ -174,8 +183,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         GROUP=group, GROUP_PAD=max(16, _pow2(group)), UNIFORM=uniform, D=D, D_PAD=d_pad,
         BS=k_cache.shape[1], TILE=64, NSPLIT=splits, NSPLIT_PAD=_pow2(splits),
         # float32 models get float32 products (tl.dot would otherwise round its inputs to tf32)
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=int8_rows is not None, num_warps=4,
-        **pdl_args(q.device))
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=int8_rows is not None,
+        MERGE=min(MERGE_PARTS, _pow2(splits)), num_warps=4, **pdl_args(q.device))
     return out
 
 
