@@ -277,9 +277,8 @@ void register_cpu_ops(pybind11::module_& mod);  // neuron/runner/csrc/cpu_ops.cp
 // Every kernel runs without the GIL (as torch's own ops do): a rank's socket loop answers pings
 // and sends heartbeats while its device thread is inside one, however long it takes.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  using NoGil = pybind11::call_guard<pybind11::gil_scoped_release>;
   register_cpu_ops(mod);
-  mod.def("q4_linear", &qlinear<4>, "y = x W^T, W in 4-bit groups of 32 (float32 x)",
-          pybind11::call_guard<pybind11::gil_scoped_release>());
-  mod.def("q8_linear", &qlinear<8>, "y = x W^T, W in 8-bit groups of 32 (float32 x)",
-          pybind11::call_guard<pybind11::gil_scoped_release>());
+  mod.def("q4_linear", &qlinear<4>, "y = x W^T, W in 4-bit groups of 32 (float32 x)", NoGil());
+  mod.def("q8_linear", &qlinear<8>, "y = x W^T, W in 8-bit groups of 32 (float32 x)", NoGil());
 }

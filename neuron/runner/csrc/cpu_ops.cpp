@@ -324,14 +324,10 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 }  // namespace
 
 void register_cpu_ops(pybind11::module_& mod) {
-  mod.def("rms_norm", &rms_norm, "RMS norm of x [T, H] times w",
-          pybind11::call_guard<pybind11::gil_scoped_release>());
-  mod.def("add_rms_norm", &add_rms_norm, "residual += x, then its RMS norm: (norm, residual)",
-          pybind11::call_guard<pybind11::gil_scoped_release>());
-  mod.def("silu_mul", &silu_mul, "silu(gate) * up of [T, 2I]",
-          pybind11::call_guard<pybind11::gil_scoped_release>());
-  mod.def("rope_store", &rope_store, "q/k norm and RoPE; q in place, k and v into the paged cache",
-          pybind11::call_guard<pybind11::gil_scoped_release>());
-  mod.def("paged_decode", &paged_decode, "one query token per sequence over the paged KV cache",
-          pybind11::call_guard<pybind11::gil_scoped_release>());
+  using NoGil = pybind11::call_guard<pybind11::gil_scoped_release>;
+  mod.def("rms_norm", &rms_norm, "RMS norm of x [T, H] times w", NoGil());
+  mod.def("add_rms_norm", &add_rms_norm, "residual += x, then its RMS norm: (norm, residual)", NoGil());
+  mod.def("silu_mul", &silu_mul, "silu(gate) * up of [T, 2I]", NoGil());
+  mod.def("rope_store", &rope_store, "q/k norm and RoPE; q in place, k and v into the paged cache", NoGil());
+  mod.def("paged_decode", &paged_decode, "one query token per sequence over the paged KV cache", NoGil());
 }
