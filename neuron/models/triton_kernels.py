@@ -77,8 +77,14 @@ def pdl_args(device: torch.device) -> dict[str, bool]:
 def _grid_sync(PDL: tl.constexpr):
     """Under PDL: let the next kernel of the stream launch, then wait until the previous one has
     finished and its writes are visible. Every program calls this before it reads anything an
-    earlier kernel writes or writes anything, and before it may exit (the wait is what makes
-    the chain transitive: a kernel finishes only after the one before it has)."""
+    earlier kernel of the chain writes or writes anything, and before it may exit (the wait is
+    what makes the chain transitive: a kernel finishes only after the one before it has).
+
+    What may be read before it: what no kernel of the chain writes — weights, tables of
+    constants, and a step's inputs, which copies and torch ops write before the chain's first
+    kernel (launched without PDL, those finish before any later kernel starts). A kernel of the
+    chain may start while several before it still run, so not even a write several kernels back
+    is safe to read before the wait."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -400,9 +406,12 @@ QUANTIZE_ROWS_GROUPS = 8  # groups of 32 a program of _quantize_rows_kernel
 # .gpu/gemm.py, Qwen3-8B's shapes, 4 and 8 bits (us at 16 rows, q4: q/k/v 19.4, o 19.5, gate/up
 # 56.8, down 41.5; unpacking for cuBLAS took 36.1, 24.2, 142.5 and 68.8, bfloat16 15.3, 13.1, 48.9
 # and 28.7; at 32 rows: 29.2, 25.4, 90.5, 53.3 against 36.4, 25.0, 144 and 69.6).
-GEMM_CONFIG = {16: (16, 128, 128, 4, 3), 32: (32, 64, 128, 4, 3)}
-GEMM_PROGRAMS_PER_SM = {16: 2, 32: 4}
-GEMM_ROWS = 32  # more rows than this: dequantize and cuBLAS
+# From 33 to 64 rows (.gpu/pf.py, H200, q4, us a layer of the four shapes at 48 / 64 rows): 220 /
+# 230 against 277 / 282 unpacking for cuBLAS; at 96 and 128 rows unpacking won (289 against 295,
+# 296 against 336), so prompts of more rows than that still unpack.
+GEMM_CONFIG = {16: (16, 128, 128, 4, 3), 32: (32, 64, 128, 4, 3), 64: (64, 128, 64, 4, 3)}
+GEMM_PROGRAMS_PER_SM = {16: 2, 32: 4, 64: 2}
+GEMM_ROWS = 64  # more rows than this: dequantize and cuBLAS
 GEMM_SPLIT: int | None = None  # a fixed split of K for the tensor-core kernel (tests, benchmarks), else gemm_split
 DEQUANT_CONFIG = (8, 512, 4)  # BLOCK_N, BLOCK_K, num_warps
 DEQUANT_ROWS = 8192  # rows of W unpacked at a time

@@ -43,6 +43,20 @@ def _store_heads(Out, out, seq, heads, hmask, d, dmask, stride_ot, stride_oh, Q8
 
 
 @triton.jit
+def _attend_tile(q, k, v, tmask, m, lsum, acc, scale, PRECISION: tl.constexpr):
+    """The online softmax of the queries ``q`` over one tile of keys ``k`` and values ``v``
+    (rows where ``tmask``): the running max ``m``, sum ``lsum`` and output ``acc``, updated."""
+    s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=PRECISION) * scale
+    s = tl.where(tmask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m - m_new)
+    lsum = lsum * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, lsum, acc
+
+
+@triton.jit
 def _decode_kernel(Q, K, V, Tables, Slots, Ctx, KvOfQ, Out, PartOut, PartLse, Counters, Q8, Q8D, Q8T,
                    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_tab,
                    stride_ot, stride_oh, scale, NQ,
@@ -50,7 +64,12 @@ def _decode_kernel(Q, K, V, Tables, Slots, Ctx, KvOfQ, Out, PartOut, PartLse, Co
                    D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
                    NSPLIT: tl.constexpr, NSPLIT_PAD: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
                    MERGE: tl.constexpr, PDL: tl.constexpr):
-    _grid_sync(PDL)
+    """Under PDL the program reads the step's inputs (context lengths, slots, block tables) and
+    the first tile of its split's keys and values before ``_grid_sync``: all were written
+    before the step's first kernel, but for the sequence's newest key and value, which the
+    kernel before this one (``rope_store``) writes and which are read after the wait. So the
+    chain of loads after the wait is one round trip (q and the new key), not four (context,
+    table, keys, values)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.program_id(2)
@@ -67,32 +86,38 @@ def _decode_kernel(Q, K, V, Tables, Slots, Ctx, KvOfQ, Out, PartOut, PartLse, Co
         heads = head + g * 0
         kv_head = tl.load(KvOfQ + head)
         hmask = g < 1
-    q = tl.load(Q + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=hmask[:, None] & dmask[None, :], other=0.0)
     # The context is split evenly by its own length (whole tiles), not by the longest context
     # the launch serves: the splits past it are empty and cost almost nothing.
     split_tokens = ((ctx + NSPLIT - 1) // NSPLIT + TILE - 1) // TILE * TILE
     start = split * split_tokens
     end = tl.minimum(start + split_tokens, ctx)
+    t = start + tl.arange(0, TILE)
+    tmask = t < end
+    block = tl.load(Tables + slot * stride_tab + t // BS, mask=tmask, other=0)
+    offs = block.to(tl.int64) * stride_kb + (t % BS) * stride_kt + kv_head * stride_kh
+    cached = (tmask & (t < ctx - 1))[:, None] & dmask[None, :]
+    k = tl.load(K + offs[:, None] + d[None, :], mask=cached, other=0.0)
+    v = tl.load(V + offs[:, None] + d[None, :], mask=cached, other=0.0)
+    _grid_sync(PDL)
+    newest = (tmask & (t == ctx - 1))[:, None] & dmask[None, :]
+    k = tl.where(newest, tl.load(K + offs[:, None] + d[None, :], mask=newest, other=0.0), k)
+    v = tl.where(newest, tl.load(V + offs[:, None] + d[None, :], mask=newest, other=0.0), v)
+    q = tl.load(Q + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=hmask[:, None] & dmask[None, :], other=0.0)
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     lsum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
-    for t0 in range(start, end, TILE):
+    if start < end:
+        m, lsum, acc = _attend_tile(q, k, v, tmask, m, lsum, acc, scale, PRECISION)
+    for t0 in range(start + TILE, end, TILE):
         t = t0 + tl.arange(0, TILE)
         tmask = t < end
         block = tl.load(Tables + slot * stride_tab + t // BS, mask=tmask, other=0)
         offs = block.to(tl.int64) * stride_kb + (t % BS) * stride_kt + kv_head * stride_kh
         kvmask = tmask[:, None] & dmask[None, :]
         k = tl.load(K + offs[:, None] + d[None, :], mask=kvmask, other=0.0)
-        s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=PRECISION) * scale
-        s = tl.where(tmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m - m_new)
         v = tl.load(V + offs[:, None] + d[None, :], mask=kvmask, other=0.0)
-        lsum = lsum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        m, lsum, acc = _attend_tile(q, k, v, tmask, m, lsum, acc, scale, PRECISION)
     empty = lsum == 0.0
     out = acc / tl.where(empty, 1.0, lsum)[:, None]
     if NSPLIT == 1:
@@ -365,17 +390,17 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def _rms_norm_kernel(X, R, W, Out, RNew, Q, D, S, stride_x, stride_r, stride_o, eps,
                      N: tl.constexpr, N_PAD: tl.constexpr, ADD: tl.constexpr, QUANT: tl.constexpr,
                      PDL: tl.constexpr):
-    _grid_sync(PDL)
     row = tl.program_id(0)
     i = tl.arange(0, N_PAD)
     mask = i < N
+    w = tl.load(W + i, mask=mask, other=0.0)  # a weight: no kernel writes it
+    _grid_sync(PDL)
     x = tl.load(X + row * stride_x + i, mask=mask, other=0.0)
     if ADD:
         x = (x.to(tl.float32) + tl.load(R + row * stride_r + i, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
         tl.store(RNew + row * stride_r + i, x, mask=mask)
     h = x.to(tl.float32)
     h = h * tl.rsqrt(tl.sum(h * h, 0) / N + eps)
-    w = tl.load(W + i, mask=mask, other=0.0)
     out = (w.to(tl.float32) * h.to(x.dtype).to(tl.float32)).to(x.dtype)
     tl.store(Out + row * stride_o + i, out, mask=mask)
     if QUANT:  # the packed projection that follows multiplies these as int8 groups of 32
@@ -417,35 +442,39 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 def _rope_store_kernel(X, Pos, Cos, Sin, WQ, WK, Kc, Vc, Index, stride_xt, stride_xh, stride_cs, stride_crow,
                        eps, n_q, n_kv, D: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr,
                        STORE: tl.constexpr, PDL: tl.constexpr):
-    _grid_sync(PDL)
+    """Program (token, head). Under PDL the position, its cos/sin rows, the norm weights and the
+    cache row are read before ``_grid_sync`` (the step's inputs and constants, written before
+    its first kernel): after the wait only the projection's output is, one round trip, not the
+    position's and then its cos/sin rows' two."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     i = tl.arange(0, HALF)
+    pos = tl.load(Pos + t)
+    c = tl.load(Cos + pos * stride_cs + i).to(tl.float32)
+    s = tl.load(Sin + pos * stride_cs + i).to(tl.float32)
+    is_q = h < n_q
+    if NORM:
+        w1 = tl.where(is_q, tl.load(WQ + i), tl.load(WK + i)).to(tl.float32)
+        w2 = tl.where(is_q, tl.load(WQ + HALF + i), tl.load(WK + HALF + i)).to(tl.float32)
+    row = tl.load(Index + t).to(tl.int64)  # (positions again where nothing is stored)
+    _grid_sync(PDL)
     base = X + t * stride_xt + h * stride_xh
     x1 = tl.load(base + i)
     x2 = tl.load(base + HALF + i)
     if h >= n_q + n_kv:  # a value head: into the cache as it is
-        row = tl.load(Index + t).to(tl.int64)
         dst = Vc + row * stride_crow + (h - n_q - n_kv) * D
         tl.store(dst + i, x1)
         tl.store(dst + HALF + i, x2)
     else:
-        pos = tl.load(Pos + t)
         a = x1.to(tl.float32)
         b = x2.to(tl.float32)
         if NORM:
             inv = tl.rsqrt((tl.sum(a * a, 0) + tl.sum(b * b, 0)) / D + eps)
-            is_q = h < n_q
-            w1 = tl.where(is_q, tl.load(WQ + i), tl.load(WK + i)).to(tl.float32)
-            w2 = tl.where(is_q, tl.load(WQ + HALF + i), tl.load(WK + HALF + i)).to(tl.float32)
             a = (w1 * (a * inv).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
             b = (w2 * (b * inv).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
-        c = tl.load(Cos + pos * stride_cs + i).to(tl.float32)
-        s = tl.load(Sin + pos * stride_cs + i).to(tl.float32)
         o1 = (a * c - b * s).to(x1.dtype)
         o2 = (b * c + a * s).to(x1.dtype)
         if STORE and h >= n_q:
-            row = tl.load(Index + t).to(tl.int64)
             dst = Kc + row * stride_crow + (h - n_q) * D
             tl.store(dst + i, o1)
             tl.store(dst + HALF + i, o2)
