@@ -1,10 +1,12 @@
-"""Soak: 32 concurrent streams for two minutes, with clients that walk away at random. Every
-stream that completes is whole, nothing leaks, memory stays flat."""
+"""Soak: 32 concurrent streams for 75 seconds (``NEURON_SOAK_SECONDS`` for longer), with clients
+that walk away at random. Every stream that completes is whole, nothing leaks, memory stays flat
+from 20 seconds in to the end."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import re
 import time
@@ -14,7 +16,7 @@ import pytest
 
 from conftest import DEFAULT_MODEL, start_server
 
-SOAK_SECONDS = 120
+SOAK_SECONDS = float(os.environ.get("NEURON_SOAK_SECONDS", "75"))  # 120 put CI's suite at 922 s
 STREAMS = 32
 PROMPTS = ["What is the capital of France?", "Name three animals.", "What color is the sky?",
            "Say something kind.", "What is 3 times 4?", "Describe a tree."]

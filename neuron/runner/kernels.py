@@ -64,12 +64,14 @@ def _decode_kernel(Q, K, V, Tables, Slots, Ctx, KvOfQ, Out, PartOut, PartLse, Co
                    D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
                    NSPLIT: tl.constexpr, NSPLIT_PAD: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
                    MERGE: tl.constexpr, PDL: tl.constexpr):
-    """Under PDL the program reads the step's inputs (context lengths, slots, block tables) and
-    the first tile of its split's keys and values before ``_grid_sync``: all were written
-    before the step's first kernel, but for the sequence's newest key and value, which the
-    kernel before this one (``rope_store``) writes and which are read after the wait. So the
-    chain of loads after the wait is one round trip (q and the new key), not four (context,
-    table, keys, values)."""
+    """Under PDL the program reads the step's inputs (context lengths, slots, block tables)
+    before ``_grid_sync``, and where its split is one tile of keys (short contexts), that tile's
+    cached keys and values too: all were written before the step's first kernel, but for the
+    sequence's newest key and value, which the kernel before this one (``rope_store``) writes
+    and which are read after the wait. So the chain of loads after the wait is one round trip (q
+    and the newest key), not four (context, table, keys, values). A longer split runs its tiles
+    in the loop, whose loads Triton pipelines from the first tile: fetching that tile ahead of
+    the loop cost 8 streams of 4000 tokens 1.8% of a bf16 step on an H200."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.program_id(2)
@@ -91,33 +93,36 @@ def _decode_kernel(Q, K, V, Tables, Slots, Ctx, KvOfQ, Out, PartOut, PartLse, Co
     split_tokens = ((ctx + NSPLIT - 1) // NSPLIT + TILE - 1) // TILE * TILE
     start = split * split_tokens
     end = tl.minimum(start + split_tokens, ctx)
+    one = end - start <= TILE  # (an empty split too)
     t = start + tl.arange(0, TILE)
-    tmask = t < end
+    tmask = t < tl.where(one, end, start)  # nothing where the split is longer
     block = tl.load(Tables + slot * stride_tab + t // BS, mask=tmask, other=0)
     offs = block.to(tl.int64) * stride_kb + (t % BS) * stride_kt + kv_head * stride_kh
     cached = (tmask & (t < ctx - 1))[:, None] & dmask[None, :]
     k = tl.load(K + offs[:, None] + d[None, :], mask=cached, other=0.0)
     v = tl.load(V + offs[:, None] + d[None, :], mask=cached, other=0.0)
     _grid_sync(PDL)
-    newest = (tmask & (t == ctx - 1))[:, None] & dmask[None, :]
-    k = tl.where(newest, tl.load(K + offs[:, None] + d[None, :], mask=newest, other=0.0), k)
-    v = tl.where(newest, tl.load(V + offs[:, None] + d[None, :], mask=newest, other=0.0), v)
     q = tl.load(Q + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=hmask[:, None] & dmask[None, :], other=0.0)
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     lsum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
-    if start < end:
-        m, lsum, acc = _attend_tile(q, k, v, tmask, m, lsum, acc, scale, PRECISION)
-    for t0 in range(start + TILE, end, TILE):
-        t = t0 + tl.arange(0, TILE)
-        tmask = t < end
-        block = tl.load(Tables + slot * stride_tab + t // BS, mask=tmask, other=0)
-        offs = block.to(tl.int64) * stride_kb + (t % BS) * stride_kt + kv_head * stride_kh
-        kvmask = tmask[:, None] & dmask[None, :]
-        k = tl.load(K + offs[:, None] + d[None, :], mask=kvmask, other=0.0)
-        v = tl.load(V + offs[:, None] + d[None, :], mask=kvmask, other=0.0)
-        m, lsum, acc = _attend_tile(q, k, v, tmask, m, lsum, acc, scale, PRECISION)
+    if one:
+        if start < end:
+            newest = (tmask & (t == ctx - 1))[:, None] & dmask[None, :]
+            k = tl.where(newest, tl.load(K + offs[:, None] + d[None, :], mask=newest, other=0.0), k)
+            v = tl.where(newest, tl.load(V + offs[:, None] + d[None, :], mask=newest, other=0.0), v)
+            m, lsum, acc = _attend_tile(q, k, v, tmask, m, lsum, acc, scale, PRECISION)
+    else:
+        for t0 in range(start, end, TILE):
+            t = t0 + tl.arange(0, TILE)
+            tmask = t < end
+            block = tl.load(Tables + slot * stride_tab + t // BS, mask=tmask, other=0)
+            offs = block.to(tl.int64) * stride_kb + (t % BS) * stride_kt + kv_head * stride_kh
+            kvmask = tmask[:, None] & dmask[None, :]
+            k = tl.load(K + offs[:, None] + d[None, :], mask=kvmask, other=0.0)
+            v = tl.load(V + offs[:, None] + d[None, :], mask=kvmask, other=0.0)
+            m, lsum, acc = _attend_tile(q, k, v, tmask, m, lsum, acc, scale, PRECISION)
     empty = lsum == 0.0
     out = acc / tl.where(empty, 1.0, lsum)[:, None]
     if NSPLIT == 1:
