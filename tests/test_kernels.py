@@ -42,6 +42,10 @@ def test_paged_decode_attends_each_sequence_over_its_own_blocks(n_q, n_kv, hd, b
     for _ in range(2):  # the split counters are left ready for the next launch
         out = K.paged_decode(q, kc, vc, tables, slots, ctx, kv_of_q.int(), repeat, scale, splits, counters)
         assert (out.double() - ref).abs().max() < 1e-5 and not counters.any()
+    # a decode graph gives the positions instead: each context is one more
+    out = K.paged_decode(q, kc, vc, tables, slots, None, kv_of_q.int(), repeat, scale, splits, counters,
+                         positions=(ctx - 1).long())
+    assert (out.double() - ref).abs().max() < 1e-5 and not counters.any()
 
 
 @pytest.mark.parametrize("splits", [3, 16])
@@ -147,7 +151,8 @@ def test_fused_norms_match_the_reference(dtype):
 
 def test_silu_mul_matches_the_reference():
     gu = torch.randn(3, 2 * 1500, generator=torch.Generator().manual_seed(3))
-    assert (K.silu_mul(gu) - OPS.silu_mul(gu)).abs().max() < 1e-6
+    for rows in (gu, gu[:1]):  # programs of 256 elements, and of 1024 for one row
+        assert (K.silu_mul(rows) - OPS.silu_mul(rows)).abs().max() < 1e-6
 
 
 def test_norms_and_silu_mul_write_the_int8_form_the_decode_kernel_would_make():
@@ -159,7 +164,8 @@ def test_norms_and_silu_mul_write_the_int8_form_the_decode_kernel_would_make():
     x, r, w = (torch.randn(3, 96, generator=g).half(), torch.randn(3, 96, generator=g).half(),
                torch.randn(96, generator=g).half())
     outs = [K.rms_norm(x, w, 1e-6, quantize=True)[0], K.rms_norm(x, w, 1e-6, r.clone(), quantize=True)[0],
-            K.silu_mul(torch.randn(2, 2 * 1056, generator=g).half(), quantize=True)]  # 1056: a partial block
+            K.silu_mul(torch.randn(2, 2 * 1056, generator=g).half(), quantize=True),  # 1056: a partial block
+            K.silu_mul(torch.randn(1, 2 * 1056, generator=g).half(), quantize=True)]
     for out in outs:
         for mine, want in zip(out.int8_rows, quantize_rows(out)):
             assert torch.equal(mine, want)
@@ -196,6 +202,14 @@ def test_rope_store_rotates_queries_in_place_and_puts_keys_and_values_in_their_c
     if store:
         kc, vc = c.caches()
         K.rope_store(got, c.n_q, c.n_kv, c.pos, c.cos, c.sin, c.qn, c.kn, 1e-6, kc, vc, c.rows)
+        c.check(got, kc, vc)
+        # or each token's cache row found in the block table from its slot and position
+        got = c.qkv.clone()
+        kc, vc = c.caches()
+        blocks = torch.tensor([[2, 1, 3, 0], [1, 2, 0, 3], [3, 0, 1, 2]], dtype=torch.int32)  # blocks of 4 rows
+        slots = torch.tensor([2, 0, 1])  # positions 0, 5, 9: blocks 3, 1, 0 -> rows 12 + 0, 4 + 1, 0 + 1
+        K.rope_store(got, c.n_q, c.n_kv, c.pos, c.cos, c.sin, c.qn, c.kn, 1e-6, kc, vc, None, blocks, slots)
+        c.rows = torch.tensor([12, 5, 1])
         c.check(got, kc, vc)
     else:
         K.rope_store(got, c.n_q, c.n_kv, c.pos, c.cos, c.sin, c.qn, c.kn, 1e-6)

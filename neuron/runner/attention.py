@@ -67,10 +67,12 @@ class PrefillBatch:
 class StepMeta:
     """Where a step's tokens sit in the cache; built once per step, read by every layer."""
 
-    store_index: torch.Tensor  # [T] flat cache row (block * block_size + offset) of each token
+    # [T] flat cache row (block * block_size + offset) of each token; None in a decode graph (the
+    # Triton path), whose kernels find it in the block table from the slot and the position
+    store_index: torch.Tensor | None
     decode_rows: torch.Tensor | None  # rows of the single-token decodes; None when every row is one
     decode_slots: torch.Tensor | None = None  # [D] their block-table rows
-    decode_ctx: torch.Tensor | None = None  # [D] int32 keys of each (the new one included)
+    decode_ctx: torch.Tensor | None = None  # [D] int32 keys of each (the new one included); None as above
     decode_max_ctx: int = 0  # bound of decode_ctx: it sizes decode_splits
     decode_splits: int = 1
     decode_keys: torch.Tensor | None = None  # [D, C] flat key rows, for the gather path (no Triton)
@@ -113,7 +115,8 @@ class PagedAttention:
         kc, vc = self.kv.k[layer], self.kv.v[layer]
         if self.triton:
             self.kernels.rope_store(qkv, s.n_q, s.n_kv, positions, rotary.rope.cos, rotary.rope.sin, rotary.q_norm,
-                                    rotary.k_norm, rotary.eps, kc, vc, meta.store_index)
+                                    rotary.k_norm, rotary.eps, kc, vc, meta.store_index, self.tables,
+                                    meta.decode_slots)
             q = qkv[:, : s.n_q]
         elif self.cpu is not None:
             self.cpu.rope_store(qkv, s.n_q, s.n_kv, positions, rotary.rope.cos, rotary.rope.sin, rotary.q_norm,
@@ -127,9 +130,9 @@ class PagedAttention:
         T, n_q, hd = q.shape
         if meta.decode_rows is None:
             if not self.triton or T > self.int8_rows:
-                return self._decode(q, kc, vc, meta).view(T, n_q * hd)
+                return self._decode(q, kc, vc, meta, positions=positions).view(T, n_q * hd)
             rows = self.kernels.int8_rows_buffers(T, n_q * hd, q.device)
-            out = self._decode(q, kc, vc, meta, rows).view(T, n_q * hd)
+            out = self._decode(q, kc, vc, meta, rows, positions).view(T, n_q * hd)
             out.int8_rows = rows
             return out
         # Zeros: a graph's padding rows belong to no span and must stay finite.
@@ -150,12 +153,15 @@ class PagedAttention:
         return out.view(T, n_q * hd)
 
     def _decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: StepMeta,
-                int8_rows: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+                int8_rows: tuple[torch.Tensor, ...] | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions``: of every row, when they are all decodes (then ``meta.decode_ctx`` may be
+        None: positions + 1)."""
         s = self.shape
         if self.triton:
             return self.kernels.paged_decode(q, kc, vc, self.tables, meta.decode_slots, meta.decode_ctx,
                                              self.kv_of_q, s.gqa_repeat, s.scale, meta.decode_splits, self.counters,
-                                             int8_rows=int8_rows)
+                                             int8_rows=int8_rows, positions=positions)
         if self.cpu is not None:
             return self.cpu.paged_decode(q, kc, vc, self.tables, meta.decode_slots, meta.decode_ctx, self.kv_of_q,
                                          s.scale)

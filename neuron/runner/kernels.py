@@ -57,13 +57,13 @@ def _attend_tile(q, k, v, tmask, m, lsum, acc, scale, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _decode_kernel(Q, K, V, Tables, Slots, Ctx, KvOfQ, Out, PartOut, PartLse, Counters, Q8, Q8D, Q8T,
+def _decode_kernel(Q, K, V, Tables, Slots, Ctx, Pos, KvOfQ, Out, PartOut, PartLse, Counters, Q8, Q8D, Q8T,
                    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_tab,
                    stride_ot, stride_oh, scale, NQ,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, UNIFORM: tl.constexpr,
                    D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
                    NSPLIT: tl.constexpr, NSPLIT_PAD: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
-                   MERGE: tl.constexpr, PDL: tl.constexpr):
+                   MERGE: tl.constexpr, CTX_FROM_POS: tl.constexpr, PDL: tl.constexpr):
     """Under PDL the program reads the step's inputs (context lengths, slots, block tables)
     before ``_grid_sync``, and where its split is one tile of keys (short contexts), that tile's
     cached keys and values too: all were written before the step's first kernel, but for the
@@ -75,7 +75,10 @@ def _decode_kernel(Q, K, V, Tables, Slots, Ctx, KvOfQ, Out, PartOut, PartLse, Co
     seq = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.program_id(2)
-    ctx = tl.load(Ctx + seq)
+    if CTX_FROM_POS:  # a decode's context ends at its position
+        ctx = (tl.load(Pos + seq) + 1).to(tl.int32)
+    else:
+        ctx = tl.load(Ctx + seq)
     slot = tl.load(Slots + seq)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, D_PAD)
@@ -183,12 +186,14 @@ def decode_splits(batch: int, programs_per_split: int, max_ctx: int, sm_count: i
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                 slots: torch.Tensor, ctx: torch.Tensor, kv_of_q: torch.Tensor, gqa_repeat: int, scale: float,
-                 splits: int, counters: torch.Tensor, out: torch.Tensor | None = None,
-                 int8_rows: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+                 slots: torch.Tensor, ctx: torch.Tensor | None, kv_of_q: torch.Tensor, gqa_repeat: int,
+                 scale: float, splits: int, counters: torch.Tensor, out: torch.Tensor | None = None,
+                 int8_rows: tuple[torch.Tensor, ...] | None = None,
+                 positions: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence. q [B, n_q, hd] (rows may be strided); caches
     [blocks, block_size, n_kv, hd]; tables [rows, max_blocks] int32 indexed by ``slots`` [B];
-    ``ctx`` [B] keys per sequence (the new token's included). Returns [B, n_q, hd].
+    ``ctx`` [B] keys per sequence (the new token's included), or None and ``positions`` [B] (the
+    new token's: the context is one more). Returns [B, n_q, hd].
     ``splits`` fixes the launch grid (so a CUDA graph captured with it serves any context); each
     sequence's context is split evenly into as many parts, of whole tiles. ``counters`` is an
     int32 scratch of at least B * n_q zeros, left zero. ``int8_rows``: buffers
@@ -196,6 +201,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     B, n_q, D = q.shape
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and counters.numel() >= B * n_q
     assert int8_rows is None or quantizable(D)
+    assert ctx is not None or positions is not None
     out = torch.empty(B, n_q, D, device=q.device, dtype=q.dtype) if out is None else out
     uniform = gqa_repeat > 0
     group = gqa_repeat if uniform else 1
@@ -206,7 +212,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         part_out = torch.empty(B * n_q * splits, d_pad, device=q.device, dtype=torch.float32)
         part_lse = torch.empty(B * n_q * splits, device=q.device, dtype=torch.float32)
     _decode_kernel[(B, heads, splits)](
-        q, k_cache, v_cache, tables, slots, ctx, kv_of_q, out, part_out, part_lse, counters,
+        q, k_cache, v_cache, tables, slots, positions if ctx is None else ctx, positions if ctx is None else ctx,
+        kv_of_q, out, part_out, part_lse, counters,
         *(int8_rows or (out, out, out)),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
         out.stride(0), out.stride(1), scale, n_q,
@@ -214,7 +221,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         BS=k_cache.shape[1], TILE=64, NSPLIT=splits, NSPLIT_PAD=_pow2(splits),
         # float32 models get float32 products (tl.dot would otherwise round its inputs to tf32)
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=int8_rows is not None,
-        MERGE=min(MERGE_PARTS, _pow2(splits)), num_warps=4, **pdl_args(q.device))
+        MERGE=min(MERGE_PARTS, _pow2(splits)), CTX_FROM_POS=ctx is None, num_warps=4, **pdl_args(q.device))
     return out
 
 
@@ -444,9 +451,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 @triton.jit
-def _rope_store_kernel(X, Pos, Cos, Sin, WQ, WK, Kc, Vc, Index, stride_xt, stride_xh, stride_cs, stride_crow,
-                       eps, n_q, n_kv, D: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr,
-                       STORE: tl.constexpr, PDL: tl.constexpr):
+def _rope_store_kernel(X, Pos, Cos, Sin, WQ, WK, Kc, Vc, Index, Tables, Slots, stride_xt, stride_xh, stride_cs,
+                       stride_crow, stride_tab, eps, n_q, n_kv, D: tl.constexpr, HALF: tl.constexpr,
+                       NORM: tl.constexpr, STORE: tl.constexpr, FROM_TABLE: tl.constexpr, BS: tl.constexpr,
+                       PDL: tl.constexpr):
     """Program (token, head). Under PDL the position, its cos/sin rows, the norm weights and the
     cache row are read before ``_grid_sync`` (the step's inputs and constants, written before
     its first kernel): after the wait only the projection's output is, one round trip, not the
@@ -461,7 +469,10 @@ def _rope_store_kernel(X, Pos, Cos, Sin, WQ, WK, Kc, Vc, Index, stride_xt, strid
     if NORM:
         w1 = tl.where(is_q, tl.load(WQ + i), tl.load(WK + i)).to(tl.float32)
         w2 = tl.where(is_q, tl.load(WQ + HALF + i), tl.load(WK + HALF + i)).to(tl.float32)
-    row = tl.load(Index + t).to(tl.int64)  # (positions again where nothing is stored)
+    if FROM_TABLE:  # the token's cache row: its position's block in its sequence's table row
+        row = tl.load(Tables + tl.load(Slots + t) * stride_tab + pos // BS).to(tl.int64) * BS + pos % BS
+    else:
+        row = tl.load(Index + t).to(tl.int64)  # (positions again where nothing is stored)
     _grid_sync(PDL)
     base = X + t * stride_xt + h * stride_xh
     x1 = tl.load(base + i)
@@ -491,18 +502,25 @@ def _rope_store_kernel(X, Pos, Cos, Sin, WQ, WK, Kc, Vc, Index, stride_xt, strid
 def rope_store(qkv: torch.Tensor, n_q: int, n_kv: int, positions: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
-               index: torch.Tensor | None = None) -> None:
+               index: torch.Tensor | None = None, tables: torch.Tensor | None = None,
+               slots: torch.Tensor | None = None) -> None:
     """qkv [T, n_q + 2 n_kv, hd]: q rotated in place; with caches (contiguous, flat row ``index``
-    [T] per token), k rotated and v as is go into them, else k is rotated in place and v left."""
+    [T] per token, or where ``index`` is None the row of each token's position in block table
+    ``tables`` [rows, max_blocks] row ``slots`` [T]), k rotated and v as is go into them, else k
+    is rotated in place and v left."""
     T, heads, D = qkv.shape
     assert qkv.stride(2) == 1 and D % 2 == 0 and (D // 2) & (D // 2 - 1) == 0 and heads == n_q + 2 * n_kv
     store = k_cache is not None
     norm = q_norm is not None
+    from_table = store and index is None
+    assert not from_table or (tables is not None and slots is not None)
     _rope_store_kernel[(T, heads if store else n_q + n_kv)](
         qkv, positions, cos, sin, q_norm if norm else cos, k_norm if norm else cos,
-        k_cache if store else qkv, v_cache if store else qkv, index if store else positions,
-        qkv.stride(0), qkv.stride(1), cos.stride(0), n_kv * D, eps, n_q, n_kv,
-        D=D, HALF=D // 2, NORM=norm, STORE=store, num_warps=1, **pdl_args(qkv.device))
+        k_cache if store else qkv, v_cache if store else qkv, positions if index is None else index,
+        tables if from_table else positions, slots if from_table else positions,
+        qkv.stride(0), qkv.stride(1), cos.stride(0), n_kv * D, tables.stride(0) if from_table else 0, eps, n_q, n_kv,
+        D=D, HALF=D // 2, NORM=norm, STORE=store, FROM_TABLE=from_table,
+        BS=k_cache.shape[1] if store else 1, num_warps=1, **pdl_args(qkv.device))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -532,9 +550,12 @@ def silu_mul(gate_up: torch.Tensor, quantize: bool = False) -> torch.Tensor:
     T, N2 = gate_up.shape
     N = N2 // 2
     out = torch.empty(T, N, device=gate_up.device, dtype=gate_up.dtype)
-    block = 1024
+    # One row in programs of 1024 elements, more rows in programs of 256 (more programs in flight):
+    # H200, Qwen3-8B q4, a decode step of 8 rows 4.648 -> 4.555 ms; of one row 1.872-1.879 against
+    # 1.882-1.884 ms in 256s (.gpu/nw.py, graphs recaptured per variant, 2 rounds).
+    block, warps = (1024, 4) if T == 1 else (256, 2)
     _silu_mul_kernel[(T, triton.cdiv(N, block))](gate_up, out, *_int8_rows(out, quantize), gate_up.stride(0),
-                                                   out.stride(0), N, BLOCK=block, QUANT=quantize, num_warps=4,
+                                                   out.stride(0), N, BLOCK=block, QUANT=quantize, num_warps=warps,
                                                    **pdl_args(gate_up.device))
     return out
 

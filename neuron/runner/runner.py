@@ -454,12 +454,12 @@ class ModelRunner:
         assert self.graph_in is not None
         ids, pos, slots = self.graph_in[0, :n], self.graph_in[1, :n], self.graph_in[2, :n]
         ids = self._resolve(ids, slots)
-        store = self.tables[slots, pos // self.bs].long() * self.bs + pos % self.bs
         shape = self.model.attention_shape
         from .kernels import decode_splits
         heads = shape.n_kv if shape.gqa_repeat else shape.n_q
+        # The kernels find each row's cache row and context from its slot and position.
         self.attention.meta = StepMeta(
-            store_index=store, decode_rows=None, decode_slots=slots, decode_ctx=(pos + 1).to(torch.int32),
+            store_index=None, decode_rows=None, decode_slots=slots, decode_ctx=None,
             decode_max_ctx=self.cfg.max_len, decode_splits=decode_splits(n, heads, self.cfg.max_len, self.sm_count))
         return ids, self.model.forward(ids, pos, self.attention, None)
 
