@@ -73,17 +73,16 @@ def test_the_cpu_kernel_computes_what_the_dequantized_float32_weight_computes(na
 def test_the_cpu_kernel_lets_the_other_threads_run_while_it_computes():
     """A rank's socket loop (heartbeats, pings) shares the process with the device thread, so a
     kernel must not hold the GIL while it computes: here a thread that sleeps 1 ms at a time
-    never waits for a call of the kernel (one of 0.2 s or more) to end before it wakes. (A kernel
-    holding the GIL leaves it one gap as long as the call; the bound is half the call, since on a
-    machine of two cores the kernel's threads can keep the sleeper off both for tens of ms: one
-    run saw a 68 ms gap in a 217 ms call.)"""
+    never waits for a call of the kernel (one of 0.2 s or more) to end before it wakes. The call
+    is made about 0.4 s long where the machine allows: on two cores the kernel's threads can keep
+    the sleeper off both for tens of ms (one run saw a 68 ms gap in a 217 ms call)."""
     import threading
     import time
 
     q = quantize(torch.randn(2048, 2048, generator=torch.Generator().manual_seed(6)), "q4")
     lin = PackedLinear(q, None)
     rows, took = 16, 0.0
-    while took < 0.2 and rows <= 8192:  # a call long enough to see, on any machine
+    while took < 0.4 and rows <= 16384:  # a call long enough to see, on any machine
         rows *= 2
         x = torch.randn(rows, 2048)
         t0 = time.perf_counter()
@@ -99,7 +98,7 @@ def test_the_cpu_kernel_lets_the_other_threads_run_while_it_computes():
         gaps.append(now - last)
         last = now
     worker.join()
-    assert took >= 0.2 and len(gaps) > 10 and max(gaps) < took / 2, (took, max(gaps), len(gaps))
+    assert took >= 0.2 and len(gaps) > 10 and max(gaps) < took / 4, (took, max(gaps), len(gaps))
 
 
 def test_bfloat16_activations_go_through_the_float32_kernel():
