@@ -225,6 +225,47 @@ def test_the_skinny_gemm_matches_a_linear_layer(config, m):
     assert (K.gemv(x, w, config) - x @ w.T).abs().max() < 1e-4
 
 
+def test_greedy_tokens_are_torchs_argmax_and_become_the_sampled_slots_last_draws():
+    g = torch.Generator().manual_seed(4)
+    V = 3 * K.ARGMAX_CHUNK + 77  # a partial last part
+    x = torch.randn(6, V + 3, generator=g)[:, :V]  # rows of a wider buffer, as the graph's logits
+    x[1, 100] = x[1, 4000] = 50.0  # a tie: the first index
+    x[2] = float("-inf")
+    x[3, 777] = x[3, 900] = float("nan")  # NaN wins, the first one
+    x[4, V - 1] = float("inf")
+    x[5, K.ARGMAX_CHUNK] = 99.0  # the first column of a part
+    last = torch.full((8,), -7, dtype=torch.int64)
+    slots = torch.tensor([3, 0, 5, 1, 7, 2, 6, 4])
+    sampled = torch.tensor([1, 1, 0, 1, 1, 1, 0, 0])  # more rows than logits: the graph's bucket
+    tokens = K.greedy_tokens(x, slots, sampled, last)
+    want = x.argmax(-1)
+    assert tokens.tolist() == want.tolist() == [int(want[0]), 100, 0, 777, V - 1, K.ARGMAX_CHUNK]
+    expect = [-7] * 8
+    for r in range(6):
+        if sampled[r]:
+            expect[int(slots[r])] = int(want[r])
+    assert last.tolist() == expect
+
+
+def test_packed_rows_by_id_are_the_rows_of_the_dequantized_matrix():
+    """The embedding lookup of a packed matrix on a GPU: one launch (triton_kernels.dequantize
+    with ids) gives the rows the whole matrix dequantized has."""
+    from neuron.models import triton_kernels as tk
+
+    g = torch.Generator().manual_seed(2)
+    for bits, dt in ((4, torch.float16), (8, torch.float16), (4, torch.float32)):
+        N, Kd = 40, 512
+        u = torch.randint(0, 256, (N, Kd * bits // 8), dtype=torch.uint8, generator=g)
+        per = 2 if dt == torch.float32 else 1  # float32 pairs: the K-quants' groups of 16
+        sm = tk.pair_scales(torch.rand(N, Kd // 32 * per, generator=g).to(dt), torch.randn(N, Kd // 32 * per,
+                                                                                          generator=g).to(dt))
+        ids = torch.tensor([3, 0, 39, 3, 17])
+        whole = tk.dequantize(u, sm, bits, torch.float16)
+        assert torch.equal(tk.dequantize(u, sm, bits, torch.float16, ids=ids), whole[ids])
+        ref = tk.reference_qlinear(torch.eye(Kd), u, sm, bits).t()
+        assert (whole.float() - ref).abs().max() < 1e-3 * ref.abs().max()  # float16 rounding
+
+
 def test_the_runner_gives_prompt_chunks_the_same_logits_through_the_triton_kernels():
     """The runner's Triton wiring (span descriptor, prefill and decode kernels) against its
     SDPA path, on a tiny model: a chunk after a cached prefix that starts mid-block, decodes and

@@ -63,3 +63,26 @@ def test_logit_bias_moves_the_greedy_choice():
     assert draw(sampler, logits, [0], [0]) == [33]
     sampler.start(0, Sampling(temperature=0.0, logit_bias=[(1, -100.0)]))
     assert draw(sampler, logits, [0], [0]) != [1]
+
+
+def test_a_decode_graphs_argmax_is_the_greedy_draw_unless_the_logits_are_changed_or_sampled():
+    """The decode graph stores each row's argmax as its slot's last draw (runner/kernels.py
+    greedy_tokens); the sampler takes those tokens as they are for plain greedy rows, and draws
+    (and stores) its own where a bias, a mask or a temperature changes the choice."""
+    logits = torch.zeros(2, V)
+    logits[:, 4] = 3.0
+    logits[:, 6] = 2.0
+    sampler = DeviceSampler(4, V, CPU)
+    for slot in (0, 1):
+        sampler.start(slot, Sampling(temperature=0.0))
+    sampler.last_token[:] = -1
+    argmax = torch.tensor([4, 4])
+    tokens, _ = sampler.sample(logits, [0, 1], torch.tensor([0, 1]), [5, 5], [None, None], argmax)
+    assert tokens is argmax and sampler.last_token.tolist() == [-1, -1, -1, -1]  # the graph stored them
+    sampler.start(1, Sampling(temperature=0.0, logit_bias=[(6, 5.0)]))
+    tokens, _ = sampler.sample(logits, [0, 1], torch.tensor([0, 1]), [6, 6], [None, None], argmax)
+    assert tokens.tolist() == [4, 6] and sampler.last_token.tolist() == [4, 6, -1, -1]
+    sampler.start(1, Sampling(temperature=1.0, seed=3))
+    sampler.last_token[:] = -1
+    tokens, _ = sampler.sample(logits, [0, 1], torch.tensor([0, 1]), [7, 7], [mask_of({30}), None], argmax)
+    assert tokens[0] == 30 and sampler.last_token[:2].tolist() == tokens.tolist()

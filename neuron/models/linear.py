@@ -32,8 +32,10 @@ class Linear:
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.weight, self.bias) if t is not None]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``x W^T + b`` in ``x``'s dtype, or converted to ``out_dtype``."""
+        y = F.linear(x, self.weight, self.bias)
+        return y if out_dtype is None else y.to(out_dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of W: the embedding lookup when this matrix is also the embedding."""
@@ -54,8 +56,8 @@ class ConcatLinear:
     def tensors(self) -> list[torch.Tensor]:
         return [t for p in self.parts for t in p.tensors()]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([p(x) for p in self.parts], dim=-1)
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        return torch.cat([p(x, out_dtype) for p in self.parts], dim=-1)
 
 
 AnyLinear = Linear | PackedLinear | ConcatLinear

@@ -196,5 +196,5 @@ class CausalLM:
             h = self.comm.all_reduce(layer.mlp(h, ops))
             following = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.norm
             h, residual = ops.add_rms_norm(h, residual, following, eps)
-        logits = self.comm.all_gather_last(self.lm_head(h if rows is None else h[rows]).float())
+        logits = self.comm.all_gather_last(self.lm_head(h if rows is None else h[rows], out_dtype=torch.float32))
         return logits[:, : self.cfg.vocab_size]

@@ -356,13 +356,14 @@ class PackedLinear:
         scales = [self.sm] if self.device.type == "cuda" else [self.s, self.m]  # s, m: views of sm there
         return [self.u, *scales, self.d, self.dm, *([self.bias] if self.bias is not None else [])]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        shape, dtype = x.shape, x.dtype
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``x W^T + b`` in ``x``'s dtype, or ``out_dtype``."""
+        shape, dtype = x.shape, out_dtype or x.dtype
         if x.is_cuda:
             from .triton_kernels import qlinear
 
             y = qlinear(x.reshape(-1, self.k), self.u, self.sm, self.bits, getattr(x, "int8_rows", None),
-                        self.gemv_configs)
+                        self.gemv_configs, out_dtype)
             if self.bias is not None:
                 y = y + self.bias
             return y.view(*shape[:-1], self.n)
@@ -375,6 +376,10 @@ class PackedLinear:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of W, dequantized (the embedding lookup on a packed matrix)."""
+        if ids.is_cuda:
+            from .triton_kernels import dequantize
+
+            return dequantize(self.u, self.sm, self.bits, self.dtype, ids=ids.reshape(-1)).view(*ids.shape, self.k)
         u = self.u[ids]
         if self.bits == 4:
             u = unpack_nibbles(u)

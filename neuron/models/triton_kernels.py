@@ -378,16 +378,18 @@ def _split_sum_kernel(part_ptr, y_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.conste
 
 
 @triton.jit
-def _dequant_kernel(u_ptr, sm_ptr, w_ptr, N, K, NS, stride_u, BITS: tl.constexpr, GS: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """Rows ``n`` of W as ``w_ptr``'s dtype, [N, K] row-major."""
+def _dequant_kernel(u_ptr, sm_ptr, ids_ptr, w_ptr, ROWS, N, K, NS, stride_u, BITS: tl.constexpr, GS: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATHER: tl.constexpr, PDL: tl.constexpr):
+    """``ROWS`` rows of W (N rows) as ``w_ptr``'s dtype, [ROWS, K] row-major: rows 0..N-1, or
+    with ``GATHER`` row ``ids[i]`` as row i (an embedding lookup)."""
     _grid_sync(PDL)
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    i = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = tl.load(ids_ptr + i, mask=i < ROWS, other=0) if GATHER else i
     g = tl.program_id(1) * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
     in_k = g < K // 32
-    ok = (n[:, None, None] < N) & in_k[None, :, None]
+    ok = (i[:, None, None] < ROWS) & in_k[None, :, None]
     w_lo, w_hi = _weight_tiles(u_ptr, sm_ptr, n, g, in_k, ok, N, NS, stride_u, BITS, GS, False, "")
-    at = w_ptr + n[:, None, None] * K + (g[:, None] * 32 + tl.arange(0, 16)[None, :])[None, :, :]
+    at = w_ptr + i[:, None, None] * K + (g[:, None] * 32 + tl.arange(0, 16)[None, :])[None, :, :]
     tl.store(at, w_lo.to(w_ptr.dtype.element_ty), mask=ok)
     tl.store(at + 16, w_hi.to(w_ptr.dtype.element_ty), mask=ok)
 
@@ -414,6 +416,7 @@ GEMM_PROGRAMS_PER_SM = {16: 2, 32: 4, 64: 2}
 GEMM_ROWS = 64  # more rows than this: dequantize and cuBLAS
 GEMM_SPLIT: int | None = None  # a fixed split of K for the tensor-core kernel (tests, benchmarks), else gemm_split
 DEQUANT_CONFIG = (8, 512, 4)  # BLOCK_N, BLOCK_K, num_warps
+GATHER_CONFIG = (1, 512, 4)  # the same for a few rows by id (dequantize(ids=...): the embedding)
 DEQUANT_ROWS = 8192  # rows of W unpacked at a time
 
 
@@ -433,9 +436,11 @@ def _scale_words(sm: torch.Tensor) -> torch.Tensor:
 
 def qlinear(x: torch.Tensor, u: torch.Tensor, sm: torch.Tensor, bits: int,
             int8_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-            gemv_configs: dict[int, tuple[int, int, int]] | None = None) -> torch.Tensor:
+            gemv_configs: dict[int, tuple[int, int, int]] | None = None,
+            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x`` [M, K] (bf16/fp16); ``u`` uint8 [N, K*bits/8]; ``sm`` the scale and offset of each
-    group of 32 or 16, [N, K/32 or K/16, 2] (``pair_scales``) -> ``y`` [M, N] in ``x``'s dtype.
+    group of 32 or 16, [N, K/32 or K/16, 2] (``pair_scales``) -> ``y`` [M, N] in ``x``'s dtype,
+    or ``out_dtype`` (float32 logits straight from the float32 sums: no conversion after).
     ``int8_rows``: ``quantize_rows(x)`` if the kernel that wrote ``x`` made it too.
     ``gemv_configs``: the decode kernel's config by rows of x (a power of two) where one was
     measured for this weight (``runner/linear.tune_packed``), else ``GEMV_CONFIG``'s."""
@@ -446,7 +451,7 @@ def qlinear(x: torch.Tensor, u: torch.Tensor, sm: torch.Tensor, bits: int,
     gs = K // NS
     assert bits in (4, 8) and K % 32 == 0 and gs in (16, 32) and u.shape[1] * 8 == K * bits
     x = x.contiguous()
-    y = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    y = torch.empty((M, N), device=x.device, dtype=out_dtype or x.dtype)
     if M <= GEMV_ROWS:
         fits = int8_rows is not None and tuple(int8_rows[0].shape) == (M, K)
         q, d, t = int8_rows if fits else quantize_rows(x)
@@ -495,17 +500,21 @@ def gemm_split(tiles: int, steps: int, per_sm: int, device: torch.device) -> int
     return split
 
 
-def dequantize(u: torch.Tensor, sm: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
+def dequantize(u: torch.Tensor, sm: torch.Tensor, bits: int, dtype: torch.dtype,
+               ids: torch.Tensor | None = None) -> torch.Tensor:
     """The packed rows ``u`` (scales ``sm``, as ``qlinear`` takes them) as a dense [N, K] weight
-    of ``dtype``."""
+    of ``dtype``; with ``ids`` [T] (int64), only rows ``ids``, [T, K]: an embedding lookup in one
+    launch (in torch ops it took a dozen small kernels a decode step)."""
     N = u.shape[0]
     K = u.shape[1] * 8 // bits
-    w = torch.empty((N, K), device=u.device, dtype=dtype)
-    block_n, block_k, warps = DEQUANT_CONFIG
+    rows = N if ids is None else ids.shape[0]
+    w = torch.empty((rows, K), device=u.device, dtype=dtype)
+    block_n, block_k, warps = DEQUANT_CONFIG if ids is None else GATHER_CONFIG
     words = _scale_words(sm)
-    _dequant_kernel[(triton.cdiv(N, block_n), triton.cdiv(K, block_k))](
-        u, words, w, N, K, words.shape[1], u.stride(0), BITS=bits, GS=K // words.shape[1], BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=warps, **pdl_args(u.device))
+    _dequant_kernel[(triton.cdiv(rows, block_n), triton.cdiv(K, block_k))](
+        u, words, w if ids is None else ids, w, rows, N, K, words.shape[1], u.stride(0), BITS=bits,
+        GS=K // words.shape[1], BLOCK_N=block_n, BLOCK_K=block_k, GATHER=ids is not None, num_warps=warps,
+        **pdl_args(u.device))
     return w
 
 

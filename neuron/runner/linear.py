@@ -36,11 +36,12 @@ class SkinnyLinear:
     def tensors(self) -> list[torch.Tensor]:
         return self.base.tensors()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         config = self.plan.get(x.shape[0])
         if config is None:
-            return self.base(x)
-        return kernels.gemv(x, self.base.weight, config)
+            return self.base(x, out_dtype)
+        y = kernels.gemv(x, self.base.weight, config)
+        return y if out_dtype is None else y.to(out_dtype)
 
 
 def _slots(model) -> list[tuple[object, str]]:

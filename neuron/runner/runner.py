@@ -206,7 +206,7 @@ class ModelRunner:
             gap = (self._last_end, begin) if self._last_end is not None else None
         seqs = msg.seqs
         sampled = [i for i, s in enumerate(seqs) if s.sample]
-        bucket, ids, positions, slot_t, logits = self._forward(seqs, sampled)
+        bucket, ids, positions, slot_t, logits, argmax = self._forward(seqs, sampled)
         rows_slots = [seqs[i].slot for i in sampled]
         every_token_sampled = bucket and len(sampled) == len(seqs)  # then token rows are sampled rows
         slot_rows = slot_t if every_token_sampled else upload(rows_slots, torch.int64, self.device)
@@ -217,7 +217,8 @@ class ModelRunner:
         elif self.rank == 0:
             last = [seqs[i].start_pos + len(seqs[i].tokens) - 1 for i in sampled]
             tokens, logprobs = self.sampler.sample(logits, rows_slots, slot_rows, last,
-                                                   [seqs[i].allowed for i in sampled])
+                                                   [seqs[i].allowed for i in sampled],
+                                                   argmax if every_token_sampled else None)
         else:
             tokens, logprobs = torch.empty(len(sampled), dtype=torch.int64, device=self.device), None
         if sampled and self.model.comm.world > 1:
@@ -242,7 +243,7 @@ class ModelRunner:
     def forward_logits(self, seqs: list[p.StepSeq], every_position: bool = False) -> torch.Tensor:
         """The logits of a step without sampling (parity checks): [sampled seqs, V], or with
         ``every_position`` [tokens, V] (run eagerly)."""
-        return self._forward(seqs, [i for i, s in enumerate(seqs) if s.sample], every_position)[-1]
+        return self._forward(seqs, [i for i, s in enumerate(seqs) if s.sample], every_position)[-2]
 
     def _forward(self, seqs: list[p.StepSeq], sampled: list[int], every_position: bool = False):
         self._check(seqs)
@@ -258,12 +259,12 @@ class ModelRunner:
         if not bucket:
             tokens = 0 if every_position else self._prefill_bucket(seqs)
             if tokens:
-                return (0, *self._replay_prefill(seqs, sampled, tokens))
-            return (0, *self._eager(seqs, sampled, every_position))
-        ids, positions, slot_t, logits = self._replay(seqs, bucket)
+                return (0, *self._replay_prefill(seqs, sampled, tokens), None)
+            return (0, *self._eager(seqs, sampled, every_position), None)
+        ids, positions, slot_t, logits, argmax = self._replay(seqs, bucket)
         if len(sampled) < len(seqs):
             logits = logits[upload(sampled, torch.int64, self.device)]
-        return bucket, ids, positions, slot_t, logits
+        return bucket, ids, positions, slot_t, logits, argmax
 
     def _to_host(self, tokens: torch.Tensor) -> torch.Tensor:
         """The step's tokens into one of a few pinned host buffers (see _staging)."""
@@ -433,14 +434,14 @@ class ModelRunner:
         B = len(seqs)
         staged = self._staging()
         packed = staged.numpy()
-        packed[:2] = 0
+        packed[:] = 0
         packed[2] = self.scratch_row
         for i, s in enumerate(seqs):
-            packed[0, i], packed[1, i], packed[2, i] = s.tokens[0], s.start_pos, s.slot
+            packed[0, i], packed[1, i], packed[2, i], packed[3, i] = s.tokens[0], s.start_pos, s.slot, s.sample
         self.graph_in.copy_(staged, non_blocking=True)
-        graph, ids, logits = self.graphs[bucket]
+        graph, ids, logits, argmax = self.graphs[bucket]
         graph.replay()
-        return ids[:B], self.graph_in[1, :B], self.graph_in[2, :B], logits[:B]
+        return ids[:B], self.graph_in[1, :B], self.graph_in[2, :B], logits[:B], argmax[:B]
 
     def _staging(self) -> torch.Tensor:
         """The next of a few pinned buffers for the graphs' inputs: a fresh pinned allocation per
@@ -449,8 +450,11 @@ class ModelRunner:
         self._stage = (self._stage + 1) % len(self._staged)
         return self._staged[self._stage]
 
-    def _decode_forward(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The captured decode step of ``n`` rows over the static inputs."""
+    def _decode_forward(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The captured decode step of ``n`` rows over the static inputs (token, position, slot
+        and whether the row is sampled, a row each): its token ids, logits and their argmax,
+        which the step also stores as the sampled rows' last draws (greedy sampling then launches
+        nothing after the graph)."""
         assert self.graph_in is not None
         ids, pos, slots = self.graph_in[0, :n], self.graph_in[1, :n], self.graph_in[2, :n]
         ids = self._resolve(ids, slots)
@@ -461,7 +465,9 @@ class ModelRunner:
         self.attention.meta = StepMeta(
             store_index=None, decode_rows=None, decode_slots=slots, decode_ctx=None,
             decode_max_ctx=self.cfg.max_len, decode_splits=decode_splits(n, heads, self.cfg.max_len, self.sm_count))
-        return ids, self.model.forward(ids, pos, self.attention, None)
+        logits = self.model.forward(ids, pos, self.attention, None)
+        from .kernels import greedy_tokens
+        return ids, logits, greedy_tokens(logits, slots, self.graph_in[3, :n], self.sampler.last_token)
 
     def _prefill_bucket(self, seqs: list[p.StepSeq]) -> int:
         if not self.prefill_graphs or len(seqs) > self.cfg.max_seqs:
@@ -487,7 +493,7 @@ class ModelRunner:
         whole["rows"][:] = 0
         whole["rows"][: len(sampled)] = [ends[i] for i in sampled]
         self._pg_in.copy_(staged, non_blocking=True)
-        graph, resolved, logits = self.prefill_graphs[bucket]
+        graph, resolved, logits, _ = self.prefill_graphs[bucket]
         graph.replay()
         view = self._pg_layout(self._pg_in, T)
         return resolved[:T], view["pos"], view["slot"], logits[: len(sampled)]
@@ -501,7 +507,7 @@ class ModelRunner:
                 "store": buf[3 * Tmax: 3 * Tmax + n], "spans": buf[4 * Tmax: 4 * Tmax + 4 * S].reshape(S, 4),
                 "rows": buf[4 * Tmax + 4 * S: 4 * Tmax + 5 * S]}
 
-    def _prefill_forward(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _prefill_forward(self, n: int) -> tuple[torch.Tensor, torch.Tensor, None]:
         """The captured prefill step of ``n`` token rows over the static inputs."""
         v = self._pg_layout(self._pg_in, n)
         ids = self._resolve(v["ids"], v["slot"])
@@ -510,7 +516,7 @@ class ModelRunner:
         self.attention.meta = StepMeta(store_index=v["store"], decode_rows=v["ids"][:0],
                                        prefill_spans=v["spans"].to(torch.int32), prefill_max_n=n,
                                        prefill_splits=4 if n <= 128 else 1)
-        return ids, self.model.forward(ids, v["pos"], self.attention, v["rows"])
+        return ids, self.model.forward(ids, v["pos"], self.attention, v["rows"]), None
 
     def _capture_prefill(self, pool) -> None:
         sizes = [n for n in PREFILL_GRAPH_TOKENS if n <= min(self.cfg.max_step_tokens, self.cfg.max_len)]
@@ -534,17 +540,17 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                ids, logits = forward(n)
+                ids, logits, argmax = forward(n)
             pool = graph.pool()
-            into[n] = (graph, ids, logits)
+            into[n] = (graph, ids, logits, argmax)
         return pool
 
     def _capture(self) -> None:
         t0 = time.perf_counter()
         sizes = graph_sizes(self.cfg.max_seqs)
-        self.graph_in = torch.zeros(3, sizes[-1], dtype=torch.int64, device=self.device)
+        self.graph_in = torch.zeros(4, sizes[-1], dtype=torch.int64, device=self.device)
         self.graph_in[2].fill_(self.scratch_row)
-        self._staged = [torch.zeros(3, sizes[-1], dtype=torch.int64).pin_memory() for _ in range(4)]
+        self._staged = [torch.zeros(4, sizes[-1], dtype=torch.int64).pin_memory() for _ in range(4)]
         self._stage = 0
         self._capture_prefill(self._capture_each(sizes, self._decode_forward, self.graphs, None))
         torch.cuda.synchronize(self.device)

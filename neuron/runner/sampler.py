@@ -124,11 +124,14 @@ class DeviceSampler:
 
     # ---------------------------------------------------------------------------- sampling
     def sample(self, logits: torch.Tensor, slots: list[int], slot_t: torch.Tensor, positions: list[int],
-               allowed: list[bytes | None]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+               allowed: list[bytes | None], argmax: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
         """One token per row of ``logits`` [R, V] (float32); ``slots`` (also on the device as
-        ``slot_t``) and ``positions`` (each row's last input position) per row. Returns the
-        tokens [R] (int64, on the device) and, when any row asked for logprobs, (chosen logprob
-        [R], top logprobs [R, n], their ids [R, n])."""
+        ``slot_t``) and ``positions`` (each row's last input position) per row. ``argmax``: the
+        rows' argmax of ``logits``, computed and stored as the slots' last draws already (the
+        decode graph's ``greedy_tokens``). Returns the tokens [R] (int64, on the device) and,
+        when any row asked for logprobs, (chosen logprob [R], top logprobs [R, n], their ids
+        [R, n])."""
         params = [self.params[s] for s in slots]
         x = logits
         if any(m is not None for m in allowed) or any(p.logit_bias or p.min_tokens for p in params):
@@ -136,10 +139,12 @@ class DeviceSampler:
         if self.seen is not None and any(_penalised(p) for p in params):
             x = self._penalise(x, slot_t, params)
         greedy = [p.temperature < GREEDY_BELOW for p in params]
-        tokens = x.argmax(dim=-1)
+        stored = argmax is not None and x is logits and all(greedy)
+        tokens = argmax if argmax is not None and x is logits else x.argmax(dim=-1)
         if not all(greedy):
             tokens = self._draw(x, tokens, params, positions, greedy)
-        self.last_token[slot_t] = tokens
+        if not stored:
+            self.last_token[slot_t] = tokens
         logprobs = None
         want = max((p.logprobs for p in params), default=0)
         if want:
