@@ -247,6 +247,13 @@ def test_greedy_tokens_are_torchs_argmax_and_become_the_sampled_slots_last_draws
     assert last.tolist() == expect
 
 
+def test_device_tokens_resolve_to_their_slots_last_draws():
+    last = torch.tensor([11, 12, 13, 14], dtype=torch.int64)
+    ids = torch.tensor([5, -1, 0, -1, 7], dtype=torch.int64)
+    slots = torch.tensor([9, 2, 9, 0, 9])  # a slot past ``last`` is never read for a token of its own
+    assert K.resolve_tokens(ids, slots, last).tolist() == [5, 13, 0, 11, 7]
+
+
 def test_packed_rows_by_id_are_the_rows_of_the_dequantized_matrix():
     """The embedding lookup of a packed matrix on a GPU: one launch (triton_kernels.dequantize
     with ids) gives the rows the whole matrix dequantized has."""

@@ -665,3 +665,24 @@ def greedy_tokens(logits: torch.Tensor, slots: torch.Tensor, sampled: torch.Tens
     _argmax_final_kernel[(R,)](pv, pi, tokens, slots, sampled, last, parts, P_PAD=_pow2(parts), num_warps=1,
                                **pdl_args(logits.device))
     return tokens
+
+
+@triton.jit
+def _resolve_kernel(Ids, Slots, Last, Out, T, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    _grid_sync(PDL)
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < T
+    ids = tl.load(Ids + i, mask=ok, other=0)
+    device = ok & (ids < 0)
+    last = tl.load(Last + tl.load(Slots + i, mask=device, other=0), mask=device, other=0)
+    tl.store(Out + i, tl.where(device, last, ids), mask=ok)
+
+
+def resolve_tokens(ids: torch.Tensor, slots: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """``torch.where(ids >= 0, ids, last[slots])`` in one launch: a step's device tokens (-1)
+    become their slot's last draw."""
+    T = ids.shape[0]
+    out = torch.empty_like(ids)
+    _resolve_kernel[(triton.cdiv(T, 512),)](ids, slots, last, out, T, BLOCK=512, num_warps=4,
+                                            **pdl_args(ids.device))
+    return out

@@ -108,6 +108,8 @@ def tune(model, batch_sizes: list[int]) -> None:
 # fastest differs by shape and bits: in an H200 sweep (scripts/bench-qlinear --sweep) the narrow
 # 4-bit matrices wanted 4 rows of W a program, the 8-bit ones 1-2, and the long-K ones more warps
 # (q4 qkv of Qwen3-8B: (4, 64, 1) 6.83 us, (4, 64, 2) 7.18, the default (2, 32, 1) 7.64).
+# In a later sweep (.gpu/sweep2.py, 24 configs more) only o gained alone, (4, 64, 4) 4.27 us against
+# (4, 128, 1) 4.48, but the step with it was slower (q4 one stream 1.85 -> 1.89 ms): not offered.
 PACKED_CANDIDATES: tuple[Config, ...] = ((2, 32, 1), (4, 32, 4), (4, 64, 1), (4, 64, 2), (4, 128, 1), (2, 64, 4),
                                          (1, 128, 4), (1, 64, 1))
 # For 2..8 rows of x, where each row adds accumulators a thread keeps. Timed on an H200 at 8 rows

@@ -426,6 +426,9 @@ class ModelRunner:
 
     def _resolve(self, ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Device tokens (-1) become the slot's last draw, still on the device."""
+        if self.triton:
+            from .kernels import resolve_tokens
+            return resolve_tokens(ids, slots, self.sampler.last_token)
         return torch.where(ids >= 0, ids, self.sampler.last_token[slots])
 
     # ----------------------------------------------------------------------------- graphs
