@@ -52,9 +52,11 @@ for name in ("Q4_1", "Q8_0", "Q4_K", "Q6_K"):
             # kernel at 16 and 64 rows a tile; unpacked for torch
             x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).to(device, dtype)
             y = qlinear(x, u, sm, bits)
+            y32 = qlinear(x, u, sm, bits, out_dtype=torch.float32)  # the LM head's logits: y's values
             want = x.float() @ file.t()
             ref = reference_qlinear(x, u, sm, bits)
             row = dict(name=name, dtype=str(dtype), rows=rows, out_dtype=str(y.dtype), shape=list(y.shape),
+                       f32_same=y32.dtype == torch.float32 and torch.equal(y32, y.float()),
                        err=float((y.float() - want).abs().max() / want.abs().max()),
                        ref_err=float((ref - want).abs().max() / want.abs().max()))
             if rows <= tk.GEMV_ROWS:  # int8 activations: against their own product, and the file's
@@ -97,7 +99,7 @@ def check(results: list[dict], dtypes: int) -> None:
         assert r.get("err_split", 0.0) <= tol, r
         assert r["err"] <= (3e-2 if "err_q" in r else tol), r  # int8 activations: 0.4-0.7% measured here
         assert r["ref_err"] <= 2e-5, r  # the torch reference itself is the file's weight
-        assert r["out_dtype"] == r["dtype"] and r["shape"] == [r["rows"], 96]
+        assert r["out_dtype"] == r["dtype"] and r["shape"] == [r["rows"], 96] and r["f32_same"], r
 
 
 def test_the_triton_kernel_computes_each_gguf_type_as_the_file_dequantizes_it():

@@ -357,8 +357,8 @@ class PackedLinear:
         return [self.u, *scales, self.d, self.dm, *([self.bias] if self.bias is not None else [])]
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """``x W^T + b`` in ``x``'s dtype, or ``out_dtype``."""
-        shape, dtype = x.shape, out_dtype or x.dtype
+        """``x W^T + b`` in ``x``'s dtype, or its values in ``out_dtype``."""
+        shape = x.shape
         if x.is_cuda:
             from .triton_kernels import qlinear
 
@@ -368,8 +368,10 @@ class PackedLinear:
                 y = y + self.bias
             return y.view(*shape[:-1], self.n)
         y = self._kernel(x.reshape(-1, self.k).float(), self.u, self.s, self.m, self.d, self.dm)
-        if dtype != torch.float32:
-            y = y.to(dtype)
+        if x.dtype != torch.float32:
+            y = y.to(x.dtype)
+        if out_dtype is not None:
+            y = y.to(out_dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.n)

@@ -271,15 +271,17 @@ def _qgemv_groups(a0, a1, a2, a3, a4, a5, a6, a7, w_lo, w_hi, s_lo, m_lo, s_hi, 
 
 
 @triton.jit
-def _store_row(y_ptr, acc, r: tl.constexpr, n, M, N):
-    tl.store(y_ptr + r * N + n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty),
+def _store_row(y_ptr, acc, r: tl.constexpr, n, M, N, ROUND: tl.constexpr):
+    """Row ``r`` of y: the sums rounded to ``ROUND`` (x's dtype), stored as ``y``'s dtype."""
+    tl.store(y_ptr + r * N + n, tl.sum(acc, axis=1).to(ROUND).to(y_ptr.dtype.element_ty),
              mask=(n < N) & (tl.full(n.shape, r, tl.int32) < M))
 
 
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for 2..8 rows
 def _qgemv_kernel(q_ptr, d_ptr, t_ptr, w_ptr, sm_ptr, y_ptr, M, N, K, NS, stride_w,
                   BITS: tl.constexpr, GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_G: tl.constexpr, EVEN: tl.constexpr, EMU: tl.constexpr, PDL: tl.constexpr):
+                  BLOCK_G: tl.constexpr, EVEN: tl.constexpr, EMU: tl.constexpr, ROUND: tl.constexpr,
+                  PDL: tl.constexpr):
     """Rows ``0..M-1`` (``M <= BLOCK_M <= 8``) of the quantized ``x`` (``q`` as int32 words,
     ``d``, ``t``: see ``_quantize_rows_kernel``) times ``BLOCK_N`` packed rows of W (int32
     words), ``BLOCK_G`` groups of 32 a step.
@@ -309,17 +311,17 @@ def _qgemv_kernel(q_ptr, d_ptr, t_ptr, w_ptr, sm_ptr, y_ptr, M, N, K, NS, stride
         a0, a1, a2, a3, a4, a5, a6, a7 = _qgemv_groups(a0, a1, a2, a3, a4, a5, a6, a7, w_lo, w_hi, s_lo, m_lo, s_hi,
                                                        m_hi, g0 + gi, q_ptr, d_ptr, t_ptr, M, K, GS, BLOCK_M, EVEN,
                                                        EMU)
-    _store_row(y_ptr, a0, 0, n, M, N)
+    _store_row(y_ptr, a0, 0, n, M, N, ROUND)
     if BLOCK_M > 1:
-        _store_row(y_ptr, a1, 1, n, M, N)
+        _store_row(y_ptr, a1, 1, n, M, N, ROUND)
     if BLOCK_M > 2:
-        _store_row(y_ptr, a2, 2, n, M, N)
-        _store_row(y_ptr, a3, 3, n, M, N)
+        _store_row(y_ptr, a2, 2, n, M, N, ROUND)
+        _store_row(y_ptr, a3, 3, n, M, N, ROUND)
     if BLOCK_M > 4:
-        _store_row(y_ptr, a4, 4, n, M, N)
-        _store_row(y_ptr, a5, 5, n, M, N)
-        _store_row(y_ptr, a6, 6, n, M, N)
-        _store_row(y_ptr, a7, 7, n, M, N)
+        _store_row(y_ptr, a4, 4, n, M, N, ROUND)
+        _store_row(y_ptr, a5, 5, n, M, N, ROUND)
+        _store_row(y_ptr, a6, 6, n, M, N, ROUND)
+        _store_row(y_ptr, a7, 7, n, M, N, ROUND)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -420,6 +422,9 @@ GATHER_CONFIG = (1, 512, 4)  # the same for a few rows by id (dequantize(ids=...
 DEQUANT_ROWS = 8192  # rows of W unpacked at a time
 
 
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
 def pair_scales(s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """The kernels' scales: ``s`` and ``m`` [N, K/32] (or [N, K/16]) side by side, [N, K/32, 2],
     in float16, or float32 (which keeps the K-quants' scales exact). A kernel reads the pair of a
@@ -440,7 +445,9 @@ def qlinear(x: torch.Tensor, u: torch.Tensor, sm: torch.Tensor, bits: int,
             out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x`` [M, K] (bf16/fp16); ``u`` uint8 [N, K*bits/8]; ``sm`` the scale and offset of each
     group of 32 or 16, [N, K/32 or K/16, 2] (``pair_scales``) -> ``y`` [M, N] in ``x``'s dtype,
-    or ``out_dtype`` (float32 logits straight from the float32 sums: no conversion after).
+    or in ``out_dtype`` holding the same values (the LM head's float32 logits: up to
+    ``GEMV_ROWS`` rows the decode kernel stores them in one launch where a conversion took another;
+    rounded to ``x``'s dtype first, so that they tie where the dense model's logits tie).
     ``int8_rows``: ``quantize_rows(x)`` if the kernel that wrote ``x`` made it too.
     ``gemv_configs``: the decode kernel's config by rows of x (a power of two) where one was
     measured for this weight (``runner/linear.tune_packed``), else ``GEMV_CONFIG``'s."""
@@ -451,6 +458,8 @@ def qlinear(x: torch.Tensor, u: torch.Tensor, sm: torch.Tensor, bits: int,
     gs = K // NS
     assert bits in (4, 8) and K % 32 == 0 and gs in (16, 32) and u.shape[1] * 8 == K * bits
     x = x.contiguous()
+    if M > GEMV_ROWS and out_dtype not in (None, x.dtype):
+        return qlinear(x, u, sm, bits, int8_rows, gemv_configs).to(out_dtype)
     y = torch.empty((M, N), device=x.device, dtype=out_dtype or x.dtype)
     if M <= GEMV_ROWS:
         fits = int8_rows is not None and tuple(int8_rows[0].shape) == (M, K)
@@ -463,8 +472,8 @@ def qlinear(x: torch.Tensor, u: torch.Tensor, sm: torch.Tensor, bits: int,
                                                   BITS=bits, GS=gs, BLOCK_M=block_m, BLOCK_N=block_n,
                                                   BLOCK_G=block_g,
                                                   EVEN=N % block_n == 0 and K // 32 % block_g == 0 and M == block_m,
-                                                  EMU=_INTERPRETED, num_warps=warps, num_stages=1,
-                                                  **pdl_args(x.device))
+                                                  EMU=_INTERPRETED, ROUND=_TL_DTYPES[x.dtype], num_warps=warps,
+                                                  num_stages=1, **pdl_args(x.device))
         return y
     if M <= GEMM_ROWS:
         block_m, block_n, block_k, warps, stages = GEMM_CONFIG[max(16, triton.next_power_of_2(M))]
