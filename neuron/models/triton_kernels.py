@@ -520,7 +520,7 @@ def dequantize(u: torch.Tensor, sm: torch.Tensor, bits: int, dtype: torch.dtype,
     w = torch.empty((rows, K), device=u.device, dtype=dtype)
     block_n, block_k, warps = DEQUANT_CONFIG if ids is None else GATHER_CONFIG
     words = _scale_words(sm)
-    _dequant_kernel[(triton.cdiv(rows, block_n), triton.cdiv(K, block_k))](
+    _dequant_kernel[(triton.cdiv(rows, block_n), triton.cdiv(K, block_k))](  # no ids: a pointer never read
         u, words, w if ids is None else ids, w, rows, N, K, words.shape[1], u.stride(0), BITS=bits,
         GS=K // words.shape[1], BLOCK_N=block_n, BLOCK_K=block_k, GATHER=ids is not None, num_warps=warps,
         **pdl_args(u.device))

@@ -462,14 +462,13 @@ class ModelRunner:
         ids, pos, slots = self.graph_in[0, :n], self.graph_in[1, :n], self.graph_in[2, :n]
         ids = self._resolve(ids, slots)
         shape = self.model.attention_shape
-        from .kernels import decode_splits
+        from .kernels import decode_splits, greedy_tokens
         heads = shape.n_kv if shape.gqa_repeat else shape.n_q
         # The kernels find each row's cache row and context from its slot and position.
         self.attention.meta = StepMeta(
             store_index=None, decode_rows=None, decode_slots=slots, decode_ctx=None,
             decode_max_ctx=self.cfg.max_len, decode_splits=decode_splits(n, heads, self.cfg.max_len, self.sm_count))
         logits = self.model.forward(ids, pos, self.attention, None)
-        from .kernels import greedy_tokens
         return ids, logits, greedy_tokens(logits, slots, self.graph_in[3, :n], self.sampler.last_token)
 
     def _prefill_bucket(self, seqs: list[p.StepSeq]) -> int:
