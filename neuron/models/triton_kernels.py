@@ -18,8 +18,8 @@ float32 accumulation.
   parts until there are a few programs a multiprocessor (``gemm_split``), and
   ``_split_sum_kernel`` adds the parts. Packed weights stay slower than bfloat16 there (at 16
   rows about 0.8x its speed a step on an H200): the kernel unpacks in registers with float math.
-- Otherwise (prefill): ``_dequant_kernel`` writes the weight to ``x``'s dtype in slices of rows
-  and cuBLAS multiplies: the product is compute-bound there, and writing the weight once costs
+- Otherwise (prefill): ``_dequant_kernel`` writes the weight to ``x``'s dtype (whole, or in
+  slices of rows where it is larger than ``DEQUANT_BYTES``) and cuBLAS multiplies: the product is compute-bound there, and writing the weight once costs
   less than unpacking it in every tile of a GEMM.
 
 Only basic ``tl`` operations and one instruction of inline PTX (``dp4a``, which
@@ -417,9 +417,16 @@ GEMM_CONFIG = {16: (16, 128, 128, 4, 3), 32: (32, 64, 128, 4, 3), 64: (64, 128, 
 GEMM_PROGRAMS_PER_SM = {16: 2, 32: 4, 64: 2}
 GEMM_ROWS = 64  # more rows than this: dequantize and cuBLAS
 GEMM_SPLIT: int | None = None  # a fixed split of K for the tensor-core kernel (tests, benchmarks), else gemm_split
-DEQUANT_CONFIG = (8, 512, 4)  # BLOCK_N, BLOCK_K, num_warps
+# BLOCK_N, BLOCK_K, num_warps (H200, Qwen3-8B's four q4 shapes, .gpu/dq.py: 133.3 us a layer against
+# 137.7 for (8, 512, 4); other conversions and one contiguous store per group were no faster)
+DEQUANT_CONFIG = (2, 2048, 8)
 GATHER_CONFIG = (1, 512, 4)  # the same for a few rows by id (dequantize(ids=...): the embedding)
-DEQUANT_ROWS = 8192  # rows of W unpacked at a time
+# The most of W unpacked at a time, in bytes: all of an 8B model's gate/up (201 MB) in one product.
+# Its slices of 8192 rows took cuBLAS 0.34 ms more a 95-token prompt, and their copies into y 0.38;
+# with this and the config above a q4 Qwen3-8B prompt of 95 tokens took 12.23 ms, not 13.60 (H200,
+# in-process prefill graph, .gpu/pt.py). Unpacking the next matrix on a second stream while this
+# one is multiplied gained nothing (11.8-12.0 ms either way): cuBLAS's kernels fill every SM.
+DEQUANT_BYTES = 256 << 20
 
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -489,9 +496,12 @@ def qlinear(x: torch.Tensor, u: torch.Tensor, sm: torch.Tensor, bits: int,
             _split_sum_kernel[(triton.cdiv(M * N, 1024),)](part, y, M * N, SPLIT=split, BLOCK=1024, num_warps=4,
                                                            **pdl_args(x.device))
         return y
-    for n0 in range(0, N, DEQUANT_ROWS):
-        rows = slice(n0, n0 + DEQUANT_ROWS)
-        y[:, rows] = x @ dequantize(u[rows], sm[rows], bits, x.dtype).t()
+    step = max(1, DEQUANT_BYTES // (K * x.element_size()))
+    if N <= step:
+        return torch.mm(x, dequantize(u, sm, bits, x.dtype).t(), out=y)
+    for n0 in range(0, N, step):  # each slice's product straight into its columns (cuBLAS takes y's stride)
+        rows = slice(n0, n0 + step)
+        y[:, rows].addmm_(x, dequantize(u[rows], sm[rows], bits, x.dtype).t(), beta=0)
     return y
 
 
