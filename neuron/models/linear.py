@@ -68,7 +68,7 @@ class Source(Protocol):
 
 
 # Packed weights on a GPU (triton_kernels.py): 44% (q8_0) and 69% (q4) less memory than bf16 for
-# an 8B model; batch-1 decode at 1.72-1.77x (q8_0) and 2.37-2.44x (q4) of bf16's speed on an H200
+# an 8B model; batch-1 decode at 1.81-1.82x (q8_0) and 2.54x (q4) of bf16's speed on an H200
 # (scripts/perf-gpu --quantize). False: dense weights on GPUs.
 GPU_PACKED = True
 
