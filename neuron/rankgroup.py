@@ -31,6 +31,9 @@ from .config import TimeoutConfig
 
 log = logging.getLogger("neuron.group")
 
+# A watchdog check this late (seconds past its period) follows a stall of the leader's own loop.
+WATCHDOG_LATE_S = 0.5
+
 _epochs = itertools.count(1)
 _ids = itertools.count(1)
 
@@ -307,9 +310,18 @@ class RankGroup:
         self.fail(f"rank {rank} (pid {proc.pid}) exited with code {code}")
 
     async def _watchdog(self) -> None:
+        period = 0.25
+        woke = time.monotonic()
         while self.failure is None:
-            await asyncio.sleep(0.25)
-            now = time.monotonic()
+            await asyncio.sleep(period)
+            now, last = time.monotonic(), woke
+            woke = now
+            if now - last > period + WATCHDOG_LATE_S:
+                # This loop did not run for a while (a long synchronous stretch, such as tokenizing a
+                # huge prompt, or a starved CPU), and this check may run right after it, before the
+                # loop has read the heartbeats that wait in the socket: a rank that beat all along
+                # would look silent. Judge at the next check, which comes after a read.
+                continue
             for rank in range(self.world):
                 silent = now - self.last_seen.get(rank, now)
                 if silent > self.timeouts.heartbeat_timeout_s:
