@@ -19,8 +19,9 @@ float32 accumulation.
   ``_split_sum_kernel`` adds the parts. Packed weights stay slower than bfloat16 there (at 16
   rows about 0.8x its speed a step on an H200): the kernel unpacks in registers with float math.
 - Otherwise (prefill): ``_dequant_kernel`` writes the weight to ``x``'s dtype (whole, or in
-  slices of rows where it is larger than ``DEQUANT_BYTES``) and cuBLAS multiplies: the product is compute-bound there, and writing the weight once costs
-  less than unpacking it in every tile of a GEMM.
+  slices of rows where it is larger than ``DEQUANT_BYTES``) and cuBLAS multiplies: the product
+  is compute-bound there, and writing the weight once costs less than unpacking it in every
+  tile of a GEMM.
 
 Only basic ``tl`` operations and one instruction of inline PTX (``dp4a``, which
 ``TRITON_INTERPRET=1`` cannot run: there ``_dp4a`` computes the same sum from shifted bytes), so
