@@ -15,10 +15,13 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
+from neuron.config import GrammarConfig
 from neuron.engine.grammar import GrammarError, GrammarSpec, close_objects, grammars_for
+from neuron.engine.grammar_worker import GrammarCompiler
 from neuron.engine.grammar_budget import unpack
 from neuron.tools.checkpoints import EOS_TOKEN, build_tokenizer
 
+COMPILER = GrammarCompiler(GrammarConfig())
 NESTED = {
     "type": "object",
     "properties": {
@@ -73,7 +76,7 @@ def walk(grammars, grammar: str, budget: int, rng: random.Random) -> tuple[list[
 @pytest.mark.parametrize("budget", [80, 150, 400])
 def test_random_walks_through_a_nested_schema_always_validate(tiny, budget):
     tk, grammars = tiny
-    grammar = grammars.check(GrammarSpec("json_schema", NESTED))
+    grammar = grammars.check(GrammarSpec("json_schema", NESTED), COMPILER)
     rng = random.Random(budget)
     for _ in range(12):
         tokens, why, _ = walk(grammars, grammar, budget, rng)
@@ -85,7 +88,7 @@ def test_random_walks_through_a_nested_schema_always_validate(tiny, budget):
 @pytest.mark.parametrize("budget", [3, 8, 20, 200])
 def test_any_json_object_closes_within_even_a_tight_budget(tiny, budget):
     tk, grammars = tiny
-    grammar = grammars.check(GrammarSpec("json_object", None))
+    grammar = grammars.check(GrammarSpec("json_object", None), COMPILER)
     rng = random.Random(budget)
     for _ in range(20):
         tokens, why, closed_early = walk(grammars, grammar, budget, rng)
@@ -95,7 +98,7 @@ def test_any_json_object_closes_within_even_a_tight_budget(tiny, budget):
 
 def test_a_budget_below_the_shortest_valid_output_ends_by_length(tiny):
     tk, grammars = tiny
-    grammar = grammars.check(GrammarSpec("json_schema", NESTED))
+    grammar = grammars.check(GrammarSpec("json_schema", NESTED), COMPILER)
     tokens, why, closed_early = walk(grammars, grammar, 10, random.Random(0))
     assert why == "length" and len(tokens) == 10 and not closed_early  # no ending fits: nothing is steered
 
@@ -110,7 +113,7 @@ def test_a_repetition_is_not_begun_when_the_budget_cannot_finish_it(tiny, budget
                                                            "required": ["tz"], "additionalProperties": False}},
             "required": ["name", "arguments"], "additionalProperties": False,
             "x-guidance": {"whitespace_flexible": False}}
-    grammar = grammars.check(GrammarSpec("lark", f'start: item ("\\n" item)*\nitem: %json {json.dumps(item)}\n'))
+    grammar = grammars.check(GrammarSpec("lark", f'start: item ("\\n" item)*\nitem: %json {json.dumps(item)}\n'), COMPILER)
     rng = random.Random(budget)
     for _ in range(12):
         tokens, why, closed_early = walk(grammars, grammar, budget, rng)
@@ -121,7 +124,7 @@ def test_a_repetition_is_not_begun_when_the_budget_cannot_finish_it(tiny, budget
 
 def test_the_default_models_tokenizer_walks_a_schema_too(smollm2):
     tk, grammars = smollm2
-    grammar = grammars.check(GrammarSpec("json_schema", NESTED))
+    grammar = grammars.check(GrammarSpec("json_schema", NESTED), COMPILER)
     rng = random.Random(7)
     for _ in range(3):
         tokens, _, _ = walk(grammars, grammar, 150, rng)
@@ -131,9 +134,9 @@ def test_the_default_models_tokenizer_walks_a_schema_too(smollm2):
 def test_regex_choice_and_gbnf_grammars_hold(tiny):
     tk, grammars = tiny
     rng = random.Random(3)
-    regex = grammars.check(GrammarSpec("regex", r"[0-9]{3}-[a-z]{2,4}"))
-    choice = grammars.check(GrammarSpec("choice", ["yes", "no", "maybe so"]))
-    gbnf = grammars.check(GrammarSpec("grammar", 'root ::= "(" [0-9]+ ("+" [0-9]+)* ")"'))
+    regex = grammars.check(GrammarSpec("regex", r"[0-9]{3}-[a-z]{2,4}"), COMPILER)
+    choice = grammars.check(GrammarSpec("choice", ["yes", "no", "maybe so"]), COMPILER)
+    gbnf = grammars.check(GrammarSpec("grammar", 'root ::= "(" [0-9]+ ("+" [0-9]+)* ")"'), COMPILER)
     for _ in range(20):
         assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", tk.decode(walk(grammars, regex, 20, rng)[0]))
         assert tk.decode(walk(grammars, choice, 20, rng)[0]) in ("yes", "no", "maybe so")
@@ -142,7 +145,7 @@ def test_regex_choice_and_gbnf_grammars_hold(tiny):
 
 def test_whitespace_between_json_tokens_is_one_space_or_an_indented_line(tiny):
     tk, grammars = tiny
-    grammar = grammars.check(GrammarSpec("json_schema", NESTED))
+    grammar = grammars.check(GrammarSpec("json_schema", NESTED), COMPILER)
     rng = random.Random(11)
     for _ in range(10):
         text = tk.decode(walk(grammars, grammar, 200, rng)[0])
@@ -166,7 +169,7 @@ def test_no_additional_properties_closes_every_open_object():
 def test_a_grammar_that_does_not_compile_is_an_error_with_a_reason(tiny, spec):
     _, grammars = tiny
     with pytest.raises(GrammarError) as info:
-        grammars.check(spec)
+        grammars.check(spec, COMPILER)
     assert str(info.value)
 
 
@@ -177,11 +180,13 @@ def test_the_grammar_engine_runs_without_torch():
         "    def find_spec(self, name, path=None, target=None):\n"
         "        if name.split('.')[0] == 'torch': raise ImportError('torch on the leader')\n"
         "sys.meta_path.insert(0, Block())\n"
+        "from neuron.config import GrammarConfig\n"
         "from neuron.engine.grammar import GrammarSpec, grammars_for\n"
+        "from neuron.engine.grammar_worker import GrammarCompiler\n"
         "from neuron.tools.checkpoints import build_tokenizer\n"
         "tk = build_tokenizer()\n"
         "g = grammars_for(tk, tk.get_vocab_size(), [tk.token_to_id('<|im_end|>')])\n"
-        "c = g.constraint(g.check(GrammarSpec('json_object', None)), 16)\n"
+        "c = g.constraint(g.check(GrammarSpec('json_object', None), GrammarCompiler(GrammarConfig())), 16)\n"
         "assert len(c.allowed()) == 64\n"
         "assert 'torch' not in sys.modules\n"
     )

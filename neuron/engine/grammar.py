@@ -8,12 +8,13 @@ the token budget (``grammar_budget``).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import llguidance as llg
 from tokenizers import Tokenizer
@@ -95,6 +96,15 @@ def to_lark_grammar(spec: GrammarSpec) -> str:
     raise GrammarError(f"unknown grammar kind {spec.kind!r}")
 
 
+class Compiler(Protocol):
+    """Compiles a client's grammar where llguidance cannot take the caller down with it."""
+
+    def compile(self, grammars: Grammars, spec: GrammarSpec) -> str: ...
+
+    def admit(self, spec: GrammarSpec) -> None:
+        """Raise GrammarError if ``spec`` goes past the configured size and depth limits."""
+
+
 class Grammars:
     """llguidance's view of one model's tokenizer (built once, ~0.2 s for 49k tokens), the
     budget tables, and the constraints made from it."""
@@ -102,16 +112,15 @@ class Grammars:
     def __init__(self, tokenizer: Tokenizer, vocab: int, eos: list[int]) -> None:
         self.vocab = vocab
         self.eos = list(eos)
-        self.tokenizer = llg.LLTokenizer(tokenizer.to_str(), n_vocab=vocab, eos_token=self.eos or None)
+        self.source = tokenizer.to_str()  # what a compiling worker builds its own view from
+        self.key = hashlib.sha256(self.source.encode()).hexdigest()[:32]
+        self.tokenizer = llg.LLTokenizer(self.source, n_vocab=vocab, eos_token=self.eos or None)
         self.tables = build_tables(self.tokenizer, vocab, self.eos)
 
-    def check(self, spec: GrammarSpec) -> str:
-        """Compile ``spec`` for this tokenizer; a GrammarError says what is wrong with it."""
-        grammar = to_lark_grammar(spec)
-        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
-        if is_error:
-            raise GrammarError(messages[0] if messages else "the grammar does not compile")
-        return grammar
+    def check(self, spec: GrammarSpec, compiler: Compiler) -> str:
+        """Compile ``spec`` for this tokenizer (in the compiler's worker process); a GrammarError
+        says what is wrong with it."""
+        return compiler.compile(self, spec)
 
     def constraint(self, grammar: str, max_tokens: int) -> GrammarConstraint:
         return GrammarConstraint(llg.LLMatcher(self.tokenizer, grammar), self.tables, max_tokens)

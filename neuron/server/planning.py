@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Callable
 
 from neuron.engine.constraints import AfterMarker, AllOf, AllowedTokens, BannedSequences, Constraint
-from neuron.engine.grammar import GrammarError, GrammarSpec, grammars_for
+from neuron.engine.grammar import Compiler, GrammarError, GrammarSpec, grammars_for
 from neuron.errors import ApiError
 from neuron.registry import ModelHandle
 
@@ -68,17 +68,17 @@ def _bad_word_sequences(body: SamplingFields, handle: ModelHandle) -> list[list[
     return sequences
 
 
-def _compile(handle: ModelHandle, spec: GrammarSpec, param: str) -> tuple[str, str]:
+def _compile(handle: ModelHandle, compiler: Compiler, spec: GrammarSpec, param: str) -> tuple[str, str]:
     info = handle.spec.tokenizer
     grammars = grammars_for(info.tokenizer, handle.spec.config.vocab_size, info.eos_token_ids)
     try:
-        return grammars.check(spec), param
+        return grammars.check(spec, compiler), param
     except GrammarError as exc:
         raise _bad(f"{param}: {exc}", param) from None
 
 
-def plan_chat(body: ChatRequest, handle: ModelHandle,
-              top: int | None) -> tuple[ChatPrompt, Callable[[], list[Choice]]]:
+def plan_chat(body: ChatRequest, handle: ModelHandle, top: int | None,
+              compiler: Compiler) -> tuple[ChatPrompt, Callable[[], list[Choice]]]:
     """The prompt, and what makes the n choices: a forced tool call or the requested output
     format as the grammar (not both), thinking and tool-call parsing per choice."""
     plan = chat_prompt(body, handle)
@@ -88,10 +88,15 @@ def plan_chat(body: ChatRequest, handle: ModelHandle,
     if plan.tools is not None and plan.tools.forced:
         if wanted is not None:
             raise _bad(f"{wanted[1]} cannot be combined with tool_choice {plan.tools.choice!r}", wanted[1])
+        for tool in plan.tools.tools:
+            try:
+                compiler.admit(GrammarSpec("json_schema", tool["function"].get("parameters") or {}))
+            except GrammarError as exc:
+                raise _bad(f"tools: {tool['function']['name']!r} parameters: {exc}", "tools") from None
         lark = forced_call_grammar(plan.tools, handle.spec.tokenizer, whitespace_of(body))
-        grammar = _compile(handle, GrammarSpec("lark", lark), "tool_choice")
+        grammar = _compile(handle, compiler, GrammarSpec("lark", lark), "tool_choice")
     elif wanted is not None:
-        grammar = _compile(handle, *wanted)
+        grammar = _compile(handle, compiler, *wanted)
     # A thinking model thinks first: the grammar starts after its thinking.
     after = plan.markers.end if plan.markers is not None and plan.thinking else None
     make_constraint = _constraint_factory(body, handle, grammar, after)
@@ -118,12 +123,13 @@ def _tool_parser(plan: ChatPrompt) -> ToolCallParser | None:
     return parser
 
 
-def plan_completion(body: CompletionRequest, handle: ModelHandle, top: int | None) -> Callable[[], list[Choice]]:
+def plan_completion(body: CompletionRequest, handle: ModelHandle, top: int | None,
+                    compiler: Compiler) -> Callable[[], list[Choice]]:
     """What makes the choices of every prompt, indexed prompt by prompt (n each)."""
     prompts: list[Prompt] = completion_prompts(body, handle)
     settings = settings_of(body, handle, top, len(prompts))
     wanted = output_grammar(body)
-    grammar = _compile(handle, *wanted) if wanted is not None else None
+    grammar = _compile(handle, compiler, *wanted) if wanted is not None else None
     make_constraint = _constraint_factory(body, handle, grammar, None)
     sequences = [(truncate(body, handle, prompt.ids), prompt.text if body.echo else "") for prompt in prompts]
     for ids, _ in sequences:
