@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -105,8 +107,7 @@ class Registry:
         self.tap = TapMirror(self.ctx, cfg.debug.tap) if cfg.debug.tap else None
         self.curve = CurveGate(self.ctx) if cfg.runtime.transport == "tcp" else None
         self.models: dict[str, ModelHandle] = {}
-        self._loading: dict[str, asyncio.Task] = {}
-        self._recovering: set[asyncio.Task] = set()
+        self._ops: dict[str, asyncio.Task] = {}  # the lifecycle operation in progress, per model id
         self.closing = False
         self.draining = False
 
@@ -116,21 +117,43 @@ class Registry:
             raise ApiError(404, "model_not_found", f"model {model_id!r} is not loaded", param="model")
         return handle
 
-    # ----------------------------------------------------------------------------- load
+    # ----------------------------------------------------------------------------- lifecycle
+    # One operation at a time per model id (``_ops``): a load, an unload or a recovery. A load
+    # joins a load of the same id in progress, and is refused (409) while the id unloads; an
+    # unload cancels a load or a recovery in progress (whose group is then killed) and joins an
+    # unload in progress. So no path leaves a rank without a model, or removes another's model.
+    def _op(self, model_id: str, kind: str, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro, name=f"{kind}-{model_id}")
+        task.kind = kind  # type: ignore[attr-defined]
+        self._ops[model_id] = task
+
+        def done(_: asyncio.Task) -> None:
+            if self._ops.get(model_id) is task:
+                del self._ops[model_id]
+        task.add_done_callback(done)
+        return task
+
     async def load(self, entry: ModelEntry) -> ModelHandle:
         """Load a model; concurrent loads of the same id share one load."""
         if self.closing:
             raise ApiError(503, "shutting_down", "the server is shutting down")
         model_id = entry.id or model_id_for(entry.model)
+        op = self._ops.get(model_id)
+        if op is not None and op.kind == "unload":  # type: ignore[attr-defined]
+            raise ApiError(409, "model_unloading", f"model {model_id!r} is being unloaded; load it again after",
+                           param="model", retry_after=1)
         existing = self.models.get(model_id)
         if existing is not None and existing.status in ("loaded", "poisoned", "recovering"):
             return existing
-        task = self._loading.get(model_id)
-        if task is None:
-            task = asyncio.create_task(self._load(model_id, entry))
-            self._loading[model_id] = task
-            task.add_done_callback(lambda _: self._loading.pop(model_id, None))
-        return await asyncio.shield(task)
+        if op is None or op.kind != "load":  # type: ignore[attr-defined]
+            op = self._op(model_id, "load", self._load(model_id, entry))
+        try:
+            return await asyncio.shield(op)
+        except asyncio.CancelledError:
+            if op.cancelled():  # an unload (or the shutdown) cancelled the load, not our caller
+                raise ApiError(409, "load_cancelled", f"model {model_id!r} was unloaded while it loaded",
+                               param="model") from None
+            raise
 
     async def _load(self, model_id: str, entry: ModelEntry) -> ModelHandle:
         t0 = time.monotonic()
@@ -161,8 +184,11 @@ class Registry:
         try:
             handle.group = await self._start_group(handle)
         except (GroupFailed, RankError) as exc:
-            self.models.pop(model_id, None)
+            self._forget(handle)
             raise ApiError(500, "load_failed", f"model {model_id!r} failed to load: {exc}") from None
+        except BaseException:
+            self._forget(handle)
+            raise
         handle.status = "loaded"
         handle.load_seconds = time.monotonic() - t0
         log.info("%s loaded in %.2fs on %s (%s), weights %s, shard bytes %s (%s)", model_id, handle.load_seconds,
@@ -216,6 +242,10 @@ class Registry:
         handle.engine.attach(group, blocks, entry.block_size)
         return group
 
+    def _forget(self, handle: ModelHandle) -> None:
+        if self.models.get(handle.id) is handle:
+            del self.models[handle.id]
+
     # ----------------------------------------------------------------------------- recovery
     def _on_group_failure(self, group: RankGroup, reason: str) -> None:
         handle = next((h for h in self.models.values() if h.group is group), None)
@@ -228,9 +258,8 @@ class Registry:
         handle.status = "poisoned"
         handle.error = reason
         handle.engine.detach(f"model {handle.id!r} failed: {reason}")
-        task = asyncio.create_task(self._recover(handle, group))
-        self._recovering.add(task)
-        task.add_done_callback(self._recovering.discard)
+        if handle.id not in self._ops:  # an unload in progress takes the model down anyway
+            self._op(handle.id, "recover", self._recover(handle, group))
 
     async def _recover(self, handle: ModelHandle, old: RankGroup) -> None:
         await old.close_after_failure()
@@ -253,38 +282,78 @@ class Registry:
         handle.group = None
 
     # ----------------------------------------------------------------------------- unload
-    async def unload(self, model_id: str, drain_s: float = 30.0) -> None:
-        handle = self.get(model_id)
+    async def unload(self, model_id: str, drain_s: float = 30.0) -> str:
+        """Unload a model: what it did, "unloaded" or "load_cancelled" (it was still loading)."""
+        op = self._ops.get(model_id)
+        if op is not None and op.kind == "unload":  # type: ignore[attr-defined]
+            return await asyncio.shield(op)
+        if op is None and model_id not in self.models:
+            raise ApiError(404, "model_not_found", f"model {model_id!r} is not loaded", param="model")
+        return await asyncio.shield(self._op(model_id, "unload", self._unload(model_id, op, drain_s)))
+
+    async def _unload(self, model_id: str, before: asyncio.Task | None, drain_s: float) -> str:
+        cancelled_load = False
+        if before is not None:  # a load or a recovery: stopped, its group killed on the way out
+            cancelled_load = before.kind == "load"  # type: ignore[attr-defined]
+            before.cancel()
+            await asyncio.wait({before})
+        handle = self.models.get(model_id)
+        if handle is None:
+            log.info("%s: load cancelled by an unload", model_id)
+            return "load_cancelled"
+        serving = handle.status == "loaded"
         handle.status = "unloading"
         handle.engine.accepting = False
-        if not await handle.engine.wait_idle(drain_s):
-            handle.engine.detach(f"model {model_id!r} was unloaded", "unloaded")
+        if serving and not await handle.engine.wait_idle(drain_s):
+            log.warning("%s: requests still running after %.0fs; aborting them", model_id, drain_s)
         handle.engine.detach(f"model {model_id!r} was unloaded", "unloaded")
         await handle.engine.stop()
-        self.models.pop(model_id, None)
+        self._forget(handle)
         if handle.group is not None:
             await handle.group.shutdown()
         log.info("%s unloaded", model_id)
+        return "load_cancelled" if cancelled_load else "unloaded"
 
     def stop_admission(self) -> None:
         self.draining = True  # a group that fails from now on is not respawned
         for handle in self.models.values():
             handle.engine.accepting = False
 
+    def abort_all(self, reason: str) -> None:
+        """End every request of every model now: streams with an error event, the queued with 503."""
+        for handle in self.models.values():
+            handle.engine.detach(reason, "shutting_down")
+
     async def drain(self, timeout: float) -> bool:
         results = await asyncio.gather(*(h.engine.wait_idle(timeout) for h in self.models.values()))
         return all(results)
 
     async def shutdown(self) -> None:
+        """Stop everything: loads, recoveries and unloads in progress are cancelled (their groups
+        killed), then every model's requests end and its ranks are asked to leave, or killed."""
         self.closing = True
-        for task in list(self._loading.values()) + list(self._recovering):
+        ops = list(self._ops.values())
+        for task in ops:
             task.cancel()
+        if ops:
+            await asyncio.wait(ops, timeout=10.0)
         for model_id in list(self.models):
             handle = self.models.pop(model_id)
             handle.engine.detach("the server is shutting down", "shutting_down")
             await handle.engine.stop()
             if handle.group is not None:
                 await handle.group.shutdown(timeout=5.0)
+
+    def kill_all(self) -> None:
+        """Kill every rank process at once (the last resort of a shutdown that did not end)."""
+        for handle in list(self.models.values()):
+            for group in (handle.group, handle.loading):
+                for pid in group.pids if group is not None else ():
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+
         if self.tap is not None:
             self.tap.close()
         if self.curve is not None:

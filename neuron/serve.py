@@ -9,20 +9,29 @@ import dataclasses
 import ipaddress
 import logging
 import os
+import signal
 import sys
+import threading
 
 import uvicorn
 
 from .config import Config, ConfigError, ModelEntry, load_config, validate
 from .logs import configure_logging
 from .server.app import create_app
+from .server.http_limits import limited_protocol
 
 log = logging.getLogger("neuron")
+# After the drain deadline: how long the last events may take to leave, and then how long the
+# rest of the shutdown (connections, ranks) may take before the backstop ends the process.
+SHUTDOWN_GRACE_S = 2.0
+BACKSTOP_S = 15.0
 
 
 class NeuronServer(uvicorn.Server):
-    """uvicorn, with SIGTERM meaning: stop admitting (503), drain in-flight requests up to the
-    drain deadline, then shut down. A second signal stops at once."""
+    """uvicorn, with SIGTERM (or SIGINT) meaning: stop admitting (503), let in-flight requests
+    finish up to the drain deadline, end what is left with an error event, stop the ranks and
+    exit 0. A second signal exits at once, and a backstop does the same if the shutdown itself
+    ever stalls."""
 
     def __init__(self, config: uvicorn.Config, app_state) -> None:
         super().__init__(config)
@@ -32,18 +41,33 @@ class NeuronServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame) -> None:
         if self._drain is not None:
-            super().handle_exit(sig, frame)
-            return
+            self._exit_now(f"second signal ({signal.Signals(sig).name})", 1)
         self.app_state.draining = True
         self.app_state.registry.stop_admission()
         loop = asyncio.get_event_loop()
         self._drain = loop.create_task(self._drain_then_exit())
+        timeout = self.app_state.cfg.server.drain_timeout_s
+        backstop = threading.Timer(timeout + SHUTDOWN_GRACE_S + BACKSTOP_S, self._exit_now,
+                                   ("the shutdown did not end in time", 0))
+        backstop.daemon = True
+        backstop.start()
+
+    def _exit_now(self, why: str, code: int) -> None:
+        log.warning("%s: killing the ranks and exiting now", why)
+        self.app_state.registry.kill_all()
+        self.app_state.compiler.close()
+        logging.shutdown()
+        os._exit(code)
 
     async def _drain_then_exit(self) -> None:
+        registry = self.app_state.registry
         timeout = self.app_state.cfg.server.drain_timeout_s
         log.info("draining in-flight requests (up to %.0fs)", timeout)
-        if not await self.app_state.registry.drain(timeout):
-            log.warning("drain deadline passed; aborting what is left")
+        if not await registry.drain(timeout):
+            log.warning("drain deadline passed; ending what is left with an error")
+            registry.abort_all("the server is shutting down")
+            # The streams write their last event and [DONE]; the queued get their 503.
+            await registry.drain(SHUTDOWN_GRACE_S)
         self.should_exit = True
 
     def fail_startup(self, message: str) -> None:
@@ -98,7 +122,8 @@ async def serve(cfg: Config) -> int:
     state = app.state.neuron
     # log_config=None: uvicorn's own lines go through our handler (text or JSON) like the rest.
     config = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, log_level=cfg.server.log_level,
-                            log_config=None, lifespan="on", timeout_graceful_shutdown=5, access_log=False)
+                            log_config=None, lifespan="on", timeout_graceful_shutdown=SHUTDOWN_GRACE_S, access_log=False,
+                            http=limited_protocol(cfg.http), timeout_keep_alive=cfg.http.keep_alive_timeout_s)
     server = NeuronServer(config, state)
     state.on_startup_failure = server.fail_startup
     await server.serve()

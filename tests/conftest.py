@@ -29,6 +29,13 @@ def children_of(pid: int) -> list[int]:
     return [int(x) for x in out.split()]
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -54,7 +61,8 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
     def rank_pids(self) -> list[int]:
-        return children_of(self.proc.pid)
+        """The leader's rank processes (not its grammar-compiling workers)."""
+        return [pid for pid in children_of(self.proc.pid) if b"neuron.rank" in _cmdline(pid)]
 
     def stop(self, timeout: float = 30) -> int:
         if self.proc.poll() is None:

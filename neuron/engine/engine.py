@@ -101,16 +101,19 @@ class Engine:
         for req in list(self.sched.running) + list(self.sched.waiting):
             self._fail(req, reason, kind)
         for _, future in self.inflight:
-            future.cancel()
+            if not future.done():
+                future.cancel()
+            elif not future.cancelled():
+                future.exception()  # retrieved: a step that failed with the group is no news
         self.inflight.clear()
+        self._wake.set()  # the loop notices it is idle
 
-    async def stop(self) -> None:
-        if self._task is not None:
+    async def stop(self, timeout: float = 5.0) -> None:
+        if self._task is not None and not self._task.done():
             self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+            await asyncio.wait({self._task}, timeout=timeout)
+            if not self._task.done():
+                log.error("%s: the scheduler loop did not stop within %.0fs", self.model_id, timeout)
 
     def submit(self, req: GenRequest) -> None:
         if not self.accepting:
@@ -203,7 +206,9 @@ class Engine:
                 self.detach(f"model {self.model_id!r} failed: {exc}", "model_unavailable")
             return
         except asyncio.CancelledError:
-            if future.cancelled() and self.group is not group:  # detached while the step was out
+            task = asyncio.current_task()
+            stopping = task is not None and task.cancelling() > 0
+            if not stopping and future.cancelled() and self.group is not group:  # detached while the step was out
                 return
             raise
         self.inflight.popleft()
@@ -304,7 +309,8 @@ class Engine:
 
     def _fail(self, req: GenRequest, message: str, kind: str) -> None:
         if not req.admitted.done():
-            req.admitted.set_exception(ApiError(503, "model_unavailable", message, retry_after=5))
+            code = "shutting_down" if kind == "shutting_down" else "model_unavailable"
+            req.admitted.set_exception(ApiError(503, code, message, retry_after=5))
             req.finished = True
             self.sched.release(req)
             return

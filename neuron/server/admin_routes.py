@@ -76,8 +76,8 @@ async def unload_model(request: Request) -> Response:
     state: AppState = request.app.state.neuron
     require_key(request, state, admin=True)
     body = await read_json(request, UnloadRequest, state.cfg.server.max_body_bytes)
-    await state.registry.unload(body.model, state.cfg.server.drain_timeout_s)
-    return JSONResponse({"model": body.model, "status": "unloaded"})
+    outcome = await state.registry.unload(body.model, state.cfg.server.drain_timeout_s)
+    return JSONResponse({"model": body.model, "status": "unloaded", "cancelled_load": outcome == "load_cancelled"})
 
 
 async def inject_fault(request: Request) -> Response:

@@ -30,7 +30,7 @@ KEEPALIVE_S = 1.0
 
 
 def _unavailable(fin: FinishEvent) -> ApiError:
-    code = "insufficient_memory" if fin.error_kind == "oom" else "model_unavailable"
+    code = {"oom": "insufficient_memory", "shutting_down": "shutting_down"}.get(fin.error_kind or "", "model_unavailable")
     return ApiError(503, code, fin.error or "generation failed", retry_after=5)
 
 
@@ -53,6 +53,8 @@ async def until_disconnect(request: Request, aw: Awaitable[T], on_gone: Callable
     finally:
         if not task.done():
             task.cancel()
+            # What it ends with (cancelled, or a refusal that came after all) is nobody's news.
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
 async def start(request: Request, state: AppState, handle: ModelHandle, choices: list[Choice], stream: bool,
