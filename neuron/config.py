@@ -72,6 +72,28 @@ class EngineConfig:
 
 
 @dataclass
+class HttpConfig:
+    max_header_bytes: int = 65536
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    keep_alive_timeout_s: float = 5.0
+    write_timeout_s: float = 30.0
+    max_connections: int = 1024
+    max_inflight_body_bytes: int = 16 * 1024 * 1024
+
+
+@dataclass
+class GrammarConfig:
+    max_bytes: int = 131072
+    max_depth: int = 64
+    max_refs: int = 256
+    max_choices: int = 1024
+    compile_timeout_s: float = 10.0
+    compile_memory_bytes: int = 4 * 1024 * 1024 * 1024
+    compile_workers: int = 2
+
+
+@dataclass
 class TimeoutConfig:
     spawn_s: float = 90.0
     control_s: float = 30.0
@@ -100,6 +122,8 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     models: list[ModelEntry] = field(default_factory=lambda: [ModelEntry()])
     engine: EngineConfig = field(default_factory=EngineConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
+    grammar: GrammarConfig = field(default_factory=GrammarConfig)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
@@ -155,7 +179,8 @@ def load_config(path: str | Path | None = None, env: dict[str, str] | None = Non
             raise ConfigError(f"cannot read config {path}: {exc}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path} is not valid TOML: {exc}") from None
-    sections: dict[str, type] = {"server": ServerConfig, "engine": EngineConfig, "timeouts": TimeoutConfig,
+    sections: dict[str, type] = {"server": ServerConfig, "engine": EngineConfig, "http": HttpConfig,
+                                 "grammar": GrammarConfig, "timeouts": TimeoutConfig,
                                  "runtime": RuntimeConfig, "debug": DebugConfig}
     unknown = set(data) - set(sections) - {"models"}
     if unknown:
@@ -230,6 +255,12 @@ def validate(cfg: Config) -> None:
     if (cfg.engine.queue_size < 1 or cfg.engine.max_batch_tokens < 0 or cfg.engine.prefill_chunk < 0
             or cfg.engine.prefill_chunk_decoding < 0 or not 0 <= cfg.engine.steps_in_flight <= 8):
         raise ConfigError("engine sizes must be positive (0 for the device's default)")
+    for section in (cfg.http, cfg.grammar):
+        for f in dataclasses.fields(section):
+            if getattr(section, f.name) <= 0:
+                raise ConfigError(f"{type(section).__name__[:-6].lower()}.{f.name} must be positive")
+    if cfg.http.max_inflight_body_bytes < cfg.server.max_body_bytes:
+        raise ConfigError("http.max_inflight_body_bytes must be at least server.max_body_bytes")
 
 
 def engine_sizes(engine: EngineConfig, entry: ModelEntry, on_gpu: bool) -> tuple[int, int, int]:

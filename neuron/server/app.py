@@ -14,11 +14,13 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route
 
 from neuron.config import Config, ServerConfig
+from neuron.engine.grammar_worker import GrammarCompiler
 from neuron.engine.request import FinishEvent, GenRequest
 from neuron.errors import ApiError
 from neuron.loader.errors import LoadError
 from neuron.registry import Registry
 
+from .body_budget import BodyBudget
 from .errors import api_error_handler, http_error_handler, internal_error_handler, load_error_handler
 from .metrics import Metrics
 from .model_access import ModelAccess
@@ -40,6 +42,8 @@ def create_app(cfg: Config) -> Starlette:
         log_finish(model, req, fin, trace)
 
     state = AppState(cfg=cfg, registry=Registry(cfg, on_finish=on_finish), metrics=metrics,
+                     compiler=GrammarCompiler(cfg.grammar),
+                     body_budget=BodyBudget(cfg.http.max_inflight_body_bytes, cfg.server.max_body_bytes),
                      access=ModelAccess.from_config(cfg), responses=ResponseStore(cfg.server.stored_responses))
 
     @asynccontextmanager
@@ -50,6 +54,7 @@ def create_app(cfg: Config) -> Starlette:
         finally:
             task.cancel()
             await state.registry.shutdown()
+            state.compiler.close()
 
     routes = [Route(r.path, r.endpoint, methods=[r.method]) for r in route_table()]
     app = Starlette(

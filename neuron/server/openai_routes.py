@@ -37,15 +37,16 @@ def _bad(message: str, param: str) -> ApiError:
 async def chat_completions(request: Request) -> Response:
     state: AppState = request.app.state.neuron
     require_key(request, state, admin=False)
-    body = await read_json(request, ChatRequest, state.cfg.server.max_body_bytes)
-    handle = serving(state, body.model)
-    refuse_unsupported(body)
-    if body.top_logprobs and not body.logprobs:
-        raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
-    top = (body.top_logprobs or 0) if body.logprobs else None
-    _check_common(body, top, "top_logprobs")
-    # Templating, tokenizing and compiling grammars take a while: off the event loop.
-    plan, build = await asyncio.to_thread(plan_chat, body, handle, top)
+    async with state.body_budget.hold(request):
+        body = await read_json(request, ChatRequest, state.cfg.server.max_body_bytes)
+        handle = serving(state, body.model)
+        refuse_unsupported(body)
+        if body.top_logprobs and not body.logprobs:
+            raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        _check_common(body, top, "top_logprobs")
+        # Templating, tokenizing and compiling grammars take a while: off the event loop.
+        plan, build = await asyncio.to_thread(plan_chat, body, handle, top, state.compiler)
     choices = build()  # GenRequests belong to the event loop
     view = ChatView(model=handle.id, tokenizer=handle.spec.tokenizer.tokenizer, top_logprobs=top,
                     return_token_ids=bool(body.return_token_ids), tokens_as_ids=bool(body.return_tokens_as_token_ids),
@@ -57,14 +58,15 @@ async def chat_completions(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     state: AppState = request.app.state.neuron
     require_key(request, state, admin=False)
-    body = await read_json(request, CompletionRequest, state.cfg.server.max_body_bytes)
-    handle = serving(state, body.model)
-    refuse_unsupported(body)
-    top = body.logprobs
-    _check_common(body, top, "logprobs")
-    if body.echo and top is not None:
-        raise _bad("echo with logprobs needs prompt logprobs, which are not supported", "echo")
-    build = await asyncio.to_thread(plan_completion, body, handle, top)
+    async with state.body_budget.hold(request):
+        body = await read_json(request, CompletionRequest, state.cfg.server.max_body_bytes)
+        handle = serving(state, body.model)
+        refuse_unsupported(body)
+        top = body.logprobs
+        _check_common(body, top, "logprobs")
+        if body.echo and top is not None:
+            raise _bad("echo with logprobs needs prompt logprobs, which are not supported", "echo")
+        build = await asyncio.to_thread(plan_completion, body, handle, top, state.compiler)
     choices = build()
     view = CompletionView(model=handle.id, tokenizer=handle.spec.tokenizer.tokenizer, top_logprobs=top,
                           return_token_ids=bool(body.return_token_ids),

@@ -10,7 +10,7 @@ from typing import Any
 
 from neuron.errors import ApiError
 from neuron.loader.chat_template import TemplateError, render_chat
-from neuron.loader.tokenizer import TokenizerInfo
+from neuron.loader.tokenizer import TokenizerInfo, encode_ids
 from neuron.registry import ModelHandle
 
 from .reasoning import ThinkMarkers, reasoning_markers, starts_thinking
@@ -123,7 +123,7 @@ def chat_prompt(body: ChatRequest, handle: ModelHandle) -> ChatPrompt:
         at = text.rfind(final)
         _check(at >= 0, "continue_final_message", "the template does not show the final message as given")
         text = text[: at + len(final)]
-    encoded = info.tokenizer.encode(text, add_special_tokens=body.add_special_tokens).ids
+    encoded = encode_ids(info.tokenizer, text, body.add_special_tokens)
     ids = encoded if body.add_special_tokens else _with_bos(info, encoded)
     markers = reasoning_markers(getattr(entry, "reasoning_parser", "auto"), template)
     out = ChatPrompt(Prompt(ids, text), tools, markers, starts_thinking(text, markers) if markers else None)
@@ -156,7 +156,7 @@ def completion_prompts(body: CompletionRequest, handle: ModelHandle) -> list[Pro
         param = "prompt" if len(items) == 1 else f"prompt.{i}"
         if isinstance(item, str):
             _check(item != "", param, "a prompt must not be empty")
-            ids = info.tokenizer.encode(item, add_special_tokens=body.add_special_tokens).ids
+            ids = encode_ids(info.tokenizer, item, body.add_special_tokens)
             prompts.append(Prompt(_with_bos(info, ids) if body.add_special_tokens else ids, item))
             continue
         _check(bool(item) and all(isinstance(t, int) and not isinstance(t, bool) for t in item), param,

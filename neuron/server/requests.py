@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
 import msgspec
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from neuron.engine.detokenizer import Detokenizer
 from neuron.engine.request import GenRequest, TokenConstraint
@@ -30,11 +30,14 @@ async def read_json(request: Request, kind: type[T], limit: int) -> T:
     if declared and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, "request_too_large", f"request body over {limit} bytes")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, "request_too_large", f"request body over {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, "request_too_large", f"request body over {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone, or closed for sending too slowly: nobody reads the answer
+        raise ApiError(400, "client_disconnected", "the client left before its body arrived") from None
     data = b"".join(chunks)
     try:
         # JSON text is UTF-8 (RFC 8259). msgspec skips unknown keys without checking their bytes,

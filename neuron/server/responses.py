@@ -338,25 +338,26 @@ def _our_name(param: str | None) -> str | None:
 async def create_response(request: Request) -> Response:
     state: AppState = request.app.state.neuron
     require_key(request, state, admin=False)
-    body = await read_json(request, ResponsesRequest, state.cfg.server.max_body_bytes)
-    handle = serving(state, body.model)
-    for name, (fine, why) in REFUSED.items():
-        if not fine(getattr(body, name)):
-            raise _bad(f"{name}: {why}", name)
-    store: ResponseStore = state.responses
-    history: list[dict[str, Any]] = []
-    if body.previous_response_id is not None:
-        found = store.get(body.previous_response_id)
-        if found is None:
-            raise ApiError(404, "not_found", f"no stored response {body.previous_response_id!r}",
-                           param="previous_response_id")
-        history = list(found[0])
-    try:
-        chat, conversation = as_chat(body, history)
-        _, build = await asyncio.to_thread(plan_chat, chat, handle, None)
-    except ApiError as exc:
-        exc.param = _our_name(exc.param)
-        raise
+    async with state.body_budget.hold(request):
+        body = await read_json(request, ResponsesRequest, state.cfg.server.max_body_bytes)
+        handle = serving(state, body.model)
+        for name, (fine, why) in REFUSED.items():
+            if not fine(getattr(body, name)):
+                raise _bad(f"{name}: {why}", name)
+        store: ResponseStore = state.responses
+        history: list[dict[str, Any]] = []
+        if body.previous_response_id is not None:
+            found = store.get(body.previous_response_id)
+            if found is None:
+                raise ApiError(404, "not_found", f"no stored response {body.previous_response_id!r}",
+                               param="previous_response_id")
+            history = list(found[0])
+        try:
+            chat, conversation = as_chat(body, history)
+            _, build = await asyncio.to_thread(plan_chat, chat, handle, None, state.compiler)
+        except ApiError as exc:
+            exc.param = _our_name(exc.param)
+            raise
     choices = build()
     if body.max_tool_calls is not None and choices[0].tools is not None:
         choices[0].tools.max_calls = body.max_tool_calls

@@ -9,9 +9,11 @@ from typing import Callable
 from starlette.requests import Request
 
 from neuron.config import Config
+from neuron.engine.grammar_worker import GrammarCompiler
 from neuron.errors import ApiError
 from neuron.registry import Registry
 
+from .body_budget import BodyBudget
 from .metrics import Metrics
 from .model_access import ModelAccess
 from .response_store import ResponseStore
@@ -22,6 +24,8 @@ class AppState:
     cfg: Config
     registry: Registry
     metrics: Metrics
+    compiler: GrammarCompiler
+    body_budget: BodyBudget
     access: ModelAccess = field(default_factory=ModelAccess)
     starting: bool = True
     draining: bool = False

@@ -42,25 +42,26 @@ def _check_prompt(prompt: str | None) -> None:
 async def tokenize(request: Request) -> Response:
     state: AppState = request.app.state.neuron
     require_key(request, state, admin=False)
-    body = await read_json(request, TokenizeRequest, state.cfg.server.max_body_bytes)
-    handle = _model(state, body.model)
-    if (body.prompt is None) == (body.messages is None):
-        raise ApiError(400, "invalid_request", "give either prompt or messages", param="prompt")
-    if body.continue_final_message:
-        raise ApiError(400, "invalid_request", "continue_final_message is not supported",
-                       param="continue_final_message")
-    # The completion routes' own prompt building: the count is the request's prompt_tokens.
-    if body.messages is not None:
-        chat = ChatRequest(model=handle.id, messages=body.messages, tools=body.tools,
-                           chat_template_kwargs=body.chat_template_kwargs,
-                           add_generation_prompt=body.add_generation_prompt,
-                           add_special_tokens=bool(body.add_special_tokens))
-        ids = (await asyncio.to_thread(chat_prompt, chat, handle)).prompt.ids
-    else:
-        _check_prompt(body.prompt)
-        text = CompletionRequest(model=handle.id, prompt=body.prompt or "",
-                                 add_special_tokens=body.add_special_tokens is not False)
-        ids = (await asyncio.to_thread(completion_prompts, text, handle))[0].ids
+    async with state.body_budget.hold(request):
+        body = await read_json(request, TokenizeRequest, state.cfg.server.max_body_bytes)
+        handle = _model(state, body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "invalid_request", "give either prompt or messages", param="prompt")
+        if body.continue_final_message:
+            raise ApiError(400, "invalid_request", "continue_final_message is not supported",
+                           param="continue_final_message")
+        # The completion routes' own prompt building: the count is the request's prompt_tokens.
+        if body.messages is not None:
+            chat = ChatRequest(model=handle.id, messages=body.messages, tools=body.tools,
+                               chat_template_kwargs=body.chat_template_kwargs,
+                               add_generation_prompt=body.add_generation_prompt,
+                               add_special_tokens=bool(body.add_special_tokens))
+            ids = (await asyncio.to_thread(chat_prompt, chat, handle)).prompt.ids
+        else:
+            _check_prompt(body.prompt)
+            text = CompletionRequest(model=handle.id, prompt=body.prompt or "",
+                                     add_special_tokens=body.add_special_tokens is not False)
+            ids = (await asyncio.to_thread(completion_prompts, text, handle))[0].ids
     tk = handle.spec.tokenizer.tokenizer
     strs = [tk.id_to_token(i) for i in ids] if body.return_token_strs else None
     return _json(TokenizeResponse(count=len(ids), max_model_len=handle.max_len, tokens=ids, token_strs=strs))

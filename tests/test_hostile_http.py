@@ -1,0 +1,146 @@
+"""HTTP limits below the routes: an oversized head gets 431, a slow head or body is cut off at
+its timeout, a client that never reads is dropped and its sequence freed, and big bodies are
+parsed and tokenized off the event loop so /health stays quick beside them."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import DEFAULT_MODEL, start_server
+
+CONFIG = """
+[http]
+header_timeout_s = 2
+body_timeout_s = 3
+write_timeout_s = 2
+max_connections = 64
+
+[[models]]
+model = "SmolLM2-135M-Instruct"
+max_model_len = 2048
+max_slots = 4
+"""
+
+
+@pytest.fixture(scope="module")
+def limited(server_tmp):
+    server = start_server(server_tmp, config=CONFIG)
+    yield server
+    server.stop()
+
+
+def _port(server) -> int:
+    return int(server.url.rsplit(":", 1)[1])
+
+
+def _exchange(server, data: bytes, wait: float = 30.0) -> tuple[float, bytes]:
+    """Send ``data``, read until the server closes: (seconds taken, what it answered)."""
+    with socket.create_connection(("127.0.0.1", _port(server))) as s:
+        s.settimeout(wait)
+        t0 = time.monotonic()
+        try:
+            s.sendall(data)
+        except OSError:
+            pass
+        answer = b""
+        try:
+            while chunk := s.recv(65536):
+                answer += chunk
+        except (ConnectionResetError, socket.timeout):
+            pass
+        return time.monotonic() - t0, answer
+
+
+def test_a_one_megabyte_header_gets_431(limited):
+    _, answer = _exchange(limited, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 1_000_000 + b"\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+    assert b'"code": "headers_too_large"' in answer
+    many = b"".join(b"X-%d: %s\r\n" % (i, b"b" * 100) for i in range(700))
+    _, answer = _exchange(limited, b"GET /health HTTP/1.1\r\nHost: x\r\n" + many + b"\r\n")
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+    assert httpx.get(f"{limited.url}/health", timeout=5).status_code == 200
+
+
+def test_a_slow_or_silent_head_and_a_slow_body_are_cut_off(limited):
+    for partial in (b"", b"GET /health HTTP/1.1\r\nHo"):
+        took, answer = _exchange(limited, partial)
+        assert 1.5 < took < 4 and answer.startswith(b"HTTP/1.1 408 "), (took, answer[:200])
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
+    took, answer = _exchange(limited, head)
+    assert 2.5 < took < 5 and answer.startswith(b"HTTP/1.1 408 "), (took, answer[:200])
+    assert "Traceback" not in limited.log()
+
+
+def test_a_client_that_never_reads_is_dropped_and_its_slot_freed(limited):
+    body = (b'{"model": "%s", "messages": [{"role": "user", "content": "Talk."}], "max_tokens": 1900, '
+            b'"ignore_eos": true, "stream": true, "logprobs": true, "top_logprobs": 20}' % DEFAULT_MODEL.encode())
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", _port(limited)))
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+
+    def running() -> int:
+        models = httpx.get(f"{limited.url}/models", timeout=5).json()["models"]
+        return models[0]["running"] + models[0]["slots_used"]
+
+    try:
+        deadline = time.monotonic() + 10
+        while running() == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert running() > 0
+        t0 = time.monotonic()
+        while running() > 0 and time.monotonic() - t0 < 60:
+            time.sleep(0.2)
+        assert running() == 0
+        assert "read nothing for 2s; dropping the connection" in limited.log()
+        models = httpx.get(f"{limited.url}/models", timeout=5).json()["models"]
+        assert models[0]["kv_usage"] == 0
+    finally:
+        s.close()
+    # Nothing else was disturbed.
+    r = httpx.post(f"{limited.base}/chat/completions", timeout=60, json={
+        "model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert r.status_code == 200
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def test_health_answers_within_a_second_while_16_clients_post_the_largest_body(limited):
+    text = ("The quick brown fox jumps over the lazy dog. " * 100_000)[: 4 * 1024 * 1024 - 200]
+    body = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 4}
+    rss_before = _rss_mb(limited.proc.pid)
+    statuses: list[int] = []
+    posting = threading.Event()
+
+    def post() -> None:
+        posting.set()
+        statuses.append(httpx.post(f"{limited.base}/chat/completions", json=body, timeout=300).status_code)
+
+    threads = [threading.Thread(target=post) for _ in range(16)]
+    for t in threads:
+        t.start()
+    posting.wait(10)
+    waits = []
+    while any(t.is_alive() for t in threads):
+        t0 = time.monotonic()
+        assert httpx.get(f"{limited.url}/health", timeout=30).status_code == 200
+        waits.append(time.monotonic() - t0)
+        time.sleep(0.2)
+    for t in threads:
+        t.join()
+    assert statuses == [400] * 16  # each prompt is longer than the model's context
+    assert len(waits) >= 5 and max(waits) < 1.0, (len(waits), max(waits))
+    rss_after = _rss_mb(limited.proc.pid)
+    assert rss_after < rss_before + 400, (rss_before, rss_after)
