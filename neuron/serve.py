@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 import uvicorn
 
@@ -25,6 +26,9 @@ log = logging.getLogger("neuron")
 # rest of the shutdown (connections, ranks) may take before the backstop ends the process.
 SHUTDOWN_GRACE_S = 2.0
 BACKSTOP_S = 15.0
+# A repeat of the first signal this soon is the same signal delivered twice (`timeout` forwarding
+# it, or a kill to the process and to its group), not an operator asking to stop at once.
+SAME_SIGNAL_S = 1.0
 
 
 class NeuronServer(uvicorn.Server):
@@ -38,10 +42,14 @@ class NeuronServer(uvicorn.Server):
         self.app_state = app_state
         self.exit_code = 0
         self._drain: asyncio.Task | None = None
+        self._first_signal, self._first_at = 0, 0.0
 
     def handle_exit(self, sig: int, frame) -> None:
         if self._drain is not None:
+            if sig == self._first_signal and time.monotonic() - self._first_at < SAME_SIGNAL_S:
+                return  # the same signal delivered twice (to the process and its group, or by a wrapper)
             self._exit_now(f"second signal ({signal.Signals(sig).name})", 1)
+        self._first_signal, self._first_at = sig, time.monotonic()
         self.app_state.draining = True
         self.app_state.registry.stop_admission()
         loop = asyncio.get_event_loop()
@@ -54,9 +62,9 @@ class NeuronServer(uvicorn.Server):
 
     def _exit_now(self, why: str, code: int) -> None:
         log.warning("%s: killing the ranks and exiting now", why)
-        self.app_state.registry.kill_all()
-        self.app_state.compiler.close()
-        logging.shutdown()
+        self.app_state.registry.kill_all()  # the grammar workers leave by themselves with the leader
+        for handler in logging.getLogger().handlers:
+            handler.flush()
         os._exit(code)
 
     async def _drain_then_exit(self) -> None:

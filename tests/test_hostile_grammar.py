@@ -158,3 +158,34 @@ def test_a_few_hundred_random_hostile_grammars_each_get_an_answer_in_bounded_tim
     assert sum(1 for status, _, _ in results if status == 400) > 40
     _serving(server)
     assert "Traceback" not in server.log(), server.log()[-3000:]
+
+
+def test_a_grammar_worker_busy_when_the_leader_dies_leaves_too(tmp_path):
+    """A worker mid-job is not left running (and spinning) after the leader is gone."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import ROOT, alive
+
+    code = (
+        "import os, subprocess, sys, time\n"
+        "env = {**os.environ, 'NEURON_GRAMMAR_PARENT': str(os.getpid())}\n"
+        "w = subprocess.Popen([sys.executable, '-m', 'neuron.engine.grammar_worker'], stdin=subprocess.PIPE, env=env)\n"
+        "holder = subprocess.Popen(['sleep', '30'], pass_fds=[w.stdin.fileno()])\n"
+        "print(w.pid, holder.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    # Another process holds the worker's stdin open past the leader's death, so no end of input
+    # tells the worker to leave (as none does while a job runs): only the leader being gone can.
+    leader = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    worker, holder = (int(x) for x in leader.stdout.readline().split())
+    assert alive(worker)
+    os.kill(leader.pid, signal.SIGKILL)
+    leader.wait()
+    deadline = time.monotonic() + 10
+    while alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive(worker)
+    os.kill(holder, signal.SIGKILL)

@@ -108,3 +108,22 @@ def test_a_second_signal_exits_at_once(server_tmp):
     while any(alive(pid) for pid in ranks) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(pid) for pid in ranks)
+
+
+def test_the_same_signal_delivered_twice_at_once_still_drains(server_tmp):
+    """As `timeout` forwarding SIGTERM beside a `kill` does: one stop, not a forced one."""
+    server = start_server(server_tmp, config=CONFIG.replace("drain_timeout_s = 5", "drain_timeout_s = 60"))
+    out: list[list[str]] = [[] for _ in range(2)]
+    started = threading.Barrier(3)
+    threads = _streams(server, 2, 40, out, [0, 0], started)
+    started.wait(120)
+    server.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)  # handled by then: sent back to back, the kernel would merge the two
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(60) == 0
+    for t in threads:
+        t.join(30)
+    for lines in out:
+        assert lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length", lines[-2]
+    assert "second signal" not in server.log()

@@ -22,6 +22,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -107,6 +108,14 @@ def _compile(tokenizers: dict[str, Any], job: Job) -> Done:
         return Done(error=f"the grammar engine failed: {str(exc)[:300]}")
 
 
+def _leave_with_parent(parent: int) -> None:
+    """A job can run long (until the leader's timeout kills it): if the leader is gone first,
+    nobody will, so the worker ends itself once it has a new parent."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(0)
+
+
 def worker_main() -> None:
     """The worker's loop: learn tokenizers, compile jobs, one at a time, on a small stack."""
     import llguidance as llg
@@ -118,6 +127,8 @@ def worker_main() -> None:
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing but frames on stdout
     tokenizers: dict[str, Any] = {}
+    parent = int(os.environ.get("NEURON_GRAMMAR_PARENT", os.getppid()))  # named: it may be gone already
+    threading.Thread(target=_leave_with_parent, args=(parent,), daemon=True).start()
     threading.stack_size(max(stack, MIN_WORKER_STACK))
     while (data := _read_frame(stdin)) is not None:
         msg = _decode_request(data)
@@ -137,7 +148,8 @@ class _Worker:
 
     def __init__(self, limits: GrammarConfig) -> None:
         stack = max(MIN_WORKER_STACK, leader_stack_bytes() // 4)
-        env = {**os.environ, "NEURON_GRAMMAR_STACK": str(stack), "NEURON_GRAMMAR_MEMORY": str(limits.compile_memory_bytes)}
+        env = {**os.environ, "NEURON_GRAMMAR_STACK": str(stack), "NEURON_GRAMMAR_MEMORY": str(limits.compile_memory_bytes),
+               "NEURON_GRAMMAR_PARENT": str(os.getpid())}
         self.proc = subprocess.Popen([sys.executable, "-m", "neuron.engine.grammar_worker"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env)
         self.known: set[str] = set()
