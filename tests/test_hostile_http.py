@@ -77,9 +77,28 @@ def test_a_slow_or_silent_head_and_a_slow_body_are_cut_off(limited):
     assert "Traceback" not in limited.log()
 
 
+def test_clients_sending_big_bodies_slowly_hold_up_no_one(limited):
+    """They hold connections until their body timeout, but none of the bytes-in-flight budget."""
+    slow = []
+    for _ in range(5):
+        s = socket.create_connection(("127.0.0.1", _port(limited)))
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 4194000\r\n\r\n{")
+        slow.append(s)
+    try:
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        r = httpx.post(f"{limited.base}/chat/completions", timeout=60, json={
+            "model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert r.status_code == 200 and time.monotonic() - t0 < 2.0
+    finally:
+        for s in slow:
+            s.close()
+
+
 def test_a_client_that_never_reads_is_dropped_and_its_slot_freed(limited):
     body = (b'{"model": "%s", "messages": [{"role": "user", "content": "Talk."}], "max_tokens": 1900, '
-            b'"ignore_eos": true, "stream": true, "logprobs": true, "top_logprobs": 20}' % DEFAULT_MODEL.encode())
+            b'"ignore_eos": true, "stream": true, "logprobs": true, "top_logprobs": 20, "n": 4}' % DEFAULT_MODEL.encode())
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     s.connect(("127.0.0.1", _port(limited)))

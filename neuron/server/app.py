@@ -43,7 +43,7 @@ def create_app(cfg: Config) -> Starlette:
 
     state = AppState(cfg=cfg, registry=Registry(cfg, on_finish=on_finish), metrics=metrics,
                      compiler=GrammarCompiler(cfg.grammar),
-                     body_budget=BodyBudget(cfg.http.max_inflight_body_bytes, cfg.server.max_body_bytes),
+                     body_budget=BodyBudget(cfg.http.max_inflight_body_bytes),
                      access=ModelAccess.from_config(cfg), responses=ResponseStore(cfg.server.stored_responses))
 
     @asynccontextmanager

@@ -1,11 +1,12 @@
 """A bound on the request bytes being read, parsed and tokenized at once.
 
-A prompt costs far more memory while it is planned than its body's size (a 4 MB prompt peaks near
-0.5 GB in the tokenizer), so the chat, completion, Responses and tokenize routes hold a share of
-``[http] max_inflight_body_bytes`` from before their body is read until their prompt is
-tokenized; requests past it wait their turn, in arrival order, with their body still unread in
-the socket. When the last share comes back, the C heap is trimmed, so the memory those prompts
-took goes back to the system."""
+A prompt costs far more memory while it is parsed and planned than its body's size (a 4 MB prompt
+peaks near 0.5 GB in the tokenizer), so the chat, completion, Responses and tokenize routes hold
+their body's size of ``[http] max_inflight_body_bytes`` from when the body has arrived until their
+prompt is tokenized; requests past it wait their turn, in arrival order. The share is taken only
+once the body is in, so a client that sends its body slowly holds none of it. When the last
+share comes back, the C heap is trimmed, so the memory those prompts took goes back to the
+system."""
 
 from __future__ import annotations
 
@@ -16,8 +17,6 @@ import logging
 from collections import deque
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
-
-from starlette.requests import Request
 
 log = logging.getLogger("neuron.server")
 TRIM_AFTER_BYTES = 1 << 20  # trim the heap only after bodies of this much went through
@@ -35,17 +34,16 @@ _TRIM = _malloc_trim()
 
 
 class BodyBudget:
-    def __init__(self, capacity: int, largest: int) -> None:
+    def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.largest = largest
         self.free = capacity
         self._waiters: deque[tuple[int, asyncio.Future]] = deque()
         self._since_trim = 0
 
     @asynccontextmanager
-    async def hold(self, request: Request) -> AsyncIterator[None]:
-        declared = request.headers.get("content-length", "")
-        n = max(1, min(int(declared), self.largest) if declared.isdigit() else self.largest)
+    async def hold(self, size: int) -> AsyncIterator[None]:
+        """Hold ``size`` bytes (a body's, already read) of the budget while inside."""
+        n = max(1, min(size, self.capacity))
         await self._acquire(n)
         try:
             yield

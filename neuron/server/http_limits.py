@@ -3,8 +3,7 @@ because it happens before (or after) a route runs.
 
 - a request head (request line and headers) over ``max_header_bytes`` gets 431;
 - a head not complete within ``header_timeout_s`` of its first byte (or of the connection)
-  gets 408, and so does a body not complete within ``body_timeout_s`` of its head (time spent
-  with reading paused, while the route waits its turn to read a big body, does not count);
+  gets 408, and so does a body not complete within ``body_timeout_s`` of its head;
 - a connection over ``max_connections`` gets 503 at once;
 - a client that reads nothing for ``write_timeout_s`` while we have data for it is dropped: its
   stream's sequence is aborted (the route sees the disconnect) and its slot freed;
@@ -154,11 +153,6 @@ class LimitedHttp(HttpToolsProtocol):
 
     def _read_timeout(self, seconds: float, what: str) -> None:
         self._read_timer = None
-        if self.flow.read_paused and not self._head_open:
-            # We stopped reading (the route waits for its turn to read a big body): the client
-            # cannot send, so its time starts again when we read.
-            self._arm_read(seconds, what)
-            return
         started = self.cycle is not None and self.cycle.response_started and not self._head_open
         if started:  # the route answered without reading the whole body: just close
             self.transport.close()

@@ -14,7 +14,7 @@ from neuron.registry import ModelHandle
 from .fields import refuse_unsupported
 from .generation import Chunks, respond
 from .planning import plan_chat, plan_completion
-from .requests import read_json
+from .requests import decode_json, read_body
 from .schemas import ChatRequest, CompletionRequest, SamplingFields
 from .state import AppState, require_key
 from .views import ChatView, CompletionView
@@ -37,8 +37,9 @@ def _bad(message: str, param: str) -> ApiError:
 async def chat_completions(request: Request) -> Response:
     state: AppState = request.app.state.neuron
     require_key(request, state, admin=False)
-    async with state.body_budget.hold(request):
-        body = await read_json(request, ChatRequest, state.cfg.server.max_body_bytes)
+    data = await read_body(request, state.cfg.server.max_body_bytes)
+    async with state.body_budget.hold(len(data)):
+        body = decode_json(data, ChatRequest)
         handle = serving(state, body.model)
         refuse_unsupported(body)
         if body.top_logprobs and not body.logprobs:
@@ -58,8 +59,9 @@ async def chat_completions(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     state: AppState = request.app.state.neuron
     require_key(request, state, admin=False)
-    async with state.body_budget.hold(request):
-        body = await read_json(request, CompletionRequest, state.cfg.server.max_body_bytes)
+    data = await read_body(request, state.cfg.server.max_body_bytes)
+    async with state.body_budget.hold(len(data)):
+        body = decode_json(data, CompletionRequest)
         handle = serving(state, body.model)
         refuse_unsupported(body)
         top = body.logprobs

@@ -26,6 +26,11 @@ BUILTIN_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, 
 
 
 async def read_json(request: Request, kind: type[T], limit: int) -> T:
+    return decode_json(await read_body(request, limit), kind)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it is over ``limit`` bytes."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, "request_too_large", f"request body over {limit} bytes")
@@ -38,7 +43,10 @@ async def read_json(request: Request, kind: type[T], limit: int) -> T:
             chunks.append(chunk)
     except ClientDisconnect:  # gone, or closed for sending too slowly: nobody reads the answer
         raise ApiError(400, "client_disconnected", "the client left before its body arrived") from None
-    data = b"".join(chunks)
+    return b"".join(chunks)
+
+
+def decode_json(data: bytes, kind: type[T]) -> T:
     try:
         # JSON text is UTF-8 (RFC 8259). msgspec skips unknown keys without checking their bytes,
         # so a broken byte inside a key ("max_to\xc3kens") would silently drop that field.

@@ -22,7 +22,7 @@ from .choices import Choice, Delta
 from .generation import respond, usage
 from .openai_routes import serving
 from .planning import plan_chat
-from .requests import read_json
+from .requests import decode_json, read_body
 from .response_store import ResponseStore
 from .schemas import ChatRequest
 from .state import AppState, require_key
@@ -338,8 +338,9 @@ def _our_name(param: str | None) -> str | None:
 async def create_response(request: Request) -> Response:
     state: AppState = request.app.state.neuron
     require_key(request, state, admin=False)
-    async with state.body_budget.hold(request):
-        body = await read_json(request, ResponsesRequest, state.cfg.server.max_body_bytes)
+    data = await read_body(request, state.cfg.server.max_body_bytes)
+    async with state.body_budget.hold(len(data)):
+        body = decode_json(data, ResponsesRequest)
         handle = serving(state, body.model)
         for name, (fine, why) in REFUSED.items():
             if not fine(getattr(body, name)):

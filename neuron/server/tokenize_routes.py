@@ -14,7 +14,7 @@ from neuron.errors import ApiError
 from neuron.registry import ModelHandle
 
 from .prompts import chat_prompt, completion_prompts
-from .requests import read_json
+from .requests import decode_json, read_body, read_json
 from .schemas import (ChatRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
                       TokenizeResponse)
 from .state import AppState, require_key
@@ -42,8 +42,9 @@ def _check_prompt(prompt: str | None) -> None:
 async def tokenize(request: Request) -> Response:
     state: AppState = request.app.state.neuron
     require_key(request, state, admin=False)
-    async with state.body_budget.hold(request):
-        body = await read_json(request, TokenizeRequest, state.cfg.server.max_body_bytes)
+    data = await read_body(request, state.cfg.server.max_body_bytes)
+    async with state.body_budget.hold(len(data)):
+        body = decode_json(data, TokenizeRequest)
         handle = _model(state, body.model)
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "invalid_request", "give either prompt or messages", param="prompt")
