@@ -152,7 +152,7 @@ TINY_REPO = "neuron-test/tiny-llama"
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(server_tmp) -> Path:
-    from neuron.tools.checkpoints import make_checkpoint
+    from devtools.checkpoints import make_checkpoint
 
     return make_checkpoint("llama", server_tmp / "tiny-llama-src", seed=3)
 
@@ -223,7 +223,7 @@ def tiny(server_tmp):
     """A random-weight qwen3 checkpoint (it wants nothing of any grammar) with a Qwen3-style chat
     template that renders tools and has a thinking switch, served as ``tiny-tools``."""
     from chat_templates import HERMES_TOOLS, use_template
-    from neuron.tools.checkpoints import make_checkpoint
+    from devtools.checkpoints import make_checkpoint
 
     model_dir = make_checkpoint("qwen3", server_tmp / "tiny-tools", seed=5, max_position_embeddings=1024)
     use_template(model_dir, HERMES_TOOLS)

@@ -1,10 +1,10 @@
-"""neuron/tools/chain.py: each kernel's share of a step's chain, from a chrome trace."""
+"""devtools/chain.py: each kernel's share of a step's chain, from a chrome trace."""
 
 from __future__ import annotations
 
 import json
 
-from neuron.tools.chain import Kernel, chain_shares, format_report, kernel_events
+from devtools.chain import Kernel, chain_shares, format_report, kernel_events
 
 
 def test_overlapping_kernels_are_charged_what_they_add_to_the_chain(tmp_path):

@@ -15,16 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from neuron.tools.checkpoints import (
-    CHAT_TEMPLATE,
-    FAMILIES,
-    GGUF_TYPES,
-    IM_END,
-    make_checkpoint,
-    parse_gguf_types,
-    permute_qk,
-    read_safetensors,
-)
+from devtools.checkpoints import FAMILIES, make_checkpoint, read_safetensors
+from devtools.fixture_tokenizer import CHAT_TEMPLATE, IM_END
+from devtools.gguf_writer import GGUF_TYPES, parse_gguf_types, permute_qk
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROMPT = torch.tensor([[3, 17, 300, 42, 509, 510, 100, 7, 250, 400, 33, 12]])
@@ -201,7 +194,7 @@ def test_gguf_falls_back_to_f16_for_unaligned_rows(tmp_path: Path) -> None:
 @needs_accelerate
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gguf_matches_safetensors_in_transformers(tmp_path: Path, family: str) -> None:
-    from neuron.tools.checkpoints import load_gguf_with_transformers
+    from devtools.checkpoints import load_gguf_with_transformers
 
     model_dir = make_checkpoint(family, tmp_path / family, shards=2, gguf_types="F32,Q8_0")
     reference = _logits(model_dir)
@@ -222,7 +215,7 @@ _QUANT_TOLERANCE = {"F16": 0.005, "BF16": 0.02, "Q8_0": 0.05, "Q5_0": 0.2, "Q5_1
 
 @needs_accelerate
 def test_every_gguf_type_loads_in_transformers(tmp_path: Path) -> None:
-    from neuron.tools.checkpoints import load_gguf_with_transformers
+    from devtools.checkpoints import load_gguf_with_transformers
 
     model_dir = make_checkpoint("qwen3", tmp_path / "qwen3", gguf_types=",".join(GGUF_TYPES))
     reference = _logits(model_dir)
@@ -253,6 +246,7 @@ def test_cli(tmp_path: Path) -> None:
 def test_cli_rejects_types_gguf_py_cannot_write(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     loader = importlib.machinery.SourceFileLoader("make_checkpoint_cli", str(REPO_ROOT / "scripts" / "make-checkpoint"))
     cli = types.ModuleType(loader.name)
+    cli.__file__ = loader.path
     loader.exec_module(cli)
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["--family", "llama", "--out", str(tmp_path / "bad"), "--gguf", "Q6_K"])
@@ -270,13 +264,13 @@ def test_shaped_checkpoint_loads_strictly_in_transformers_and_in_neuron(tmp_path
     from transformers import AutoModelForCausalLM
 
     from neuron.loader.model_config import config_from_hf
-    from neuron.tools import checkpoints
-    from neuron.tools.parity import ParityJob, run_parity
+    from devtools import shapes
+    from devtools.parity import ParityJob, run_parity
 
-    monkeypatch.setitem(checkpoints.SHAPES, "tiny", {
+    monkeypatch.setitem(shapes.SHAPES, "tiny", {
         "model_type": family, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 600, "tie_word_embeddings": family == "llama"})
-    out = checkpoints.make_shaped_checkpoint("tiny", tmp_path / "m", dtype="float32", seed=5)
+    out = shapes.make_shaped_checkpoint("tiny", tmp_path / "m", dtype="float32", seed=5)
     model, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     config = json.loads((out / "config.json").read_text())

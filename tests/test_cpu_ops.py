@@ -1,4 +1,4 @@
-"""The CPU step's fused C++ ops (neuron/runner/csrc/cpu_ops.cpp) against their torch references,
+"""The CPU step's fused C++ ops (neuron/kernels/csrc/cpu_ops.cpp) against their torch references,
 on the shapes the model gives them: q a strided view of qkv, grouped and ungrouped KV heads
 (an uneven tensor-parallel split), sequences scattered over the paged cache."""
 
@@ -13,7 +13,7 @@ import torch
 
 from attention_reference import reference_decode, rope_case
 from conftest import ROOT
-from neuron.models.cpu_kernels import KernelUnavailable, cpu_kernels
+from neuron.kernels.cpu import KernelUnavailable, cpu_kernels
 from neuron.models.ops import TorchOps
 
 try:
@@ -78,11 +78,11 @@ def test_a_build_lock_left_by_a_killed_build_does_not_stop_the_next():
     stopped during its first start) must not hang every later start."""
     from torch.utils.cpp_extension import _get_build_directory
 
-    from neuron.models.cpu_kernels import NAME
+    from neuron.kernels.cpu import NAME
 
     lock = Path(_get_build_directory(NAME, verbose=False)) / "lock"
     lock.touch()
-    code = "from neuron.models.cpu_kernels import cpu_kernels; print(cpu_kernels().paged_decode.__name__)"
+    code = "from neuron.kernels.cpu import cpu_kernels; print(cpu_kernels().paged_decode.__name__)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0 and "paged_decode" in out.stdout, out.stderr
     assert not lock.exists()

@@ -19,8 +19,8 @@ from safetensors import safe_open
 
 from neuron.loader.model_config import config_from_hf
 from neuron.models.sharding import plan_shard
-from neuron.tools.checkpoints import make_checkpoint
-from neuron.tools.parity import ParityJob, ParityResult, run_parity
+from devtools.checkpoints import make_checkpoint
+from devtools.parity import ParityJob, ParityResult, run_parity
 from protocol import ModelConfig
 
 NEW_TOKENS = 32

@@ -23,14 +23,14 @@ from neuron.loader.model_config import config_from_hf
 from neuron.loader.resolve import default_model_path
 from neuron.loader.spec import load_spec
 from neuron.models.sharding import plan_shard
-from neuron.tools.checkpoints import (
+from devtools.checkpoints import (
     GGUF_TYPES,
     KQUANT_TYPES,
     load_gguf_with_transformers,
     make_checkpoint,
     write_random_kquant_gguf,
 )
-from neuron.tools.parity import ParityJob, run_parity
+from devtools.parity import ParityJob, run_parity
 
 FAMILIES = ("llama", "qwen3", "qwen3_moe")
 NEW_TOKENS = 32
@@ -243,7 +243,7 @@ def slice_file(tmp_path_factory):
     dequantisation of each computed from those bytes."""
     import gguf
 
-    from neuron.tools.checkpoints import random_quant_blocks
+    from devtools.checkpoints import random_quant_blocks
 
     rng = np.random.default_rng(5)
     path = tmp_path_factory.mktemp("slices") / "slices.gguf"

@@ -16,7 +16,7 @@ import torch
 
 from conftest import start_server
 from neuron.loader.model_config import config_from_hf
-from neuron.tools.checkpoints import make_checkpoint
+from devtools.checkpoints import make_checkpoint
 from test_families import checkpoint_tensors, expected_share
 
 NEW_TOKENS = 32

@@ -26,7 +26,7 @@ needs_gpu = pytest.mark.skipif(_gpus() < 1, reason="no NVIDIA GPU visible")
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from neuron.tools.checkpoints import make_checkpoint
+    from devtools.checkpoints import make_checkpoint
     # 6 query heads over 3 KV heads: TP=2 splits the KV groups unevenly (2+1), as on the CPU.
     return make_checkpoint("llama", tmp_path_factory.mktemp("gpu-ckpt"), seed=7, num_attention_heads=6,
                            num_key_value_heads=3, hidden_size=96)
@@ -93,14 +93,14 @@ def graph_and_eager(tmp, checkpoint, tp: int) -> None:
 @pytest.fixture(scope="module")
 def llama_checkpoint(tmp_path_factory):
     """Heads of 32 (the Triton kernels take head dims of 16 and more); 6 over 3 KV heads."""
-    from neuron.tools.checkpoints import make_checkpoint
+    from devtools.checkpoints import make_checkpoint
     return make_checkpoint("llama", tmp_path_factory.mktemp("gpu-llama"), seed=7, num_attention_heads=6,
                            num_key_value_heads=3, hidden_size=192, head_dim=32)
 
 
 @pytest.fixture(scope="module")
 def qwen3_checkpoint(tmp_path_factory):
-    from neuron.tools.checkpoints import make_checkpoint
+    from devtools.checkpoints import make_checkpoint
     return make_checkpoint("qwen3", tmp_path_factory.mktemp("gpu-qwen3"), seed=11, num_attention_heads=4,
                            num_key_value_heads=2, hidden_size=128, head_dim=32)
 
@@ -120,9 +120,9 @@ def test_packed_weights_on_a_gpu_agree_with_their_dequantized_weights(tmp_path):
     prefill); then eight decode streams (the int8-activation kernel) against float32."""
     from test_quant import KQUANT_SIZES, NEW_TOKENS, PROMPTS, config_of
 
-    from neuron.models import triton_kernels as tk
-    from neuron.tools.checkpoints import make_checkpoint, write_random_kquant_gguf
-    from neuron.tools.parity import ParityJob, run_parity
+    from neuron.kernels import packed as tk
+    from devtools.checkpoints import make_checkpoint, write_random_kquant_gguf
+    from devtools.parity import ParityJob, run_parity
 
     models = {}
     for family in ("llama", "qwen3"):
@@ -194,7 +194,7 @@ def test_killing_a_rank_while_its_peer_waits_in_an_nccl_all_reduce_recovers_the_
     import time
 
     from conftest import alive
-    from neuron.tools.checkpoints import make_checkpoint
+    from devtools.checkpoints import make_checkpoint
 
     checkpoint = make_checkpoint("llama", tmp_path / "long", seed=7, num_attention_heads=6, num_key_value_heads=3,
                                  hidden_size=96, max_position_embeddings=8192)

@@ -19,7 +19,7 @@ from neuron.config import GrammarConfig
 from neuron.engine.grammar import GrammarError, GrammarSpec, close_objects, grammars_for
 from neuron.engine.grammar_worker import GrammarCompiler
 from neuron.engine.grammar_budget import unpack
-from neuron.tools.checkpoints import EOS_TOKEN, build_tokenizer
+from devtools.checkpoints import EOS_TOKEN, build_tokenizer
 
 COMPILER = GrammarCompiler(GrammarConfig())
 NESTED = {
@@ -183,7 +183,7 @@ def test_the_grammar_engine_runs_without_torch():
         "from neuron.config import GrammarConfig\n"
         "from neuron.engine.grammar import GrammarSpec, grammars_for\n"
         "from neuron.engine.grammar_worker import GrammarCompiler\n"
-        "from neuron.tools.checkpoints import build_tokenizer\n"
+        "from devtools.checkpoints import build_tokenizer\n"
         "tk = build_tokenizer()\n"
         "g = grammars_for(tk, tk.get_vocab_size(), [tk.token_to_id('<|im_end|>')])\n"
         "c = g.constraint(g.check(GrammarSpec('json_object', None), GrammarCompiler(GrammarConfig())), 16)\n"

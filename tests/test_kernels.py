@@ -12,7 +12,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 pytest.importorskip("triton")
 
 from neuron.models.ops import TorchOps  # noqa: E402
-from neuron.runner import kernels as K  # noqa: E402
+from neuron.kernels import gpu as K  # noqa: E402
 from attention_reference import reference_decode, reference_prefill, rope_case  # noqa: E402
 
 OPS = TorchOps()
@@ -158,7 +158,7 @@ def test_silu_mul_matches_the_reference():
 def test_norms_and_silu_mul_write_the_int8_form_the_decode_kernel_would_make():
     """With ``quantize`` the kernels also attach their output's int8 groups (``out.int8_rows``),
     the same bits as quantizing the output afterwards: what a packed projection reads instead."""
-    from neuron.models.triton_kernels import quantize_rows
+    from neuron.kernels.gpu import quantize_rows
 
     g = torch.Generator().manual_seed(5)
     x, r, w = (torch.randn(3, 96, generator=g).half(), torch.randn(3, 96, generator=g).half(),
@@ -177,7 +177,7 @@ def test_norms_and_silu_mul_write_the_int8_form_the_decode_kernel_would_make():
 def test_paged_decode_writes_the_int8_form_of_its_output(splits, uniform):
     """Each program quantizes the heads it wrote (whole groups of 32 of the flat row), after the
     split-K merge too: the same bits as quantizing the output afterwards."""
-    from neuron.models.triton_kernels import int8_rows_buffers, quantize_rows
+    from neuron.kernels.gpu import int8_rows_buffers, quantize_rows
 
     g = torch.Generator().manual_seed(11 + splits)
     n_q, n_kv, hd, bs = 4, 2, 64, 16
@@ -255,9 +255,9 @@ def test_device_tokens_resolve_to_their_slots_last_draws():
 
 
 def test_packed_rows_by_id_are_the_rows_of_the_dequantized_matrix():
-    """The embedding lookup of a packed matrix on a GPU: one launch (triton_kernels.dequantize
+    """The embedding lookup of a packed matrix on a GPU: one launch (kernels/packed.dequantize
     with ids) gives the rows the whole matrix dequantized has."""
-    from neuron.models import triton_kernels as tk
+    from neuron.kernels import gpu as tk
 
     g = torch.Generator().manual_seed(2)
     for bits, dt in ((4, torch.float16), (8, torch.float16), (4, torch.float32)):
@@ -284,8 +284,8 @@ def test_the_runner_gives_prompt_chunks_the_same_logits_through_the_triton_kerne
 
     from neuron.loader.model_config import config_from_hf
     from neuron.runner.attention import PagedAttention
-    from neuron.tools.checkpoints import make_checkpoint
-    from neuron.tools.parity import ParityJob, build
+    from devtools.checkpoints import make_checkpoint
+    from devtools.parity import ParityJob, build
     from protocol import Sampling, StepSeq
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -9,7 +9,7 @@ from neuron.rank.worker import DeviceWorker
 
 
 def test_a_rank_counts_every_weight_byte_it_reads(tmp_path, one_torch_thread):
-    from neuron.tools.checkpoints import make_checkpoint
+    from devtools.checkpoints import make_checkpoint
 
     path = make_checkpoint("qwen3", tmp_path / "ckpt", seed=5)
     spec = load_spec(str(path))

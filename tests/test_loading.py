@@ -19,7 +19,7 @@ from neuron.loader.chat_template import CHATML, TemplateError, render_chat
 from neuron.loader.errors import ModelNotFound
 from neuron.loader.resolve import DEFAULT_MODEL, default_model_path, hf_cache_dirs, resolve_model
 from neuron.loader.spec import load_spec
-from neuron.tools.checkpoints import CHAT_TEMPLATE, make_checkpoint
+from devtools.checkpoints import CHAT_TEMPLATE, make_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -18,8 +18,8 @@ from neuron.loader.resolve import default_model_path
 from neuron.loader.spec import load_spec
 from neuron.models.quant import GROUP, PackedLinear, decode_blocks, quantize
 from neuron.models.sharding import ShardingError, check_plan, plan_shard
-from neuron.tools.checkpoints import make_checkpoint, random_quant_blocks, write_random_kquant_gguf
-from neuron.tools.parity import ParityJob, run_parity
+from devtools.checkpoints import make_checkpoint, random_quant_blocks, write_random_kquant_gguf
+from devtools.parity import ParityJob, run_parity
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -289,7 +289,7 @@ def test_in_situ_q4_scales_are_exact_in_the_cpu_and_the_gpu_forms():
 def test_forced_decode_steps_give_the_greedy_tokens_back(tmp_path):
     """``ParityJob.forced`` (teacher forcing one decode step at a time, as the GPU test scores the
     decode kernel) fed a model's own greedy continuations draws them again, step for step."""
-    from neuron.tools.checkpoints import make_checkpoint
+    from devtools.checkpoints import make_checkpoint
 
     d = make_checkpoint("qwen3", tmp_path / "m", seed=41)
     paths = [str(p) for p in sorted(d.glob("*.safetensors"))]

@@ -12,8 +12,8 @@ import torch
 from conftest import start_server
 from neuron.loader.resolve import DEFAULT_MODEL, default_model_path
 from neuron.loader.spec import load_spec
-from neuron.tools.checkpoints import make_checkpoint
-from neuron.tools.parity import ParityJob, run_parity
+from devtools.checkpoints import make_checkpoint
+from devtools.parity import ParityJob, run_parity
 
 NEW_TOKENS = 24
 _gen = torch.Generator().manual_seed(77)

@@ -28,9 +28,10 @@ ROOT = Path(__file__).resolve().parent.parent
 CHECK = r"""
 import json, sys, numpy as np, torch, gguf
 from neuron.models.quant import decode_blocks, pack_nibbles
-from neuron.models import triton_kernels as tk
-from neuron.models.triton_kernels import qlinear, reference_qlinear
-from neuron.tools.checkpoints import random_quant_blocks
+from neuron.kernels import packed as tk
+from neuron.kernels.int8_rows import reference_quantized_rows
+from neuron.kernels.packed import qlinear, reference_qlinear
+from devtools.checkpoints import random_quant_blocks
 device = sys.argv[1]
 dtypes = [getattr(torch, d) for d in sys.argv[2].split(",")]
 rng = np.random.default_rng(7)
@@ -61,7 +62,7 @@ for name in ("Q4_1", "Q8_0", "Q4_K", "Q6_K"):
                        err=float((y.float() - want).abs().max() / want.abs().max()),
                        ref_err=float((ref - want).abs().max() / want.abs().max()))
             if rows <= tk.GEMV_ROWS:  # int8 activations: against their own product, and the file's
-                want_q = reference_qlinear(tk.reference_quantized_rows(x), u, sm, bits)
+                want_q = reference_qlinear(reference_quantized_rows(x), u, sm, bits)
                 row["err_q"] = float((y.float() - want_q).abs().max() / want_q.abs().max())
             if rows == 9:  # the tensor-core kernel (y above): K whole (K = 288) or in 2 parts by its own
                 # choice (K = 512); here in 3 parts (at K = 512 the last is empty)

@@ -13,7 +13,7 @@ import pytest
 from neuron.loader.errors import BadModelConfig, LoadError, ModelNotFound, UnsupportedModel
 from neuron.loader.spec import load_spec
 from neuron.models.sharding import ShardingError, check_plan
-from neuron.tools.checkpoints import make_checkpoint
+from devtools.checkpoints import make_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -66,7 +66,7 @@ def test_logit_bias_moves_the_greedy_choice():
 
 
 def test_a_decode_graphs_argmax_is_the_greedy_draw_unless_the_logits_are_changed_or_sampled():
-    """The decode graph stores each row's argmax as its slot's last draw (runner/kernels.py
+    """The decode graph stores each row's argmax as its slot's last draw (kernels/sampling.py
     greedy_tokens); the sampler takes those tokens as they are for plain greedy rows, and draws
     (and stores) its own where a bias, a mask or a temperature changes the choice."""
     logits = torch.zeros(2, V)

@@ -28,7 +28,7 @@ _ELEMENT_TYPES = {
 
 
 # Hugging Face tensor names -> GGUF names (llama.cpp's convert_hf_to_gguf.py).
-_LAYER = {
+LAYER_TENSORS = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight",
@@ -50,7 +50,7 @@ _LAYER = {
     "mlp.gate.weight": "ffn_gate_inp.weight",
     "mlp.experts.down_proj": "ffn_down_exps.weight",
 }
-_GLOBAL = {
+GLOBAL_TENSORS = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
@@ -59,11 +59,11 @@ _GLOBAL = {
 
 
 def gguf_name(hf_name: str) -> str:
-    if hf_name in _GLOBAL:
-        return _GLOBAL[hf_name]
+    if hf_name in GLOBAL_TENSORS:
+        return GLOBAL_TENSORS[hf_name]
     parts = hf_name.split(".", 3)
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _LAYER:
-        return f"blk.{parts[2]}.{_LAYER[parts[3]]}"
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in LAYER_TENSORS:
+        return f"blk.{parts[2]}.{LAYER_TENSORS[parts[3]]}"
     raise KeyError(f"no GGUF name for {hf_name!r}")
 
 

@@ -67,7 +67,7 @@ class Source(Protocol):
     def get(self, name: str, *, dim: int | None = None, part: range | None = None) -> torch.Tensor: ...
 
 
-# Packed weights on a GPU (triton_kernels.py): 44% (q8_0) and 69% (q4) less memory than bf16 for
+# Packed weights on a GPU (neuron/kernels/packed.py): 44% (q8_0) and 69% (q4) less memory than bf16 for
 # an 8B model; batch-1 decode at 1.81-1.82x (q8_0) and 2.54x (q4) of bf16's speed on an H200
 # (scripts/perf-gpu --quantize). False: dense weights on GPUs.
 GPU_PACKED = True
@@ -80,7 +80,7 @@ def packed_kernel_for(device: torch.device, dtype: torch.dtype) -> bool:
         return GPU_PACKED and dtype in (torch.bfloat16, torch.float16)
     if device.type != "cpu":
         return False
-    from .cpu_kernels import KernelUnavailable, cpu_kernels
+    from neuron.kernels.cpu import KernelUnavailable, cpu_kernels
 
     try:
         cpu_kernels()

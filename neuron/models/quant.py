@@ -333,7 +333,7 @@ class PackedLinear:
             self.d = self.dm = torch.empty(0, 0, dtype=torch.float16)
         if self.device.type == "cuda":  # the Triton kernels take each group's scale and offset side
             # by side (pair_scales), in float16, or float32 for the K-quants (exact)
-            from .triton_kernels import pair_scales
+            from neuron.kernels.gpu import pair_scales
 
             scales = [torch.from_numpy(t if q.sup is not None else t.astype(np.float16)) for t in (q.s, q.m)]
             self.sm = pair_scales(*scales).to(self.device)
@@ -343,7 +343,7 @@ class PackedLinear:
             self._kernel = None
             self.gemv_configs: dict[int, tuple[int, int, int]] = {}  # measured at load: runner/linear.py
             return
-        from .cpu_kernels import cpu_kernels
+        from neuron.kernels.cpu import cpu_kernels
 
         kernels = cpu_kernels()
         self._kernel = kernels.q4_linear if self.bits == 4 else kernels.q8_linear
@@ -360,7 +360,7 @@ class PackedLinear:
         """``x W^T + b`` in ``x``'s dtype, or its values in ``out_dtype``."""
         shape = x.shape
         if x.is_cuda:
-            from .triton_kernels import qlinear
+            from neuron.kernels.gpu import qlinear
 
             y = qlinear(x.reshape(-1, self.k), self.u, self.sm, self.bits, getattr(x, "int8_rows", None),
                         self.gemv_configs, out_dtype)
@@ -379,7 +379,7 @@ class PackedLinear:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of W, dequantized (the embedding lookup on a packed matrix)."""
         if ids.is_cuda:
-            from .triton_kernels import dequantize
+            from neuron.kernels.gpu import dequantize
 
             return dequantize(self.u, self.sm, self.bits, self.dtype, ids=ids.reshape(-1)).view(*ids.shape, self.k)
         u = self.u[ids]

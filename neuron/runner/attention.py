@@ -102,7 +102,7 @@ class PagedAttention:
         self.kv_index = self.kv_of_q.long()
         self.meta: StepMeta | None = None
         if triton:
-            from . import kernels
+            from neuron.kernels import gpu as kernels
             self.kernels = kernels
             self.int8_rows = int8_rows if kernels.quantizable(shape.head_dim) else 0
             # The split-K decode kernel's per-(sequence, head) arrival counters: left zero.

@@ -11,7 +11,7 @@ import torch
 
 from neuron.models.linear import Linear
 
-from . import kernels
+from neuron.kernels import gpu as kernels
 
 log = logging.getLogger("neuron.runner")
 
@@ -146,7 +146,7 @@ def tune_packed(model, batch_sizes: list[int]) -> None:
     import triton
 
     from neuron.models.linear import packed_parts
-    from neuron.models.triton_kernels import GEMV_ROWS, qlinear, quantize_rows
+    from neuron.kernels.gpu import GEMV_ROWS, qlinear, quantize_rows
 
     by_shape: dict[tuple, list] = {}
     for part in packed_parts(model):

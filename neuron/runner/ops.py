@@ -10,13 +10,13 @@ from neuron.models.ops import TorchOps
 
 class TritonOps(TorchOps):
     """``int8_rows``: the model's projections are packed, so the norms and SiLU·mul also write
-    their outputs' int8 form for the decode kernel (a few rows: ``triton_kernels.GEMV_ROWS``),
+    their outputs' int8 form for the decode kernel (a few rows: ``kernels.packed.GEMV_ROWS``),
     which saves it a launch to quantize them."""
 
     def __init__(self, fallback: TorchOps, int8_rows: bool = False) -> None:
-        from . import kernels  # Triton: only where a GPU runs them
+        from neuron.kernels import gpu as kernels  # Triton: only where a GPU runs them
 
-        from neuron.models.triton_kernels import GEMV_ROWS
+        from neuron.kernels.gpu import GEMV_ROWS
 
         self.fallback, self.kernels = fallback, kernels
         self.int8_rows = GEMV_ROWS if int8_rows else 0  # the most rows written in int8 too

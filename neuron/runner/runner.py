@@ -107,7 +107,7 @@ class ModelRunner:
         self.triton = self.cuda and _triton_fits(shape.head_dim)
         if self.triton:
             from neuron.models.linear import has_packed
-            from neuron.models.triton_kernels import pdl_by_default
+            from neuron.kernels.gpu import pdl_by_default
 
             from .ops import TritonOps
             model.ops = TritonOps(model.ops, int8_rows=has_packed(model))
@@ -377,7 +377,7 @@ class ModelRunner:
                 meta.decode_ctx = upload(ctx, torch.int32, self.device)
                 heads = self.model.attention_shape.n_kv if self.model.attention_shape.gqa_repeat else \
                     self.model.attention_shape.n_q
-                from .kernels import decode_splits
+                from neuron.kernels.gpu import decode_splits
                 meta.decode_splits = decode_splits(len(d), heads, meta.decode_max_ctx, self.sm_count)
             elif self.cpu_kernels is not None:
                 meta.decode_slots = slot_t[meta.decode_rows] if meta.decode_rows is not None else slot_t
@@ -427,7 +427,7 @@ class ModelRunner:
     def _resolve(self, ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Device tokens (-1) become the slot's last draw, still on the device."""
         if self.triton:
-            from .kernels import resolve_tokens
+            from neuron.kernels.gpu import resolve_tokens
             return resolve_tokens(ids, slots, self.sampler.last_token)
         return torch.where(ids >= 0, ids, self.sampler.last_token[slots])
 
@@ -462,7 +462,7 @@ class ModelRunner:
         ids, pos, slots = self.graph_in[0, :n], self.graph_in[1, :n], self.graph_in[2, :n]
         ids = self._resolve(ids, slots)
         shape = self.model.attention_shape
-        from .kernels import decode_splits, greedy_tokens
+        from neuron.kernels.gpu import decode_splits, greedy_tokens
         heads = shape.n_kv if shape.gqa_repeat else shape.n_q
         # The kernels find each row's cache row and context from its slot and position.
         self.attention.meta = StepMeta(
@@ -572,7 +572,7 @@ def _triton_fits(head_dim: int) -> bool:
 
 def _cpu_kernels():
     """The C++ CPU ops, or None where they cannot be built (the torch ops run instead)."""
-    from neuron.models.cpu_kernels import KernelUnavailable, cpu_kernels
+    from neuron.kernels.cpu import KernelUnavailable, cpu_kernels
 
     try:
         return cpu_kernels()

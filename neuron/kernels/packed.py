@@ -6,7 +6,7 @@ float32 accumulation.
 - Up to ``GEMV_ROWS`` rows of ``x`` (decode) the product is memory-bound, and a kernel that
   converts every weight to a float spends more instructions than the memory allows (an H200
   streams ~2 weights a cycle per scheduler). So, as llama.cpp's CUDA kernels do, the rows of
-  ``x`` are first quantized to int8 per group of 32 (``_quantize_rows_kernel``: ``q = round(x /
+  ``x`` are first quantized to int8 per group of 32 (``int8_rows.quantize_rows``: ``q = round(x /
   d)``, ``d = max|x| / 127``) and ``_qgemv_kernel`` multiplies W's bytes as they are, four
   products an instruction (``dp4a``): ``y = sum_g s d (u . q) + m d sum(q)``. With int8
   activations the largest error of an output is 0.4-0.7% of the largest output on random data
@@ -30,66 +30,15 @@ the tests check it against the torch references ``reference_qlinear`` and
 ``reference_quantized_rows``.
 """
 
-from __future__ import annotations
 
-import functools
-import os
+from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # as Triton reads it, at import
-
-
-_pdl_by_default = True
-
-
-def pdl_by_default(on: bool) -> None:
-    """Whether ``pdl`` is on where ``NEURON_PDL`` does not say. The runner turns it off on
-    tensor-parallel ranks: there one of six runs of the TP=2 test against the CPU failed with it,
-    cause not seen, so it waits for a proof (``NEURON_PDL=1`` turns it on)."""
-    global _pdl_by_default
-    _pdl_by_default = on
-    pdl.cache_clear()
-
-
-@functools.cache
-def pdl(device: torch.device) -> bool:
-    """Whether kernels on ``device`` are launched with programmatic dependent launch (PDL, Hopper
-    and later; ``NEURON_PDL=0`` turns it off, ``=1`` on): a kernel then starts while the one before
-    it in the stream is still running, instead of after it has drained, and waits
-    (``_grid_sync``) only where it needs that kernel's results. A decode step is ~330 short
-    kernels, so the gaps and the ramps between them are a good part of it; a projection also
-    fetches its first weights (which no kernel writes) before it waits."""
-    wanted = os.environ.get("NEURON_PDL", "1" if _pdl_by_default else "0") != "0"
-    if _INTERPRETED or device.type != "cuda" or not wanted:
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def pdl_args(device: torch.device) -> dict[str, bool]:
-    """The launch arguments of a kernel that calls ``_grid_sync(PDL)``."""
-    on = pdl(device)
-    return {"PDL": on, "launch_pdl": on}
-
-
-@triton.jit
-def _grid_sync(PDL: tl.constexpr):
-    """Under PDL: let the next kernel of the stream launch, then wait until the previous one has
-    finished and its writes are visible. Every program calls this before it reads anything an
-    earlier kernel of the chain writes or writes anything, and before it may exit (the wait is
-    what makes the chain transitive: a kernel finishes only after the one before it has).
-
-    What may be read before it: what no kernel of the chain writes — weights, tables of
-    constants, and a step's inputs, which copies and torch ops write before the chain's first
-    kernel (launched without PDL, those finish before any later kernel starts). A kernel of the
-    chain may start while several before it still run, so not even a write several kernels back
-    is safe to read before the wait."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-
+from .int8_rows import quantize_rows
+from .launch import INTERPRETED, TL_DTYPES, grid_sync, multiprocessors, pdl_args
 
 @triton.jit
 def _load(at, ok, EVEN: tl.constexpr, POLICY: tl.constexpr):
@@ -159,36 +108,6 @@ def _dp4a(a, b, c, EMU: tl.constexpr):
     else:
         return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
                                          is_pure=True, pack=1)
-
-
-@triton.jit
-def _quantize_groups(v, g, ok, q_ptr, d_ptr, t_ptr):
-    """Store groups ``g`` [G] of one row (pointers at its start) from ``v``, their values [G, 2,
-    16] in float32, where ``ok``: ``q = round(v / d)`` (int8), ``d = max|v| / 127`` (float32) and
-    ``d * sum(q)`` of each half (float32). The decode kernel's operands; a kernel that writes the
-    activations can call this on them too (``runner/kernels.py``: RMS norm, SiLU·mul)."""
-    h = tl.arange(0, 2)
-    j = tl.arange(0, 16)
-    amax = tl.max(tl.max(tl.abs(v), axis=2), axis=1)
-    d = amax / 127.0
-    q = v * (127.0 / tl.where(amax > 0, amax, 1.0))[:, None, None]  # amax = 0: v = 0
-    q = tl.where(q >= 0, tl.floor(q + 0.5), -tl.floor(0.5 - q))  # half away from zero
-    at = g[:, None, None] * 32 + h[None, :, None] * 16 + j[None, None, :]
-    tl.store(q_ptr + at, q.to(tl.int8), mask=ok[:, None, None])
-    tl.store(d_ptr + g, d, mask=ok)
-    tl.store(t_ptr + g[:, None] * 2 + h[None, :], tl.sum(q, axis=2) * d[:, None], mask=ok[:, None])
-
-
-@triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, d_ptr, t_ptr, K, BLOCK_G: tl.constexpr, PDL: tl.constexpr):
-    """Row ``program_id(1)`` of ``x`` in groups of 32 (``_quantize_groups``)."""
-    _grid_sync(PDL)
-    r = tl.program_id(1)
-    g = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)
-    ok = g < K // 32
-    at = g[:, None, None] * 32 + tl.arange(0, 2)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
-    x = tl.load(x_ptr + r * K + at, mask=ok[:, None, None], other=0.0).to(tl.float32)
-    _quantize_groups(x, g, ok, q_ptr + r * K, d_ptr + r * (K // 32), t_ptr + r * (K // 16))
 
 
 @triton.jit
@@ -294,7 +213,7 @@ def _qgemv_kernel(q_ptr, d_ptr, t_ptr, w_ptr, sm_ptr, y_ptr, M, N, K, NS, stride
     every row of W in a thread shares them; each row of x has an accumulator of its own
     (``_qgemv_groups``).
 
-    The first step's groups of W are loaded before ``_grid_sync``: no kernel writes W, so under
+    The first step's groups of W are loaded before ``grid_sync``: no kernel writes W, so under
     programmatic dependent launch (``pdl``) the kernel fetches them while the one that writes
     ``x`` still runs. (Loading every next step ahead as well, two steps in flight, made a q8_0
     decode step 14% slower on an H200.)"""
@@ -303,7 +222,7 @@ def _qgemv_kernel(q_ptr, d_ptr, t_ptr, w_ptr, sm_ptr, y_ptr, M, N, K, NS, stride
     a0 = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
     a1, a2, a3, a4, a5, a6, a7 = a0, a0, a0, a0, a0, a0, a0
     w_lo, w_hi, s_lo, m_lo, s_hi, m_hi = _packed_groups(w_ptr, sm_ptr, n, gi, N, K, NS, stride_w, BITS, GS, EVEN)
-    _grid_sync(PDL)
+    grid_sync(PDL)
     a0, a1, a2, a3, a4, a5, a6, a7 = _qgemv_groups(a0, a1, a2, a3, a4, a5, a6, a7, w_lo, w_hi, s_lo, m_lo, s_hi,
                                                    m_hi, gi, q_ptr, d_ptr, t_ptr, M, K, GS, BLOCK_M, EVEN, EMU)
     for g0 in range(BLOCK_G, K // 32, BLOCK_G):
@@ -335,7 +254,7 @@ def _qgemm_kernel(x_ptr, u_ptr, sm_ptr, y_ptr, part_ptr, M, N, K, NS, stride_u, 
     > 1, program (.., .., s) takes the ``K_SPLIT`` columns from ``s * K_SPLIT`` and leaves its
     float32 sum in ``part_ptr`` [SPLIT, M, N] for ``_split_sum_kernel``: a few rows of x over a
     narrow W make too few tiles to keep the GPU's memory system busy otherwise."""
-    _grid_sync(PDL)
+    grid_sync(PDL)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     G: tl.constexpr = BLOCK_K // 32
@@ -371,7 +290,7 @@ def _qgemm_kernel(x_ptr, u_ptr, sm_ptr, y_ptr, part_ptr, M, N, K, NS, stride_u, 
 def _split_sum_kernel(part_ptr, y_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """``y`` = the sum of the ``SPLIT`` float32 parts [SPLIT, MN] ``_qgemm_kernel`` left, in
     ``y``'s dtype."""
-    _grid_sync(PDL)
+    grid_sync(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < MN
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -385,7 +304,7 @@ def _dequant_kernel(u_ptr, sm_ptr, ids_ptr, w_ptr, ROWS, N, K, NS, stride_u, BIT
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATHER: tl.constexpr, PDL: tl.constexpr):
     """``ROWS`` rows of W (N rows) as ``w_ptr``'s dtype, [ROWS, K] row-major: rows 0..N-1, or
     with ``GATHER`` row ``ids[i]`` as row i (an embedding lookup)."""
-    _grid_sync(PDL)
+    grid_sync(PDL)
     i = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n = tl.load(ids_ptr + i, mask=i < ROWS, other=0) if GATHER else i
     g = tl.program_id(1) * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
@@ -405,7 +324,6 @@ GEMV_CONFIG = {1: (2, 32, 1), 2: (2, 32, 1), 4: (2, 32, 1), 8: (4, 32, 1)}
 GEMV_LONG_K_CONFIG = {1: (1, 64, 1), 2: (1, 32, 1), 4: (2, 32, 1), 8: (4, 32, 1)}
 LONG_K = 8192
 GEMV_ROWS = 8  # more rows than this: the tensor-core kernel
-QUANTIZE_ROWS_GROUPS = 8  # groups of 32 a program of _quantize_rows_kernel
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the tensor-core kernel by rows of x
 # and how many programs a multiprocessor it splits K for (gemm_split). Timed on an H200 with
 # .gpu/gemm.py, Qwen3-8B's shapes, 4 and 8 bits (us at 16 rows, q4: q/k/v 19.4, o 19.5, gate/up
@@ -428,9 +346,6 @@ GATHER_CONFIG = (1, 512, 4)  # the same for a few rows by id (dequantize(ids=...
 # in-process prefill graph, .gpu/pt.py). Unpacking the next matrix on a second stream while this
 # one is multiplied gained nothing (11.8-12.0 ms either way): cuBLAS's kernels fill every SM.
 DEQUANT_BYTES = 256 << 20
-
-
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 def pair_scales(s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -480,7 +395,7 @@ def qlinear(x: torch.Tensor, u: torch.Tensor, sm: torch.Tensor, bits: int,
                                                   BITS=bits, GS=gs, BLOCK_M=block_m, BLOCK_N=block_n,
                                                   BLOCK_G=block_g,
                                                   EVEN=N % block_n == 0 and K // 32 % block_g == 0 and M == block_m,
-                                                  EMU=_INTERPRETED, ROUND=_TL_DTYPES[x.dtype], num_warps=warps,
+                                                  EMU=INTERPRETED, ROUND=TL_DTYPES[x.dtype], num_warps=warps,
                                                   num_stages=1, **pdl_args(x.device))
         return y
     if M <= GEMM_ROWS:
@@ -506,15 +421,10 @@ def qlinear(x: torch.Tensor, u: torch.Tensor, sm: torch.Tensor, bits: int,
     return y
 
 
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-
-
 def gemm_split(tiles: int, steps: int, per_sm: int, device: torch.device) -> int:
     """How many parts the tensor-core kernel splits K into: doubled while the programs number
     fewer than ``per_sm`` a multiprocessor and each part keeps two or more ``BLOCK_K`` steps."""
-    split, want = 1, per_sm * _multiprocessors(device)
+    split, want = 1, per_sm * multiprocessors(device)
     while tiles * split < want and steps >= 4 * split:
         split *= 2
     return split
@@ -538,35 +448,6 @@ def dequantize(u: torch.Tensor, sm: torch.Tensor, bits: int, dtype: torch.dtype,
     return w
 
 
-def int8_rows_buffers(M: int, K: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Empty ``q`` int8 [M, K], ``d`` [M, K/32] and ``t`` [M, K/16] (float32)."""
-    return (torch.empty((M, K), device=device, dtype=torch.int8),
-            torch.empty((M, K // 32), device=device, dtype=torch.float32),
-            torch.empty((M, K // 16), device=device, dtype=torch.float32))
-
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x`` [M, K] as int8 per group of 32: ``q`` [M, K], ``d`` [M, K/32] and ``d * sum(q)``
-    per 16 [M, K/16] (float32), the decode kernel's operands."""
-    M, K = x.shape
-    q, d, t = int8_rows_buffers(M, K, x.device)
-    _quantize_rows_kernel[(triton.cdiv(K // 32, QUANTIZE_ROWS_GROUPS), M)](x, q, d, t, K,
-                                                                          BLOCK_G=QUANTIZE_ROWS_GROUPS, num_warps=1,
-                                                                          **pdl_args(x.device))
-    return q, d, t
-
-
-def reference_quantized_rows(x: torch.Tensor) -> torch.Tensor:
-    """What the decode kernel multiplies for ``x`` [M, K]: ``d * round(x / d)`` per group of 32
-    (float32 torch ops); ``reference_qlinear`` of it is the decode kernel's product."""
-    M, K = x.shape
-    g = x.float().view(M, K // 32, 32)
-    amax = g.abs().amax(-1, keepdim=True)
-    v = g * torch.where(amax > 0, 127.0 / amax, 0.0)
-    q = torch.sign(v) * torch.floor(v.abs() + 0.5)  # half away from zero, as the kernel rounds
-    return (q * (amax / 127.0)).view(M, K)
-
-
 def reference_qlinear(x: torch.Tensor, u: torch.Tensor, sm: torch.Tensor, bits: int) -> torch.Tensor:
     """The same product in float32 torch ops (the weight dequantized whole)."""
     s, m = sm[..., 0], sm[..., 1]
@@ -580,3 +461,4 @@ def reference_qlinear(x: torch.Tensor, u: torch.Tensor, sm: torch.Tensor, bits: 
     gs = K // s.shape[1]
     w = q.view(N, -1, gs).float() * s.float()[..., None] + m.float()[..., None]
     return x.float() @ w.view(N, K).t()
+

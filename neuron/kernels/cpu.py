@@ -1,5 +1,5 @@
 """The CPU kernels: packed-weight matrix products (``csrc/qlinear_cpu.cpp``) and the step's fused
-small ops (``neuron/runner/csrc/cpu_ops.cpp``), one extension built for this machine's
+small ops (``csrc/cpu_ops.cpp``), one extension built for this machine's
 instruction set the first time a rank needs them (torch's C++ extension builder: a C++ compiler
 and ninja) and cached by torch under ``TORCH_EXTENSIONS_DIR`` (default ~/.cache/torch_extensions)."""
 
@@ -15,8 +15,7 @@ from typing import Any
 log = logging.getLogger("neuron.kernels")
 
 NAME = "neuron_cpu"
-SOURCES = [Path(__file__).parent / "csrc" / "qlinear_cpu.cpp",
-           Path(__file__).parent.parent / "runner" / "csrc" / "cpu_ops.cpp"]
+SOURCES = [Path(__file__).parent / "csrc" / "qlinear_cpu.cpp", Path(__file__).parent / "csrc" / "cpu_ops.cpp"]
 
 
 class KernelUnavailable(RuntimeError):

@@ -1,5 +1,5 @@
 // The CPU step's small ops, fused (float32): what the CUDA path does with Triton kernels
-// (neuron/runner/kernels.py), for the same reason. Unfused, a decode step of a small model spends
+// (neuron/kernels/fused.py), for the same reason. Unfused, a decode step of a small model spends
 // most of its time in ~40 torch ops a layer (a few microseconds of dispatch each, and the paged
 // keys gathered into fresh tensors for SDPA) rather than in its matrix products.
 //

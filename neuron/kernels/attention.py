@@ -1,11 +1,6 @@
-"""Triton kernels of the GPU fast path: paged attention (decode and prefill), the KV store, and
-the small fused ops (RMS norm with the residual add, q/k norm + RoPE, SiLU·mul). Imported only
-where Triton runs (CUDA, or the CPU interpreter under TRITON_INTERPRET=1 in tests); every kernel
-has a plain torch reference in neuron/models/ops.py or neuron/runner/attention.py (or
-tests/attention_reference.py) that it is checked against.
-
-Only basic tl ops are used: the GPU image ships Triton 3.6.
-"""
+"""Paged attention on the GPU (Triton): decode (flash-decoding over the block tables, splits
+merged by their log-sum-exp) and prefill (each prompt chunk causally over its cached prefix).
+Checked against the torch paths of neuron/runner/attention.py and tests/attention_reference.py."""
 
 from __future__ import annotations
 
@@ -13,11 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from neuron.models.triton_kernels import _grid_sync, _quantize_groups, int8_rows_buffers, pdl_args
-
-
-def _pow2(n: int) -> int:
-    return triton.next_power_of_2(max(1, n))
+from .launch import grid_sync, pdl_args, pow2
+from .int8_rows import quantize_groups
 
 
 # ---------------------------------------------------------------------------------------------
@@ -29,7 +21,7 @@ def _pow2(n: int) -> int:
 def _store_heads(Out, out, seq, heads, hmask, d, dmask, stride_ot, stride_oh, Q8, Q8D, Q8T, NQ,
                  D: tl.constexpr, GROUP_PAD: tl.constexpr, QUANT: tl.constexpr):
     """A sequence's output rows of ``heads`` [GROUP_PAD, D_PAD]; with ``QUANT`` (D a multiple of
-    32) also their int8 groups of 32 in the flat row [NQ * D] (``_quantize_groups``), for the
+    32) also their int8 groups of 32 in the flat row [NQ * D] (``quantize_groups``), for the
     packed output projection."""
     out = out.to(Out.dtype.element_ty)
     tl.store(Out + seq * stride_ot + heads[:, None] * stride_oh + d[None, :], out, mask=hmask[:, None] & dmask[None, :])
@@ -38,7 +30,7 @@ def _store_heads(Out, out, seq, heads, hmask, d, dmask, stride_ot, stride_oh, Q8
         j = tl.arange(0, D // 32)
         g = tl.reshape(heads[:, None] * (D // 32) + j[None, :], (G,))
         ok = tl.reshape(hmask[:, None] & (j[None, :] < D // 32), (G,))
-        _quantize_groups(tl.reshape(out.to(tl.float32), (G, 2, 16)), g, ok, Q8 + seq * NQ * D,
+        quantize_groups(tl.reshape(out.to(tl.float32), (G, 2, 16)), g, ok, Q8 + seq * NQ * D,
                          Q8D + seq * (NQ * D // 32), Q8T + seq * (NQ * D // 16))
 
 
@@ -65,7 +57,7 @@ def _decode_kernel(Q, K, V, Tables, Slots, Ctx, Pos, KvOfQ, Out, PartOut, PartLs
                    NSPLIT: tl.constexpr, NSPLIT_PAD: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
                    MERGE: tl.constexpr, CTX_FROM_POS: tl.constexpr, PDL: tl.constexpr):
     """Under PDL the program reads the step's inputs (context lengths, slots, block tables)
-    before ``_grid_sync``, and where its split is one tile of keys (short contexts), that tile's
+    before ``grid_sync``, and where its split is one tile of keys (short contexts), that tile's
     cached keys and values too: all were written before the step's first kernel, but for the
     sequence's newest key and value, which the kernel before this one (``rope_store``) writes
     and which are read after the wait. So the chain of loads after the wait is one round trip (q
@@ -104,7 +96,7 @@ def _decode_kernel(Q, K, V, Tables, Slots, Ctx, Pos, KvOfQ, Out, PartOut, PartLs
     cached = (tmask & (t < ctx - 1))[:, None] & dmask[None, :]
     k = tl.load(K + offs[:, None] + d[None, :], mask=cached, other=0.0)
     v = tl.load(V + offs[:, None] + d[None, :], mask=cached, other=0.0)
-    _grid_sync(PDL)
+    grid_sync(PDL)
     q = tl.load(Q + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=hmask[:, None] & dmask[None, :], other=0.0)
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -173,7 +165,7 @@ MERGE_PARTS = 4
 
 def quantizable(head_dim: int) -> bool:
     """Whether ``paged_decode`` can write its output's int8 form: whole groups of 32 per head."""
-    return head_dim % 32 == 0 and head_dim == _pow2(head_dim)
+    return head_dim % 32 == 0 and head_dim == pow2(head_dim)
 
 
 def decode_splits(batch: int, programs_per_split: int, max_ctx: int, sm_count: int, tile: int = 64) -> int:
@@ -206,7 +198,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     uniform = gqa_repeat > 0
     group = gqa_repeat if uniform else 1
     heads = n_q // group
-    d_pad = _pow2(D)
+    d_pad = pow2(D)
     part_out = part_lse = out
     if splits > 1:
         part_out = torch.empty(B * n_q * splits, d_pad, device=q.device, dtype=torch.float32)
@@ -217,11 +209,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         *(int8_rows or (out, out, out)),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
         out.stride(0), out.stride(1), scale, n_q,
-        GROUP=group, GROUP_PAD=max(16, _pow2(group)), UNIFORM=uniform, D=D, D_PAD=d_pad,
-        BS=k_cache.shape[1], TILE=64, NSPLIT=splits, NSPLIT_PAD=_pow2(splits),
+        GROUP=group, GROUP_PAD=max(16, pow2(group)), UNIFORM=uniform, D=D, D_PAD=d_pad,
+        BS=k_cache.shape[1], TILE=64, NSPLIT=splits, NSPLIT_PAD=pow2(splits),
         # float32 models get float32 products (tl.dot would otherwise round its inputs to tf32)
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=int8_rows is not None,
-        MERGE=min(MERGE_PARTS, _pow2(splits)), CTX_FROM_POS=ctx is None, num_warps=4, **pdl_args(q.device))
+        MERGE=min(MERGE_PARTS, pow2(splits)), CTX_FROM_POS=ctx is None, num_warps=4, **pdl_args(q.device))
     return out
 
 
@@ -270,7 +262,7 @@ def _prefill_kernel(Q, K, V, Tables, Spans, KvOfQ, Out,
                     D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr,
                     PartOut, PartML, T, NQ, PDL: tl.constexpr):
-    _grid_sync(PDL)  # before the early exit below: a program may finish only after it
+    grid_sync(PDL)  # before the early exit below: a program may finish only after it
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # the last tiles see the most keys: start them first
     head = tl.program_id(1)
     span = tl.program_id(2) // SPLITS
@@ -332,7 +324,7 @@ def _prefill_merge(PartOut, PartML, Out, T, NQ, stride_ot, stride_oh, D: tl.cons
                    SPLITS: tl.constexpr, PDL: tl.constexpr):
     """One (row, head): the SPLITS key ranges' outputs weighted by their share of the softmax. A
     row no chunk covers (a graph's padding) has only empty ranges and gets zeros."""
-    _grid_sync(PDL)
+    grid_sync(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     d = tl.arange(0, D_PAD)
@@ -363,12 +355,12 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     be a chunk's or padding (a prefill graph's rows are)."""
     T, n_q, D = q.shape
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and spans.dtype == torch.int32 and spans.is_contiguous()
-    assert splits == _pow2(splits)
+    assert splits == pow2(splits)
     out = torch.empty(T, n_q, D, device=q.device, dtype=q.dtype) if out is None else out
     uniform = gqa_repeat > 0
     group = gqa_repeat if uniform else 1
-    group_pad = _pow2(group)
-    d_pad = _pow2(D)
+    group_pad = pow2(group)
+    d_pad = pow2(D)
     block_m = max(1, 64 // group_pad)  # query positions per tile: 64 rows (query, head) when it divides
     block_n = 64 if d_pad <= 128 else 32
     rows = block_m * group_pad
@@ -394,295 +386,3 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# RMS norm, optionally fused with the residual add that precedes it.
-
-
-@triton.jit
-def _rms_norm_kernel(X, R, W, Out, RNew, Q, D, S, stride_x, stride_r, stride_o, eps,
-                     N: tl.constexpr, N_PAD: tl.constexpr, ADD: tl.constexpr, QUANT: tl.constexpr,
-                     PDL: tl.constexpr):
-    row = tl.program_id(0)
-    i = tl.arange(0, N_PAD)
-    mask = i < N
-    w = tl.load(W + i, mask=mask, other=0.0)  # a weight: no kernel writes it
-    _grid_sync(PDL)
-    x = tl.load(X + row * stride_x + i, mask=mask, other=0.0)
-    if ADD:
-        x = (x.to(tl.float32) + tl.load(R + row * stride_r + i, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
-        tl.store(RNew + row * stride_r + i, x, mask=mask)
-    h = x.to(tl.float32)
-    h = h * tl.rsqrt(tl.sum(h * h, 0) / N + eps)
-    out = (w.to(tl.float32) * h.to(x.dtype).to(tl.float32)).to(x.dtype)
-    tl.store(Out + row * stride_o + i, out, mask=mask)
-    if QUANT:  # the packed projection that follows multiplies these as int8 groups of 32
-        g = tl.arange(0, N_PAD // 32)
-        _quantize_groups(tl.reshape(out.to(tl.float32), (N_PAD // 32, 2, 16)), g, g < N // 32, Q + row * N,
-                         D + row * (N // 32), S + row * (N // 16))
-
-
-def _int8_rows(out: torch.Tensor, quantize: bool) -> tuple[torch.Tensor, ...]:
-    """The buffers of ``out``'s int8 form, attached to it as ``out.int8_rows`` (which a packed
-    projection reads in place of quantizing ``out`` itself); ``out`` thrice when not wanted."""
-    if not quantize:
-        return out, out, out
-    out.int8_rows = int8_rows_buffers(*out.shape, out.device)
-    return out.int8_rows
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             quantize: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """norm(x) or, with ``residual``, (norm(residual + x), residual + x) — the sum written into
-    ``residual`` in place. Rows of x [T, N] must be contiguous. ``quantize`` (N a multiple of 32):
-    the output's int8 form too (``_int8_rows``)."""
-    T, N = x.shape
-    out = torch.empty_like(x)
-    add = residual is not None
-    r = residual if add else x
-    _rms_norm_kernel[(T,)](x, r, weight, out, r, *_int8_rows(out, quantize), x.stride(0), r.stride(0),
-                           out.stride(0), eps, N=N, N_PAD=_pow2(N), ADD=add, QUANT=quantize,
-                           num_warps=8 if N >= 2048 else 4, **pdl_args(x.device))
-    return out, residual
-
-
-# ---------------------------------------------------------------------------------------------
-# q/k/v of a step: the optional per-head RMS norm (qwen3) and RoPE ("rotate half") of q and k; q
-# rotated in place, k and v written straight into their cache rows (one launch per layer).
-
-
-@triton.jit
-def _rope_store_kernel(X, Pos, Cos, Sin, WQ, WK, Kc, Vc, Index, Tables, Slots, stride_xt, stride_xh, stride_cs,
-                       stride_crow, stride_tab, eps, n_q, n_kv, D: tl.constexpr, HALF: tl.constexpr,
-                       NORM: tl.constexpr, STORE: tl.constexpr, FROM_TABLE: tl.constexpr, BS: tl.constexpr,
-                       PDL: tl.constexpr):
-    """Program (token, head). Under PDL the position, its cos/sin rows, the norm weights and the
-    cache row are read before ``_grid_sync`` (the step's inputs and constants, written before
-    its first kernel): after the wait only the projection's output is, one round trip, not the
-    position's and then its cos/sin rows' two."""
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    i = tl.arange(0, HALF)
-    pos = tl.load(Pos + t)
-    c = tl.load(Cos + pos * stride_cs + i).to(tl.float32)
-    s = tl.load(Sin + pos * stride_cs + i).to(tl.float32)
-    is_q = h < n_q
-    if NORM:
-        w1 = tl.where(is_q, tl.load(WQ + i), tl.load(WK + i)).to(tl.float32)
-        w2 = tl.where(is_q, tl.load(WQ + HALF + i), tl.load(WK + HALF + i)).to(tl.float32)
-    if FROM_TABLE:  # the token's cache row: its position's block in its sequence's table row
-        row = tl.load(Tables + tl.load(Slots + t) * stride_tab + pos // BS).to(tl.int64) * BS + pos % BS
-    else:
-        row = tl.load(Index + t).to(tl.int64)  # (positions again where nothing is stored)
-    _grid_sync(PDL)
-    base = X + t * stride_xt + h * stride_xh
-    x1 = tl.load(base + i)
-    x2 = tl.load(base + HALF + i)
-    if h >= n_q + n_kv:  # a value head: into the cache as it is
-        dst = Vc + row * stride_crow + (h - n_q - n_kv) * D
-        tl.store(dst + i, x1)
-        tl.store(dst + HALF + i, x2)
-    else:
-        a = x1.to(tl.float32)
-        b = x2.to(tl.float32)
-        if NORM:
-            inv = tl.rsqrt((tl.sum(a * a, 0) + tl.sum(b * b, 0)) / D + eps)
-            a = (w1 * (a * inv).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
-            b = (w2 * (b * inv).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
-        o1 = (a * c - b * s).to(x1.dtype)
-        o2 = (b * c + a * s).to(x1.dtype)
-        if STORE and h >= n_q:
-            dst = Kc + row * stride_crow + (h - n_q) * D
-            tl.store(dst + i, o1)
-            tl.store(dst + HALF + i, o2)
-        else:
-            tl.store(base + i, o1)
-            tl.store(base + HALF + i, o2)
-
-
-def rope_store(qkv: torch.Tensor, n_q: int, n_kv: int, positions: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
-               k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
-               index: torch.Tensor | None = None, tables: torch.Tensor | None = None,
-               slots: torch.Tensor | None = None) -> None:
-    """qkv [T, n_q + 2 n_kv, hd]: q rotated in place; with caches (contiguous, flat row ``index``
-    [T] per token, or where ``index`` is None the row of each token's position in block table
-    ``tables`` [rows, max_blocks] row ``slots`` [T]), k rotated and v as is go into them, else k
-    is rotated in place and v left."""
-    T, heads, D = qkv.shape
-    assert qkv.stride(2) == 1 and D % 2 == 0 and (D // 2) & (D // 2 - 1) == 0 and heads == n_q + 2 * n_kv
-    store = k_cache is not None
-    norm = q_norm is not None
-    from_table = store and index is None
-    assert not from_table or (tables is not None and slots is not None)
-    _rope_store_kernel[(T, heads if store else n_q + n_kv)](
-        qkv, positions, cos, sin, q_norm if norm else cos, k_norm if norm else cos,
-        k_cache if store else qkv, v_cache if store else qkv, positions if index is None else index,
-        tables if from_table else positions, slots if from_table else positions,
-        qkv.stride(0), qkv.stride(1), cos.stride(0), n_kv * D, tables.stride(0) if from_table else 0, eps, n_q, n_kv,
-        D=D, HALF=D // 2, NORM=norm, STORE=store, FROM_TABLE=from_table,
-        BS=k_cache.shape[1] if store else 1, num_warps=1, **pdl_args(qkv.device))
-
-
-# ---------------------------------------------------------------------------------------------
-# SiLU(gate) * up over the fused gate/up projection's output.
-
-
-@triton.jit
-def _silu_mul_kernel(X, Out, Q, D, S, stride_x, stride_o, N, BLOCK: tl.constexpr, QUANT: tl.constexpr,
-                     PDL: tl.constexpr):
-    _grid_sync(PDL)
-    t = tl.program_id(0)
-    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = i < N
-    gate = tl.load(X + t * stride_x + i, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(X + t * stride_x + N + i, mask=mask, other=0.0)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
-    out = (silu.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
-    tl.store(Out + t * stride_o + i, out, mask=mask)
-    if QUANT:  # as in _rms_norm_kernel
-        g = tl.program_id(1) * (BLOCK // 32) + tl.arange(0, BLOCK // 32)
-        _quantize_groups(tl.reshape(out.to(tl.float32), (BLOCK // 32, 2, 16)), g, g < N // 32, Q + t * N,
-                         D + t * (N // 32), S + t * (N // 16))
-
-
-def silu_mul(gate_up: torch.Tensor, quantize: bool = False) -> torch.Tensor:
-    """SiLU(gate) * up of [T, 2N]; ``quantize`` (N a multiple of 32): the int8 form too."""
-    T, N2 = gate_up.shape
-    N = N2 // 2
-    out = torch.empty(T, N, device=gate_up.device, dtype=gate_up.dtype)
-    # One row in programs of 1024 elements, more rows in programs of 256 (more programs in flight):
-    # H200, Qwen3-8B q4, a decode step of 8 rows 4.648 -> 4.555 ms; of one row 1.872-1.879 against
-    # 1.882-1.884 ms in 256s (.gpu/nw.py, graphs recaptured per variant, 2 rounds).
-    block, warps = (1024, 4) if T == 1 else (256, 2)
-    _silu_mul_kernel[(T, triton.cdiv(N, block))](gate_up, out, *_int8_rows(out, quantize), gate_up.stride(0),
-                                                   out.stride(0), N, BLOCK=block, QUANT=quantize, num_warps=warps,
-                                                   **pdl_args(gate_up.device))
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Skinny GEMM (a decode step's few rows times a weight): y[M, N] = x[M, K] W[N, K]^T, M <= 16.
-# Each program reads BLOCK_N rows of W once; the rows of x are padded to 16 for the MMA.
-
-GEMV_CONFIGS: tuple[tuple[int, int, int], ...] = ((16, 256, 4), (32, 256, 4), (32, 512, 3), (64, 128, 4))
-
-
-@triton.jit(do_not_specialize=["M"])
-def _gemv_kernel(X, W, Out, M, N, K, stride_xm, stride_wn, stride_om, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    _grid_sync(PDL)
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = tl.arange(0, 16)
-    acc = tl.zeros([16, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
-        w = tl.load(W + n[:, None] * stride_wn + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
-        acc += tl.dot(x, tl.trans(w))
-    tl.store(Out + m[:, None] * stride_om + n[None, :], acc.to(Out.dtype.element_ty),
-             mask=(m[:, None] < M) & (n[None, :] < N))
-
-
-def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int] = GEMV_CONFIGS[0]) -> torch.Tensor:
-    M, K = x.shape
-    N = weight.shape[0]
-    assert M <= 16 and x.stride(1) == 1 and weight.stride(1) == 1
-    out = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    block_n, block_k, stages = config
-    _gemv_kernel[(triton.cdiv(N, block_n),)](x, weight, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0),
-                                              BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=stages,
-                                              **pdl_args(x.device))
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Greedy tokens in the decode graph: each row's argmax over the vocabulary, in two launches (parts
-# of a row, then the parts), instead of torch's reduction (one launch of ~19 programs, 7.6 us of
-# an H200's q4 step) and the scatter of the tokens into the slots' last draws after it.
-
-
-@triton.jit
-def _argmax_combine(v1, i1, v2, i2):
-    """The larger of two (value, index) pairs as torch.argmax picks: NaN above everything, and
-    of equal values (or two NaNs) the first index."""
-    nan1 = v1 != v1
-    nan2 = v2 != v2
-    first = (nan1 & ~nan2) | (~nan1 & ~nan2 & (v1 > v2)) | (((v1 == v2) | (nan1 & nan2)) & (i1 < i2))
-    return tl.where(first, v1, v2), tl.where(first, i1, i2)
-
-
-@triton.jit
-def _argmax_parts_kernel(X, PV, PI, V, stride_x, PARTS, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                         PDL: tl.constexpr):
-    """Row ``program_id(0)``'s argmax over columns [p * CHUNK, (p + 1) * CHUNK) of ``V``, part
-    ``p = program_id(1)``, into ``PV``/``PI`` [rows, PARTS]."""
-    _grid_sync(PDL)
-    r = tl.program_id(0)
-    p = tl.program_id(1)
-    best_v = tl.full((BLOCK,), float("-inf"), tl.float32)
-    best_i = tl.full((BLOCK,), 2147483647, tl.int32)
-    for c0 in tl.static_range(0, CHUNK, BLOCK):
-        i = p * CHUNK + c0 + tl.arange(0, BLOCK)
-        x = tl.load(X + r * stride_x + i, mask=i < V, other=float("-inf")).to(tl.float32)
-        best_v, best_i = _argmax_combine(x, i, best_v, best_i)
-    v, i = tl.reduce((best_v, best_i), 0, _argmax_combine)
-    tl.store(PV + r * PARTS + p, v)
-    tl.store(PI + r * PARTS + p, i)
-
-
-@triton.jit
-def _argmax_final_kernel(PV, PI, Tokens, Slots, Sampled, Last, PARTS, P_PAD: tl.constexpr, PDL: tl.constexpr):
-    """Row ``program_id(0)``'s token from its parts; stored as its slot's last draw too where the
-    row is ``Sampled``."""
-    _grid_sync(PDL)
-    r = tl.program_id(0)
-    j = tl.arange(0, P_PAD)
-    ok = j < PARTS
-    v = tl.load(PV + r * PARTS + j, mask=ok, other=float("-inf"))
-    i = tl.load(PI + r * PARTS + j, mask=ok, other=2147483647)
-    _, token = tl.reduce((v, i), 0, _argmax_combine)
-    token = token.to(tl.int64)
-    tl.store(Tokens + r, token)
-    tl.store(Last + tl.load(Slots + r), token, mask=tl.load(Sampled + r) != 0)
-
-
-ARGMAX_CHUNK, ARGMAX_BLOCK = 2048, 1024  # columns a program, columns a program step
-
-
-def greedy_tokens(logits: torch.Tensor, slots: torch.Tensor, sampled: torch.Tensor,
-                  last: torch.Tensor) -> torch.Tensor:
-    """``logits.argmax(-1)`` [R] (int64) of float32 ``logits`` [R, V] (rows of unit stride), and
-    ``last[slots[r]] = token`` for the rows whose ``sampled`` is not 0 (the sampler's last draw of
-    each slot, which a device token in the next step resolves to)."""
-    R, V = logits.shape
-    assert logits.stride(1) == 1 and R <= slots.shape[0] and R <= sampled.shape[0]
-    parts = triton.cdiv(V, ARGMAX_CHUNK)
-    pv = torch.empty(R, parts, device=logits.device, dtype=torch.float32)
-    pi = torch.empty(R, parts, device=logits.device, dtype=torch.int32)
-    tokens = torch.empty(R, device=logits.device, dtype=torch.int64)
-    _argmax_parts_kernel[(R, parts)](logits, pv, pi, V, logits.stride(0), parts, CHUNK=ARGMAX_CHUNK,
-                                     BLOCK=ARGMAX_BLOCK, num_warps=4, **pdl_args(logits.device))
-    _argmax_final_kernel[(R,)](pv, pi, tokens, slots, sampled, last, parts, P_PAD=_pow2(parts), num_warps=1,
-                               **pdl_args(logits.device))
-    return tokens
-
-
-@triton.jit
-def _resolve_kernel(Ids, Slots, Last, Out, T, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    _grid_sync(PDL)
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < T
-    ids = tl.load(Ids + i, mask=ok, other=0)
-    device = ok & (ids < 0)
-    last = tl.load(Last + tl.load(Slots + i, mask=device, other=0), mask=device, other=0)
-    tl.store(Out + i, tl.where(device, last, ids), mask=ok)
-
-
-def resolve_tokens(ids: torch.Tensor, slots: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-    """``torch.where(ids >= 0, ids, last[slots])`` in one launch: a step's device tokens (-1)
-    become their slot's last draw."""
-    T = ids.shape[0]
-    out = torch.empty_like(ids)
-    _resolve_kernel[(triton.cdiv(T, 512),)](ids, slots, last, out, T, BLOCK=512, num_warps=4,
-                                            **pdl_args(ids.device))
-    return out

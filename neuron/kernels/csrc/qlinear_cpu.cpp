@@ -272,7 +272,7 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor u, torch::Tensor s, torch::
 
 }  // namespace
 
-void register_cpu_ops(pybind11::module_& mod);  // neuron/runner/csrc/cpu_ops.cpp, built with this file
+void register_cpu_ops(pybind11::module_& mod);  // neuron/kernels/csrc/cpu_ops.cpp, built with this file
 
 // Every kernel runs without the GIL (as torch's own ops do): a rank's socket loop answers pings
 // and sends heartbeats while its device thread is inside one, however long it takes.

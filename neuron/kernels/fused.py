@@ -1,0 +1,180 @@
+"""The small fused ops of the GPU step (Triton): RMS norm with the residual add, q/k norm + RoPE
+with the KV store, SiLU·mul; each may also write its output's int8 rows for a packed product.
+Checked against neuron/models/ops.py."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .int8_rows import int8_rows_buffers, quantize_groups
+from .launch import grid_sync, pdl_args, pow2
+
+
+# ---------------------------------------------------------------------------------------------
+# RMS norm, optionally fused with the residual add that precedes it.
+
+
+@triton.jit
+def _rms_norm_kernel(X, R, W, Out, RNew, Q, D, S, stride_x, stride_r, stride_o, eps,
+                     N: tl.constexpr, N_PAD: tl.constexpr, ADD: tl.constexpr, QUANT: tl.constexpr,
+                     PDL: tl.constexpr):
+    row = tl.program_id(0)
+    i = tl.arange(0, N_PAD)
+    mask = i < N
+    w = tl.load(W + i, mask=mask, other=0.0)  # a weight: no kernel writes it
+    grid_sync(PDL)
+    x = tl.load(X + row * stride_x + i, mask=mask, other=0.0)
+    if ADD:
+        x = (x.to(tl.float32) + tl.load(R + row * stride_r + i, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+        tl.store(RNew + row * stride_r + i, x, mask=mask)
+    h = x.to(tl.float32)
+    h = h * tl.rsqrt(tl.sum(h * h, 0) / N + eps)
+    out = (w.to(tl.float32) * h.to(x.dtype).to(tl.float32)).to(x.dtype)
+    tl.store(Out + row * stride_o + i, out, mask=mask)
+    if QUANT:  # the packed projection that follows multiplies these as int8 groups of 32
+        g = tl.arange(0, N_PAD // 32)
+        quantize_groups(tl.reshape(out.to(tl.float32), (N_PAD // 32, 2, 16)), g, g < N // 32, Q + row * N,
+                         D + row * (N // 32), S + row * (N // 16))
+
+
+def _int8_rows(out: torch.Tensor, quantize: bool) -> tuple[torch.Tensor, ...]:
+    """The buffers of ``out``'s int8 form, attached to it as ``out.int8_rows`` (which a packed
+    projection reads in place of quantizing ``out`` itself); ``out`` thrice when not wanted."""
+    if not quantize:
+        return out, out, out
+    out.int8_rows = int8_rows_buffers(*out.shape, out.device)
+    return out.int8_rows
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             quantize: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """norm(x) or, with ``residual``, (norm(residual + x), residual + x) — the sum written into
+    ``residual`` in place. Rows of x [T, N] must be contiguous. ``quantize`` (N a multiple of 32):
+    the output's int8 form too (``_int8_rows``)."""
+    T, N = x.shape
+    out = torch.empty_like(x)
+    add = residual is not None
+    r = residual if add else x
+    _rms_norm_kernel[(T,)](x, r, weight, out, r, *_int8_rows(out, quantize), x.stride(0), r.stride(0),
+                           out.stride(0), eps, N=N, N_PAD=pow2(N), ADD=add, QUANT=quantize,
+                           num_warps=8 if N >= 2048 else 4, **pdl_args(x.device))
+    return out, residual
+
+
+# ---------------------------------------------------------------------------------------------
+# q/k/v of a step: the optional per-head RMS norm (qwen3) and RoPE ("rotate half") of q and k; q
+# rotated in place, k and v written straight into their cache rows (one launch per layer).
+
+
+@triton.jit
+def _rope_store_kernel(X, Pos, Cos, Sin, WQ, WK, Kc, Vc, Index, Tables, Slots, stride_xt, stride_xh, stride_cs,
+                       stride_crow, stride_tab, eps, n_q, n_kv, D: tl.constexpr, HALF: tl.constexpr,
+                       NORM: tl.constexpr, STORE: tl.constexpr, FROM_TABLE: tl.constexpr, BS: tl.constexpr,
+                       PDL: tl.constexpr):
+    """Program (token, head). Under PDL the position, its cos/sin rows, the norm weights and the
+    cache row are read before ``grid_sync`` (the step's inputs and constants, written before
+    its first kernel): after the wait only the projection's output is, one round trip, not the
+    position's and then its cos/sin rows' two."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    i = tl.arange(0, HALF)
+    pos = tl.load(Pos + t)
+    c = tl.load(Cos + pos * stride_cs + i).to(tl.float32)
+    s = tl.load(Sin + pos * stride_cs + i).to(tl.float32)
+    is_q = h < n_q
+    if NORM:
+        w1 = tl.where(is_q, tl.load(WQ + i), tl.load(WK + i)).to(tl.float32)
+        w2 = tl.where(is_q, tl.load(WQ + HALF + i), tl.load(WK + HALF + i)).to(tl.float32)
+    if FROM_TABLE:  # the token's cache row: its position's block in its sequence's table row
+        row = tl.load(Tables + tl.load(Slots + t) * stride_tab + pos // BS).to(tl.int64) * BS + pos % BS
+    else:
+        row = tl.load(Index + t).to(tl.int64)  # (positions again where nothing is stored)
+    grid_sync(PDL)
+    base = X + t * stride_xt + h * stride_xh
+    x1 = tl.load(base + i)
+    x2 = tl.load(base + HALF + i)
+    if h >= n_q + n_kv:  # a value head: into the cache as it is
+        dst = Vc + row * stride_crow + (h - n_q - n_kv) * D
+        tl.store(dst + i, x1)
+        tl.store(dst + HALF + i, x2)
+    else:
+        a = x1.to(tl.float32)
+        b = x2.to(tl.float32)
+        if NORM:
+            inv = tl.rsqrt((tl.sum(a * a, 0) + tl.sum(b * b, 0)) / D + eps)
+            a = (w1 * (a * inv).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
+            b = (w2 * (b * inv).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
+        o1 = (a * c - b * s).to(x1.dtype)
+        o2 = (b * c + a * s).to(x1.dtype)
+        if STORE and h >= n_q:
+            dst = Kc + row * stride_crow + (h - n_q) * D
+            tl.store(dst + i, o1)
+            tl.store(dst + HALF + i, o2)
+        else:
+            tl.store(base + i, o1)
+            tl.store(base + HALF + i, o2)
+
+
+def rope_store(qkv: torch.Tensor, n_q: int, n_kv: int, positions: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+               k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
+               index: torch.Tensor | None = None, tables: torch.Tensor | None = None,
+               slots: torch.Tensor | None = None) -> None:
+    """qkv [T, n_q + 2 n_kv, hd]: q rotated in place; with caches (contiguous, flat row ``index``
+    [T] per token, or where ``index`` is None the row of each token's position in block table
+    ``tables`` [rows, max_blocks] row ``slots`` [T]), k rotated and v as is go into them, else k
+    is rotated in place and v left."""
+    T, heads, D = qkv.shape
+    assert qkv.stride(2) == 1 and D % 2 == 0 and (D // 2) & (D // 2 - 1) == 0 and heads == n_q + 2 * n_kv
+    store = k_cache is not None
+    norm = q_norm is not None
+    from_table = store and index is None
+    assert not from_table or (tables is not None and slots is not None)
+    _rope_store_kernel[(T, heads if store else n_q + n_kv)](
+        qkv, positions, cos, sin, q_norm if norm else cos, k_norm if norm else cos,
+        k_cache if store else qkv, v_cache if store else qkv, positions if index is None else index,
+        tables if from_table else positions, slots if from_table else positions,
+        qkv.stride(0), qkv.stride(1), cos.stride(0), n_kv * D, tables.stride(0) if from_table else 0, eps, n_q, n_kv,
+        D=D, HALF=D // 2, NORM=norm, STORE=store, FROM_TABLE=from_table,
+        BS=k_cache.shape[1] if store else 1, num_warps=1, **pdl_args(qkv.device))
+
+
+# ---------------------------------------------------------------------------------------------
+# SiLU(gate) * up over the fused gate/up projection's output.
+
+
+@triton.jit
+def _silu_mul_kernel(X, Out, Q, D, S, stride_x, stride_o, N, BLOCK: tl.constexpr, QUANT: tl.constexpr,
+                     PDL: tl.constexpr):
+    grid_sync(PDL)
+    t = tl.program_id(0)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < N
+    gate = tl.load(X + t * stride_x + i, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(X + t * stride_x + N + i, mask=mask, other=0.0)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
+    out = (silu.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+    tl.store(Out + t * stride_o + i, out, mask=mask)
+    if QUANT:  # as in _rms_norm_kernel
+        g = tl.program_id(1) * (BLOCK // 32) + tl.arange(0, BLOCK // 32)
+        quantize_groups(tl.reshape(out.to(tl.float32), (BLOCK // 32, 2, 16)), g, g < N // 32, Q + t * N,
+                         D + t * (N // 32), S + t * (N // 16))
+
+
+def silu_mul(gate_up: torch.Tensor, quantize: bool = False) -> torch.Tensor:
+    """SiLU(gate) * up of [T, 2N]; ``quantize`` (N a multiple of 32): the int8 form too."""
+    T, N2 = gate_up.shape
+    N = N2 // 2
+    out = torch.empty(T, N, device=gate_up.device, dtype=gate_up.dtype)
+    # One row in programs of 1024 elements, more rows in programs of 256 (more programs in flight):
+    # H200, Qwen3-8B q4, a decode step of 8 rows 4.648 -> 4.555 ms; of one row 1.872-1.879 against
+    # 1.882-1.884 ms in 256s (.gpu/nw.py, graphs recaptured per variant, 2 rounds).
+    block, warps = (1024, 4) if T == 1 else (256, 2)
+    _silu_mul_kernel[(T, triton.cdiv(N, block))](gate_up, out, *_int8_rows(out, quantize), gate_up.stride(0),
+                                                   out.stride(0), N, BLOCK=block, QUANT=quantize, num_warps=warps,
+                                                   **pdl_args(gate_up.device))
+    return out
+
+

@@ -1,0 +1,19 @@
+"""The GPU kernels the step calls, in one namespace (``from neuron.kernels import gpu``). Importing
+it imports Triton: only where a GPU runs the step, or under ``TRITON_INTERPRET=1`` in tests."""
+
+from __future__ import annotations
+
+from .attention import MERGE_PARTS, decode_splits, paged_decode, paged_prefill, quantizable
+from .dense import GEMV_CONFIGS, gemv
+from .fused import rms_norm, rope_store, silu_mul
+from .int8_rows import int8_rows_buffers, quantize_rows, reference_quantized_rows
+from .launch import pdl, pdl_args, pdl_by_default
+from .packed import GEMV_ROWS, dequantize, pair_scales, qlinear, reference_qlinear
+from .sampling import ARGMAX_CHUNK, greedy_tokens, resolve_tokens
+
+__all__ = [
+    "ARGMAX_CHUNK", "GEMV_CONFIGS", "GEMV_ROWS", "MERGE_PARTS", "decode_splits", "dequantize", "gemv", "greedy_tokens",
+    "int8_rows_buffers", "paged_decode", "paged_prefill", "pair_scales", "pdl", "pdl_args", "pdl_by_default", "qlinear",
+    "quantizable", "quantize_rows", "reference_qlinear", "reference_quantized_rows", "resolve_tokens", "rms_norm",
+    "rope_store", "silu_mul",
+]
