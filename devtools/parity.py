@@ -76,24 +76,22 @@ def open_source(fmt: str, paths: list[str], config: ModelConfig, quant: str | No
 
 
 def build(job: ParityJob, world: int = 1, rank: int = 0) -> tuple[Any, float]:
-    """This rank's model runner for ``job`` (a CausalLM behind the rank's ModelRunner, one slot
-    per prompt) and the seconds it took to build."""
+    """This rank's model runner for ``job`` (the family's model behind the rank's ModelRunner, one
+    slot per prompt) and the seconds it took to build."""
     import torch
 
+    from neuron.models import families
     from neuron.models.linear import packed_kernel_for
-    from neuron.models.llama import CausalLM
     from neuron.models.quant import GROUP
-    from neuron.models.sharding import plan_shard
     from neuron.runner.runner import ModelRunner, RunnerConfig
-
 
     t0 = time.perf_counter()
     src = open_source(job.fmt, job.paths, job.config, job.quant, job.dense)
     dtype = getattr(torch, job.dtype)
     device = torch.device(f"cuda:{rank}") if job.device == "cuda" else torch.device("cpu")
     block = GROUP if packed_kernel_for(device, dtype) and getattr(src, "quantized", False) else 1
-    model = CausalLM(job.config, plan_shard(job.config, world, rank, block), src, dtype=dtype, device=device,
-                     max_len=job.max_len)
+    model = families.family(job.config.family).build(job.config, world, rank, src, dtype=dtype, device=device,
+                                                     max_len=job.max_len, block=block)
     # A cache of whole blocks for these sequences only (run_model gives each its own), not the
     # device's free memory.
     seqs, bs = max(1, len(job.prompts)), RunnerConfig.block_size

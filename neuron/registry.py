@@ -27,7 +27,8 @@ from .engine.request import FinishEvent, GenRequest
 from .errors import ApiError
 from .loader.errors import LoadError
 from .loader.spec import ModelSpec, load_spec, model_id_for
-from .models.sharding import ShardingError, check_plan
+from .models import families
+from .models.sharding import ShardingError
 
 QUANT_GROUP = 32  # models.quant.GROUP, without importing torch in the leader
 from .rankgroup import CurveGate, GroupFailed, RankError, RankGroup, TapMirror
@@ -90,7 +91,9 @@ class ModelHandle:
             "kv_bytes": self.kv_bytes, "cuda_graphs": self.graphs, "preemptions": stats.preemptions,
             "max_batch_tokens": z.max_batch_tokens, "prefill_chunk": z.prefill_chunk,
             "prefill_chunk_decoding": z.prefill_chunk_decoding, "steps_in_flight": z.steps_in_flight,
-            "prefix_caching": z.cache_key is not None, "prefix_cache_hits": stats.prefix_cache_hits,
+            "prefix_caching": z.cache_key is not None and not stats.state_slots,
+            "state_slots": stats.state_slots, "state_slots_used": stats.state_slots_used,
+            "prefix_cache_hits": stats.prefix_cache_hits,
             "prefix_cache_queries": stats.prefix_cache_queries,
             "leader_ms_per_step": round(stats.leader_ms_per_step, 4), "step_ms": round(stats.step_ms, 3),
             "rank_host_ms_per_step": round(stats.rank_host_ms_per_step, 4),
@@ -174,7 +177,8 @@ class Registry:
                                  f"{model_id}|{spec.files.paths}|{entry.dtype}|{entry.tensor_parallel}|{entry.quantize}"
                                  if entry.prefix_caching else None)))
         try:  # packed weights split their input columns on whole quant groups
-            check_plan(spec.config, entry.tensor_parallel, QUANT_GROUP if handle.packed else 1)
+            families.family(spec.config.family).check_split(spec.config, entry.tensor_parallel,
+                                                            QUANT_GROUP if handle.packed else 1)
         except ShardingError as exc:
             raise LoadError(f"model {model_id!r} cannot be split: {exc}") from None
         if self.on_finish is not None:
@@ -239,7 +243,10 @@ class Registry:
                         blocks * entry.block_size, handle.max_len)
             handle.max_len = blocks * entry.block_size
             handle.engine.max_len = handle.max_len
-        handle.engine.attach(group, blocks, entry.block_size)
+        state_slots = min(ok.state_slots for ok in oks.values())
+        if state_slots and handle.engine.sizing.cache_key is not None:
+            log.info("%s: its layers keep per-sequence state; prefix caching is off", handle.id)
+        handle.engine.attach(group, blocks, entry.block_size, state_slots)
         return group
 
     def _forget(self, handle: ModelHandle) -> None:

@@ -24,7 +24,7 @@ class Frame(msgspec.Struct, tag_field="op", array_like=True, gc=False, frozen=Tr
 class ModelConfig(msgspec.Struct, frozen=True):
     """The architecture a rank builds; parsed by the leader from config.json or GGUF metadata."""
 
-    family: str  # llama | qwen3 | qwen3_moe
+    family: str  # the model_type of a family in neuron.models.families (llama, qwen3, qwen3_moe, ...)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -45,6 +45,11 @@ class ModelConfig(msgspec.Struct, frozen=True):
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = []
+    # What each layer is, where a family has more than one kind (e.g. "attention", "recurrent");
+    # empty: every layer is attention.
+    layer_types: list[str] = []
+    # Settings only one family reads, by their config.json names (its module says which).
+    extra: dict[str, int | float | str | bool | list[int]] = {}
 
 
 class Sampling(msgspec.Struct, array_like=True, gc=False, frozen=True):
@@ -79,6 +84,9 @@ class StepSeq(msgspec.Struct, array_like=True, gc=False, frozen=True):
       little-endian uint32 words, bit ``t`` set when token ``t`` may be drawn next; None: any.
     - ``context``: for a sequence whose first step starts past 0 (its prefix came from the prefix
       cache), the tokens before ``start_pos``, when its penalties need them.
+    - ``state``: for a model whose layers keep a fixed-size state per sequence (a recurrent layer),
+      the state slot the leader gave the sequence (-1: the model keeps none). The rank clears it
+      on the sequence's first step (``sampling`` set).
     """
 
     slot: int
@@ -90,6 +98,7 @@ class StepSeq(msgspec.Struct, array_like=True, gc=False, frozen=True):
     sampling: Sampling | None = None
     allowed: bytes | None = None
     context: list[int] = []  # with ``sampling``: the tokens before start_pos (penalties count them)
+    state: int = -1
 
 
 class StepTimings(msgspec.Struct, array_like=True, gc=False, frozen=True):
@@ -187,6 +196,8 @@ class LoadOk(Frame, tag="load_ok"):
     kv_blocks: int = 0
     graphs: list[int] = []  # decode batch sizes captured as CUDA graphs
     packing: str = ""  # how the shard stores its projections, e.g. "int4 from Q4_1 x210, dense bfloat16 x0"
+    state_slots: int = 0  # per-sequence state slots of the model's recurrent layers (0: it has none)
+    state_bytes: int = 0
 
 
 class StepResult(Frame, tag="step_result"):

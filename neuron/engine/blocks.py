@@ -162,3 +162,29 @@ class BlockManager:
             return
         self._by_hash[h] = block
         self._hash_of[block] = h
+
+
+class StateSlots:
+    """The per-sequence state slots of a model's recurrent layers (none for attention-only
+    models): one for each running sequence, handed out and taken back like blocks."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._free: deque[int] = deque(range(num_slots))
+
+    @property
+    def free_count(self) -> int:
+        return len(self._free)
+
+    @property
+    def used(self) -> int:
+        return self.num_slots - len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfBlocks(f"{n} state slots asked for, {len(self._free)} free")
+        return [self._free.popleft() for _ in range(n)]
+
+    def release(self, slots: list[int]) -> None:
+        self._free.extend(slots)
+        slots.clear()

@@ -30,6 +30,8 @@ class EngineStats:
     tokens_generated: int
     kv_usage: float = 0.0  # fraction of the KV-cache blocks in use
     kv_blocks: int = 0
+    state_slots: int = 0  # per-sequence state slots (models with recurrent layers)
+    state_slots_used: int = 0
     preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
@@ -58,7 +60,7 @@ class Engine:
         self.cfg = cfg
         self.sizing = sizing
         self.max_len = sizing.max_len
-        self.sched = self._scheduler(1, 16)
+        self.sched = self._scheduler(1, 16, 0)
         self._cache_counts = (0, 0)  # prefix-cache queries and hits of the caches before this one
         # Steps in flight: the next is sent before the last one's reply is in (overlapped steps).
         self.depth = sizing.steps_in_flight
@@ -79,18 +81,19 @@ class Engine:
         self.step_ms = 0.0
         self.on_finish = None  # callable(req, FinishEvent) for metrics
 
-    def _scheduler(self, num_blocks: int, block_size: int) -> Scheduler:
+    def _scheduler(self, num_blocks: int, block_size: int, state_slots: int) -> Scheduler:
         z = self.sizing
         return Scheduler(z.max_slots, self.max_len, num_blocks, block_size, z.max_batch_tokens, z.prefill_chunk,
-                         z.prefill_chunk_decoding, z.cache_key.encode() if z.cache_key else None)
+                         z.prefill_chunk_decoding, z.cache_key.encode() if z.cache_key else None, state_slots)
 
     # ----------------------------------------------------------------------------- control
-    def attach(self, group: RankGroup, num_blocks: int, block_size: int) -> None:
-        """Serve on ``group``, whose ranks hold ``num_blocks`` KV blocks each."""
+    def attach(self, group: RankGroup, num_blocks: int, block_size: int, state_slots: int = 0) -> None:
+        """Serve on ``group``, whose ranks hold ``num_blocks`` KV blocks and ``state_slots``
+        per-sequence state slots each."""
         self.group = group
         old = self.sched.blocks  # a fresh cache (the ranks' is new); the counters carry on
         self._cache_counts = (self._cache_counts[0] + old.queries, self._cache_counts[1] + old.hits)
-        self.sched = self._scheduler(num_blocks, block_size)
+        self.sched = self._scheduler(num_blocks, block_size, state_slots)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name=f"engine-{self.model_id}")
         self._wake.set()
@@ -145,6 +148,7 @@ class Engine:
         return EngineStats(len(s.running), len(s.waiting), s.max_slots - len(s.free_slots), s.max_slots,
                            self.steps, self.tokens_generated, kv_usage=s.blocks.used / s.blocks.num_blocks,
                            kv_blocks=s.blocks.num_blocks, preemptions=s.preemptions,
+                           state_slots=s.states.num_slots, state_slots_used=s.states.used,
                            prefix_cache_queries=self._cache_counts[0] + s.blocks.queries,
                            prefix_cache_hits=self._cache_counts[1] + s.blocks.hits,
                            leader_ms_per_step=1e3 * self.leader_s / max(1, self.steps), step_ms=self.step_ms,
@@ -181,7 +185,7 @@ class Engine:
                                   blocks=x.blocks, block_start=x.block_start,
                                   sampling=x.req.sampling if x.start else None,
                                   allowed=x.req.constraint.allowed() if x.sample and x.req.constraint else None,
-                                  context=_context(x))
+                                  context=_context(x), state=x.req.states[0] if x.req.states else -1)
                         for x in plan]
                 waiter = await group.send_step(self._step_ids, seqs)
                 self.inflight.append((plan, asyncio.ensure_future(waiter())))

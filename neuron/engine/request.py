@@ -60,6 +60,7 @@ class GenRequest:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     output: list[int] = field(default_factory=list)
     slot: int = -1  # the rank-side row of the running sequence (-1: not running)
+    states: list[int] = field(default_factory=list)  # its state slot, for a model with recurrent layers
     blocks: list[int] = field(default_factory=list)  # its KV-cache block table
     sent_blocks: int = 0  # entries of ``blocks`` the ranks have been sent
     computed: int = 0  # tokens in the KV cache, or on their way in a step in flight

@@ -1,11 +1,12 @@
 """Continuous batching over a paged KV cache: which sequences run in the next step, with how many
-tokens, and in which KV blocks.
+tokens, and in which KV blocks (and, for a model with recurrent layers, which state slot).
 
 Every step first carries one decode token for each running sequence, then fills the rest of the
 token budget with prompt chunks (chunked prefill), so a long prompt never stalls the streams
-already decoding. A request is admitted when a slot is free and its prompt's blocks fit (it
-waits otherwise); a decode that needs a block when none is free preempts the newest running
-request, which goes back to the front of the queue and is recomputed later (its client sees
+already decoding. A request is admitted when a slot is free, its prompt's blocks fit and, where
+the model keeps per-sequence state, a state slot is free (it waits otherwise); a decode that needs
+a block when none is free preempts the newest running request, which gives back its blocks and
+its state slot, goes back to the front of the queue and is recomputed later (its client sees
 nothing but a pause).
 
 Steps overlap: the next step is planned while the last is still running. A decode whose input
@@ -18,7 +19,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass
 
-from .blocks import BlockManager, OutOfBlocks, chain_hash
+from .blocks import BlockManager, OutOfBlocks, StateSlots, chain_hash
 from .request import GenRequest
 
 DEVICE_TOKEN = -1
@@ -39,11 +40,13 @@ class Planned:
 class Scheduler:
     def __init__(self, max_slots: int, max_len: int, num_blocks: int, block_size: int, max_batch_tokens: int,
                  prefill_chunk: int, prefill_chunk_decoding: int | None = None,
-                 cache_key: bytes | None = None) -> None:
+                 cache_key: bytes | None = None, state_slots: int = 0) -> None:
         self.max_slots, self.max_len = max_slots, max_len
         self.max_batch_tokens, self.prefill_chunk = max_batch_tokens, prefill_chunk
         self.prefill_chunk_decoding = prefill_chunk_decoding or prefill_chunk
-        self.blocks = BlockManager(num_blocks, block_size, cache_key)
+        # A recurrent layer's state cannot be rebuilt from cached K/V blocks: no prefix cache then.
+        self.blocks = BlockManager(num_blocks, block_size, None if state_slots else cache_key)
+        self.states = StateSlots(state_slots)
         self.free_slots: deque[int] = deque(range(max_slots))
         self.waiting: deque[GenRequest] = deque()
         self.running: list[GenRequest] = []  # in admission order: the last is the newest
@@ -73,8 +76,12 @@ class Scheduler:
             # Keep a block in hand for each running sequence, which may cross into a new one next.
             if need > self.blocks.free_count - len(self.running):
                 break
+            if self.states.num_slots and not self.states.free_count:
+                break
             self.waiting.popleft()
             req.slot = self.free_slots.popleft()
+            if self.states.num_slots:
+                req.states = self.states.allocate(1)
             self.blocks.take(hits)
             req.blocks, req.hashes = list(hits), hashes
             self.blocks.grow(req.blocks, len(tokens))
@@ -97,6 +104,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.blocks.release(req.blocks)
+        self.states.release(req.states)
         req.hashes = []
         req.slot = -1
 
@@ -122,6 +130,7 @@ class Scheduler:
         self.running.remove(req)
         self.free_slots.append(req.slot)
         self.blocks.release(req.blocks)
+        self.states.release(req.states)
         req.slot, req.computed, req.confirmed, req.sent_blocks, req.hashes = -1, 0, 0, 0, []
         req.preempted += 1
         req.run += 1

@@ -9,10 +9,11 @@ from typing import Any
 
 from protocol import ModelConfig
 
+from neuron.models import families
+from neuron.models.families.common import clean_scaling
+
 from .errors import BadModelConfig, UnsupportedModel
 
-SUPPORTED = ("llama", "qwen3", "qwen3_moe")
-ROPE_SCALINGS = ("linear", "llama3", "yarn")  # what neuron.models.layers.rope_inv_freq computes
 _GGUF_ARCH = {"llama": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
 
 
@@ -27,72 +28,16 @@ def read_config_json(path: Path) -> dict[str, Any]:
 
 
 def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
+    """The architecture of a config.json, read by the family that serves its ``model_type``."""
     model_type = raw.get("model_type")
+    served = ", ".join(families.supported())
     if model_type is None:
-        raise UnsupportedModel(f"config.json has no model_type (supported: {', '.join(SUPPORTED)})")
-    if model_type not in SUPPORTED:
-        raise UnsupportedModel(
-            f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED)})")
+        raise UnsupportedModel(f"config.json has no model_type (supported: {served})")
+    family = families.family(str(model_type))
+    if family is None:
+        raise UnsupportedModel(f"model_type {model_type!r} is not supported (supported: {served})")
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
-    act = text.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise UnsupportedModel(f"hidden_act {act!r} is not supported (supported: silu)")
-    if text.get("use_sliding_window"):
-        raise UnsupportedModel("sliding-window attention (use_sliding_window: true) is not supported")
-    try:
-        heads = int(text["num_attention_heads"])
-        hidden = int(text["hidden_size"])
-        rope = text.get("rope_parameters") or {}
-        scaling = text.get("rope_scaling")
-        if rope and rope.get("rope_type", "default") != "default":
-            scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-        theta = float(rope.get("rope_theta", text.get("rope_theta", 10000.0)))
-        return ModelConfig(
-            family=model_type,
-            vocab_size=int(text["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(text.get("intermediate_size") or text.get("moe_intermediate_size") or 0),
-            num_layers=int(text["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(text.get("num_key_value_heads") or heads),
-            head_dim=int(text.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            max_position_embeddings=int(text.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-            rope_scaling=_clean_scaling(scaling),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
-            attention_bias=bool(text.get("attention_bias", False)),
-            # transformers 5 saves ``num_local_experts``; hub configs say ``num_experts``
-            num_experts=_experts(text) if model_type == "qwen3_moe" else 0,
-            num_experts_per_tok=int(text.get("num_experts_per_tok", 0)),
-            moe_intermediate_size=int(text.get("moe_intermediate_size", 0)),
-            norm_topk_prob=bool(text.get("norm_topk_prob", True)),
-            decoder_sparse_step=int(text.get("decoder_sparse_step", 1) or 1),
-            mlp_only_layers=[int(x) for x in text.get("mlp_only_layers") or []],
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise BadModelConfig(f"config.json is missing or has a bad value: {exc}") from None
-
-
-def _experts(text: dict[str, Any]) -> int:
-    count = int(text.get("num_experts") or text.get("num_local_experts") or 0)
-    if count < 1:
-        raise BadModelConfig("a qwen3_moe config.json needs num_experts (or num_local_experts)")
-    return count
-
-
-def _clean_scaling(scaling: Any) -> dict[str, float | str | int] | None:
-    if not isinstance(scaling, dict):
-        return None
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind in (None, "default"):
-        return None
-    if kind not in ROPE_SCALINGS:
-        raise UnsupportedModel(f"rope scaling {kind!r} is not supported (supported: default, {', '.join(ROPE_SCALINGS)})")
-    out = {k: v for k, v in scaling.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
-    out["rope_type"] = str(kind)
-    return out
+    return family.config_from_hf(raw, text)
 
 
 def config_from_gguf(fields: dict[str, Any], tensor_names: set[str], n_tokens: int) -> ModelConfig:
@@ -119,7 +64,7 @@ def config_from_gguf(fields: dict[str, Any], tensor_names: set[str], n_tokens: i
         for name in ("beta_fast", "beta_slow"):
             if fields.get(f"{arch}.rope.scaling.yarn_{name}") is not None:
                 scaling[name] = float(fields[f"{arch}.rope.scaling.yarn_{name}"])
-        scaling = _clean_scaling(scaling)
+        scaling = clean_scaling(scaling)
     return ModelConfig(
         family=family,
         vocab_size=int(fields.get(f"{arch}.vocab_size") or n_tokens),
@@ -145,24 +90,11 @@ def config_from_gguf(fields: dict[str, Any], tensor_names: set[str], n_tokens: i
 
 
 def required_tensors(cfg: ModelConfig) -> list[str]:
-    """The Hugging Face tensor names a checkpoint of ``cfg`` must hold. (An untied model
-    without ``lm_head.weight`` reuses the embedding, so the LM head is not required.) MoE
-    experts may be stored per expert or fused; ``experts.*`` names stand for either."""
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}"
-        names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
-        names += [f"{p}.self_attn.{x}_proj.weight" for x in "qkvo"]
-        if cfg.attention_bias:
-            names += [f"{p}.self_attn.{x}_proj.bias" for x in "qkv"]
-        if cfg.qk_norm:
-            names += [f"{p}.self_attn.q_norm.weight", f"{p}.self_attn.k_norm.weight"]
-        sparse = cfg.num_experts > 0 and i not in cfg.mlp_only_layers and (i + 1) % cfg.decoder_sparse_step == 0
-        if sparse:
-            names += [f"{p}.mlp.gate.weight", f"{p}.mlp.experts.*"]
-        else:
-            names += [f"{p}.mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
-    return names
+    """The Hugging Face tensor names a checkpoint of ``cfg`` must hold (its family says which)."""
+    family = families.family(cfg.family)
+    if family is None:
+        raise UnsupportedModel(f"model family {cfg.family!r} is not supported")
+    return family.required_tensors(cfg)
 
 
 def missing_tensors(cfg: ModelConfig, present: set[str] | frozenset[str]) -> list[str]:

@@ -138,25 +138,9 @@ def _zero_rows(n: int, k: int, bits: int) -> QuantWeight:
                        np.zeros((n, k // 32), np.float32), bits, "")
 
 
-def _linears(model) -> tuple[list[AnyLinear], list[str]]:
-    """A shard's projections, and how many layers hold their sparse experts dense (by dtype)."""
-    found: list[AnyLinear] = [model.embed] + ([] if model.lm_head is model.embed else [model.lm_head])
-    dense_experts = []
-    for layer in model.layers:
-        found += [layer.attn.qkv, layer.attn.o]
-        if hasattr(layer.mlp, "gate_up"):
-            found += [layer.mlp.gate_up, layer.mlp.down]
-        else:  # sparse experts: packed pairs, or stacked dense tensors
-            found += [lin for pair in layer.mlp.packed for lin in pair]
-            if not layer.mlp.packed:
-                dense_experts.append(str(layer.mlp.down.dtype).removeprefix("torch."))
-    parts = [part for lin in found for part in (lin.parts if isinstance(lin, ConcatLinear) else [lin])]
-    return parts, dense_experts
-
-
 def packed_parts(model) -> list[PackedLinear]:
     """The shard's packed matrices (a concatenated projection's parts one by one)."""
-    return [part for part in _linears(model)[0] if isinstance(part, PackedLinear)]
+    return [part for part in model.linears()[0] if isinstance(part, PackedLinear)]
 
 
 def has_packed(model) -> bool:
@@ -167,7 +151,7 @@ def describe_packing(model) -> str:
     """How a shard's projections are stored: "int4 from Q4_1 x210, int8 planes from Q8_0 x1"."""
     from collections import Counter
 
-    parts, dense_experts = _linears(model)
+    parts, dense_experts = model.linears()
     seen: Counter[str] = Counter(f"dense {dtype} experts" for dtype in dense_experts)
     for part in parts:
         if isinstance(part, PackedLinear):

@@ -7,38 +7,16 @@ the attention output and the MLP (or MoE block). Embedding and LM head are vocab
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
-
 import torch
 
 from protocol import ModelConfig
 
+from .interface import AttentionFn, AttentionShape, KvState, LayerState
 from .layers import Collectives, WeightSource, rope_tables
-from .linear import AnyLinear, Linear, build_linear
+from .linear import AnyLinear, ConcatLinear, Linear, build_linear
 from .moe import SparseMoe
 from .ops import RopeTables, Rotary, TorchOps
-from .sharding import ShardPlan
-
-
-@dataclass(frozen=True)
-class AttentionShape:
-    """What an attention implementation must know of one rank's heads (equal in every layer)."""
-
-    n_q: int
-    n_kv: int
-    head_dim: int
-    scale: float
-    kv_of_q: tuple[int, ...]  # for each local query head, its local KV head
-    gqa_repeat: int  # query heads per KV head when kv_of_q is the uniform grouping, else 0
-
-
-class AttentionFn(Protocol):
-    """Attention of one layer over the step's tokens: position q and k (``rotary`` at
-    ``positions``), store k/v in the KV cache, attend each token's query over its sequence's keys
-    (causally). ``qkv`` [T, n_q + 2 n_kv, hd] (the heads of q, k, v in a row) -> [T, n_q * hd]."""
-
-    def __call__(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor, rotary: Rotary) -> torch.Tensor: ...
+from .sharding import ShardPlan, sparse_layer
 
 
 def _rows(r: range, width: int) -> range:
@@ -121,10 +99,8 @@ class DecoderLayer:
         self.attn_norm = src.get(f"{p}.input_layernorm.weight").to(device, dtype)
         self.mlp_norm = src.get(f"{p}.post_attention_layernorm.weight").to(device, dtype)
         self.attn = Attention(cfg, plan, src, f"{p}.self_attn", dtype, device)
-        sparse = (cfg.num_experts > 0 and index not in cfg.mlp_only_layers
-                  and (index + 1) % cfg.decoder_sparse_step == 0)
         self.mlp: Mlp | SparseMoe = (
-            SparseMoe(cfg, plan, src, f"{p}.mlp", dtype, device) if sparse
+            SparseMoe(cfg, plan, src, f"{p}.mlp", dtype, device) if sparse_layer(cfg, index)
             else Mlp(src, f"{p}.mlp", plan.mlp, dtype, device, plan.rank)
         )
 
@@ -154,6 +130,30 @@ class CausalLM:
         self.attention_shape = self.layers[0].attn.shape
         # A sparse MoE block routes with data-dependent shapes: it cannot be captured in a CUDA graph.
         self.capturable = not any(isinstance(layer.mlp, SparseMoe) for layer in self.layers)
+
+    def state_specs(self) -> list[LayerState]:
+        return [KvState(self.attention_shape.n_kv, self.attention_shape.head_dim)] * len(self.layers)
+
+    def linears(self) -> tuple[list[AnyLinear], list[str]]:
+        found: list[AnyLinear] = [self.embed] + ([] if self.lm_head is self.embed else [self.lm_head])
+        dense_experts = []
+        for layer in self.layers:
+            found += [layer.attn.qkv, layer.attn.o]
+            if isinstance(layer.mlp, Mlp):
+                found += [layer.mlp.gate_up, layer.mlp.down]
+            else:  # sparse experts: packed pairs, or stacked dense tensors
+                found += [lin for pair in layer.mlp.packed for lin in pair]
+                if not layer.mlp.packed:
+                    dense_experts.append(str(layer.mlp.down.dtype).removeprefix("torch."))
+        return [part for lin in found for part in (lin.parts if isinstance(lin, ConcatLinear) else [lin])], dense_experts
+
+    def tunable(self) -> list[tuple[object, str]]:
+        out: list[tuple[object, str]] = [(self, "lm_head")]
+        for layer in self.layers:
+            out += [(layer.attn, "qkv"), (layer.attn, "o")]
+            if isinstance(layer.mlp, Mlp):
+                out += [(layer.mlp, "gate_up"), (layer.mlp, "down")]
+        return out
 
     def _vocab_shard(self, src: WeightSource, name: str, rows: range) -> AnyLinear:
         """This rank's vocabulary rows, zero-padded to the common shard length."""

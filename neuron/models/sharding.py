@@ -98,6 +98,11 @@ def plan_shard(cfg: ModelConfig, world: int, rank: int, block: int = 1) -> Shard
     )
 
 
+def sparse_layer(cfg: ModelConfig, index: int) -> bool:
+    """Whether layer ``index`` holds sparse experts (qwen3_moe) rather than a dense MLP."""
+    return cfg.num_experts > 0 and index not in cfg.mlp_only_layers and (index + 1) % cfg.decoder_sparse_step == 0
+
+
 def check_plan(cfg: ModelConfig, world: int, block: int = 1) -> list[ShardPlan]:
     """Every rank's plan, or ShardingError naming why the split is impossible."""
     return [plan_shard(cfg, world, r, block) for r in range(world)]

@@ -11,10 +11,11 @@ import torch
 import torch.distributed as dist
 
 import protocol as p
-from neuron.models.llama import CausalLM
+from neuron.models import families
+from neuron.models.interface import Model
 from neuron.models.linear import describe_packing, packed_kernel_for
 from neuron.models.quant import GROUP, SCHEMES
-from neuron.models.sharding import ShardingError, plan_shard
+from neuron.models.sharding import ShardingError
 from neuron.runner.runner import ModelRunner, PendingStep, RunnerConfig, StepRejected
 
 from .deferred import Deferred
@@ -52,7 +53,7 @@ class DeviceWorker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.allow_faults = allow_faults
-        self.model: CausalLM | None = None
+        self.model: Model | None = None
         self.runner: ModelRunner | None = None
         self.model_id: str | None = None
         self.busy_step = -1
@@ -142,13 +143,15 @@ class DeviceWorker:
         if getattr(src, "quantized", False) and not packed:
             log.warning("rank %d: %s's quantized weights are dequantized to %s on %s (the packed kernels take "
                         "bfloat16 activations on the CPU)", self.rank, msg.model, msg.dtype, self.device.type)
+        family = families.family(msg.config.family)
+        if family is None:
+            raise RankFailure("bad_request", f"no model family serves {msg.config.family!r}")
+        self.loaded_bytes = 0
         try:
-            plan = plan_shard(msg.config, self.world, self.rank, block=GROUP if packed else 1)
+            self.model = family.build(msg.config, self.world, self.rank, _Counted(src, self), dtype=dtype,
+                                      device=self.device, max_len=msg.max_len, block=GROUP if packed else 1)
         except ShardingError as exc:
             raise RankFailure("bad_request", str(exc)) from None
-        self.loaded_bytes = 0
-        self.model = CausalLM(msg.config, plan, _Counted(src, self), dtype=dtype, device=self.device,
-                              max_len=msg.max_len)
         del src
         self.runner = ModelRunner(self.model, RunnerConfig(
             max_seqs=msg.max_slots, max_len=msg.max_len, block_size=msg.block_size, kv_tokens=msg.kv_tokens,
@@ -162,16 +165,18 @@ class DeviceWorker:
                  time.perf_counter() - t0, self.model.weight_bytes(), runner.kv_blocks, msg.block_size, packing)
         return p.LoadOk(id=msg.id, epoch=msg.epoch, kv_capacity=runner.kv_blocks * msg.block_size,
                         bytes=self.model.weight_bytes(), kv_bytes=runner.kv.nbytes, kv_blocks=runner.kv_blocks,
-                        graphs=sorted(runner.graphs), packing=packing)
+                        graphs=sorted(runner.graphs), packing=packing, state_slots=runner.states.slots,
+                        state_bytes=runner.states.nbytes)
 
     def _warm_up(self) -> None:
         """One prompt chunk and one decode through every layer, so the first request does not pay
         for lazy allocations and kernel selection. Every rank runs it (the collectives pair up)."""
         assert self.runner is not None
         n = min(8, self.runner.cfg.max_len - 1)
+        state = 0 if self.runner.states.slots else -1
         first = p.StepSeq(slot=0, tokens=[0] * n, start_pos=0, sample=True, sampling=p.Sampling(temperature=0.0),
-                          blocks=list(range(min(self.runner.kv_blocks, -(-(n + 1) // self.runner.bs)))))
-        for seq in (first, p.StepSeq(slot=0, tokens=[-1], start_pos=n, sample=True)):
+                          blocks=list(range(min(self.runner.kv_blocks, -(-(n + 1) // self.runner.bs)))), state=state)
+        for seq in (first, p.StepSeq(slot=0, tokens=[-1], start_pos=n, sample=True, state=state)):
             pending = self.runner.step(p.Step(id=0, epoch=0, step_id=0, seqs=[seq]))
             if pending is not None:
                 pending.wait()

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from neuron.models.llama import AttentionShape
+from neuron.models.interface import AttentionShape
 from neuron.models.ops import Rotary, TorchOps
 
 # cuDNN's attention builds an execution plan for every new shape, tens of milliseconds each on an
@@ -84,18 +84,21 @@ class StepMeta:
     prefill_spans: torch.Tensor | None = None
     prefill_max_n: int = 0
     prefill_splits: int = 1  # key ranges per tile (a prefill graph's rows are all chunks or padding)
+    # For recurrent layers: each sequence's (first token row, tokens, state slot), in step order.
+    seq_states: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 class PagedAttention:
     """The ``attend(layer, qkv, positions, rotary)`` the model calls; ``meta`` is set by the runner
-    each step."""
+    each step. Recurrent layers find their state in ``states`` and ``meta.seq_states``."""
 
     def __init__(self, kv: PagedKvCache, tables: torch.Tensor, shape: AttentionShape, triton: bool,
-                 max_rows: int = 1, cpu_kernels=None, int8_rows: int = 0) -> None:
+                 max_rows: int = 1, cpu_kernels=None, int8_rows: int = 0, states=None) -> None:
         """``int8_rows``: a decode step of at most this many rows also writes its output's int8
         form (``out.int8_rows``), which the packed output projection reads instead of quantizing
         it in a launch of its own."""
         self.kv, self.tables, self.shape = kv, tables, shape
+        self.states = states  # the StatePool of the model's recurrent layers, if it has any
         self.triton = triton
         self.cpu = cpu_kernels  # the C++ ops (float32 on the CPU), or None
         self.kv_of_q = torch.tensor(shape.kv_of_q, device=tables.device, dtype=torch.int32)

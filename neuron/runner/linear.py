@@ -44,16 +44,6 @@ class SkinnyLinear:
         return y if out_dtype is None else y.to(out_dtype)
 
 
-def _slots(model) -> list[tuple[object, str]]:
-    """(owner, attribute) of every dense projection of the model."""
-    out: list[tuple[object, str]] = [(model, "lm_head")]
-    for layer in model.layers:
-        out += [(layer.attn, "qkv"), (layer.attn, "o")]
-        if hasattr(layer.mlp, "gate_up"):
-            out += [(layer.mlp, "gate_up"), (layer.mlp, "down")]
-    return out
-
-
 def _time(fn, reps: int = 20) -> float:
     for _ in range(3):
         fn()
@@ -69,7 +59,7 @@ def _time(fn, reps: int = 20) -> float:
 def tune(model, batch_sizes: list[int]) -> None:
     """Time cuBLAS against each skinny-GEMM config for every projection shape and batch size up
     to 16; wrap the projections where a config won."""
-    slots = [(owner, name) for owner, name in _slots(model)
+    slots = [(owner, name) for owner, name in model.tunable()
              if type(getattr(owner, name)) is Linear and getattr(owner, name).bias is None
              and getattr(owner, name).weight.dtype in (torch.bfloat16, torch.float16)]
     by_shape: dict[tuple[int, int], list[Linear]] = {}

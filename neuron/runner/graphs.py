@@ -1,0 +1,184 @@
+"""The runner's CUDA graphs: one per decode batch-size bucket, and one per token bucket of prompt
+steps (``PREFILL_GRAPH_TOKENS``), all in one memory pool. A step whose sequences are all
+single-token decodes and fit a bucket replays that bucket's graph; a step with prompt chunks of up
+to the largest token bucket replays a prefill graph, in which every sequence, decodes included,
+is a span of the paged prefill kernel, so one graph per token bucket serves any mix. Their inputs
+go up in one copy from a few pinned staging buffers."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+import protocol as p
+
+from .attention import StepMeta
+from .inputs import flatten
+
+log = logging.getLogger("neuron.runner")
+
+# Token buckets of the prefill graphs. A 50-token step launches ~300 kernels eagerly, about 20 ms
+# of host time around a few ms of device work.
+PREFILL_GRAPH_TOKENS = (32, 64, 128, 192, 256, 320, 384, 512)
+
+
+def graph_sizes(max_seqs: int) -> list[int]:
+    sizes = [n for n in (1, 2, 4, 8) if n < max_seqs] + list(range(16, max_seqs, 16))
+    return sorted(set(sizes + [max_seqs]))
+
+
+class StepGraphs:
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.decode: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.prefill: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, None]] = {}
+        self.graph_in: torch.Tensor | None = None
+
+    def clear(self) -> None:
+        self.decode.clear()
+        self.prefill.clear()
+
+    # ----------------------------------------------------------------------------- decode
+    def bucket(self, seqs: list[p.StepSeq]) -> int:
+        if not self.decode or not seqs or any(len(s.tokens) != 1 for s in seqs):
+            return 0
+        return next((n for n in sorted(self.decode) if n >= len(seqs)), 0)
+
+    def replay(self, seqs: list[p.StepSeq], bucket: int):
+        assert self.graph_in is not None
+        B = len(seqs)
+        staged = self._staging()
+        packed = staged.numpy()
+        packed[:] = 0
+        packed[2] = self.runner.scratch_row
+        for i, s in enumerate(seqs):
+            packed[0, i], packed[1, i], packed[2, i], packed[3, i] = s.tokens[0], s.start_pos, s.slot, s.sample
+        self.graph_in.copy_(staged, non_blocking=True)
+        graph, ids, logits, argmax = self.decode[bucket]
+        graph.replay()
+        return ids[:B], self.graph_in[1, :B], self.graph_in[2, :B], logits[:B], argmax[:B]
+
+    def _staging(self) -> torch.Tensor:
+        """The next of a few pinned buffers for the graphs' inputs: a fresh pinned allocation per
+        step costs more than the step's whole launch. At most two steps are in flight, so a buffer
+        is reused only after the copy that read it has run."""
+        self._stage = (self._stage + 1) % len(self._staged)
+        return self._staged[self._stage]
+
+    def _decode_forward(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The captured decode step of ``n`` rows over the static inputs (token, position, slot
+        and whether the row is sampled, a row each): its token ids, logits and their argmax,
+        which the step also stores as the sampled rows' last draws (greedy sampling then launches
+        nothing after the graph)."""
+        from neuron.kernels.gpu import decode_splits, greedy_tokens
+
+        r = self.runner
+        assert self.graph_in is not None
+        ids, pos, slots = self.graph_in[0, :n], self.graph_in[1, :n], self.graph_in[2, :n]
+        ids = r.resolve(ids, slots)
+        shape = r.model.attention_shape
+        heads = shape.n_kv if shape.gqa_repeat else shape.n_q
+        # The kernels find each row's cache row and context from its slot and position.
+        r.attention.meta = StepMeta(
+            store_index=None, decode_rows=None, decode_slots=slots, decode_ctx=None,
+            decode_max_ctx=r.cfg.max_len, decode_splits=decode_splits(n, heads, r.cfg.max_len, r.sm_count))
+        logits = r.model.forward(ids, pos, r.attention, None)
+        return ids, logits, greedy_tokens(logits, slots, self.graph_in[3, :n], r.sampler.last_token)
+
+    # ----------------------------------------------------------------------------- prefill
+    def prefill_bucket(self, seqs: list[p.StepSeq]) -> int:
+        if not self.prefill or len(seqs) > self.runner.cfg.max_seqs:
+            return 0
+        T = sum(len(s.tokens) for s in seqs)
+        return next((n for n in sorted(self.prefill) if n >= T), 0)
+
+    def replay_prefill(self, seqs: list[p.StepSeq], sampled: list[int], bucket: int):
+        """A step of prompt chunks (and decodes beside them) through the prefill graph of
+        ``bucket`` tokens: its inputs go up in one copy; padding rows write the scratch block."""
+        r = self.runner
+        ids, positions, slot_of, store, _, _, ends = flatten(seqs, r.tables_host, r.bs)
+        T = len(ids)
+        self._pstage = (self._pstage + 1) % len(self._pstaged)
+        staged = self._pstaged[self._pstage]
+        whole = self._pg_layout(staged.numpy(), self._pg_tokens)
+        for name, values, pad in (("ids", ids, 0), ("pos", positions, 0), ("slot", slot_of, r.scratch_row),
+                                  ("store", store, r.kv.scratch * r.bs)):
+            whole[name][:T] = values
+            whole[name][T:] = pad
+        whole["spans"][:] = 0
+        for i, (s, end) in enumerate(zip(seqs, ends)):
+            whole["spans"][i] = (end + 1 - len(s.tokens), len(s.tokens), s.slot, s.start_pos)
+        whole["rows"][:] = 0
+        whole["rows"][: len(sampled)] = [ends[i] for i in sampled]
+        self._pg_in.copy_(staged, non_blocking=True)
+        graph, resolved, logits, _ = self.prefill[bucket]
+        graph.replay()
+        view = self._pg_layout(self._pg_in, T)
+        return resolved[:T], view["pos"], view["slot"], logits[: len(sampled)]
+
+    def _pg_layout(self, buf, n: int) -> dict:
+        """The prefill graphs' inputs in one int64 buffer (the device's, or a host staging copy):
+        the first ``n`` of each token row's (ids, positions, slots, cache rows), the sequences'
+        spans [max_seqs, 4] and the rows to sample [max_seqs]."""
+        Tmax, S = self._pg_tokens, self.runner.cfg.max_seqs
+        return {"ids": buf[:n], "pos": buf[Tmax: Tmax + n], "slot": buf[2 * Tmax: 2 * Tmax + n],
+                "store": buf[3 * Tmax: 3 * Tmax + n], "spans": buf[4 * Tmax: 4 * Tmax + 4 * S].reshape(S, 4),
+                "rows": buf[4 * Tmax + 4 * S: 4 * Tmax + 5 * S]}
+
+    def _prefill_forward(self, n: int) -> tuple[torch.Tensor, torch.Tensor, None]:
+        """The captured prefill step of ``n`` token rows over the static inputs."""
+        r = self.runner
+        v = self._pg_layout(self._pg_in, n)
+        ids = r.resolve(v["ids"], v["slot"])
+        # Small steps split each tile's keys four ways: a question after a long cached prefix is a
+        # few query tiles over thousands of keys, too few programs to keep the device busy.
+        r.attention.meta = StepMeta(store_index=v["store"], decode_rows=v["ids"][:0],
+                                    prefill_spans=v["spans"].to(torch.int32), prefill_max_n=n,
+                                    prefill_splits=4 if n <= 128 else 1)
+        return ids, r.model.forward(ids, v["pos"], r.attention, v["rows"]), None
+
+    # ----------------------------------------------------------------------------- capture
+    def _capture_prefill(self, pool) -> None:
+        cfg, r = self.runner.cfg, self.runner
+        sizes = [n for n in PREFILL_GRAPH_TOKENS if n <= min(cfg.max_step_tokens, cfg.max_len)]
+        if not sizes:
+            return
+        Tmax, S = sizes[-1], cfg.max_seqs
+        self._pg_tokens = Tmax
+        self._pg_in = torch.zeros(4 * Tmax + 5 * S, dtype=torch.int64, device=r.device)
+        whole = self._pg_layout(self._pg_in, Tmax)  # captured with every row padding
+        whole["slot"].fill_(r.scratch_row)
+        whole["store"].fill_(r.kv.scratch * r.bs)
+        self._pstaged = [torch.zeros(4 * Tmax + 5 * S, dtype=torch.int64).pin_memory() for _ in range(4)]
+        self._pstage = 0
+        self._capture_each(sizes, self._prefill_forward, self.prefill, pool)
+
+    def _capture_each(self, sizes: list[int], forward, into: dict, pool):
+        """One graph of ``forward(n)`` per size into ``into``, largest first, all in one memory
+        pool; returns the pool."""
+        device = self.runner.device
+        for n in reversed(sizes):
+            forward(n)  # compiles the kernels and settles the allocator before capture
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                ids, logits, argmax = forward(n)
+            pool = graph.pool()
+            into[n] = (graph, ids, logits, argmax)
+        return pool
+
+    def capture(self) -> None:
+        r = self.runner
+        t0 = time.perf_counter()
+        sizes = graph_sizes(r.cfg.max_seqs)
+        self.graph_in = torch.zeros(4, sizes[-1], dtype=torch.int64, device=r.device)
+        self.graph_in[2].fill_(r.scratch_row)
+        self._staged = [torch.zeros(4, sizes[-1], dtype=torch.int64).pin_memory() for _ in range(4)]
+        self._stage = 0
+        self._capture_prefill(self._capture_each(sizes, self._decode_forward, self.decode, None))
+        torch.cuda.synchronize(r.device)
+        log.info("rank %d: captured %d decode graphs (batch %s) and %d prefill graphs (tokens %s) in %.1fs",
+                 r.rank, len(sizes), ",".join(map(str, sizes)), len(self.prefill),
+                 ",".join(map(str, sorted(self.prefill))), time.perf_counter() - t0)

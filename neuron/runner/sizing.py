@@ -1,0 +1,58 @@
+"""How many KV blocks a rank's cache gets: on a GPU, what the memory left after the weights, the
+per-sequence states, the largest step's activations and the sampler allows; on the CPU (or when
+told), enough for the configured tokens."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .attention import PagedAttention, PagedKvCache, PrefillSpan, StepMeta
+
+log = logging.getLogger("neuron.runner")
+
+
+def kv_blocks(runner, kv_layers: int, state_bytes: int) -> int:
+    """Blocks for ``runner``'s KV cache of ``kv_layers`` layers, beside ``state_bytes`` of
+    per-sequence state (allocated before this is called, so already out of the free memory)."""
+    cfg, model, bs = runner.cfg, runner.model, runner.bs
+    shape = model.attention_shape
+    per_block = PagedKvCache.bytes_per_block(kv_layers, bs, shape.n_kv, shape.head_dim, model.dtype)
+    if cfg.kv_tokens or not runner.cuda or not per_block:  # (no layer keeps K/V: blocks only count positions)
+        tokens = cfg.kv_tokens or cfg.max_seqs * runner.max_blocks * bs
+        return max(1, -(-tokens // bs))
+    device = runner.device
+    # What one step of the largest size needs beyond the weights, measured on a throwaway cache.
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    n = max(1, min(cfg.max_step_tokens, cfg.max_len))
+    probe = PagedKvCache(kv_layers, -(-n // bs), bs, shape.n_kv, shape.head_dim, device, model.dtype)
+    tables = torch.arange(probe.blocks, device=device, dtype=torch.int32)[None]
+    attention = PagedAttention(probe, tables, shape, runner.triton, states=runner.states)
+    rows = torch.arange(n, device=device)
+    attention.meta = StepMeta(store_index=rows, decode_rows=rows[:0], seq_states=[(0, n, runner.states.scratch)])
+    if runner.triton:
+        attention.meta.prefill_spans = torch.tensor([[0, n, 0, 0]], dtype=torch.int32, device=device)
+        attention.meta.prefill_max_n = n
+    else:
+        attention.meta.prefills = [PrefillSpan(0, n, rows)]
+    model.forward(torch.zeros(n, dtype=torch.long, device=device), rows, attention, rows[-1:])
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before - probe.nbytes
+    del probe, attention, tables, rows
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    sampler_bytes = 6 * (cfg.max_seqs + 1) * runner.vocab  # penalty state, if any sequence wants it
+    budget = total * cfg.memory_fraction - (total - free) - peak - sampler_bytes - (256 << 20)
+    blocks = int(budget // per_block)
+    if blocks < runner.max_blocks:
+        raise torch.OutOfMemoryError(
+            f"the KV cache would hold {max(0, blocks) * bs} tokens, less than one sequence of "
+            f"max_model_len={cfg.max_len}: raise memory_fraction or lower max_model_len")
+    log.info("rank %d: KV cache of %d blocks (%d tokens, %.2f GiB), %.2f GiB of per-sequence state; a %d-token "
+             "step peaks at %.2f GiB", runner.rank, blocks, blocks * bs, blocks * per_block / 2**30,
+             state_bytes / 2**30, n, peak / 2**30)
+    return blocks
