@@ -11,7 +11,8 @@ import numpy as np
 
 from neuron.loader.gguf_file import GLOBAL_TENSORS, LAYER_TENSORS
 
-from .families import FamilySpec, family_of, family_spec, head_dim, hub_names, natural_key, read_json, read_safetensors, to_hub_rope
+from .families import (FamilySpec, family_of, family_spec, head_dim, hub_names, natural_key, read_json, read_safetensors,
+                       to_hub_rope)
 from .fixture_tokenizer import GGUF_TOKENIZER_PRE
 
 # What gguf-py 0.19 can quantise itself; the K-quants (Q4_K, Q5_K, Q6_K, ...) only dequantise.

@@ -81,7 +81,7 @@ def build(job: ParityJob, world: int = 1, rank: int = 0) -> tuple[Any, float]:
     import torch
 
     from neuron.models import families
-    from neuron.models.linear import packed_kernel_for
+    from neuron.models.tp_linear import packed_kernel_for
     from neuron.models.quant import GROUP
     from neuron.runner.runner import ModelRunner, RunnerConfig
 

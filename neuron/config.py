@@ -16,8 +16,8 @@ class ConfigError(ValueError):
 
 
 QUANTIZE = ("", "q8_0", "q4")
-# How a model's tool calls and thinking are read from its output (neuron.server.tool_parsers,
-# neuron.server.reasoning); "auto" finds them in the chat template.
+# How a model's tool calls and thinking are read from its output (neuron.parsing.tool_calls,
+# neuron.parsing.reasoning); "auto" finds them in the chat template.
 TOOL_PARSERS = ("auto", "none", "hermes", "llama3_json", "mistral")
 REASONING_PARSERS = ("auto", "none", "think", "seed", "mistral", "kimi")
 

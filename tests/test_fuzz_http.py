@@ -603,7 +603,7 @@ def test_fuzz_admin_and_unknown_routes(tp1, client):
 def test_undecodable_json_is_a_400_not_a_500(tp1, client):
     """BUG-1: msgspec.json.decode raises RecursionError for arrays nested ~1000 deep and
     UnicodeDecodeError for a string that is not UTF-8 (here a lone surrogate as CESU bytes
-    ED A0 80). read_json (neuron/server/requests.py) caught only ValidationError and
+    ED A0 80). read_json (neuron/server/openai/requests.py) caught only ValidationError and
     DecodeError, so both reached the catch-all handler: 500 internal_error, on every route that
     reads a body (chat, completions, unload, load)."""
     nest = b"[" * 2000 + b"]" * 2000

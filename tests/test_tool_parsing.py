@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from neuron.server.reasoning import KNOWN_MARKERS, ReasoningSplitter, reasoning_markers, starts_thinking
-from neuron.server.tool_parsers import PARSERS, CallArgs, CallStart
+from neuron.parsing.reasoning import KNOWN_MARKERS, ReasoningSplitter, reasoning_markers, starts_thinking
+from neuron.parsing.tool_calls import PARSERS, CallArgs, CallStart
 
 TOOLS = {"get_weather", "get_time", "search"}
 

@@ -7,7 +7,7 @@ import torch
 
 from neuron.models.interface import KvState, LayerState, RecurrentState
 from neuron.models.layers import Collectives, rope_tables
-from neuron.models.linear import build_linear
+from neuron.models.tp_linear import column_parallel
 from neuron.models.llama import Attention, Mlp
 from neuron.models.ops import TorchOps, apply_rope, rms_norm
 from neuron.models.sharding import plan_shard
@@ -15,8 +15,8 @@ from neuron.models.sharding import plan_shard
 
 class Recurrence:
     def __init__(self, src, prefix: str, dtype: torch.dtype, device: torch.device) -> None:
-        self.w_in = build_linear(src, [(f"{prefix}.in_proj.weight", None)], dim=0, dtype=dtype, device=device)
-        self.w_out = build_linear(src, [(f"{prefix}.out_proj.weight", None)], dim=0, dtype=dtype, device=device)
+        self.w_in = column_parallel(src, [(f"{prefix}.in_proj.weight", None)], dtype=dtype, device=device)
+        self.w_out = column_parallel(src, [(f"{prefix}.out_proj.weight", None)], dtype=dtype, device=device)
         self.decay = torch.sigmoid(src.get(f"{prefix}.decay").float()).to(device)
 
     def __call__(self, x: torch.Tensor, state: torch.Tensor, spans: list[tuple[int, int, int]]) -> torch.Tensor:
@@ -51,7 +51,7 @@ class ToyRecurrentLM:
         self.comm = Collectives(1)
         self.ops = TorchOps()
         self.capturable = False
-        self.embed = build_linear(src, [("model.embed_tokens.weight", None)], dim=0, dtype=dtype, device=device)
+        self.embed = column_parallel(src, [("model.embed_tokens.weight", None)], dtype=dtype, device=device)
         self.lm_head = self.embed
         self.norm = src.get("model.norm.weight").to(device, dtype)
         self.layers = [ToyLayer(cfg, plan, src, i, kind, dtype, device) for i, kind in enumerate(cfg.layer_types)]

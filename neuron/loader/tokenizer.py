@@ -48,7 +48,7 @@ class TokenizerInfo:
 
 
 @lru_cache(maxsize=1)
-def _byte_alphabet() -> dict[int, str]:
+def byte_alphabet() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map."""
     keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     chars = keep[:]
@@ -68,8 +68,8 @@ def tokenizer_from_gguf(fields: dict[str, Any]) -> Tokenizer:
     tokens: list[str] = list(fields["tokenizer.ggml.tokens"])
     types: list[int] = list(fields.get("tokenizer.ggml.token_type") or [])
     merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges") or []]
-    alphabet = set(_byte_alphabet().values())
-    spell = _byte_alphabet()
+    alphabet = set(byte_alphabet().values())
+    spell = byte_alphabet()
     vocab = {}
     for i, tok in enumerate(tokens):
         key = tok if set(tok) <= alphabet else "".join(spell[b] for b in tok.encode("utf-8"))

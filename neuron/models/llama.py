@@ -13,7 +13,7 @@ from protocol import ModelConfig
 
 from .interface import AttentionFn, AttentionShape, KvState, LayerState
 from .layers import Collectives, WeightSource, rope_tables
-from .linear import AnyLinear, ConcatLinear, Linear, build_linear
+from .tp_linear import AnyLinear, ConcatLinear, Linear, column_parallel, row_parallel
 from .moe import SparseMoe
 from .ops import RopeTables, Rotary, TorchOps
 from .sharding import ShardPlan, sparse_layer
@@ -37,13 +37,12 @@ class Attention:
         qkv = [(f"{prefix}.{name}_proj", _rows(heads, hd))
                for name, heads in (("q", plan.q_heads), ("k", plan.kv_heads), ("v", plan.kv_heads))]
         bias = torch.cat([load(f"{n[len(prefix) + 1:]}.bias", r, 0) for n, r in qkv]) if cfg.attention_bias else None
-        self.qkv = build_linear(src, [(f"{n}.weight", r) for n, r in qkv], dim=0, dtype=dtype, device=device,
-                                bias=bias)
+        self.qkv = column_parallel(src, [(f"{n}.weight", r) for n, r in qkv], dtype=dtype, device=device, bias=bias)
         # The row-parallel output bias is added by one rank only, so the all-reduce counts it once.
         bo = None
         if plan.rank == 0 and src.has(f"{prefix}.o_proj.bias"):
             bo = load("o_proj.bias", range(cfg.hidden_size), 0)
-        self.o = build_linear(src, [(f"{prefix}.o_proj.weight", _rows(plan.q_heads, hd))], dim=1, dtype=dtype,
+        self.o = row_parallel(src, [(f"{prefix}.o_proj.weight", _rows(plan.q_heads, hd))], dtype=dtype,
                               device=device, bias=bo)
         if cfg.qk_norm:
             self.q_norm = src.get(f"{prefix}.q_norm.weight").to(device, dtype)
@@ -75,13 +74,13 @@ class Mlp:
         # llama's mlp_bias: column-parallel biases are sliced; the row-parallel one is added by
         # rank 0 only, so the all-reduce counts it once.
         # gate and up in one matrix: one GEMM instead of two
-        self.gate_up = build_linear(src, [(f"{prefix}.{name}.weight", part) for name in ("gate_proj", "up_proj")],
-                                    dim=0, dtype=dtype, device=device,
-                                    bias=pair("bias") if src.has(f"{prefix}.gate_proj.bias") else None)
+        self.gate_up = column_parallel(src, [(f"{prefix}.{name}.weight", part) for name in ("gate_proj", "up_proj")],
+                                       dtype=dtype, device=device,
+                                       bias=pair("bias") if src.has(f"{prefix}.gate_proj.bias") else None)
         down_bias = None
         if rank == 0 and src.has(f"{prefix}.down_proj.bias"):
             down_bias = src.get(f"{prefix}.down_proj.bias").to(device, dtype)
-        self.down = build_linear(src, [(f"{prefix}.down_proj.weight", part)], dim=1, dtype=dtype, device=device,
+        self.down = row_parallel(src, [(f"{prefix}.down_proj.weight", part)], dtype=dtype, device=device,
                                  bias=down_bias)
 
     def tensors(self) -> list[torch.Tensor]:
@@ -145,7 +144,8 @@ class CausalLM:
                 found += [lin for pair in layer.mlp.packed for lin in pair]
                 if not layer.mlp.packed:
                     dense_experts.append(str(layer.mlp.down.dtype).removeprefix("torch."))
-        return [part for lin in found for part in (lin.parts if isinstance(lin, ConcatLinear) else [lin])], dense_experts
+        parts = [part for lin in found for part in (lin.parts if isinstance(lin, ConcatLinear) else [lin])]
+        return parts, dense_experts
 
     def tunable(self) -> list[tuple[object, str]]:
         out: list[tuple[object, str]] = [(self, "lm_head")]
@@ -160,8 +160,7 @@ class CausalLM:
         if not len(rows):
             return Linear(torch.zeros(len(self.plan.vocab), self.cfg.hidden_size, device=self.device,
                                       dtype=self.dtype))
-        return build_linear(src, [(name, rows)], dim=0, dtype=self.dtype, device=self.device,
-                            rows_to=len(self.plan.vocab))
+        return column_parallel(src, [(name, rows)], dtype=self.dtype, device=self.device, rows_to=len(self.plan.vocab))
 
     def weight_bytes(self) -> int:
         seen: set[int] = set()

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from protocol import ModelConfig
 
 from .layers import WeightSource
-from .linear import AnyLinear, build_linear, packed_kernel_for
+from .tp_linear import AnyLinear, column_parallel, packed_kernel_for, row_parallel
 from .sharding import ShardPlan
 
 
@@ -30,9 +30,9 @@ class SparseMoe:
             def name(e: int, proj: str) -> str:
                 return f"{prefix}.experts.{e}.{proj}_proj.weight"
 
-            self.packed = [(build_linear(src, [(name(e, "gate"), None), (name(e, "up"), None)], dim=0, dtype=dtype,
-                                         device=device),
-                            build_linear(src, [(name(e, "down"), None)], dim=1, dtype=dtype, device=device))
+            self.packed = [(column_parallel(src, [(name(e, "gate"), None), (name(e, "up"), None)], dtype=dtype,
+                                            device=device),
+                            row_parallel(src, [(name(e, "down"), None)], dtype=dtype, device=device))
                            for e in plan.experts]
             self.gate = self.up = self.down = torch.empty(0)
         elif src.has(f"{prefix}.experts.gate_up_proj"):

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import protocol as p
 from neuron.models import families
 from neuron.models.interface import Model
-from neuron.models.linear import describe_packing, packed_kernel_for
+from neuron.models.tp_linear import describe_packing, packed_kernel_for
 from neuron.models.quant import GROUP, SCHEMES
 from neuron.models.sharding import ShardingError
 from neuron.runner.runner import ModelRunner, PendingStep, RunnerConfig, StepRejected

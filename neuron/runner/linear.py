@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from neuron.models.linear import Linear
+from neuron.models.tp_linear import Linear
 
 from neuron.kernels import gpu as kernels
 
@@ -135,7 +135,7 @@ def tune_packed(model, batch_sizes: list[int]) -> None:
     it for that many rows."""
     import triton
 
-    from neuron.models.linear import packed_parts
+    from neuron.models.tp_linear import packed_parts
     from neuron.kernels.gpu import GEMV_ROWS, qlinear, quantize_rows
 
     by_shape: dict[tuple, list] = {}

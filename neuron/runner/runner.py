@@ -96,7 +96,7 @@ class ModelRunner:
         shape = model.attention_shape
         self.triton = self.cuda and _triton_fits(shape.head_dim)
         if self.triton:
-            from neuron.models.linear import has_packed
+            from neuron.models.tp_linear import has_packed
             from neuron.kernels.gpu import pdl_by_default
 
             from .ops import TritonOps

@@ -20,15 +20,15 @@ from neuron.errors import ApiError
 from neuron.loader.errors import LoadError
 from neuron.registry import Registry
 
-from .body_budget import BodyBudget
-from .errors import api_error_handler, http_error_handler, internal_error_handler, load_error_handler
-from .metrics import Metrics
-from .model_access import ModelAccess
-from .request_id import HEADER, RequestIdMiddleware
-from .request_trace import log_finish, trace_of
-from .routes import route_table
-from .response_store import ResponseStore
-from .state import AppState
+from neuron.server.body_budget import BodyBudget
+from neuron.server.errors import api_error_handler, http_error_handler, internal_error_handler, load_error_handler
+from neuron.server.metrics import Metrics
+from neuron.server.model_access import ModelAccess
+from neuron.server.request_id import HEADER, RequestIdMiddleware
+from neuron.server.request_trace import log_finish, trace_of
+from neuron.server.routes import route_table
+from neuron.server.openai.response_store import ResponseStore
+from neuron.server.state import AppState
 
 log = logging.getLogger("neuron.server")
 

@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse
 from neuron.errors import ApiError
 from neuron.loader.errors import LoadError
 
-from .request_id import HEADER, request_id_header
+from neuron.server.request_id import HEADER, request_id_header
 
 log = logging.getLogger("neuron.server")
 

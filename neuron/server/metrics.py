@@ -12,7 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from neuron.engine.request import FinishEvent, GenRequest
 
-from .request_trace import RequestTrace
+from neuron.server.request_trace import RequestTrace
 
 # vLLM's buckets, so histograms from both servers can be compared bucket by bucket.
 _TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,

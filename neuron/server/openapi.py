@@ -3,24 +3,20 @@ Structs the server validates with (``msgspec.json.schema_components``)."""
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Any
 
 import msgspec
-from starlette.requests import Request
-from starlette.responses import Response
 
 import neuron
 
-from .schemas import ErrorEnvelope
+from neuron.server.schemas import ErrorEnvelope
 
 REF = "#/components/schemas/{name}"
 
 
-def build_openapi() -> dict[str, Any]:
-    from .routes import route_table
-
-    routes = route_table()
+def build_openapi(routes: list) -> dict[str, Any]:
+    """The document of ``routes`` (``routes.ApiRoute``s: method, path, summary, tag, auth, body,
+    response, streams)."""
     kinds: list[type] = [ErrorEnvelope]
     for route in routes:
         kinds += [k for k in (route.body, route.response) if k is not None and k not in kinds]
@@ -54,12 +50,3 @@ def build_openapi() -> dict[str, Any]:
             "admin": {"type": "http", "scheme": "bearer", "description": "[server] admin_api_key (else api_key)"},
         }},
     }
-
-
-@lru_cache(maxsize=1)
-def _document() -> bytes:
-    return msgspec.json.encode(build_openapi())
-
-
-async def openapi_json(request: Request) -> Response:
-    return Response(_document(), media_type="application/json")

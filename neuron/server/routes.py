@@ -4,13 +4,19 @@ it, with the same msgspec Structs the route decodes its body with, so neither ca
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Awaitable, Callable
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from . import admin_routes, openai_routes, responses, tokenize_routes
-from .schemas import (ChatRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, FaultRequest,
+from neuron.server import openapi
+from neuron.server.admin import routes as admin_routes
+from neuron.server.openai import routes as openai_routes
+from neuron.server.openai import responses
+from neuron.server.openai import tokenize as tokenize_routes
+from neuron.server.schemas import (ChatRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, FaultRequest,
                       LoadRequest, TokenizeRequest, TokenizeResponse, UnloadRequest)
 
 Endpoint = Callable[[Request], Awaitable[Response]]
@@ -56,8 +62,14 @@ ROUTES: list[ApiRoute] = [
 ]
 
 
+@lru_cache(maxsize=1)
+def _document() -> bytes:
+    return msgspec.json.encode(openapi.build_openapi(route_table()))
+
+
+async def openapi_json(request: Request) -> Response:
+    return Response(_document(), media_type="application/json")
+
+
 def route_table() -> list[ApiRoute]:
-    from . import openapi  # the document route reads this table: imported late
-
-    return [*ROUTES, ApiRoute("GET", "/openapi.json", openapi.openapi_json, "This document", "operations")]
-
+    return [*ROUTES, ApiRoute("GET", "/openapi.json", openapi_json, "This document", "operations")]

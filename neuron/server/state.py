@@ -13,10 +13,10 @@ from neuron.engine.grammar_worker import GrammarCompiler
 from neuron.errors import ApiError
 from neuron.registry import Registry
 
-from .body_budget import BodyBudget
-from .metrics import Metrics
-from .model_access import ModelAccess
-from .response_store import ResponseStore
+from neuron.server.body_budget import BodyBudget
+from neuron.server.metrics import Metrics
+from neuron.server.model_access import ModelAccess
+from neuron.server.openai.response_store import ResponseStore
 
 
 @dataclass

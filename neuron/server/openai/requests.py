@@ -18,7 +18,7 @@ from neuron.errors import ApiError
 from neuron.registry import ModelHandle
 from protocol import Sampling
 
-from .schemas import SamplingFields
+from neuron.server.schemas import SamplingFields
 
 T = TypeVar("T")
 

@@ -11,13 +11,13 @@ from starlette.responses import JSONResponse, Response
 from neuron.errors import ApiError
 from neuron.registry import ModelHandle
 
-from .fields import refuse_unsupported
-from .generation import Chunks, respond
-from .planning import plan_chat, plan_completion
-from .requests import decode_json, read_body
-from .schemas import ChatRequest, CompletionRequest, SamplingFields
-from .state import AppState, require_key
-from .views import ChatView, CompletionView
+from neuron.server.openai.fields import refuse_unsupported
+from neuron.server.openai.generation import Chunks, respond
+from neuron.server.openai.planning import plan_chat, plan_completion
+from neuron.server.openai.requests import decode_json, read_body
+from neuron.server.schemas import ChatRequest, CompletionRequest, SamplingFields
+from neuron.server.state import AppState, require_key
+from neuron.server.openai.views import ChatView, CompletionView
 
 
 

@@ -12,10 +12,10 @@ from neuron.config import Config, ConfigError, ModelEntry, validate
 from neuron.errors import ApiError
 from neuron.loader.errors import LoadError
 
-from .errors import from_load_error
-from .requests import read_json
-from .schemas import FaultRequest, LoadRequest, UnloadRequest
-from .state import AppState, require_key
+from neuron.server.errors import from_load_error
+from neuron.server.openai.requests import read_json
+from neuron.server.schemas import FaultRequest, LoadRequest, UnloadRequest
+from neuron.server.state import AppState, require_key
 
 
 async def health(request: Request) -> Response:

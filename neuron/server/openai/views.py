@@ -10,12 +10,12 @@ from typing import Any, ClassVar
 
 from tokenizers import Tokenizer
 
-from neuron.loader.tokenizer import _byte_alphabet
+from neuron.loader.tokenizer import byte_alphabet
 
-from .choices import Delta
-from .tool_parsers import CallArgs, CallStart
+from neuron.server.openai.choices import Delta
+from neuron.parsing.tool_calls import CallArgs, CallStart
 
-_BYTES = {c: b for b, c in _byte_alphabet().items()}
+_BYTES = {c: b for b, c in byte_alphabet().items()}
 
 
 @dataclass

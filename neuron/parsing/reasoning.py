@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .markers import split_at
+from neuron.parsing.markers import split_at
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@ from neuron.loader.chat_template import TemplateError, render_chat
 from neuron.loader.tokenizer import TokenizerInfo, encode_ids
 from neuron.registry import ModelHandle
 
-from .reasoning import ThinkMarkers, reasoning_markers, starts_thinking
-from .schemas import ChatRequest, CompletionRequest
-from .tools import ToolPlan, detect_syntax, plan_tools, with_tool_prompt
+from neuron.parsing.reasoning import ThinkMarkers, reasoning_markers, starts_thinking
+from neuron.server.schemas import ChatRequest, CompletionRequest
+from neuron.server.openai.tools import ToolPlan, detect_syntax, plan_tools, with_tool_prompt
 
 
 def _check(ok: bool, param: str, message: str) -> None:

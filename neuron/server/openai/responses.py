@@ -18,16 +18,16 @@ from starlette.responses import JSONResponse, Response
 
 from neuron.errors import ApiError
 
-from .choices import Choice, Delta
-from .generation import respond, usage
-from .openai_routes import serving
-from .planning import plan_chat
-from .requests import decode_json, read_body
-from .response_store import ResponseStore
-from .schemas import ChatRequest
-from .state import AppState, require_key
-from .tool_parsers import CallArgs, CallStart
-from .views import Folded
+from neuron.server.openai.choices import Choice, Delta
+from neuron.server.openai.generation import respond, usage
+from neuron.server.openai.routes import serving
+from neuron.server.openai.planning import plan_chat
+from neuron.server.openai.requests import decode_json, read_body
+from neuron.server.openai.response_store import ResponseStore
+from neuron.server.schemas import ChatRequest
+from neuron.server.state import AppState, require_key
+from neuron.parsing.tool_calls import CallArgs, CallStart
+from neuron.server.openai.views import Folded
 
 
 def _bad(message: str, param: str) -> ApiError:

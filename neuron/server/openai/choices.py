@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 from neuron.engine.request import FinishEvent, GenRequest, TokenEvent
 
-from .reasoning import ReasoningSplitter
-from .tool_parsers import CallArgs, CallStart, ToolCallParser
+from neuron.parsing.reasoning import ReasoningSplitter
+from neuron.parsing.tool_calls import CallArgs, CallStart, ToolCallParser
 
 
 @dataclass

@@ -17,12 +17,12 @@ from neuron.engine.request import FinishEvent, GenRequest
 from neuron.errors import ApiError
 from neuron.registry import ModelHandle
 
-from .choices import Choice, Delta, Merged
-from .errors import envelope
-from .request_id import request_id
-from .request_trace import RequestTrace, log_start, log_unserved
-from .state import AppState
-from .views import Folded, Usage, View
+from neuron.server.openai.choices import Choice, Delta, Merged
+from neuron.server.errors import envelope
+from neuron.server.request_id import request_id
+from neuron.server.request_trace import RequestTrace, log_start, log_unserved
+from neuron.server.state import AppState
+from neuron.server.openai.views import Folded, Usage, View
 
 log = logging.getLogger("neuron.server")
 T = TypeVar("T")

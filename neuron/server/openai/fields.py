@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 from neuron.errors import ApiError
 
-from .schemas import CompletionRequest, SamplingFields
+from neuron.server.schemas import CompletionRequest, SamplingFields
 
 
 def _absent(value: Any) -> bool:

@@ -11,14 +11,14 @@ from neuron.engine.grammar import Compiler, GrammarError, GrammarSpec, grammars_
 from neuron.errors import ApiError
 from neuron.registry import ModelHandle
 
-from .choices import Choice
-from .prompts import ChatPrompt, Prompt, chat_prompt, completion_prompts
-from .reasoning import ReasoningSplitter
-from .requests import check_sequence, make_request, settings_of, truncate
-from .schemas import ChatRequest, CompletionRequest, SamplingFields
-from .structured import output_grammar, whitespace_of
-from .tool_parsers import PARSERS, ToolCallParser
-from .tools import forced_call_grammar
+from neuron.server.openai.choices import Choice
+from neuron.server.openai.prompts import ChatPrompt, Prompt, chat_prompt, completion_prompts
+from neuron.parsing.reasoning import ReasoningSplitter
+from neuron.server.openai.requests import check_sequence, make_request, settings_of, truncate
+from neuron.server.schemas import ChatRequest, CompletionRequest, SamplingFields
+from neuron.server.openai.structured import output_grammar, whitespace_of
+from neuron.parsing.tool_calls import PARSERS, ToolCallParser
+from neuron.server.openai.tools import forced_call_grammar
 
 
 def _bad(message: str, param: str) -> ApiError:

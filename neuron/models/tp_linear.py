@@ -1,10 +1,18 @@
-"""The linear layers of a shard: ``y = x W^T + b`` over this rank's share of a weight.
+"""The tensor-parallel linear: ``y = x W^T + b`` over this rank's share of a weight.
 
-Every projection of a model goes through a ``Linear``, so how a weight is stored (dense, or
-packed quantized groups: ``quant.PackedLinear``) is decided here and nowhere else in the model code.
-``build_linear`` makes one from a weight source: packed when the source holds the weight
-quantized (a GGUF quant type, or in-situ quantization) and a packed kernel runs on this device
-in this activation dtype; dense otherwise.
+- ``column_parallel``: each rank holds a range of W's output rows (of each weight it stacks: fused
+  q/k/v, gate/up) and computes those outputs of the whole input; no collective. The ranges need
+  not be equal (3 KV heads over 2 ranks is 2+1). Its bias is sliced like its rows.
+- ``row_parallel``: each rank holds a range of W's input columns and multiplies the matching share
+  of the input (what a column-parallel layer before it left on the rank); the partial sums are
+  added across ranks by the caller's all-reduce (``layers.Collectives``). Its bias is added by one
+  rank only (the caller passes it on rank 0), so the sum counts it once. Packed weights split
+  their input columns only on whole quant groups (``sharding``).
+
+At world 1 both are the whole weight. Every projection of a model is one of these, so how a
+weight is stored is decided here and nowhere else in the model code: packed quantized groups
+(``quant.PackedLinear``) when the source holds it quantized (a GGUF quant type, or in-situ
+quantization) and a packed kernel runs on this device in this activation dtype; dense otherwise.
 """
 
 from __future__ import annotations
@@ -90,10 +98,21 @@ def packed_kernel_for(device: torch.device, dtype: torch.dtype) -> bool:
     return True
 
 
-def build_linear(src: Source, parts: list[tuple[str, range | None]], *, dim: int, dtype: torch.dtype,
-                 device: torch.device, bias: torch.Tensor | None = None, rows_to: int | None = None) -> AnyLinear:
-    """One linear layer from the rows (``dim=0``) or input columns (``dim=1``) ``part`` of each
-    named weight, stacked by rows (fused q/k/v, gate/up); ``rows_to`` zero-pads the rows."""
+def column_parallel(src: Source, parts: list[tuple[str, range | None]], *, dtype: torch.dtype,
+                    device: torch.device, bias: torch.Tensor | None = None, rows_to: int | None = None) -> AnyLinear:
+    """Output rows ``part`` of each named weight (None: all of them), stacked; ``rows_to``
+    zero-pads the rows (a vocabulary shard padded to the common length)."""
+    return _build(src, parts, 0, dtype, device, bias, rows_to)
+
+
+def row_parallel(src: Source, parts: list[tuple[str, range | None]], *, dtype: torch.dtype, device: torch.device,
+                 bias: torch.Tensor | None = None) -> AnyLinear:
+    """Input columns ``part`` of each named weight; the caller all-reduces the outputs."""
+    return _build(src, parts, 1, dtype, device, bias, None)
+
+
+def _build(src: Source, parts: list[tuple[str, range | None]], dim: int, dtype: torch.dtype, device: torch.device,
+           bias: torch.Tensor | None, rows_to: int | None) -> AnyLinear:
     get_quant = getattr(src, "get_quant", None)
     if get_quant is not None and packed_kernel_for(device, dtype):
         quants = [get_quant(name, dim=dim, part=part) for name, part in parts]

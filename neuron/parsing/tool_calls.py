@@ -11,9 +11,9 @@ import secrets
 import string
 from dataclasses import dataclass
 
-from .call_reader import WS as _WS
-from .call_reader import CallReader, NotACall
-from .markers import partial_at_end, split_at
+from neuron.parsing.call_reader import WS as _WS
+from neuron.parsing.call_reader import CallReader, NotACall
+from neuron.parsing.markers import partial_at_end, split_at
 
 
 @dataclass

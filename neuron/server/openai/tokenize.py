@@ -13,11 +13,11 @@ from starlette.responses import Response
 from neuron.errors import ApiError
 from neuron.registry import ModelHandle
 
-from .prompts import chat_prompt, completion_prompts
-from .requests import decode_json, read_body, read_json
-from .schemas import (ChatRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
+from neuron.server.openai.prompts import chat_prompt, completion_prompts
+from neuron.server.openai.requests import decode_json, read_body, read_json
+from neuron.server.schemas import (ChatRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
                       TokenizeResponse)
-from .state import AppState, require_key
+from neuron.server.state import AppState, require_key
 
 
 def _json(body: msgspec.Struct) -> Response:

@@ -11,7 +11,7 @@ from typing import Any
 from neuron.engine.grammar import JSON_WHITESPACE, GrammarSpec
 from neuron.errors import ApiError
 
-from .schemas import SamplingFields
+from neuron.server.schemas import SamplingFields
 
 
 def _bad(message: str, param: str) -> ApiError:
