@@ -122,8 +122,13 @@ def _prefill(runner: Any, job: ParityJob) -> list[Any]:
     per_seq = -(-job.max_len // runner.bs)
     greedy = Sampling(temperature=0.0)
     return [StepSeq(slot=i, tokens=list(p), start_pos=0, sample=True, sampling=greedy,
-                    blocks=list(range(i * per_seq, (i + 1) * per_seq)))
+                    blocks=list(range(i * per_seq, (i + 1) * per_seq)), state=_state(runner, i))
             for i, p in enumerate(job.prompts)]
+
+
+def _state(runner: Any, slot: int) -> int:
+    """The state slot of the sequence in ``slot``: its own, where the model keeps state."""
+    return slot if runner.states.slots else -1
 
 
 def _decode(runner: Any, seqs: list[Any], steps: int, forced: list[list[int]] | None = None) -> list[list[int]]:
@@ -138,7 +143,7 @@ def _decode(runner: Any, seqs: list[Any], steps: int, forced: list[list[int]] | 
         for out, tok in zip(tokens, drawn):
             out.append(tok)
         seqs = [StepSeq(slot=s.slot, tokens=[forced[j][i] if forced else -1], start_pos=s.start_pos + len(s.tokens),
-                        sample=True) for j, s in enumerate(seqs)]
+                        sample=True, state=s.state) for j, s in enumerate(seqs)]
     return tokens
 
 
@@ -151,7 +156,7 @@ def run_teacher_forced(runner: Any, job: ParityJob, greedy: list[list[int]]) -> 
     seqs = job.score or ([p + g for p, g in zip(job.prompts, greedy)] if job.score_greedy else [])
     for seq in seqs:
         step = StepSeq(slot=0, tokens=list(seq), start_pos=0, sample=True, sampling=Sampling(temperature=0.0),
-                       blocks=list(range(-(-len(seq) // runner.bs))))
+                       blocks=list(range(-(-len(seq) // runner.bs))), state=_state(runner, 0))
         out.append(runner.forward_logits([step], every_position=True).argmax(dim=-1).tolist())
     return out
 

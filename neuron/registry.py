@@ -50,6 +50,7 @@ class ModelHandle:
     error: str | None = None
     shard_bytes: list[int] = field(default_factory=list)
     kv_bytes: list[int] = field(default_factory=list)
+    state_bytes: list[int] = field(default_factory=list)  # per rank: the recurrent layers' state slots
     loading: RankGroup | None = None  # the group being loaded, while it is
     graphs: list[int] = field(default_factory=list)
     packing: str = ""  # rank 0's account of how its projections are stored
@@ -92,7 +93,9 @@ class ModelHandle:
             "max_batch_tokens": z.max_batch_tokens, "prefill_chunk": z.prefill_chunk,
             "prefill_chunk_decoding": z.prefill_chunk_decoding, "steps_in_flight": z.steps_in_flight,
             "prefix_caching": z.cache_key is not None and not stats.state_slots,
+            "layer_types": _counted(self.spec.config.layer_types or ["attention"] * self.spec.config.num_layers),
             "state_slots": stats.state_slots, "state_slots_used": stats.state_slots_used,
+            "state_bytes": self.state_bytes,
             "prefix_cache_hits": stats.prefix_cache_hits,
             "prefix_cache_queries": stats.prefix_cache_queries,
             "leader_ms_per_step": round(stats.leader_ms_per_step, 4), "step_ms": round(stats.step_ms, 3),
@@ -236,6 +239,7 @@ class Registry:
         handle.shard_bytes = [oks[r].bytes for r in range(group.world)]
         handle.packing = oks[0].packing
         handle.kv_bytes = [oks[r].kv_bytes for r in range(group.world)]
+        handle.state_bytes = [oks[r].state_bytes for r in range(group.world)]
         handle.graphs = oks[0].graphs
         blocks = min(ok.kv_blocks for ok in oks.values())
         if blocks * entry.block_size < handle.max_len:
@@ -370,3 +374,8 @@ class Registry:
             self.runtime.rmdir()
         except OSError:
             pass
+
+
+def _counted(kinds: list[str]) -> dict[str, int]:
+    """How many layers of each kind, in the order they first come."""
+    return {kind: kinds.count(kind) for kind in dict.fromkeys(kinds)}

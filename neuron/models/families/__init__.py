@@ -28,6 +28,9 @@ BUILT_IN: dict[str, str] = {
     "llama": "neuron.models.families.llama",
     "qwen3": "neuron.models.families.llama",
     "qwen3_moe": "neuron.models.families.llama",
+    "qwen3_next": "neuron.models.families.qwen3_next",
+    "qwen3_5_text": "neuron.models.families.qwen3_next",
+    "qwen3_5_moe_text": "neuron.models.families.qwen3_next",
 }
 PLUGINS_ENV = "NEURON_FAMILIES"
 

@@ -1,0 +1,118 @@
+"""The hybrid family: Qwen3-Next (``qwen3_next``: fused ``in_proj_qkvz``/``in_proj_ba``, sparse
+experts with a shared expert) and Qwen3.5's text models (``qwen3_5_text``: separate projections,
+dense MLP; ``qwen3_5_moe_text``: the same with sparse and shared experts). Gated DeltaNet layers
+beside gated full attention (``neuron.models.hybrid``); one rank for now."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from protocol import ModelConfig
+
+from neuron.loader.errors import BadModelConfig, UnsupportedModel
+
+from ..sharding import ShardingError, check_plan, sparse_layer
+
+MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+WITH_EXPERTS = ("qwen3_next", "qwen3_5_moe_text")
+KINDS = ("linear_attention", "full_attention")
+LINEAR = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+          "linear_conv_kernel_dim")
+
+
+def _layer_types(text: dict[str, Any], layers: int) -> list[str]:
+    kinds = text.get("layer_types")
+    if kinds is None:
+        every = int(text.get("full_attention_interval", 4))
+        kinds = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
+    kinds = list(kinds)
+    if len(kinds) != layers or any(k not in KINDS for k in kinds):
+        raise BadModelConfig(f"layer_types must name {' or '.join(KINDS)} for each of the {layers} layers")
+    if "full_attention" not in kinds:
+        raise UnsupportedModel("a hybrid model without a full-attention layer is not supported")
+    return kinds
+
+
+def config_from_hf(raw: dict[str, Any], text: dict[str, Any]) -> ModelConfig:
+    model_type = raw["model_type"]
+    if text.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise UnsupportedModel(f"hidden_act {text.get('hidden_act')!r} is not supported (supported: silu)")
+    if text.get("attention_bias"):
+        raise UnsupportedModel("attention_bias is not supported for the hybrid family")
+    rope = dict(text.get("rope_parameters") or {})
+    if rope.get("rope_type", "default") != "default" or text.get("rope_scaling"):
+        raise UnsupportedModel(f"rope type {rope.get('rope_type')!r} is not supported for the hybrid family")
+    try:
+        layers = int(text["num_hidden_layers"])
+        heads = int(text["num_attention_heads"])
+        hidden = int(text["hidden_size"])
+        extra: dict[str, int | float | str | bool | list[int]] = {k: int(text[k]) for k in LINEAR}
+        extra["partial_rotary_factor"] = float(rope.get("partial_rotary_factor",
+                                                        text.get("partial_rotary_factor", 0.25)))
+        experts = int(text.get("num_experts") or 0) if model_type in WITH_EXPERTS else 0
+        if experts:
+            extra["shared_expert_intermediate_size"] = int(text.get("shared_expert_intermediate_size") or 0)
+        if extra["linear_num_value_heads"] % extra["linear_num_key_heads"]:
+            raise BadModelConfig("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        return ModelConfig(
+            family=model_type,
+            vocab_size=int(text["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(text.get("intermediate_size") or 0),
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=int(text.get("num_key_value_heads") or heads),
+            head_dim=int(text.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 10000.0))),
+            max_position_embeddings=int(text.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            qk_norm=True,
+            num_experts=experts,
+            num_experts_per_tok=int(text.get("num_experts_per_tok") or 0) if experts else 0,
+            moe_intermediate_size=int(text.get("moe_intermediate_size") or 0) if experts else 0,
+            norm_topk_prob=bool(text.get("norm_topk_prob", True)),
+            decoder_sparse_step=int(text.get("decoder_sparse_step", 1) or 1),
+            mlp_only_layers=[int(x) for x in text.get("mlp_only_layers") or []],
+            layer_types=_layer_types(text, layers),
+            extra=extra,
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise BadModelConfig(f"config.json is missing or has a bad value: {exc}") from None
+
+
+def required_tensors(cfg: ModelConfig) -> list[str]:
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    fused = cfg.family == "qwen3_next"
+    for i, kind in enumerate(cfg.layer_types):
+        p = f"model.layers.{i}"
+        names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
+        if kind == "full_attention":
+            names += [f"{p}.self_attn.{x}_proj.weight" for x in "qkvo"]
+            names += [f"{p}.self_attn.q_norm.weight", f"{p}.self_attn.k_norm.weight"]
+        else:
+            la = f"{p}.linear_attn"
+            names += [f"{la}.{x}" for x in ("conv1d.weight", "A_log", "dt_bias", "norm.weight", "out_proj.weight")]
+            names += ([f"{la}.in_proj_qkvz.weight", f"{la}.in_proj_ba.weight"] if fused
+                      else [f"{la}.in_proj_{x}.weight" for x in ("qkv", "z", "b", "a")])
+        if sparse_layer(cfg, i):
+            names += [f"{p}.mlp.gate.weight", f"{p}.mlp.experts.*"]
+            if cfg.extra.get("shared_expert_intermediate_size"):
+                names += [f"{p}.mlp.shared_expert.{x}_proj.weight" for x in ("gate", "up", "down")]
+                names += [f"{p}.mlp.shared_expert_gate.weight"]
+        else:
+            names += [f"{p}.mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+    return names
+
+
+def check_split(cfg: ModelConfig, world: int, block: int = 1) -> None:
+    if world != 1:
+        raise ShardingError(f"tensor_parallel={world}: the hybrid family ({cfg.family}) runs on one rank for now")
+    check_plan(cfg, world, block)
+
+
+def build(cfg: ModelConfig, world: int, rank: int, src, *, dtype, device, max_len: int, block: int = 1):
+    from ..hybrid import HybridLM
+
+    check_split(cfg, world, block)
+    return HybridLM(cfg, src, dtype=dtype, device=device, max_len=max_len)

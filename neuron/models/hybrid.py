@@ -1,0 +1,216 @@
+"""The hybrid decoder of Qwen3-Next and Qwen3.5: Gated DeltaNet layers (``deltanet``) and full
+attention layers in the pattern of ``layer_types``, each followed by an MLP, or by sparse experts
+beside a shared expert behind a sigmoid gate (Qwen3-Next). Its RMS norms are zero-centred (the
+checkpoint holds ``w - 1``; one is added at load).
+
+Full attention carries an output gate (``q_proj`` holds each head's query and gate rows side by
+side: ``o = o_proj(attn * sigmoid(gate))``), q/k norm, and RoPE on only the first
+``partial_rotary_factor`` of each head's dimensions. The attention kernels rotate whole heads in
+the "rotate half" layout, which pairs dimension ``i`` with ``i + head_dim / 2``; the partial
+rotation pairs ``i`` with ``i + rot / 2``. So q and k (and their norm weights) are stored with their
+dimensions reordered, the rotated pairs at ``i`` and ``i + head_dim / 2`` and the rest in the
+frequency slots whose cos is 1 and sin 0: q·k is unchanged by the same reordering of both, and
+the kernels run as they are.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from protocol import ModelConfig
+
+from .deltanet import DeltaNetShape, GatedDeltaNet
+from .interface import AttentionFn, AttentionShape, KvState, LayerState
+from .layers import Collectives, WeightSource
+from .llama import Mlp
+from .moe import SparseMoe
+from .ops import RopeTables, Rotary, TorchOps
+from .sharding import ShardPlan, plan_shard, sparse_layer
+from .tp_linear import AnyLinear, ConcatLinear, column_parallel, row_parallel
+
+
+def rotary_order(head_dim: int, rot: int) -> list[int]:
+    """For each stored dimension of a head, the checkpoint's dimension it holds (see above)."""
+    half, rhalf = head_dim // 2, rot // 2
+    rest = list(range(rot, head_dim))
+    return list(range(rhalf)) + rest[: half - rhalf] + list(range(rhalf, rot)) + rest[half - rhalf:]
+
+
+def _runs(order: list[int], base: int) -> list[range]:
+    """``order`` (offset by ``base``) as contiguous ranges."""
+    runs: list[range] = []
+    for i in order:
+        if runs and runs[-1].stop == base + i:
+            runs[-1] = range(runs[-1].start, base + i + 1)
+        else:
+            runs.append(range(base + i, base + i + 1))
+    return runs
+
+
+def partial_rope(cfg: ModelConfig, max_len: int, device: torch.device, dtype: torch.dtype) -> RopeTables:
+    hd = cfg.head_dim
+    rot = int(hd * float(cfg.extra.get("partial_rotary_factor", 1.0)))
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.int64).float() / rot))
+    inv = torch.cat([inv, torch.zeros(hd // 2 - rot // 2)])
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return RopeTables(emb.cos().to(device, dtype), emb.sin().to(device, dtype))
+
+
+def zero_centred(src: WeightSource, name: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return (src.get(name).float() + 1.0).to(device, dtype)
+
+
+class GatedAttention:
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan, src: WeightSource, prefix: str, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        hd = cfg.head_dim
+        self.n_q, self.n_kv = len(plan.q_heads), len(plan.kv_heads)
+        order = rotary_order(hd, int(hd * float(cfg.extra.get("partial_rotary_factor", 1.0))))
+        q, k, v, o = (f"{prefix}.{x}_proj.weight" for x in "qkvo")
+        rows = [(q, r) for h in plan.q_heads for r in _runs(order, 2 * hd * h)]
+        rows += [(k, r) for h in plan.kv_heads for r in _runs(order, hd * h)]
+        rows += [(v, range(plan.kv_heads.start * hd, plan.kv_heads.stop * hd))]
+        self.qkv = column_parallel(src, rows, dtype=dtype, device=device)
+        self.gate = column_parallel(src, [(q, range(2 * hd * h + hd, 2 * hd * (h + 1))) for h in plan.q_heads],
+                                    dtype=dtype, device=device)
+        self.o = row_parallel(src, [(o, range(plan.q_heads.start * hd, plan.q_heads.stop * hd))], dtype=dtype,
+                              device=device)
+        self.q_norm = zero_centred(src, f"{prefix}.q_norm.weight", device, dtype)[order]
+        self.k_norm = zero_centred(src, f"{prefix}.k_norm.weight", device, dtype)[order]
+        self.eps, self.hd = cfg.rms_norm_eps, hd
+        groups = self.n_q // self.n_kv if self.n_q % self.n_kv == 0 else 0
+        uniform = groups and plan.kv_of_q == tuple(i // groups for i in range(self.n_q))
+        self.shape = AttentionShape(self.n_q, self.n_kv, hd, hd ** -0.5, plan.kv_of_q, groups if uniform else 0)
+
+    def linears(self) -> list[AnyLinear]:
+        return [self.qkv, self.gate, self.o]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for lin in self.linears() for t in lin.tensors()] + [self.q_norm, self.k_norm]
+
+    def __call__(self, x: torch.Tensor, layer: int, positions: torch.Tensor, rope: RopeTables,
+                 attend: AttentionFn) -> torch.Tensor:
+        qkv = self.qkv(x).view(x.shape[0], self.n_q + 2 * self.n_kv, self.hd)
+        out = attend(layer, qkv, positions, Rotary(rope, self.q_norm, self.k_norm, self.eps))
+        return self.o(out * torch.sigmoid(self.gate(x)))
+
+
+class SharedExpertMoe:
+    """Sparse experts plus a shared expert whose output is scaled by ``sigmoid(x . w_gate)``."""
+
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan, src: WeightSource, prefix: str, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.sparse = SparseMoe(cfg, plan, src, prefix, dtype, device)
+        shared = int(cfg.extra.get("shared_expert_intermediate_size", 0))
+        self.shared = Mlp(src, f"{prefix}.shared_expert", range(shared), dtype, device, plan.rank) if shared else None
+        self.shared_gate = src.get(f"{prefix}.shared_expert_gate.weight").to(device, dtype) if shared else None
+
+    @property
+    def packed(self):
+        return self.sparse.packed
+
+    @property
+    def down(self):
+        return self.sparse.down
+
+    def tensors(self) -> list[torch.Tensor]:
+        shared = [*self.shared.tensors(), self.shared_gate] if self.shared is not None else []
+        return [*self.sparse.tensors(), *shared]
+
+    def __call__(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
+        out = self.sparse(x, ops)
+        if self.shared is not None:
+            out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x, ops)
+        return out
+
+
+class HybridLayer:
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan, src: WeightSource, prefix: str, kind: str, index: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.kind = kind
+        self.attn_norm = zero_centred(src, f"{prefix}.input_layernorm.weight", device, dtype)
+        self.mlp_norm = zero_centred(src, f"{prefix}.post_attention_layernorm.weight", device, dtype)
+        self.mixer: GatedAttention | GatedDeltaNet = (
+            GatedAttention(cfg, plan, src, f"{prefix}.self_attn", dtype, device) if kind == "full_attention"
+            else GatedDeltaNet(cfg, src, f"{prefix}.linear_attn", dtype, device))
+        self.mlp: Mlp | SharedExpertMoe = (SharedExpertMoe(cfg, plan, src, f"{prefix}.mlp", dtype, device)
+                                           if sparse_layer(cfg, index)
+                                           else Mlp(src, f"{prefix}.mlp", plan.mlp, dtype, device, plan.rank))
+
+
+class HybridLM:
+    """One rank's shard of a hybrid model (one rank only, for now)."""
+
+    def __init__(self, cfg: ModelConfig, src: WeightSource, *, dtype: torch.dtype, device: torch.device,
+                 max_len: int) -> None:
+        self.cfg, self.dtype, self.device = cfg, dtype, device
+        self.plan = plan = plan_shard(cfg, 1, 0)
+        prefix = str(cfg.extra.get("prefix", "model"))
+        self.comm = Collectives(1)
+        self.ops = TorchOps()
+        self.capturable = False  # the recurrent layers run eagerly
+        self.embed = column_parallel(src, [(f"{prefix}.embed_tokens.weight", None)], dtype=dtype, device=device)
+        self.lm_head = (self.embed if cfg.tie_word_embeddings or not src.has("lm_head.weight")
+                        else column_parallel(src, [("lm_head.weight", None)], dtype=dtype, device=device))
+        self.layers = [HybridLayer(cfg, plan, src, f"{prefix}.layers.{i}", kind, i, dtype, device)
+                       for i, kind in enumerate(cfg.layer_types)]
+        self.norm = zero_centred(src, f"{prefix}.norm.weight", device, dtype)
+        self.rope = partial_rope(cfg, max_len, device, dtype)
+        self.attention_shape = next(layer.mixer.shape for layer in self.layers if layer.kind == "full_attention")
+        self.recurrent = DeltaNetShape(cfg).state()
+
+    def state_specs(self) -> list[LayerState]:
+        kv = KvState(self.attention_shape.n_kv, self.attention_shape.head_dim)
+        return [kv if layer.kind == "full_attention" else self.recurrent for layer in self.layers]
+
+    def linears(self) -> tuple[list[AnyLinear], list[str]]:
+        found: list[AnyLinear] = [self.embed] + ([] if self.lm_head is self.embed else [self.lm_head])
+        dense_experts = []
+        for layer in self.layers:
+            found += layer.mixer.linears()
+            if isinstance(layer.mlp, Mlp):
+                found += [layer.mlp.gate_up, layer.mlp.down]
+            else:
+                found += [lin for pair in layer.mlp.packed for lin in pair]
+                if layer.mlp.shared is not None:
+                    found += [layer.mlp.shared.gate_up, layer.mlp.shared.down]
+                if not layer.mlp.packed:
+                    dense_experts.append(str(layer.mlp.down.dtype).removeprefix("torch."))
+        return [part for lin in found for part in (lin.parts if isinstance(lin, ConcatLinear) else [lin])], dense_experts
+
+    def tunable(self) -> list[tuple[object, str]]:
+        return []
+
+    def weight_bytes(self) -> int:
+        seen: set[int] = set()
+        total = 0
+        tensors = [*self.embed.tensors(), *self.lm_head.tensors(), self.norm]
+        for layer in self.layers:
+            tensors += [layer.attn_norm, layer.mlp_norm, *layer.mixer.tensors(), *layer.mlp.tensors()]
+        for t in tensors:
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+        return total
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, attend: AttentionFn,
+                rows: torch.Tensor | None) -> torch.Tensor:
+        ops, eps = self.ops, self.cfg.rms_norm_eps
+        h = self.embed.rows(ids)
+        kv_layer = state_layer = 0
+        for layer in self.layers:
+            x = ops.rms_norm(h, layer.attn_norm, eps)
+            if layer.kind == "full_attention":
+                y = layer.mixer(x, kv_layer, positions, self.rope, attend)
+                kv_layer += 1
+            else:
+                y = layer.mixer(x, attend.states.layer(state_layer), attend.meta.seq_states)
+                state_layer += 1
+            x, h = ops.add_rms_norm(y, h, layer.mlp_norm, eps)
+            h = h + layer.mlp(x, ops)
+        h = ops.rms_norm(h, self.norm, eps)
+        logits = self.lm_head(h if rows is None else h[rows], out_dtype=torch.float32)
+        return logits[:, : self.cfg.vocab_size]
