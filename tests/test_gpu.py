@@ -239,3 +239,22 @@ def test_killing_a_rank_while_its_peer_waits_in_an_nccl_all_reduce_recovers_the_
               f"model loaded again after {recover_s:.2f}s")
     finally:
         assert server.stop() == 0
+
+
+@needs_gpu
+@pytest.mark.timeout(900)
+def test_the_hybrid_family_on_one_gpu_gives_transformers_tokens(tmp_path_factory):
+    """Float32 on the GPU (the attention through the Triton kernels, the recurrent layers in
+    torch): greedy tokens equal to transformers on the CPU, logits within 1e-3."""
+    from test_hybrid import FAMILIES, built, job
+
+    from devtools.parity import run_parity
+
+    families = [built(f, tmp_path_factory) for f in sorted(FAMILIES)]
+    jobs = [job(f, ckpt) for f, ckpt, _ in families]
+    for j in jobs:
+        j.device = "cuda"
+    for result, (_, _, reference) in zip(run_parity(jobs), families):
+        for got, (want, _) in zip(result.logits, reference):
+            assert (got.cpu() - want).abs().max() < 1e-3, result.name
+        assert result.greedy == [tokens for _, tokens in reference], result.name

@@ -1,8 +1,9 @@
-"""The hybrid family (Qwen3-Next, Qwen3.5 text, dense and MoE) against HF transformers on small random
-checkpoints that transformers' own classes build and save: last-position logits within 1e-4 and
-32 greedy tokens equal to its ``generate``, in-process at TP=1; then (Qwen3-Next, the fused layout
-with sparse and shared experts) through the real server, with prompts prefilled in chunks across
-steps, and 8 sequences at once, through preemption, equal to one at a time."""
+"""The hybrid family (Qwen3-Next, Qwen3.5 text, dense and MoE, and Qwen3.5 as the hub lays it
+out) against HF transformers on small random checkpoints that transformers' own classes build and
+save: last-position logits within 1e-4 and 32 greedy tokens equal to its ``generate``, in-process
+at TP=1 and over gloo at TP=2 and 3; then (Qwen3-Next, the fused layout with sparse and shared
+experts) through the real server, with prompts prefilled in chunks across steps, and 8 sequences
+at once, through preemption, equal to one at a time."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ import torch
 from conftest import start_server
 from devtools.fixture_tokenizer import BOS_TOKEN, EOS_TOKEN, build_tokenizer, write_tokenizer
 
+VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=8,
+              temporal_patch_size=2, spatial_merge_size=2)
 SIZES = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+             num_key_value_heads=2, head_dim=32, linear_num_key_heads=3, linear_num_value_heads=6,
              linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=512)
 FAMILIES = {
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
@@ -27,6 +30,8 @@ FAMILIES = {
     "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
                          dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                               shared_expert_intermediate_size=48)),
+    # As the hub publishes Qwen3.5: the text config nested, a vision tower beside the text model.
+    "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", {}),
 }
 PROMPTS = [[(11 * i + 7 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((5, 23, 40))]
 NEW = 32
@@ -37,8 +42,11 @@ def write_hybrid_checkpoint(family: str, out: Path, seed: int = 0) -> Path:
 
     config_class, model_class, extra = FAMILIES[family]
     tokenizer = build_tokenizer()
-    config = getattr(transformers, config_class)(
-        **SIZES, **extra, bos_token_id=tokenizer.token_to_id(BOS_TOKEN), eos_token_id=tokenizer.token_to_id(EOS_TOKEN))
+    ids = dict(bos_token_id=tokenizer.token_to_id(BOS_TOKEN), eos_token_id=tokenizer.token_to_id(EOS_TOKEN))
+    if family == "qwen3_5":
+        config = getattr(transformers, config_class)(text_config={**SIZES, **ids}, vision_config=VISION)
+    else:
+        config = getattr(transformers, config_class)(**SIZES, **extra, **ids)
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(config).to(torch.float32).eval()
     gen = torch.Generator().manual_seed(seed)
@@ -48,14 +56,16 @@ def write_hybrid_checkpoint(family: str, out: Path, seed: int = 0) -> Path:
             param.copy_(torch.randn(param.shape, generator=gen) * scale)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
-    write_tokenizer(out, tokenizer, json.loads((out / "config.json").read_text()))
+    saved = json.loads((out / "config.json").read_text())
+    write_tokenizer(out, tokenizer, saved.get("text_config", saved))
     return out
 
 
 def transformers_reference(ckpt: Path, prompt: list[int]) -> tuple[torch.Tensor, list[int]]:
-    from transformers import AutoModelForCausalLM
+    import transformers
 
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    architecture = json.loads((ckpt / "config.json").read_text())["architectures"][0]
+    model = getattr(transformers, architecture).from_pretrained(ckpt, dtype=torch.float32).eval()
     ids = torch.tensor([prompt])
     with torch.no_grad():
         logits = model(ids).logits[0, -1]
@@ -79,20 +89,43 @@ def hybrid(request, tmp_path_factory):
     return built(request.param, tmp_path_factory)
 
 
-def test_logits_and_greedy_tokens_match_transformers(hybrid):
-    from devtools.parity import ParityJob, run_parity
+def job(family: str, ckpt: Path):
+    from devtools.parity import ParityJob
 
     from neuron.loader.model_config import config_from_hf
 
-    family, ckpt, reference = hybrid
     cfg = config_from_hf(json.loads((ckpt / "config.json").read_text()))
     assert cfg.family == family and cfg.layer_types.count("full_attention") == 1
-    job = ParityJob(family, "safetensors", [str(p) for p in sorted(ckpt.glob("*.safetensors"))], cfg, PROMPTS,
-                    new_tokens=NEW)
-    (result,) = run_parity([job])
+    return ParityJob(family, "safetensors", [str(p) for p in sorted(ckpt.glob("*.safetensors"))], cfg, PROMPTS,
+                     new_tokens=NEW)
+
+
+def check(result, reference) -> None:
     for got, (want, _) in zip(result.logits, reference):
         assert torch.allclose(got, want, atol=1e-4, rtol=0), (got - want).abs().max()
     assert result.greedy == [tokens for _, tokens in reference]
+
+
+def test_logits_and_greedy_tokens_match_transformers(hybrid):
+    from devtools.parity import run_parity
+
+    family, ckpt, reference = hybrid
+    (result,) = run_parity([job(family, ckpt)])
+    check(result, reference)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("world", [2, 3])
+def test_tensor_parallel_ranks_over_gloo_give_the_same(world, tmp_path_factory):
+    """At TP=3 the 3 linear-attention key heads go one to a rank, the 4 query heads 2+1+1 over
+    the replicated 2 KV heads, the 4 experts 2+1+1."""
+    from devtools.parity import run_parity
+
+    families = [built(f, tmp_path_factory) for f in sorted(FAMILIES)]
+    results = run_parity([job(f, ckpt) for f, ckpt, _ in families], world=world, timeout=600)
+    for result, (_, _, reference) in zip(results, families):
+        check(result, reference)
+        assert len(result.weight_bytes) == world
 
 
 @pytest.mark.timeout(600)
@@ -117,7 +150,25 @@ def test_the_server_serves_it_in_chunks_concurrently_and_through_preemption(tmp_
         info = httpx.get(f"{server.url}/models", timeout=10).json()["models"][0]
         assert info["preemptions"] > 0 and info["state_slots"] == 4 and info["state_slots_used"] == 0
         assert info["family"] == family and info["layer_types"] == {"linear_attention": 3, "full_attention": 1}
-        # (4 slots + scratch) x 3 layers x fp32 x (conv state 128 channels x 3 + delta rule 4 heads x 16 x 16)
-        assert info["state_bytes"][0] == 5 * 3 * 4 * (128 * 3 + 4 * 16 * 16)
+        # (4 slots + scratch) x 3 layers x fp32 x (conv state 192 channels x 3 + delta rule 6 heads x 16 x 16)
+        assert info["state_bytes"][0] == 5 * 3 * 4 * (192 * 3 + 6 * 16 * 16)
     finally:
         server.stop()
+
+
+def test_the_chunked_delta_rule_equals_the_recurrence_token_by_token():
+    from neuron.models.deltanet import CHUNK, chunked, recurrent_step
+
+    gen = torch.Generator().manual_seed(3)
+    n, nv, hk, hv = 2 * CHUNK + 21, 3, 8, 5
+    q, k = (torch.nn.functional.normalize(torch.randn(n, nv, hk, generator=gen), dim=-1) for _ in range(2))
+    v = torch.randn(n, nv, hv, generator=gen)
+    g = -torch.rand(n, nv, generator=gen)
+    beta = torch.rand(n, nv, generator=gen)
+    start = torch.randn(nv, hk, hv, generator=gen)
+    S, want = start, []
+    for t in range(n):
+        o, S = recurrent_step(q[t], k[t], v[t], g[t], beta[t], S)
+        want.append(o)
+    got, state = chunked(q, k, v, g, beta, start)
+    assert torch.allclose(got, torch.stack(want), atol=1e-4) and torch.allclose(state, S, atol=1e-4)

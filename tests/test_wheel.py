@@ -51,6 +51,9 @@ def test_the_wheel_has_no_test_tooling_and_serves_the_default_model(tmp_path):
     port = free_port()
     log = open(tmp_path / "serve.log", "wb")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "NEURON_FAMILIES")}
+    # Its CPU kernels build from the installed sources into a cache of their own: sharing the
+    # suite's would make ninja rebuild there twice (the sources' paths differ).
+    env["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "torch_extensions")
     # What the ``neuron`` console script runs (pip --target leaves scripts out of the venv's bin).
     proc = subprocess.Popen([str(py), "-m", "neuron.cli", "serve", "--port", str(port)], cwd=tmp_path, stdout=log,
                             stderr=subprocess.STDOUT, env=env, start_new_session=True)

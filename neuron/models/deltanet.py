@@ -24,18 +24,39 @@ from protocol import ModelConfig
 from .interface import RecurrentState
 from .layers import WeightSource
 from .ops import rms_norm
-from .tp_linear import column_parallel
+from .sharding import split_even
+from .tp_linear import column_parallel, row_parallel
+
+
+def key_heads(cfg: ModelConfig, world: int, rank: int) -> range:
+    """The rank's linear-attention key heads (each with its ``r`` value heads): whole heads, as
+    evenly as they go."""
+    return split_even(int(cfg.extra["linear_num_key_heads"]), world, rank)
 
 
 class DeltaNetShape:
-    def __init__(self, cfg: ModelConfig) -> None:
+    """The sizes of one rank's share of a Gated DeltaNet layer (key heads ``heads``; all of them
+    when None)."""
+
+    def __init__(self, cfg: ModelConfig, heads: range | None = None) -> None:
         x = cfg.extra
-        self.nk, self.nv = int(x["linear_num_key_heads"]), int(x["linear_num_value_heads"])
+        nk, nv = int(x["linear_num_key_heads"]), int(x["linear_num_value_heads"])
         self.hk, self.hv = int(x["linear_key_head_dim"]), int(x["linear_value_head_dim"])
         self.kernel = int(x["linear_conv_kernel_dim"])
-        self.r = self.nv // self.nk  # value heads per key head
+        self.r = nv // nk  # value heads per key head
+        self.heads = heads if heads is not None else range(nk)
+        self.values = range(self.heads.start * self.r, self.heads.stop * self.r)
+        self.nk, self.nv = len(self.heads), len(self.values)
         self.key_dim, self.value_dim = self.nk * self.hk, self.nv * self.hv
         self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.full_key_dim = nk * self.hk  # the checkpoint's, for picking this rank's rows
+
+    def channels(self) -> list[range]:
+        """This rank's rows of the checkpoint's q, k, v (conv channels, in_proj_qkv rows)."""
+        h, v = self.heads, self.values
+        return [range(h.start * self.hk, h.stop * self.hk),
+                range(self.full_key_dim + h.start * self.hk, self.full_key_dim + h.stop * self.hk),
+                range(2 * self.full_key_dim + v.start * self.hv, 2 * self.full_key_dim + v.stop * self.hv)]
 
     def state(self) -> RecurrentState:
         return RecurrentState(((self.conv_dim, self.kernel - 1), (self.nv, self.hk, self.hv)), torch.float32)
@@ -46,10 +67,15 @@ def _rows(start: int, n: int) -> range:
 
 
 class GatedDeltaNet:
-    def __init__(self, cfg: ModelConfig, src: WeightSource, prefix: str, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        s = self.shape = DeltaNetShape(cfg)
+    """One rank's share of the layer: its key heads with their value heads. The projections in are
+    column-parallel, the conv and the delta rule run per head, ``out_proj`` is row-parallel (the
+    caller all-reduces)."""
+
+    def __init__(self, cfg: ModelConfig, src: WeightSource, prefix: str, dtype: torch.dtype, device: torch.device,
+                 heads: range | None = None) -> None:
+        s = self.shape = DeltaNetShape(cfg, heads)
         self.eps = cfg.rms_norm_eps
+        values = range(s.values.start * s.hv, s.values.stop * s.hv)
 
         def linear(parts: list[tuple[str, range | None]]):
             return column_parallel(src, parts, dtype=dtype, device=device)
@@ -57,34 +83,38 @@ class GatedDeltaNet:
         if src.has(f"{prefix}.in_proj_qkvz.weight"):  # Qwen3-Next: rows grouped by key head
             qkvz, ba = f"{prefix}.in_proj_qkvz.weight", f"{prefix}.in_proj_ba.weight"
             group = 2 * s.hk + 2 * s.r * s.hv
-            offsets = {"q": (0, s.hk), "k": (s.hk, s.hk), "v": (2 * s.hk, s.r * s.hv), "z": (2 * s.hk + s.r * s.hv, s.r * s.hv)}
+            offsets = {"q": (0, s.hk), "k": (s.hk, s.hk), "v": (2 * s.hk, s.r * s.hv),
+                       "z": (2 * s.hk + s.r * s.hv, s.r * s.hv)}
 
             def picked(part: str) -> list[tuple[str, range]]:
                 at, n = offsets[part]
-                return [(qkvz, _rows(g * group + at, n)) for g in range(s.nk)]
+                return [(qkvz, _rows(g * group + at, n)) for g in s.heads]
 
             self.qkv = linear(picked("q") + picked("k") + picked("v"))
             self.z = linear(picked("z"))
-            self.b = linear([(ba, _rows(g * 2 * s.r, s.r)) for g in range(s.nk)])
-            self.a = linear([(ba, _rows(g * 2 * s.r + s.r, s.r)) for g in range(s.nk)])
+            self.b = linear([(ba, _rows(g * 2 * s.r, s.r)) for g in s.heads])
+            self.a = linear([(ba, _rows(g * 2 * s.r + s.r, s.r)) for g in s.heads])
         else:  # Qwen3.5
-            self.qkv = linear([(f"{prefix}.in_proj_qkv.weight", None)])
-            self.z = linear([(f"{prefix}.in_proj_z.weight", None)])
-            self.b = linear([(f"{prefix}.in_proj_b.weight", None)])
-            self.a = linear([(f"{prefix}.in_proj_a.weight", None)])
-        self.conv = src.get(f"{prefix}.conv1d.weight").reshape(s.conv_dim, s.kernel).to(device, torch.float32)
-        self.conv_bias = (src.get(f"{prefix}.conv1d.bias").to(device, torch.float32)
-                          if src.has(f"{prefix}.conv1d.bias") else None)
-        self.neg_a = -src.get(f"{prefix}.A_log").float().exp().to(device)
-        self.dt_bias = src.get(f"{prefix}.dt_bias").float().to(device)
+            self.qkv = linear([(f"{prefix}.in_proj_qkv.weight", part) for part in s.channels()])
+            self.z = linear([(f"{prefix}.in_proj_z.weight", values)])
+            self.b = linear([(f"{prefix}.in_proj_b.weight", s.values)])
+            self.a = linear([(f"{prefix}.in_proj_a.weight", s.values)])
+        conv = src.get(f"{prefix}.conv1d.weight").float()
+        conv = conv.reshape(conv.shape[0], s.kernel)
+        self.conv = torch.cat([conv[part.start: part.stop] for part in s.channels()]).to(device)
+        self.conv_bias = (torch.cat([src.get(f"{prefix}.conv1d.bias").float()[p.start: p.stop] for p in s.channels()])
+                          .to(device) if src.has(f"{prefix}.conv1d.bias") else None)
+        self.neg_a = -src.get(f"{prefix}.A_log").float()[s.values.start: s.values.stop].exp().to(device)
+        self.dt_bias = src.get(f"{prefix}.dt_bias").float()[s.values.start: s.values.stop].to(device)
         self.norm = src.get(f"{prefix}.norm.weight").to(device, dtype)
-        self.out = column_parallel(src, [(f"{prefix}.out_proj.weight", None)], dtype=dtype, device=device)
+        self.out = row_parallel(src, [(f"{prefix}.out_proj.weight", values)], dtype=dtype, device=device)
 
     def linears(self) -> list:
         return [self.qkv, self.z, self.b, self.a, self.out]
 
     def tensors(self) -> list[torch.Tensor]:
-        own = [self.conv, self.neg_a, self.dt_bias, self.norm] + ([self.conv_bias] if self.conv_bias is not None else [])
+        own = [self.conv, self.neg_a, self.dt_bias, self.norm]
+        own += [self.conv_bias] if self.conv_bias is not None else []
         return [t for lin in self.linears() for t in lin.tensors()] + own
 
     def __call__(self, x: torch.Tensor, state: list[torch.Tensor], spans: list[tuple[int, int, int]]) -> torch.Tensor:
@@ -125,13 +155,56 @@ class GatedDeltaNet:
     @staticmethod
     def _delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     states: torch.Tensor, slot: int) -> torch.Tensor:
-        """One sequence's tokens through the gated delta rule, from and back into its state."""
-        S = states[slot]  # [nv, hk, hv]
-        out = torch.empty_like(v)
-        for t in range(q.shape[0]):
-            S = S * g[t].exp()[:, None, None]
-            kv = (S * k[t][:, :, None]).sum(1)
-            S = S + k[t][:, :, None] * ((v[t] - kv) * beta[t][:, None])[:, None, :]
-            out[t] = (S * q[t][:, :, None]).sum(1)
-        states[slot] = S
+        """One sequence's tokens through the gated delta rule, from and back into its state: a
+        decode token by the recurrence, more tokens in chunks."""
+        if q.shape[0] == 1:
+            out, states[slot] = recurrent_step(q[0], k[0], v[0], g[0], beta[0], states[slot])
+            return out[None]
+        out, states[slot] = chunked(q, k, v, g, beta, states[slot])
         return out
+
+
+def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token: ``q``, ``k`` [nv, hk], ``v`` [nv, hv], ``g``, ``beta`` [nv], ``S`` [nv, hk, hv]."""
+    S = S * g.exp()[:, None, None]
+    kv = (S * k[:, :, None]).sum(1)
+    S = S + k[:, :, None] * ((v - kv) * beta[:, None])[:, None, :]
+    return (S * q[:, :, None]).sum(1), S
+
+
+CHUNK = 64
+
+
+def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same over ``n`` tokens (``q``, ``k`` [n, nv, hk], ``v`` [n, nv, hv], ``g``, ``beta``
+    [n, nv]) in chunks of ``CHUNK``: within a chunk the updates are solved at once (the WY form of
+    the delta rule: a unit lower-triangular system of the chunk's keys), across chunks the state
+    carries on. Padding tokens (beta 0, no decay) change nothing."""
+    n, nv = q.shape[:2]
+    pad = (-n) % CHUNK
+    chunks = (n + pad) // CHUNK
+
+    def blocks(x: torch.Tensor) -> torch.Tensor:  # [n, nv, d] -> [nv, chunks, CHUNK, d]
+        return F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(0, 1).reshape(nv, chunks, CHUNK, -1)
+
+    q, k, v = blocks(q), blocks(k), blocks(v)
+    g, beta = (F.pad(x, (0, 0, 0, pad)).t().reshape(nv, chunks, CHUNK) for x in (g, beta))
+    cum = g.cumsum(-1)
+    upper = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).triu(1)
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    k_beta = k * beta[..., None]
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
+    inner = (q @ k.transpose(-1, -2)) * decay
+    q = q * cum.exp()[..., None]
+    k = k * (cum[..., -1:] - cum).exp()[..., None]
+    carry = cum[..., -1].exp()
+    out = torch.empty_like(u)
+    for i in range(chunks):
+        new = u[:, i] - w[:, i] @ S
+        out[:, i] = q[:, i] @ S + inner[:, i] @ new
+        S = S * carry[:, i, None, None] + k[:, i].transpose(-1, -2) @ new
+    return out.reshape(nv, chunks * CHUNK, -1)[:, :n].transpose(0, 1), S

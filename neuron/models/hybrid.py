@@ -20,14 +20,15 @@ import torch.nn.functional as F
 
 from protocol import ModelConfig
 
-from .deltanet import DeltaNetShape, GatedDeltaNet
+from .deltanet import DeltaNetShape, GatedDeltaNet, key_heads
 from .interface import AttentionFn, AttentionShape, KvState, LayerState
 from .layers import Collectives, WeightSource
 from .llama import Mlp
 from .moe import SparseMoe
 from .ops import RopeTables, Rotary, TorchOps
-from .sharding import ShardPlan, plan_shard, sparse_layer
+from .sharding import ShardPlan, sparse_layer, split_blocks
 from .tp_linear import AnyLinear, ConcatLinear, column_parallel, row_parallel
+from .vocab import VocabParallel
 
 
 def rotary_order(head_dim: int, rot: int) -> list[int]:
@@ -98,13 +99,15 @@ class GatedAttention:
 
 
 class SharedExpertMoe:
-    """Sparse experts plus a shared expert whose output is scaled by ``sigmoid(x . w_gate)``."""
+    """Sparse experts plus a shared expert whose output is scaled by ``sigmoid(x . w_gate)``; the
+    shared expert's columns are split like a dense MLP's (in whole ``block``s)."""
 
     def __init__(self, cfg: ModelConfig, plan: ShardPlan, src: WeightSource, prefix: str, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, block: int = 1) -> None:
         self.sparse = SparseMoe(cfg, plan, src, prefix, dtype, device)
         shared = int(cfg.extra.get("shared_expert_intermediate_size", 0))
-        self.shared = Mlp(src, f"{prefix}.shared_expert", range(shared), dtype, device, plan.rank) if shared else None
+        part = split_blocks(shared, plan.world, plan.rank, block)
+        self.shared = Mlp(src, f"{prefix}.shared_expert", part, dtype, device, plan.rank) if shared else None
         self.shared_gate = src.get(f"{prefix}.shared_expert_gate.weight").to(device, dtype) if shared else None
 
     @property
@@ -128,45 +131,44 @@ class SharedExpertMoe:
 
 class HybridLayer:
     def __init__(self, cfg: ModelConfig, plan: ShardPlan, src: WeightSource, prefix: str, kind: str, index: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, block: int) -> None:
         self.kind = kind
         self.attn_norm = zero_centred(src, f"{prefix}.input_layernorm.weight", device, dtype)
         self.mlp_norm = zero_centred(src, f"{prefix}.post_attention_layernorm.weight", device, dtype)
         self.mixer: GatedAttention | GatedDeltaNet = (
             GatedAttention(cfg, plan, src, f"{prefix}.self_attn", dtype, device) if kind == "full_attention"
-            else GatedDeltaNet(cfg, src, f"{prefix}.linear_attn", dtype, device))
-        self.mlp: Mlp | SharedExpertMoe = (SharedExpertMoe(cfg, plan, src, f"{prefix}.mlp", dtype, device)
+            else GatedDeltaNet(cfg, src, f"{prefix}.linear_attn", dtype, device, key_heads(cfg, plan.world, plan.rank)))
+        self.mlp: Mlp | SharedExpertMoe = (SharedExpertMoe(cfg, plan, src, f"{prefix}.mlp", dtype, device, block)
                                            if sparse_layer(cfg, index)
                                            else Mlp(src, f"{prefix}.mlp", plan.mlp, dtype, device, plan.rank))
 
 
 class HybridLM:
-    """One rank's shard of a hybrid model (one rank only, for now)."""
+    """One rank's shard of a hybrid model: full attention split as the llama family's, linear
+    attention by whole key heads (with their value heads), experts and MLPs as ``sharding`` says,
+    one all-reduce after each mixer and each MLP."""
 
-    def __init__(self, cfg: ModelConfig, src: WeightSource, *, dtype: torch.dtype, device: torch.device,
-                 max_len: int) -> None:
-        self.cfg, self.dtype, self.device = cfg, dtype, device
-        self.plan = plan = plan_shard(cfg, 1, 0)
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan, src: WeightSource, *, dtype: torch.dtype,
+                 device: torch.device, max_len: int, block: int = 1) -> None:
+        self.cfg, self.plan, self.dtype, self.device = cfg, plan, dtype, device
         prefix = str(cfg.extra.get("prefix", "model"))
-        self.comm = Collectives(1)
+        self.comm = Collectives(plan.world)
         self.ops = TorchOps()
         self.capturable = False  # the recurrent layers run eagerly
-        self.embed = column_parallel(src, [(f"{prefix}.embed_tokens.weight", None)], dtype=dtype, device=device)
-        self.lm_head = (self.embed if cfg.tie_word_embeddings or not src.has("lm_head.weight")
-                        else column_parallel(src, [("lm_head.weight", None)], dtype=dtype, device=device))
-        self.layers = [HybridLayer(cfg, plan, src, f"{prefix}.layers.{i}", kind, i, dtype, device)
+        self.vocab = VocabParallel(cfg, plan, src, prefix, dtype, device, self.comm)
+        self.layers = [HybridLayer(cfg, plan, src, f"{prefix}.layers.{i}", kind, i, dtype, device, block)
                        for i, kind in enumerate(cfg.layer_types)]
         self.norm = zero_centred(src, f"{prefix}.norm.weight", device, dtype)
         self.rope = partial_rope(cfg, max_len, device, dtype)
         self.attention_shape = next(layer.mixer.shape for layer in self.layers if layer.kind == "full_attention")
-        self.recurrent = DeltaNetShape(cfg).state()
+        self.recurrent = DeltaNetShape(cfg, key_heads(cfg, plan.world, plan.rank)).state()
 
     def state_specs(self) -> list[LayerState]:
         kv = KvState(self.attention_shape.n_kv, self.attention_shape.head_dim)
         return [kv if layer.kind == "full_attention" else self.recurrent for layer in self.layers]
 
     def linears(self) -> tuple[list[AnyLinear], list[str]]:
-        found: list[AnyLinear] = [self.embed] + ([] if self.lm_head is self.embed else [self.lm_head])
+        found: list[AnyLinear] = self.vocab.linears()
         dense_experts = []
         for layer in self.layers:
             found += layer.mixer.linears()
@@ -178,7 +180,8 @@ class HybridLM:
                     found += [layer.mlp.shared.gate_up, layer.mlp.shared.down]
                 if not layer.mlp.packed:
                     dense_experts.append(str(layer.mlp.down.dtype).removeprefix("torch."))
-        return [part for lin in found for part in (lin.parts if isinstance(lin, ConcatLinear) else [lin])], dense_experts
+        parts = [part for lin in found for part in (lin.parts if isinstance(lin, ConcatLinear) else [lin])]
+        return parts, dense_experts
 
     def tunable(self) -> list[tuple[object, str]]:
         return []
@@ -186,7 +189,7 @@ class HybridLM:
     def weight_bytes(self) -> int:
         seen: set[int] = set()
         total = 0
-        tensors = [*self.embed.tensors(), *self.lm_head.tensors(), self.norm]
+        tensors = [t for lin in self.vocab.linears() for t in lin.tensors()] + [self.norm]
         for layer in self.layers:
             tensors += [layer.attn_norm, layer.mlp_norm, *layer.mixer.tensors(), *layer.mlp.tensors()]
         for t in tensors:
@@ -199,7 +202,7 @@ class HybridLM:
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, attend: AttentionFn,
                 rows: torch.Tensor | None) -> torch.Tensor:
         ops, eps = self.ops, self.cfg.rms_norm_eps
-        h = self.embed.rows(ids)
+        h = self.vocab.embed_tokens(ids)
         kv_layer = state_layer = 0
         for layer in self.layers:
             x = ops.rms_norm(h, layer.attn_norm, eps)
@@ -209,8 +212,7 @@ class HybridLM:
             else:
                 y = layer.mixer(x, attend.states.layer(state_layer), attend.meta.seq_states)
                 state_layer += 1
-            x, h = ops.add_rms_norm(y, h, layer.mlp_norm, eps)
-            h = h + layer.mlp(x, ops)
+            x, h = ops.add_rms_norm(self.comm.all_reduce(y), h, layer.mlp_norm, eps)
+            h = h + self.comm.all_reduce(layer.mlp(x, ops))
         h = ops.rms_norm(h, self.norm, eps)
-        logits = self.lm_head(h if rows is None else h[rows], out_dtype=torch.float32)
-        return logits[:, : self.cfg.vocab_size]
+        return self.vocab.logits(h if rows is None else h[rows])

@@ -13,7 +13,8 @@ from protocol import ModelConfig
 
 from .interface import AttentionFn, AttentionShape, KvState, LayerState
 from .layers import Collectives, WeightSource, rope_tables
-from .tp_linear import AnyLinear, ConcatLinear, Linear, column_parallel, row_parallel
+from .tp_linear import AnyLinear, ConcatLinear, column_parallel, row_parallel
+from .vocab import VocabParallel
 from .moe import SparseMoe
 from .ops import RopeTables, Rotary, TorchOps
 from .sharding import ShardPlan, sparse_layer
@@ -116,12 +117,7 @@ class CausalLM:
         self.cfg, self.plan, self.dtype, self.device = cfg, plan, dtype, device
         self.comm = Collectives(plan.world)
         self.ops = TorchOps()
-        vocab_rows = range(plan.vocab.start, min(plan.vocab.stop, cfg.vocab_size))
-        self.embed = self._vocab_shard(src, "model.embed_tokens.weight", vocab_rows)
-        if cfg.tie_word_embeddings or not src.has("lm_head.weight"):
-            self.lm_head = self.embed
-        else:
-            self.lm_head = self._vocab_shard(src, "lm_head.weight", vocab_rows)
+        self.vocab = VocabParallel(cfg, plan, src, "model", dtype, device, self.comm)
         self.layers = [DecoderLayer(cfg, plan, src, i, dtype, device) for i in range(cfg.num_layers)]
         self.norm = src.get("model.norm.weight").to(device, dtype)
         divisors = src.get("rope_freqs") if src.has("rope_freqs") else None
@@ -134,7 +130,7 @@ class CausalLM:
         return [KvState(self.attention_shape.n_kv, self.attention_shape.head_dim)] * len(self.layers)
 
     def linears(self) -> tuple[list[AnyLinear], list[str]]:
-        found: list[AnyLinear] = [self.embed] + ([] if self.lm_head is self.embed else [self.lm_head])
+        found: list[AnyLinear] = self.vocab.linears()
         dense_experts = []
         for layer in self.layers:
             found += [layer.attn.qkv, layer.attn.o]
@@ -148,24 +144,17 @@ class CausalLM:
         return parts, dense_experts
 
     def tunable(self) -> list[tuple[object, str]]:
-        out: list[tuple[object, str]] = [(self, "lm_head")]
+        out: list[tuple[object, str]] = [(self.vocab, "lm_head")]
         for layer in self.layers:
             out += [(layer.attn, "qkv"), (layer.attn, "o")]
             if isinstance(layer.mlp, Mlp):
                 out += [(layer.mlp, "gate_up"), (layer.mlp, "down")]
         return out
 
-    def _vocab_shard(self, src: WeightSource, name: str, rows: range) -> AnyLinear:
-        """This rank's vocabulary rows, zero-padded to the common shard length."""
-        if not len(rows):
-            return Linear(torch.zeros(len(self.plan.vocab), self.cfg.hidden_size, device=self.device,
-                                      dtype=self.dtype))
-        return column_parallel(src, [(name, rows)], dtype=self.dtype, device=self.device, rows_to=len(self.plan.vocab))
-
     def weight_bytes(self) -> int:
         seen: set[int] = set()
         total = 0
-        tensors = [*self.embed.tensors(), *self.lm_head.tensors(), self.norm] + [
+        tensors = [t for lin in self.vocab.linears() for t in lin.tensors()] + [self.norm] + [
             t for layer in self.layers for t in layer.tensors()]
         for t in tensors:
             if id(t) not in seen:
@@ -173,21 +162,13 @@ class CausalLM:
                 total += t.numel() * t.element_size()
         return total
 
-    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.plan.world == 1:
-            return self.embed.rows(ids)
-        local = ids - self.plan.vocab.start
-        inside = (local >= 0) & (local < len(self.plan.vocab))
-        h = self.embed.rows(local.clamp(0, len(self.plan.vocab) - 1)) * inside[:, None].to(self.dtype)
-        return self.comm.all_reduce(h)
-
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, attend: AttentionFn,
                 rows: torch.Tensor | None) -> torch.Tensor:
         """Run the step's flattened tokens (``ids``, ``positions`` [T]); return full-vocabulary
         logits (float32) of the token rows ``rows`` (all rows when None), identical on every rank."""
         ops, eps = self.ops, self.cfg.rms_norm_eps
-        residual = self.embed_tokens(ids)
+        residual = self.vocab.embed_tokens(ids)
         h = ops.rms_norm(residual, self.layers[0].attn_norm, eps)
         for i, layer in enumerate(self.layers):
             h = self.comm.all_reduce(layer.attn(h, i, positions, self.rope, attend))
@@ -195,5 +176,4 @@ class CausalLM:
             h = self.comm.all_reduce(layer.mlp(h, ops))
             following = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.norm
             h, residual = ops.add_rms_norm(h, residual, following, eps)
-        logits = self.comm.all_gather_last(self.lm_head(h if rows is None else h[rows], out_dtype=torch.float32))
-        return logits[:, : self.cfg.vocab_size]
+        return self.vocab.logits(h if rows is None else h[rows])

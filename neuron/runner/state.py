@@ -16,8 +16,8 @@ class StatePool:
         self.specs = [s for s in specs if isinstance(s, RecurrentState)]
         self.slots = slots if self.specs else 0
         self.scratch = self.slots
-        self.tensors = [[torch.zeros((self.slots + 1, *shape), device=device, dtype=spec.dtype) for shape in spec.shapes]
-                        for spec in self.specs]
+        self.tensors = [[torch.zeros((self.slots + 1, *shape), device=device, dtype=spec.dtype)
+                         for shape in spec.shapes] for spec in self.specs]
 
     @staticmethod
     def bytes_per_slot(specs: list[LayerState]) -> int:

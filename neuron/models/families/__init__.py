@@ -31,6 +31,8 @@ BUILT_IN: dict[str, str] = {
     "qwen3_next": "neuron.models.families.qwen3_next",
     "qwen3_5_text": "neuron.models.families.qwen3_next",
     "qwen3_5_moe_text": "neuron.models.families.qwen3_next",
+    "qwen3_5": "neuron.models.families.qwen3_next",
+    "qwen3_5_moe": "neuron.models.families.qwen3_next",
 }
 PLUGINS_ENV = "NEURON_FAMILIES"
 

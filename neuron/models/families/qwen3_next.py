@@ -1,7 +1,9 @@
 """The hybrid family: Qwen3-Next (``qwen3_next``: fused ``in_proj_qkvz``/``in_proj_ba``, sparse
 experts with a shared expert) and Qwen3.5's text models (``qwen3_5_text``: separate projections,
-dense MLP; ``qwen3_5_moe_text``: the same with sparse and shared experts). Gated DeltaNet layers
-beside gated full attention (``neuron.models.hybrid``); one rank for now."""
+dense MLP; ``qwen3_5_moe_text``: the same with sparse and shared experts), also as the hub
+publishes Qwen3.5 (``qwen3_5``, ``qwen3_5_moe``: the text model's config under ``text_config``, its
+tensors under ``model.language_model.``, beside a vision tower that waits for image support).
+Gated DeltaNet layers beside gated full attention (``neuron.models.hybrid``)."""
 
 from __future__ import annotations
 
@@ -13,8 +15,10 @@ from neuron.loader.errors import BadModelConfig, UnsupportedModel
 
 from ..sharding import ShardingError, check_plan, sparse_layer
 
-MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
-WITH_EXPERTS = ("qwen3_next", "qwen3_5_moe_text")
+MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe")
+WITH_EXPERTS = ("qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe")
+NESTED = ("qwen3_5", "qwen3_5_moe")  # text_config, and the text model's tensors under this prefix:
+NESTED_PREFIX = "model.language_model"
 KINDS = ("linear_attention", "full_attention")
 LINEAR = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
           "linear_conv_kernel_dim")
@@ -47,6 +51,7 @@ def config_from_hf(raw: dict[str, Any], text: dict[str, Any]) -> ModelConfig:
         heads = int(text["num_attention_heads"])
         hidden = int(text["hidden_size"])
         extra: dict[str, int | float | str | bool | list[int]] = {k: int(text[k]) for k in LINEAR}
+        extra["prefix"] = NESTED_PREFIX if model_type in NESTED else "model"
         extra["partial_rotary_factor"] = float(rope.get("partial_rotary_factor",
                                                         text.get("partial_rotary_factor", 0.25)))
         experts = int(text.get("num_experts") or 0) if model_type in WITH_EXPERTS else 0
@@ -82,10 +87,11 @@ def config_from_hf(raw: dict[str, Any], text: dict[str, Any]) -> ModelConfig:
 
 
 def required_tensors(cfg: ModelConfig) -> list[str]:
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    prefix = str(cfg.extra.get("prefix", "model"))
+    names = [f"{prefix}.embed_tokens.weight", f"{prefix}.norm.weight"]
     fused = cfg.family == "qwen3_next"
     for i, kind in enumerate(cfg.layer_types):
-        p = f"model.layers.{i}"
+        p = f"{prefix}.layers.{i}"
         names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
         if kind == "full_attention":
             names += [f"{p}.self_attn.{x}_proj.weight" for x in "qkvo"]
@@ -106,13 +112,26 @@ def required_tensors(cfg: ModelConfig) -> list[str]:
 
 
 def check_split(cfg: ModelConfig, world: int, block: int = 1) -> None:
-    if world != 1:
-        raise ShardingError(f"tensor_parallel={world}: the hybrid family ({cfg.family}) runs on one rank for now")
+    """Full attention, MLPs and experts split as the llama family's; linear attention by whole key
+    heads, so not over more ranks than it has key heads; packed weights split the linear
+    attention's output projection only on whole quant groups."""
     check_plan(cfg, world, block)
+    nk, hv = int(cfg.extra["linear_num_key_heads"]), int(cfg.extra["linear_value_head_dim"])
+    if world > nk:
+        raise ShardingError(f"tensor_parallel={world} is more ranks than the model's {nk} linear-attention key heads")
+    r = int(cfg.extra["linear_num_value_heads"]) // nk
+    if block > 1 and world > 1 and (r * hv) % block:
+        raise ShardingError(f"tensor_parallel={world} would cut the packed weights' {block}-element quant groups of "
+                            f"the linear attention's output ({r * hv} columns a key head)")
+    shared = int(cfg.extra.get("shared_expert_intermediate_size", 0))
+    if shared and shared < world:
+        raise ShardingError(f"shared_expert_intermediate_size {shared} is smaller than tensor_parallel={world}")
 
 
 def build(cfg: ModelConfig, world: int, rank: int, src, *, dtype, device, max_len: int, block: int = 1):
     from ..hybrid import HybridLM
+    from ..sharding import plan_shard
 
     check_split(cfg, world, block)
-    return HybridLM(cfg, src, dtype=dtype, device=device, max_len=max_len)
+    return HybridLM(cfg, plan_shard(cfg, world, rank, block), src, dtype=dtype, device=device, max_len=max_len,
+                    block=block)
