@@ -22,7 +22,7 @@ from protocol import ModelConfig
 
 from .deltanet import DeltaNetShape, GatedDeltaNet, key_heads
 from .interface import AttentionFn, AttentionShape, KvState, LayerState
-from .layers import Collectives, WeightSource
+from .layers import Collectives, WeightSource, unique_bytes
 from .llama import Mlp
 from .moe import SparseMoe
 from .ops import RopeTables, Rotary, TorchOps
@@ -187,16 +187,10 @@ class HybridLM:
         return []
 
     def weight_bytes(self) -> int:
-        seen: set[int] = set()
-        total = 0
         tensors = [t for lin in self.vocab.linears() for t in lin.tensors()] + [self.norm]
         for layer in self.layers:
             tensors += [layer.attn_norm, layer.mlp_norm, *layer.mixer.tensors(), *layer.mlp.tensors()]
-        for t in tensors:
-            if id(t) not in seen:
-                seen.add(id(t))
-                total += t.numel() * t.element_size()
-        return total
+        return unique_bytes(tensors)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, attend: AttentionFn,

@@ -22,6 +22,12 @@ class WeightSource(Protocol):
     def has(self, name: str) -> bool: ...
 
 
+def unique_bytes(tensors: list[torch.Tensor]) -> int:
+    """The bytes of ``tensors``, each counted once (a tied embedding and LM head are one)."""
+    seen: dict[int, int] = {id(t): t.numel() * t.element_size() for t in tensors}
+    return sum(seen.values())
+
+
 class Collectives:
     def __init__(self, world: int) -> None:
         self.world = world

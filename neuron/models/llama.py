@@ -12,7 +12,7 @@ import torch
 from protocol import ModelConfig
 
 from .interface import AttentionFn, AttentionShape, KvState, LayerState
-from .layers import Collectives, WeightSource, rope_tables
+from .layers import Collectives, WeightSource, rope_tables, unique_bytes
 from .tp_linear import AnyLinear, ConcatLinear, column_parallel, row_parallel
 from .vocab import VocabParallel
 from .moe import SparseMoe
@@ -152,15 +152,8 @@ class CausalLM:
         return out
 
     def weight_bytes(self) -> int:
-        seen: set[int] = set()
-        total = 0
-        tensors = [t for lin in self.vocab.linears() for t in lin.tensors()] + [self.norm] + [
-            t for layer in self.layers for t in layer.tensors()]
-        for t in tensors:
-            if id(t) not in seen:
-                seen.add(id(t))
-                total += t.numel() * t.element_size()
-        return total
+        return unique_bytes([t for lin in self.vocab.linears() for t in lin.tensors()] + [self.norm]
+                            + [t for layer in self.layers for t in layer.tensors()])
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, attend: AttentionFn,
