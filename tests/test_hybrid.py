@@ -172,3 +172,64 @@ def test_the_chunked_delta_rule_equals_the_recurrence_token_by_token():
         want.append(o)
     got, state = chunked(q, k, v, g, beta, start)
     assert torch.allclose(got, torch.stack(want), atol=1e-4) and torch.allclose(state, S, atol=1e-4)
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"linear_num_key_heads": 0}, "linear_num_key_heads must be a positive integer"),
+    ({"linear_conv_kernel_dim": -1}, "linear_conv_kernel_dim must be a positive integer"),
+    ({"linear_num_value_heads": 7}, "multiple of linear_num_key_heads"),
+    ({"head_dim": 0}, "head_dim must be a positive integer"),
+    ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.3}}, "even number of dimensions"),
+    ({"layer_types": ["linear_attention"] * 4}, "without a full-attention layer"),
+    ({"layer_types": ["linear_attention", "sliding"]}, "layer_types must name"),
+    ({"hidden_size": "wide"}, "hidden_size"),
+])
+def test_a_malformed_hybrid_config_is_refused_by_name_before_any_rank_starts(tmp_path_factory, tmp_path, change, words):
+    """load_spec is what the leader runs on /models/load: its LoadError is the 422 the client gets."""
+    import shutil
+
+    from neuron.loader.errors import LoadError
+    from neuron.loader.spec import load_spec
+
+    _, ckpt, _ = built("qwen3_5_text", tmp_path_factory)
+    d = Path(shutil.copytree(ckpt, tmp_path / "m"))
+    config = json.loads((d / "config.json").read_text()) | change
+    (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(LoadError) as info:
+        load_spec(str(d))
+    assert info.value.status == 422 and words in info.value.message, info.value.message
+
+
+def test_a_step_with_a_forged_state_slot_is_rejected_and_nothing_runs(tmp_path_factory):
+    """The rank checks the state slot the leader sends like it checks blocks: out of range, shared by
+    two sequences, a prefix-cache start on a model with state, or a slot for a model without state."""
+    import protocol as p
+    from devtools.parity import build
+
+    from neuron.runner.runner import StepRejected
+
+    family, ckpt, _ = built("qwen3_5_text", tmp_path_factory)
+    runner, _ = build(job(family, ckpt))  # one slot per prompt: 3 state slots
+    greedy = p.Sampling(temperature=0.0)
+
+    def seq(slot: int, state: int, start: int = 0) -> p.StepSeq:
+        return p.StepSeq(slot=slot, tokens=[1, 2, 3], start_pos=start, sample=True, sampling=greedy,
+                         blocks=list(range(slot * 8, slot * 8 + 8)), state=state)
+
+    for seqs, why in (([seq(0, 3)], "state slot 3 is out of range"), ([seq(0, -1)], "state slot -1"),
+                      ([seq(0, 1), seq(1, 1)], "twice in the step"),
+                      ([seq(0, 0, start=16)], "must start at position 0")):
+        with pytest.raises(StepRejected, match=why):
+            runner.step(p.Step(id=0, epoch=0, step_id=0, seqs=seqs))
+    assert runner.step(p.Step(id=0, epoch=0, step_id=0, seqs=[seq(0, 2)])).wait()[0][0] >= 0
+
+    from devtools.checkpoints import make_checkpoint
+    from devtools.parity import ParityJob
+
+    from neuron.loader.model_config import config_from_hf
+
+    llama = make_checkpoint("llama", tmp_path_factory.mktemp("stateless"), seed=1)
+    cfg = config_from_hf(json.loads((llama / "config.json").read_text()))
+    stateless, _ = build(ParityJob("llama", "safetensors", [str(x) for x in llama.glob("*.safetensors")], cfg, [[1]]))
+    with pytest.raises(StepRejected, match="keeps no per-sequence state"):
+        stateless.step(p.Step(id=0, epoch=0, step_id=0, seqs=[seq(0, 0)]))

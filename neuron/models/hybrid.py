@@ -110,14 +110,6 @@ class SharedExpertMoe:
         self.shared = Mlp(src, f"{prefix}.shared_expert", part, dtype, device, plan.rank) if shared else None
         self.shared_gate = src.get(f"{prefix}.shared_expert_gate.weight").to(device, dtype) if shared else None
 
-    @property
-    def packed(self):
-        return self.sparse.packed
-
-    @property
-    def down(self):
-        return self.sparse.down
-
     def tensors(self) -> list[torch.Tensor]:
         shared = [*self.shared.tensors(), self.shared_gate] if self.shared is not None else []
         return [*self.sparse.tensors(), *shared]
@@ -175,11 +167,12 @@ class HybridLM:
             if isinstance(layer.mlp, Mlp):
                 found += [layer.mlp.gate_up, layer.mlp.down]
             else:
-                found += [lin for pair in layer.mlp.packed for lin in pair]
+                sparse = layer.mlp.sparse
+                found += [lin for pair in sparse.packed for lin in pair]
                 if layer.mlp.shared is not None:
                     found += [layer.mlp.shared.gate_up, layer.mlp.shared.down]
-                if not layer.mlp.packed:
-                    dense_experts.append(str(layer.mlp.down.dtype).removeprefix("torch."))
+                if not sparse.packed:
+                    dense_experts.append(str(sparse.down.dtype).removeprefix("torch."))
         parts = [part for lin in found for part in (lin.parts if isinstance(lin, ConcatLinear) else [lin])]
         return parts, dense_experts
 

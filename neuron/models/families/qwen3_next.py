@@ -46,6 +46,7 @@ def config_from_hf(raw: dict[str, Any], text: dict[str, Any]) -> ModelConfig:
     rope = dict(text.get("rope_parameters") or {})
     if rope.get("rope_type", "default") != "default" or text.get("rope_scaling"):
         raise UnsupportedModel(f"rope type {rope.get('rope_type')!r} is not supported for the hybrid family")
+    _check_sizes(text)
     try:
         layers = int(text["num_hidden_layers"])
         heads = int(text["num_attention_heads"])
@@ -57,8 +58,7 @@ def config_from_hf(raw: dict[str, Any], text: dict[str, Any]) -> ModelConfig:
         experts = int(text.get("num_experts") or 0) if model_type in WITH_EXPERTS else 0
         if experts:
             extra["shared_expert_intermediate_size"] = int(text.get("shared_expert_intermediate_size") or 0)
-        if extra["linear_num_value_heads"] % extra["linear_num_key_heads"]:
-            raise BadModelConfig("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        _check_rotary(int(text.get("head_dim") or hidden // heads), float(extra["partial_rotary_factor"]))
         return ModelConfig(
             family=model_type,
             vocab_size=int(text["vocab_size"]),
@@ -84,6 +84,35 @@ def config_from_hf(raw: dict[str, Any], text: dict[str, Any]) -> ModelConfig:
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise BadModelConfig(f"config.json is missing or has a bad value: {exc}") from None
+
+
+def _size(text: dict[str, Any], key: str, least: int = 1) -> int | None:
+    """``text[key]`` as an integer of at least ``least`` (None where absent), or BadModelConfig."""
+    value = text.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < least:
+        raise BadModelConfig(f"{key} must be {'a positive' if least else 'a'} integer, not {value!r}")
+    return int(value)
+
+
+def _check_sizes(text: dict[str, Any]) -> None:
+    """Sizes the layers can be built from, or BadModelConfig naming the field."""
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", *LINEAR):
+        if _size(text, key) is None:
+            raise BadModelConfig(f"config.json lacks {key}")
+    _size(text, "head_dim")
+    _size(text, "num_key_value_heads")
+    _size(text, "intermediate_size", least=0)
+    if int(text["linear_num_value_heads"]) % int(text["linear_num_key_heads"]):
+        raise BadModelConfig("linear_num_value_heads must be a multiple of linear_num_key_heads")
+
+
+def _check_rotary(head_dim: int, factor: float) -> None:
+    rot = int(head_dim * factor)
+    if head_dim < 2 or head_dim % 2 or not 0 < factor <= 1 or rot < 2 or rot % 2:
+        raise BadModelConfig(f"partial_rotary_factor {factor} of head_dim {head_dim} must rotate an even number of "
+                             "dimensions, at least 2 and at most head_dim")
 
 
 def required_tensors(cfg: ModelConfig) -> list[str]:
