@@ -168,3 +168,13 @@ async def _scheduler_state_slots() -> None:
     for r in list(s.running):
         s.release(r)
     assert s.states.used == 0
+
+
+def test_a_family_module_that_cannot_be_imported_is_a_clear_refusal(monkeypatch):
+    from neuron.loader.errors import UnsupportedModel
+    from neuron.loader.model_config import config_from_hf
+
+    for name in ("no_such_family_module", "json"):  # missing, and a module without MODEL_TYPES
+        monkeypatch.setenv("NEURON_FAMILIES", name)
+        with pytest.raises(UnsupportedModel, match=f"NEURON_FAMILIES names '{name}'"):
+            config_from_hf({"model_type": "llama"})

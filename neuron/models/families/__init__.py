@@ -24,6 +24,8 @@ import importlib
 import os
 from types import ModuleType
 
+from neuron.loader.errors import UnsupportedModel
+
 BUILT_IN: dict[str, str] = {
     "llama": "neuron.models.families.llama",
     "qwen3": "neuron.models.families.llama",
@@ -42,7 +44,11 @@ def modules() -> dict[str, str]:
     ``NEURON_FAMILIES``."""
     found = dict(BUILT_IN)
     for name in filter(None, (x.strip() for x in os.environ.get(PLUGINS_ENV, "").split(","))):
-        for model_type in importlib.import_module(name).MODEL_TYPES:
+        try:
+            model_types = importlib.import_module(name).MODEL_TYPES
+        except (ImportError, AttributeError) as exc:
+            raise UnsupportedModel(f"{PLUGINS_ENV} names {name!r}, which is not a model family module: {exc}") from None
+        for model_type in model_types:
             found[model_type] = name
     return found
 
