@@ -212,3 +212,39 @@ def test_moe_weights_missing_an_expert(tmp_path):
     del tensors["model.layers.1.mlp.experts.3.up_proj.weight"]
     save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
     refused(str(d), BadModelConfig, 422, "invalid_model_config", "model.layers.1.mlp.experts.{0..7}")
+
+
+@pytest.mark.parametrize("config, words", [
+    ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+     ("quant_method 'fp8'", "weight_block_size [128, 128]")),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+     ("quant_method 'awq'", "bits 4", "group_size 128")),
+    ({"quant_method": "gptq", "bits": 8, "group_size": 32, "desc_act": True}, ("quant_method 'gptq'", "bits 8")),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, ("quant_method 'bitsandbytes'", "load_in_4bit")),
+    ({"bits": 4}, ("without a quant_method",)),
+])
+def test_a_checkpoint_quantized_by_its_publisher_is_refused_by_its_method(good, tmp_path, config, words):
+    """Not loaded as if its integers or float8 values were float weights (that answered with wrong
+    tokens and no error); the message names the method and what can be loaded instead."""
+    d = copy(good, tmp_path / "m", without=("*.gguf",))
+    edit_json(d / "config.json", quantization_config=config)
+    refused(str(d), UnsupportedModel, 422, "unsupported_model", *words, "not supported", "GGUF", "q8_0")
+    nested = copy(good, tmp_path / "nested", without=("*.gguf",))
+    text = json.loads((nested / "config.json").read_text()) | {"quantization_config": config}
+    edit_json(nested / "config.json", text_config=text, quantization_config=None)
+    refused(str(nested), UnsupportedModel, 422, "unsupported_model", "text_config", *words)
+
+
+@pytest.mark.parametrize("dtype, words", [("float8_e4m3fn", ("f8_e4m3", "without a quantization_config")),
+                                          ("int32", ("i32", "packed integers"))])
+def test_float8_or_packed_integer_weights_without_a_config_are_refused(good, tmp_path, dtype, words):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    d = copy(good, tmp_path / "m", without=("*.gguf",))
+    tensors = load_file(d / "model.safetensors")
+    name = "model.layers.0.mlp.up_proj.weight"
+    tensors[name] = tensors[name].to(getattr(torch, dtype)) if dtype != "int32" else \
+        torch.zeros(tensors[name].shape[0], tensors[name].shape[1] // 8, dtype=torch.int32)
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    refused(str(d), UnsupportedModel, 422, "unsupported_model", *words)

@@ -12,6 +12,7 @@ from protocol import ModelConfig
 
 from .errors import BadModelConfig, LoadError
 from .model_config import config_from_gguf, config_from_hf, missing_tensors, read_config_json, required_tensors
+from .prequantized import refuse_prequantized
 from .resolve import DEFAULT_MODEL, ModelFiles, resolve_model
 from .tokenizer import TokenizerInfo, tokenizer_from_gguf
 
@@ -94,6 +95,8 @@ def _hf_spec(mid: str, files: ModelFiles) -> ModelSpec:
 
     d = files.directory
     raw = read_config_json(d / "config.json")
+    dtypes = _safetensors_dtypes(files.paths)
+    refuse_prequantized(raw, dtypes)
     config = config_from_hf(raw)
     _refuse_missing(mid, missing_tensors(config, files.tensor_names), "config.json")
     if not (d / "tokenizer.json").is_file():
@@ -124,11 +127,13 @@ def _hf_spec(mid: str, files: ModelFiles) -> ModelSpec:
         add_bos=bool(tk_cfg.get("add_bos_token", False)),
     )
     defaults = {k: float(gen[k]) for k in SAMPLING_KEYS if isinstance(gen.get(k), (int, float))}
-    return ModelSpec(mid, files, config, info, defaults, weight_format=_safetensors_format(files.paths))
+    weight_format = "safetensors:" + "+".join(dtypes)
+    return ModelSpec(mid, files, config, info, defaults, weight_format=weight_format)
 
 
-def _safetensors_format(paths: tuple[Path, ...]) -> str:
-    """"safetensors:bf16" (or "bf16+f32"): the dtypes of the 2-D tensors, from the headers."""
+def _safetensors_dtypes(paths: tuple[Path, ...]) -> dict[str, int]:
+    """How many 2-D tensors the headers give each dtype (lower case), most first: the weight
+    format is "safetensors:bf16" (or "bf16+f32")."""
     import struct
     from collections import Counter
 
@@ -143,7 +148,7 @@ def _safetensors_format(paths: tuple[Path, ...]) -> str:
         for name, info in header.items():
             if name != "__metadata__" and isinstance(info, dict) and len(info.get("shape", ())) >= 2:
                 dtypes[str(info.get("dtype", "?")).lower()] += 1
-    return "safetensors:" + "+".join(d for d, _ in dtypes.most_common())
+    return dict(dtypes.most_common())
 
 
 def _refuse_missing(mid: str, missing: list[str], described_by: str) -> None:
