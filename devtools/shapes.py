@@ -25,7 +25,26 @@ SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-8b": {"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
                  "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
                  "tie_word_embeddings": False},
+    # The hybrid family as the published Qwen3.5 configs give it (text model): every fourth layer
+    # full attention, the rest Gated DeltaNet.
+    "qwen3.5-27b": {"model_type": "qwen3_5_text", "hidden_size": 5120, "intermediate_size": 17408,
+                    "num_hidden_layers": 64, "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
+                    "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
+                    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "vocab_size": 248320,
+                    "tie_word_embeddings": False},
+    "qwen3.5-35b-a3b": {"model_type": "qwen3_5_moe_text", "hidden_size": 2048, "num_hidden_layers": 40,
+                        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+                        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+                        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "num_experts": 256,
+                        "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+                        "shared_expert_intermediate_size": 512, "vocab_size": 248320, "tie_word_embeddings": False},
+    "qwen3.5-tiny": {"model_type": "qwen3_5_text", "hidden_size": 128, "intermediate_size": 256,
+                     "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+                     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                     "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "vocab_size": 512,
+                     "tie_word_embeddings": False},  # for trying the scripts on a CPU
 }
+HYBRID = ("qwen3_5_text", "qwen3_5_moe_text")
 
 
 def make_shaped_checkpoint(shape: str, out_dir: str | Path, *, device: str = "cpu", dtype: str = "bfloat16",
@@ -38,6 +57,8 @@ def make_shaped_checkpoint(shape: str, out_dir: str | Path, *, device: str = "cp
 
     shaped = dict(SHAPES[shape])
     model_type = shaped.pop("model_type")
+    if model_type in HYBRID:
+        return _hybrid_checkpoint(model_type, shaped, Path(out_dir), device, dtype, seed)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
@@ -80,6 +101,78 @@ def make_shaped_checkpoint(shape: str, out_dir: str | Path, *, device: str = "cp
         name = f"model-layer{i:03d}.safetensors"
         save_file(tensors, str(out / name), metadata={"format": "pt"})
         index |= dict.fromkeys(tensors, name)
+    write_json(out / "model.safetensors.index.json", {"metadata": {}, "weight_map": index})
+    write_json(out / "config.json", config)
+    write_tokenizer(out, tokenizer, config)
+    write_json(out / "generation_config.json", generation_config(config))
+    return out
+
+
+def _hybrid_checkpoint(model_type: str, shaped: dict[str, Any], out: Path, device: str, dtype: str, seed: int) -> Path:
+    """A Qwen3.5 text checkpoint (dense or MoE) of ``shaped``'s sizes, as transformers saves it."""
+    import torch
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+    layers = shaped["num_hidden_layers"]
+    config = shaped | {
+        "model_type": model_type, "architectures": ["Qwen3_5ForCausalLM" if model_type == "qwen3_5_text"
+                                                    else "Qwen3_5MoeForCausalLM"],
+        "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        "rms_norm_eps": 1e-6, "hidden_act": "silu", "max_position_embeddings": 16384, "torch_dtype": dtype,
+        "bos_token_id": ids[BOS_TOKEN], "eos_token_id": ids[EOS_TOKEN], "pad_token_id": ids[PAD_TOKEN]}
+    h, hd, vocab = config["hidden_size"], config["head_dim"], config["vocab_size"]
+    nq, nkv = config["num_attention_heads"], config["num_key_value_heads"]
+    nk, nv = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    hk, hv, kernel = config["linear_key_head_dim"], config["linear_value_head_dim"], config["linear_conv_kernel_dim"]
+    gen = torch.Generator(device=device).manual_seed(seed)
+    torch_dtype = getattr(torch, dtype)
+
+    def rand(*shape_: int, scale: float = 0.02) -> Any:
+        return (torch.randn(*shape_, generator=gen, device=device, dtype=torch.float32) * scale).to(torch_dtype).cpu()
+
+    def zeros(n: int) -> Any:  # a zero-centred norm weight: 1 in use
+        return torch.zeros(n, dtype=torch_dtype)
+
+    def mlp(p: str, inter: int) -> dict[str, Any]:
+        return {p + "gate_proj.weight": rand(inter, h), p + "up_proj.weight": rand(inter, h),
+                p + "down_proj.weight": rand(h, inter)}
+
+    index: dict[str, str] = {}
+
+    def save(name: str, tensors: dict[str, Any]) -> None:
+        save_file(tensors, str(out / name), metadata={"format": "pt"})
+        index.update(dict.fromkeys(tensors, name))
+
+    save("model-embed.safetensors", {"model.embed_tokens.weight": rand(vocab, h), "model.norm.weight": zeros(h),
+                                     "lm_head.weight": rand(vocab, h)})
+    for i, kind in enumerate(config["layer_types"]):
+        p = f"model.layers.{i}."
+        t = {p + "input_layernorm.weight": zeros(h), p + "post_attention_layernorm.weight": zeros(h)}
+        if kind == "full_attention":
+            a = p + "self_attn."
+            t |= {a + "q_proj.weight": rand(2 * nq * hd, h), a + "k_proj.weight": rand(nkv * hd, h),
+                  a + "v_proj.weight": rand(nkv * hd, h), a + "o_proj.weight": rand(h, nq * hd),
+                  a + "q_norm.weight": zeros(hd), a + "k_norm.weight": zeros(hd)}
+        else:
+            a = p + "linear_attn."
+            conv = 2 * nk * hk + nv * hv
+            t |= {a + "in_proj_qkv.weight": rand(conv, h), a + "in_proj_z.weight": rand(nv * hv, h),
+                  a + "in_proj_b.weight": rand(nv, h), a + "in_proj_a.weight": rand(nv, h),
+                  a + "conv1d.weight": rand(conv, 1, kernel, scale=0.3), a + "A_log": rand(nv, scale=0.5),
+                  a + "dt_bias": rand(nv, scale=0.5), a + "norm.weight": torch.ones(hv, dtype=torch_dtype),
+                  a + "out_proj.weight": rand(h, nv * hv)}
+        if model_type == "qwen3_5_text":
+            t |= mlp(p + "mlp.", config["intermediate_size"])
+        else:
+            experts, inter = config["num_experts"], config["moe_intermediate_size"]
+            t |= {p + "mlp.gate.weight": rand(experts, h), p + "mlp.experts.gate_up_proj": rand(experts, 2 * inter, h),
+                  p + "mlp.experts.down_proj": rand(experts, h, inter), p + "mlp.shared_expert_gate.weight": rand(1, h)}
+            t |= mlp(p + "mlp.shared_expert.", config["shared_expert_intermediate_size"])
+        save(f"model-layer{i:03d}.safetensors", t)
     write_json(out / "model.safetensors.index.json", {"metadata": {}, "weight_map": index})
     write_json(out / "config.json", config)
     write_tokenizer(out, tokenizer, config)

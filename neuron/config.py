@@ -57,6 +57,10 @@ class ModelEntry:
     gpu_memory_utilization: float = 0.9
     cuda_graphs: bool = True
     prefix_caching: bool = True
+    # Models whose layers keep a recurrent state (the hybrid family):
+    state_dtype: str = "float32"  # of the delta-rule state (bfloat16 halves its memory)
+    state_snapshots: int = -1  # slots for the prefix cache's state snapshots; -1: by memory, 0: none
+    state_snapshot_interval: int = 512  # tokens between a prompt's snapshots
     tool_parser: str = "auto"
     reasoning_parser: str = "auto"
 
@@ -234,6 +238,12 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"models[{i}].block_size must be one of 8, 16, 32, 64, 128, 256")
         if m.kv_cache_tokens < 0 or not 0.05 <= m.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"models[{i}]: kv_cache_tokens must be >= 0 and gpu_memory_utilization in [0.05, 1]")
+        if m.state_dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"models[{i}].state_dtype must be float32, bfloat16 or float16")
+        if not -1 <= m.state_snapshots <= 65536 or m.state_snapshot_interval < m.block_size \
+                or m.state_snapshot_interval % m.block_size:
+            raise ConfigError(f"models[{i}]: state_snapshots must be in -1..65536 and state_snapshot_interval a "
+                              "multiple of block_size")
         if m.tool_parser not in TOOL_PARSERS:
             raise ConfigError(f"models[{i}].tool_parser must be one of {', '.join(TOOL_PARSERS)}")
         if m.reasoning_parser not in REASONING_PARSERS:

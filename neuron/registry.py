@@ -92,9 +92,11 @@ class ModelHandle:
             "kv_bytes": self.kv_bytes, "cuda_graphs": self.graphs, "preemptions": stats.preemptions,
             "max_batch_tokens": z.max_batch_tokens, "prefill_chunk": z.prefill_chunk,
             "prefill_chunk_decoding": z.prefill_chunk_decoding, "steps_in_flight": z.steps_in_flight,
-            "prefix_caching": z.cache_key is not None and not stats.state_slots,
+            "prefix_caching": z.cache_key is not None and (not stats.state_slots or stats.state_snapshots > 0),
             "layer_types": _counted(self.spec.config.layer_types or ["attention"] * self.spec.config.num_layers),
             "state_slots": stats.state_slots, "state_slots_used": stats.state_slots_used,
+            "state_snapshots": stats.state_snapshots, "state_snapshots_used": stats.state_snapshots_used,
+            "state_restores": stats.state_restores, "state_dtype": self.entry.state_dtype if stats.state_slots else None,
             "state_bytes": self.state_bytes,
             "prefix_cache_hits": stats.prefix_cache_hits,
             "prefix_cache_queries": stats.prefix_cache_queries,
@@ -178,7 +180,8 @@ class Registry:
                                  entry.max_slots, max_len, budget, chunk, chunk_decoding, in_flight,
                                  # the K/V of a prefix depends on the weights and how they are computed
                                  f"{model_id}|{spec.files.paths}|{entry.dtype}|{entry.tensor_parallel}|{entry.quantize}"
-                                 if entry.prefix_caching else None)))
+                                 f"|{entry.state_dtype}" if entry.prefix_caching else None,
+                                 entry.state_snapshot_interval)))
         try:  # packed weights split their input columns on whole quant groups
             families.family(spec.config.family).check_split(spec.config, entry.tensor_parallel,
                                                             QUANT_GROUP if handle.packed else 1)
@@ -229,7 +232,8 @@ class Registry:
                 paths=[str(x) for x in spec.files.paths], config=spec.config, dtype=handle.dtype,
                 max_slots=entry.max_slots, max_len=z.max_len, block_size=entry.block_size, kv_tokens=kv_tokens,
                 memory_fraction=entry.gpu_memory_utilization, max_step_tokens=z.max_batch_tokens + entry.max_slots,
-                cuda_graphs=entry.cuda_graphs, quant=entry.quantize or None))
+                cuda_graphs=entry.cuda_graphs, quant=entry.quantize or None, state_dtype=entry.state_dtype,
+                state_snapshots=entry.state_snapshots if z.cache_key is not None else 0))
         except BaseException:
             await group.close_after_failure()
             raise
@@ -248,9 +252,11 @@ class Registry:
             handle.max_len = blocks * entry.block_size
             handle.engine.max_len = handle.max_len
         state_slots = min(ok.state_slots for ok in oks.values())
-        if state_slots and handle.engine.sizing.cache_key is not None:
-            log.info("%s: its layers keep per-sequence state; prefix caching is off", handle.id)
-        handle.engine.attach(group, blocks, entry.block_size, state_slots)
+        snapshots = min(ok.state_snapshots for ok in oks.values())
+        if state_slots and not snapshots and handle.engine.sizing.cache_key is not None:
+            log.info("%s: its layers keep per-sequence state and no slot is left for snapshots; prefix caching is "
+                     "off", handle.id)
+        handle.engine.attach(group, blocks, entry.block_size, state_slots, snapshots)
         return group
 
     def _forget(self, handle: ModelHandle) -> None:

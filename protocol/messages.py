@@ -87,6 +87,14 @@ class StepSeq(msgspec.Struct, array_like=True, gc=False, frozen=True):
     - ``state``: for a model whose layers keep a fixed-size state per sequence (a recurrent layer),
       the state slot the leader gave the sequence (-1: the model keeps none). The rank clears it
       on the sequence's first step (``sampling`` set).
+    - ``state_from`` (with ``sampling``; the prefix cache of such a model): the sequence starts at
+      ``start_pos`` from the state in this slot (a snapshot taken after the same first
+      ``start_pos`` tokens), copied into ``state`` instead of clearing it.
+    - ``snapshots``: (position, slot) pairs: the state after the sequence's first ``position``
+      tokens (``start_pos < position <= start_pos + len(tokens)``) is copied into ``slot``.
+    - ``kv_from`` (with ``sampling``): a KV block whose K/V the sequence's block at table entry
+      ``start_pos // block_size`` takes before the step (a cached partial block, copied: the
+      sequence then writes the rest of it).
     """
 
     slot: int
@@ -99,6 +107,9 @@ class StepSeq(msgspec.Struct, array_like=True, gc=False, frozen=True):
     allowed: bytes | None = None
     context: list[int] = []  # with ``sampling``: the tokens before start_pos (penalties count them)
     state: int = -1
+    state_from: int = -1
+    snapshots: list[tuple[int, int]] = []
+    kv_from: int = -1
 
 
 class StepTimings(msgspec.Struct, array_like=True, gc=False, frozen=True):
@@ -141,6 +152,11 @@ class LoadShard(Frame, tag="load_shard"):
     memory_fraction: float = 0.9
     max_step_tokens: int = 2048  # the largest step the leader will send (sizes the activations)
     cuda_graphs: bool = True
+    state_dtype: str = "float32"  # of a recurrent layer's accumulating state
+    # State slots for snapshots (the prefix cache of a model with recurrent state) beside one per
+    # running sequence; -1: as many as a quarter of the memory left after the weights holds, at
+    # most 4 per running sequence (2 per running sequence on the CPU).
+    state_snapshots: int = 0
 
 
 class Step(Frame, tag="step"):
@@ -198,6 +214,7 @@ class LoadOk(Frame, tag="load_ok"):
     packing: str = ""  # how the shard stores its projections, e.g. "int4 from Q4_1 x210, dense bfloat16 x0"
     state_slots: int = 0  # per-sequence state slots of the model's recurrent layers (0: it has none)
     state_bytes: int = 0
+    state_snapshots: int = 0  # of the state slots, those for snapshots (the rest: one per running sequence)
 
 
 class StepResult(Frame, tag="step_result"):

@@ -258,3 +258,25 @@ def test_the_hybrid_family_on_one_gpu_gives_transformers_tokens(tmp_path_factory
         for got, (want, _) in zip(result.logits, reference):
             assert (got.cpu() - want).abs().max() < 1e-3, result.name
         assert result.greedy == [tokens for _, tokens in reference], result.name
+
+
+@pytest.fixture(scope="module")
+def hybrid_checkpoint(tmp_path_factory):
+    from test_hybrid import write_hybrid_checkpoint
+    return write_hybrid_checkpoint("qwen3_5_text", tmp_path_factory.mktemp("gpu-hybrid"))
+
+
+@needs_gpu
+@pytest.mark.timeout(600)
+def test_the_hybrid_family_in_decode_and_prefill_graphs_gives_the_eager_tokens(tmp_path, hybrid_checkpoint):
+    """The Gated DeltaNet kernels inside the decode graphs (token after token) and the prefill
+    graphs (in chunks), batches between the buckets, against the eager path."""
+    graph_and_eager(tmp_path, hybrid_checkpoint, 1)
+
+
+@pytest.mark.skipif(_gpus() < 2, reason="needs two NVIDIA GPUs")
+@pytest.mark.timeout(600)
+def test_the_hybrid_family_at_tp2_over_nccl_gives_the_eager_and_the_cpu_tokens(tmp_path, hybrid_checkpoint):
+    graph_and_eager(tmp_path, hybrid_checkpoint, 2)
+    cpu = greedy_tokens(tmp_path, hybrid_checkpoint, ["--device", "cpu"])
+    assert greedy_tokens(tmp_path, hybrid_checkpoint, ["--device", "cuda", "--tensor-parallel", "2"]) == cpu

@@ -157,7 +157,7 @@ def test_the_server_serves_it_in_chunks_concurrently_and_through_preemption(tmp_
 
 
 def test_the_chunked_delta_rule_equals_the_recurrence_token_by_token():
-    from neuron.models.deltanet import CHUNK, chunked, recurrent_step
+    from neuron.models.recurrence import CHUNK, chunked, recurrent_step
 
     gen = torch.Generator().manual_seed(3)
     n, nv, hk, hv = 2 * CHUNK + 21, 3, 8, 5

@@ -130,18 +130,23 @@ def test_a_state_slot_is_cleared_for_its_next_sequence_and_copied_whole():
     from neuron.models.interface import KvState, RecurrentState
     from neuron.runner.state import StatePool
 
-    specs = [KvState(2, 16), RecurrentState(((3,), (2, 2))), None, RecurrentState(((4,),), torch.bfloat16)]
+    specs = [KvState(2, 16), RecurrentState(((3,), (2, 2))), None, RecurrentState(((4,), (5,)), (torch.bfloat16,))]
     pool = StatePool(specs, 3, torch.device("cpu"))
     assert pool.slots == 3 and len(pool.tensors) == 2
-    assert pool.nbytes == 4 * (4 * (3 + 4)) + 4 * 2 * 4 == StatePool.bytes_per_slot(specs) * 4
+    # float32: 3 + 4 + 5 (the last layer's second tensor takes the configured dtype), bf16: 4
+    assert pool.nbytes == 4 * (4 * (3 + 4 + 5)) + 4 * 2 * 4 == StatePool.bytes_per_slot(specs) * 4
+    assert len(pool.buffers) == 2  # one buffer per dtype, the layers' tensors views into it
+    assert pool.tensors[1][0].dtype == torch.bfloat16 and pool.tensors[1][1].dtype == torch.float32
     for layer in pool.tensors:
         for t in layer:
             t.copy_(torch.randn(t.shape))
-    pool.copy(1, 2)  # a snapshot of slot 1 in slot 2
+    pool.copy([1], [2])  # a snapshot of slot 1 in slot 2
     assert all(torch.equal(t[1], t[2]) for layer in pool.tensors for t in layer)
     pool.clear([1])
     assert all(not t[1].any() and t[2].any() for layer in pool.tensors for t in layer)
     assert StatePool([KvState(2, 16)], 3, torch.device("cpu")).slots == 0
+    half = StatePool(specs, 3, torch.device("cpu"), torch.bfloat16)  # the configured state dtype
+    assert half.tensors[0][1].dtype == torch.bfloat16 and half.nbytes == 4 * 2 * (3 + 4 + 4 + 5)
 
 
 def test_the_scheduler_gives_each_running_sequence_a_state_slot_and_preemption_frees_it():

@@ -89,7 +89,7 @@ class ToyRecurrentLM:
                 y = layer.mixer(x, kv_layer, positions, self.rope, attend)
                 kv_layer += 1
             else:
-                y = layer.mixer(x, attend.states.layer(state_layer)[0], attend.meta.seq_states)
+                y = layer.mixer(x, attend.states.layer(state_layer)[0], attend.meta.state_spans.spans)
                 state_layer += 1
             h = h + y
             h = h + layer.mlp(ops.rms_norm(h, layer.norm2, eps), ops)

@@ -16,6 +16,7 @@ import hashlib
 from array import array
 from collections import OrderedDict, deque
 from functools import lru_cache
+from typing import Callable
 
 
 class OutOfBlocks(Exception):
@@ -51,6 +52,7 @@ class BlockManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unused: LRU first
         self.queries = 0  # prompt tokens looked up in the cache
         self.hits = 0  # ... and found
+        self.on_evict: Callable[[bytes], None] | None = None  # told the hash of each cached block evicted
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -83,7 +85,10 @@ class BlockManager:
                 b = self._recycled.popleft()
             else:  # the least recently used cached block gives up its prefix
                 b, _ = self._evictable.popitem(last=False)
-                del self._by_hash[self._hash_of.pop(b)]
+                h = self._hash_of.pop(b)
+                del self._by_hash[h]
+                if self.on_evict is not None:
+                    self.on_evict(h)
             blocks.append(b)
             self.refs[b] = 1
         return blocks
@@ -98,7 +103,10 @@ class BlockManager:
         return added
 
     def release(self, table: list[int]) -> None:
-        """Drop one reference to each block of ``table`` (and empty it)."""
+        """Drop one reference to each block of ``table`` (and empty it). Cached blocks join the
+        eviction order last block first: a prefix's tail is evicted before its head, which the
+        tail cannot be matched without."""
+        cached = []
         for b in table:
             left = self.refs.get(b, 0) - 1
             if left < 0:
@@ -108,9 +116,11 @@ class BlockManager:
                 continue
             del self.refs[b]
             if b in self._hash_of:
-                self._evictable[b] = None
+                cached.append(b)
             else:
                 self._recycled.append(b)
+        for b in reversed(cached):
+            self._evictable[b] = None
         table.clear()
 
     # ----------------------------------------------------------------------------- prefixes
@@ -162,29 +172,3 @@ class BlockManager:
             return
         self._by_hash[h] = block
         self._hash_of[block] = h
-
-
-class StateSlots:
-    """The per-sequence state slots of a model's recurrent layers (none for attention-only
-    models): one for each running sequence, handed out and taken back like blocks."""
-
-    def __init__(self, num_slots: int) -> None:
-        self.num_slots = num_slots
-        self._free: deque[int] = deque(range(num_slots))
-
-    @property
-    def free_count(self) -> int:
-        return len(self._free)
-
-    @property
-    def used(self) -> int:
-        return self.num_slots - len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise OutOfBlocks(f"{n} state slots asked for, {len(self._free)} free")
-        return [self._free.popleft() for _ in range(n)]
-
-    def release(self, slots: list[int]) -> None:
-        self._free.extend(slots)
-        slots.clear()

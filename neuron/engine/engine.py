@@ -31,7 +31,10 @@ class EngineStats:
     kv_usage: float = 0.0  # fraction of the KV-cache blocks in use
     kv_blocks: int = 0
     state_slots: int = 0  # per-sequence state slots (models with recurrent layers)
-    state_slots_used: int = 0
+    state_slots_used: int = 0  # ... held by running sequences
+    state_snapshots: int = 0  # of them, those for the prefix cache's snapshots
+    state_snapshots_used: int = 0
+    state_restores: int = 0  # sequences started from a snapshot
     preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
@@ -52,6 +55,7 @@ class Sizing:
     prefill_chunk_decoding: int  # ... of a step that also carries decodes
     steps_in_flight: int = 2  # steps sent before the oldest one's reply is in (overlapped steps)
     cache_key: str | None = None  # the prefix cache's key (what the K/V depends on); None: no cache
+    snapshot_interval: int = 512  # tokens between a prompt's state snapshots (models with recurrent state)
 
 
 class Engine:
@@ -61,6 +65,7 @@ class Engine:
         self.sizing = sizing
         self.max_len = sizing.max_len
         self.sched = self._scheduler(1, 16, 0)
+        self._snapshots = 0
         self._cache_counts = (0, 0)  # prefix-cache queries and hits of the caches before this one
         # Steps in flight: the next is sent before the last one's reply is in (overlapped steps).
         self.depth = sizing.steps_in_flight
@@ -81,19 +86,23 @@ class Engine:
         self.step_ms = 0.0
         self.on_finish = None  # callable(req, FinishEvent) for metrics
 
-    def _scheduler(self, num_blocks: int, block_size: int, state_slots: int) -> Scheduler:
+    def _scheduler(self, num_blocks: int, block_size: int, state_slots: int, snapshots: int = 0) -> Scheduler:
         z = self.sizing
         return Scheduler(z.max_slots, self.max_len, num_blocks, block_size, z.max_batch_tokens, z.prefill_chunk,
-                         z.prefill_chunk_decoding, z.cache_key.encode() if z.cache_key else None, state_slots)
+                         z.prefill_chunk_decoding, z.cache_key.encode() if z.cache_key else None, state_slots,
+                         snapshots, z.snapshot_interval)
 
     # ----------------------------------------------------------------------------- control
-    def attach(self, group: RankGroup, num_blocks: int, block_size: int, state_slots: int = 0) -> None:
+    def attach(self, group: RankGroup, num_blocks: int, block_size: int, state_slots: int = 0,
+               snapshots: int = 0) -> None:
         """Serve on ``group``, whose ranks hold ``num_blocks`` KV blocks and ``state_slots``
-        per-sequence state slots each."""
+        per-sequence state slots each (``snapshots`` of them beyond one per slot, for the prefix
+        cache's state snapshots)."""
         self.group = group
         old = self.sched.blocks  # a fresh cache (the ranks' is new); the counters carry on
         self._cache_counts = (self._cache_counts[0] + old.queries, self._cache_counts[1] + old.hits)
-        self.sched = self._scheduler(num_blocks, block_size, state_slots)
+        self.sched = self._scheduler(num_blocks, block_size, state_slots, snapshots)
+        self._snapshots = snapshots
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name=f"engine-{self.model_id}")
         self._wake.set()
@@ -149,6 +158,8 @@ class Engine:
                            self.steps, self.tokens_generated, kv_usage=s.blocks.used / s.blocks.num_blocks,
                            kv_blocks=s.blocks.num_blocks, preemptions=s.preemptions,
                            state_slots=s.states.num_slots, state_slots_used=s.states.used,
+                           state_snapshots=self._snapshots, state_snapshots_used=s.states.snapshots,
+                           state_restores=s.states.restored,
                            prefix_cache_queries=self._cache_counts[0] + s.blocks.queries,
                            prefix_cache_hits=self._cache_counts[1] + s.blocks.hits,
                            leader_ms_per_step=1e3 * self.leader_s / max(1, self.steps), step_ms=self.step_ms,
@@ -185,7 +196,8 @@ class Engine:
                                   blocks=x.blocks, block_start=x.block_start,
                                   sampling=x.req.sampling if x.start else None,
                                   allowed=x.req.constraint.allowed() if x.sample and x.req.constraint else None,
-                                  context=_context(x), state=x.req.states[0] if x.req.states else -1)
+                                  context=_context(x), state=x.req.states[0] if x.req.states else -1,
+                                  state_from=x.state_from, snapshots=x.snapshots, kv_from=x.kv_from)
                         for x in plan]
                 waiter = await group.send_step(self._step_ids, seqs)
                 self.inflight.append((plan, asyncio.ensure_future(waiter())))
@@ -266,6 +278,7 @@ class Engine:
             self.detach(f"model {self.model_id!r} failed: {exc}")
             return
         log.warning("%s: step failed (%s); failing its %d request(s)", self.model_id, exc, len(planned))
+        self.sched.abandon(planned)
         for x in planned:
             if x.sample:
                 x.req.pending -= 1
@@ -301,7 +314,7 @@ class Engine:
         if req.finished:
             return
         req.finished = True
-        self.sched.release(req)
+        self.sched.release(req, keep=error is None)
         event = FinishEvent(reason, len(req.prompt), len(req.output), error, kind, req.cached_tokens)
         req.events.put_nowait(event)
         if not req.admitted.done():

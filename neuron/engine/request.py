@@ -7,7 +7,7 @@ import asyncio
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from protocol import Sampling
 
@@ -61,6 +61,8 @@ class GenRequest:
     output: list[int] = field(default_factory=list)
     slot: int = -1  # the rank-side row of the running sequence (-1: not running)
     states: list[int] = field(default_factory=list)  # its state slot, for a model with recurrent layers
+    restore: Any = None  # the state snapshot (state_cache.Snapshot) its first step starts from, pinned
+    snapshot_floor: int = 0  # where its state started (snapshots are taken past it)
     blocks: list[int] = field(default_factory=list)  # its KV-cache block table
     sent_blocks: int = 0  # entries of ``blocks`` the ranks have been sent
     computed: int = 0  # tokens in the KV cache, or on their way in a step in flight

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from .blocks import BlockManager, OutOfBlocks, StateSlots, chain_hash
+from .blocks import BlockManager, OutOfBlocks, chain_hash
 from .request import GenRequest
+from .state_cache import StateCache
 
 DEVICE_TOKEN = -1
 
@@ -35,18 +36,24 @@ class Planned:
     block_start: int
     start: bool  # the sequence's first step in its slot: the rank resets the slot's sampler
     run: int  # the request's run it belongs to (a preemption starts a new one)
+    state_from: int = -1  # with ``start``: the snapshot slot the sequence's state starts from
+    kv_from: int = -1  # with ``start``: the cached partial block its first block starts as
+    snapshots: list[tuple[int, int]] = field(default_factory=list)  # (position, slot) the step keeps
 
 
 class Scheduler:
     def __init__(self, max_slots: int, max_len: int, num_blocks: int, block_size: int, max_batch_tokens: int,
                  prefill_chunk: int, prefill_chunk_decoding: int | None = None,
-                 cache_key: bytes | None = None, state_slots: int = 0) -> None:
+                 cache_key: bytes | None = None, state_slots: int = 0, state_snapshots: int = 0,
+                 snapshot_interval: int = 512) -> None:
         self.max_slots, self.max_len = max_slots, max_len
         self.max_batch_tokens, self.prefill_chunk = max_batch_tokens, prefill_chunk
         self.prefill_chunk_decoding = prefill_chunk_decoding or prefill_chunk
-        # A recurrent layer's state cannot be rebuilt from cached K/V blocks: no prefix cache then.
-        self.blocks = BlockManager(num_blocks, block_size, None if state_slots else cache_key)
-        self.states = StateSlots(state_slots)
+        # A recurrent layer's state cannot be rebuilt from cached K/V blocks: its prefix cache
+        # needs state snapshots (state_cache), and is off without slots for them.
+        self.blocks = BlockManager(num_blocks, block_size, None if state_slots and not state_snapshots else cache_key)
+        self.states = StateCache(state_slots, self.blocks, snapshot_interval)
+        self.closing: set[GenRequest] = set()  # finished, their last steps still out: snapshots to come
         self.free_slots: deque[int] = deque(range(max_slots))
         self.waiting: deque[GenRequest] = deque()
         self.running: list[GenRequest] = []  # in admission order: the last is the newest
@@ -72,21 +79,32 @@ class Scheduler:
             # The longest cached prefix of whole blocks; the last token is always computed, since
             # its logits give the next token.
             hits, hashes = self.blocks.match(tokens, len(tokens) - 1, req.cache_salt)
+            start, snap = len(hits) * self.blocks.block_size, None
+            if self.states.num_slots:  # cached K/V is of use only up to a snapshot of the state
+                found = self.states.find(tokens, len(tokens) - 1, hashes, self.blocks.key(req.cache_salt)) \
+                    if self.states.caching else None
+                depth, snap = found if found else (0, None)
+                hits, hashes = hits[:depth], hashes[:depth]
+                start = snap.position if snap else 0
+                self.blocks.hits += start - len(hashes) * self.blocks.block_size if found else 0
             need = self.blocks.blocks_for(len(tokens)) - len(hits) + self.blocks.revived(hits)
             # Keep a block in hand for each running sequence, which may cross into a new one next.
             if need > self.blocks.free_count - len(self.running):
                 break
-            if self.states.num_slots and not self.states.free_count:
+            if self.states.num_slots and self.states.free_count <= (snap is not None and not snap.pins):
                 break
             self.waiting.popleft()
             req.slot = self.free_slots.popleft()
+            if snap is not None:
+                self.states.pin(snap)
+                req.restore = snap
             if self.states.num_slots:
-                req.states = self.states.allocate(1)
+                req.states = [self.states.allocate()]
             self.blocks.take(hits)
             req.blocks, req.hashes = list(hits), hashes
             self.blocks.grow(req.blocks, len(tokens))
             req.sent_blocks = 0
-            req.computed = req.confirmed = len(hits) * self.blocks.block_size
+            req.computed = req.confirmed = req.snapshot_floor = start
             if not req.preempted:
                 req.cached_tokens = req.computed
             req.order = next(self._order)
@@ -94,41 +112,93 @@ class Scheduler:
             admitted.append(req)
         return admitted
 
-    def release(self, req: GenRequest) -> None:
+    def release(self, req: GenRequest, keep: bool = False) -> None:
         """The request is done (finished, aborted or failed): its slot and blocks are free now.
         A step still in flight may write them once more; the rank runs steps in order, so
-        whoever gets them next overwrites that before reading."""
+        whoever gets them next overwrites that before reading. ``keep`` (it finished well): a
+        model with recurrent state keeps its last state as a snapshot, once its steps are in."""
         if req in self.running:
             self.running.remove(req)
             self.free_slots.append(req.slot)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self._unpin(req)
+        req.slot = -1
+        if keep and self.states.caching and req.states and 0 < req.computed <= len(req.prompt) + len(req.output):
+            self.closing.add(req)
+            if req.confirmed >= req.computed:
+                self._close(req)
+            return
+        self._drop(req)
+
+    def _drop(self, req: GenRequest) -> None:
+        self.closing.discard(req)
         self.blocks.release(req.blocks)
         self.states.release(req.states)
         req.hashes = []
-        req.slot = -1
+
+    def _close(self, req: GenRequest) -> None:
+        """A finished request's steps are all in: its state becomes the snapshot of its tokens so
+        far (the next turn of a chat starts there), its full blocks are cached, and its partial
+        last block stays with the snapshot."""
+        self.closing.discard(req)
+        bs, n = self.blocks.block_size, req.computed
+        self._register(req, n // bs)
+        full = n // bs
+        tail = tuple((req.prompt + req.output)[full * bs: n])
+        parent = req.hashes[full - 1] if full else self.states.root(self.blocks.key(req.cache_salt))
+        self.states.keep(req.states.pop(), n, parent, tail, req.blocks[full] if tail else -1, running=True)
+        self._drop(req)
+
+    def _unpin(self, req: GenRequest) -> None:
+        if req.restore is not None:
+            self.states.unpin(req.restore)
+            req.restore = None
+
+    def _register(self, req: GenRequest, full: int) -> None:
+        """Cache the request's first ``full`` blocks (their K/V is computed) under their hashes."""
+        tokens = None
+        for i in range(len(req.hashes), full):
+            tokens = tokens or req.prompt + req.output
+            h = chain_hash(req.hashes[-1] if req.hashes else b"", tokens[i * self.blocks.block_size:
+                                                                         (i + 1) * self.blocks.block_size],
+                           self.blocks.key(req.cache_salt))
+            self.blocks.register(req.blocks[i], h)
+            req.hashes.append(h)
+
+    def abandon(self, plan: list[Planned]) -> None:
+        """A step failed: the snapshots it was to take are not kept, nor those of the requests
+        that finished while it was out."""
+        for x in plan:
+            for _, slot in x.snapshots:
+                self.states.abandon(slot)
+            if x.req in self.closing:
+                self._drop(x.req)
 
     def completed(self, plan: list[Planned]) -> None:
-        """A step's reply is in: its K/V exists. Register the blocks it filled for reuse."""
+        """A step's reply is in: its K/V exists. Register the blocks it filled for reuse, and the
+        state snapshots it took."""
         bs = self.blocks.block_size
         for x in plan:
             req = x.req
-            if x.run != req.run or req.slot < 0:
-                continue  # preempted (or done) since: that run's blocks are gone
+            closing = req in self.closing
+            if x.run != req.run or (req.slot < 0 and not closing):
+                for _, slot in x.snapshots:  # preempted (or done) since: that run's blocks are gone
+                    self.states.abandon(slot)
+                continue
             req.confirmed = max(req.confirmed, x.start_pos + len(x.tokens))
             if self.blocks.cache_key is None:
                 continue
-            tokens = None
-            for i in range(len(req.hashes), req.confirmed // bs):
-                tokens = tokens or req.prompt + req.output
-                h = chain_hash(req.hashes[-1] if req.hashes else b"", tokens[i * bs: (i + 1) * bs],
-                               self.blocks.key(req.cache_salt))
-                self.blocks.register(req.blocks[i], h)
-                req.hashes.append(h)
+            self._register(req, req.confirmed // bs)
+            for at, slot in x.snapshots:
+                self.states.keep(slot, at, req.hashes[at // bs - 1])
+            if closing and req.confirmed >= req.computed:
+                self._close(req)
 
     def _preempt(self, req: GenRequest) -> None:
         self.running.remove(req)
         self.free_slots.append(req.slot)
+        self._unpin(req)
         self.blocks.release(req.blocks)
         self.states.release(req.states)
         req.slot, req.computed, req.confirmed, req.sent_blocks, req.hashes = -1, 0, 0, 0, []
@@ -193,6 +263,16 @@ class Scheduler:
     def _plan(self, req: GenRequest, tokens: list[int], sample: bool) -> Planned:
         x = Planned(req, tokens, req.computed, sample, req.blocks[req.sent_blocks:], req.sent_blocks,
                     start=req.sent_blocks == 0, run=req.run)
+        if x.start and req.restore is not None:
+            x.state_from, x.kv_from = req.restore.slot, req.restore.block
+            self._unpin(req)
+        if self.states.caching and req.computed < len(req.prompt):
+            for at in self.states.prompt_points(req.computed, req.computed + len(tokens), len(req.prompt),
+                                                req.snapshot_floor):
+                slot = self.states.reserve()
+                if slot is None:
+                    break
+                x.snapshots.append((at, slot))
         req.sent_blocks = len(req.blocks)
         req.computed += len(tokens)
         if sample:

@@ -146,14 +146,14 @@ class HybridLM:
         prefix = str(cfg.extra.get("prefix", "model"))
         self.comm = Collectives(plan.world)
         self.ops = TorchOps()
-        self.capturable = False  # the recurrent layers run eagerly
         self.vocab = VocabParallel(cfg, plan, src, prefix, dtype, device, self.comm)
         self.layers = [HybridLayer(cfg, plan, src, f"{prefix}.layers.{i}", kind, i, dtype, device, block)
                        for i, kind in enumerate(cfg.layer_types)]
+        self.capturable = not any(isinstance(layer.mlp, SharedExpertMoe) for layer in self.layers)
         self.norm = zero_centred(src, f"{prefix}.norm.weight", device, dtype)
         self.rope = partial_rope(cfg, max_len, device, dtype)
         self.attention_shape = next(layer.mixer.shape for layer in self.layers if layer.kind == "full_attention")
-        self.recurrent = DeltaNetShape(cfg, key_heads(cfg, plan.world, plan.rank)).state()
+        self.recurrent = DeltaNetShape(cfg, key_heads(cfg, plan.world, plan.rank), dtype).state()
 
     def state_specs(self) -> list[LayerState]:
         kv = KvState(self.attention_shape.n_kv, self.attention_shape.head_dim)
@@ -197,7 +197,7 @@ class HybridLM:
                 y = layer.mixer(x, kv_layer, positions, self.rope, attend)
                 kv_layer += 1
             else:
-                y = layer.mixer(x, attend.states.layer(state_layer), attend.meta.seq_states)
+                y = layer.mixer(x, attend.states.layer(state_layer), attend.meta.state_spans, ops)
                 state_layer += 1
             x, h = ops.add_rms_norm(self.comm.all_reduce(y), h, layer.mlp_norm, eps)
             h = h + self.comm.all_reduce(layer.mlp(x, ops))

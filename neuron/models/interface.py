@@ -36,7 +36,13 @@ class KvState:
 @dataclass(frozen=True)
 class RecurrentState:
     shapes: tuple[tuple[int, ...], ...]  # the state's tensors of one sequence (this rank's share)
-    dtype: torch.dtype = torch.float32
+    # Of each tensor; None (or not given): the configured state dtype (float32 by default), for a
+    # state that accumulates, where a coarser dtype trades accuracy for memory.
+    dtypes: tuple[torch.dtype | None, ...] = ()
+
+    def dtype(self, i: int, configured: torch.dtype = torch.float32) -> torch.dtype:
+        given = self.dtypes[i] if i < len(self.dtypes) else None
+        return given if given is not None else configured
 
 
 LayerState = KvState | RecurrentState | None

@@ -6,16 +6,37 @@ the model code calls only these names, so how an op runs is decided outside the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from . import recurrence
 
 
 @dataclass(frozen=True)
 class RopeTables:
     cos: torch.Tensor  # [max_len, head_dim], the halves repeated (neox "rotate half" layout)
     sin: torch.Tensor
+
+
+@dataclass(frozen=True)
+class StateSpans:
+    """A step's sequences as its recurrent layers see them: (first token row, tokens, state slot)
+    of each, on the host (``spans``; empty inside a CUDA graph) and as an int64 device table
+    (``table``: those three as rows, and where the step runs the delta rule in chunks, each
+    sequence's first chunk and chunk count in ``chunks``; the Triton kernels read them), and a
+    bound on their tokens (``max_n``: it fixes a kernel's grid, so a graph's is its bucket's).
+    ``snapshots``: (sequence index, its tokens before the point, slot) of each state snapshot the
+    step takes; ``chunks`` [3, C] (first row, tokens, snapshot slot or -1) and ``conv_snaps`` [4,
+    M] say the same to the kernels (``neuron.kernels.deltanet``). No ``chunks``: token after token."""
+
+    spans: list[tuple[int, int, int]]
+    table: torch.Tensor | None
+    max_n: int
+    snapshots: list[tuple[int, int, int]] = field(default_factory=list)
+    chunks: torch.Tensor | None = None
+    conv_snaps: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -65,3 +86,15 @@ class TorchOps:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    # The Gated DeltaNet's (recurrence.py says what each computes).
+    def causal_conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: torch.Tensor,
+                    spans: StateSpans) -> torch.Tensor:
+        return recurrence.causal_conv(x, weight, bias, state, spans.spans, spans.snapshots)
+
+    def delta_rule(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, neg_a: torch.Tensor,
+                   dt_bias: torch.Tensor, state: torch.Tensor, spans: StateSpans, r: int) -> torch.Tensor:
+        return recurrence.delta_rule(qkv, a, b, neg_a, dt_bias, state, spans.spans, r, spans.snapshots)
+
+    def gated_rms_norm(self, o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return recurrence.gated_rms_norm(o, z, weight, eps)

@@ -122,9 +122,11 @@ class DeviceWorker:
         if not self.dist_ready:
             raise RankFailure("not_initialised", "init_dist must come before load_shard")
         self._unload()
-        dtype = DTYPES.get(msg.dtype)
-        if dtype is None:
-            raise RankFailure("bad_request", f"unknown dtype {msg.dtype!r}")
+        dtype, state_dtype = DTYPES.get(msg.dtype), DTYPES.get(msg.state_dtype)
+        if dtype is None or state_dtype is None:
+            raise RankFailure("bad_request", f"unknown dtype {msg.dtype!r} or state_dtype {msg.state_dtype!r}")
+        if not -1 <= msg.state_snapshots <= 65536:
+            raise RankFailure("bad_request", "state_snapshots must be in -1..65536")
         if not 0 < msg.max_slots <= 4096 or not 0 < msg.max_len <= 1 << 24 or not 0 < msg.block_size <= 4096:
             raise RankFailure("bad_request", "max_slots, max_len and block_size must be positive and sane")
         t0 = time.perf_counter()
@@ -156,7 +158,7 @@ class DeviceWorker:
         self.runner = ModelRunner(self.model, RunnerConfig(
             max_seqs=msg.max_slots, max_len=msg.max_len, block_size=msg.block_size, kv_tokens=msg.kv_tokens,
             memory_fraction=msg.memory_fraction, max_step_tokens=msg.max_step_tokens,
-            cuda_graphs=msg.cuda_graphs), self.rank)
+            cuda_graphs=msg.cuda_graphs, state_dtype=state_dtype, state_snapshots=msg.state_snapshots), self.rank)
         self.model_id = msg.model
         self._warm_up()
         runner = self.runner
@@ -166,7 +168,7 @@ class DeviceWorker:
         return p.LoadOk(id=msg.id, epoch=msg.epoch, kv_capacity=runner.kv_blocks * msg.block_size,
                         bytes=self.model.weight_bytes(), kv_bytes=runner.kv.nbytes, kv_blocks=runner.kv_blocks,
                         graphs=sorted(runner.graphs), packing=packing, state_slots=runner.states.slots,
-                        state_bytes=runner.states.nbytes)
+                        state_bytes=runner.states.nbytes, state_snapshots=runner.state_snapshots)
 
     def _warm_up(self) -> None:
         """One prompt chunk and one decode through every layer, so the first request does not pay

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from neuron.models.interface import AttentionShape
-from neuron.models.ops import Rotary, TorchOps
+from neuron.models.ops import Rotary, StateSpans, TorchOps
 
 # cuDNN's attention builds an execution plan for every new shape, tens of milliseconds each on an
 # H200, and a prompt chunk's key length is new almost every time. The others take any shape.
@@ -41,6 +41,11 @@ class PagedKvCache:
     @property
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
+
+    def copy_blocks(self, pairs: torch.Tensor) -> None:
+        """Blocks ``pairs[1]`` of every layer take the K/V of blocks ``pairs[0]``."""
+        for cache in (self.k, self.v):
+            cache.index_copy_(1, pairs[1], cache.index_select(1, pairs[0]))
 
 
 @dataclass
@@ -84,13 +89,13 @@ class StepMeta:
     prefill_spans: torch.Tensor | None = None
     prefill_max_n: int = 0
     prefill_splits: int = 1  # key ranges per tile (a prefill graph's rows are all chunks or padding)
-    # For recurrent layers: each sequence's (first token row, tokens, state slot), in step order.
-    seq_states: list[tuple[int, int, int]] = field(default_factory=list)
+    # For recurrent layers: the step's sequences (their rows and state slots).
+    state_spans: StateSpans | None = None
 
 
 class PagedAttention:
     """The ``attend(layer, qkv, positions, rotary)`` the model calls; ``meta`` is set by the runner
-    each step. Recurrent layers find their state in ``states`` and ``meta.seq_states``."""
+    each step. Recurrent layers find their state in ``states`` and ``meta.state_spans``."""
 
     def __init__(self, kv: PagedKvCache, tables: torch.Tensor, shape: AttentionShape, triton: bool,
                  max_rows: int = 1, cpu_kernels=None, int8_rows: int = 0, states=None) -> None:

@@ -14,8 +14,10 @@ import torch
 
 import protocol as p
 
+from neuron.models.ops import StateSpans
+
 from .attention import StepMeta
-from .inputs import flatten
+from .inputs import CHUNK, chunk_tables, flatten
 
 log = logging.getLogger("neuron.runner")
 
@@ -51,10 +53,12 @@ class StepGraphs:
         B = len(seqs)
         staged = self._staging()
         packed = staged.numpy()
-        packed[:] = 0
+        packed[:4] = 0
         packed[2] = self.runner.scratch_row
+        packed[6] = self.runner.states.scratch
         for i, s in enumerate(seqs):
             packed[0, i], packed[1, i], packed[2, i], packed[3, i] = s.tokens[0], s.start_pos, s.slot, s.sample
+            packed[6, i] = s.state
         self.graph_in.copy_(staged, non_blocking=True)
         graph, ids, logits, argmax = self.decode[bucket]
         graph.replay()
@@ -68,8 +72,9 @@ class StepGraphs:
         return self._staged[self._stage]
 
     def _decode_forward(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The captured decode step of ``n`` rows over the static inputs (token, position, slot
-        and whether the row is sampled, a row each): its token ids, logits and their argmax,
+        """The captured decode step of ``n`` rows over the static inputs (token, position, slot,
+        whether the row is sampled, and the recurrent layers' spans: row, 1, state slot; a row
+        each): its token ids, logits and their argmax,
         which the step also stores as the sampled rows' last draws (greedy sampling then launches
         nothing after the graph)."""
         from neuron.kernels.gpu import decode_splits, greedy_tokens
@@ -83,13 +88,16 @@ class StepGraphs:
         # The kernels find each row's cache row and context from its slot and position.
         r.attention.meta = StepMeta(
             store_index=None, decode_rows=None, decode_slots=slots, decode_ctx=None,
-            decode_max_ctx=r.cfg.max_len, decode_splits=decode_splits(n, heads, r.cfg.max_len, r.sm_count))
+            decode_max_ctx=r.cfg.max_len, decode_splits=decode_splits(n, heads, r.cfg.max_len, r.sm_count),
+            state_spans=StateSpans([], self.graph_in[4:7, :n], 1) if r.states.slots else None)
         logits = r.model.forward(ids, pos, r.attention, None)
         return ids, logits, greedy_tokens(logits, slots, self.graph_in[3, :n], r.sampler.last_token)
 
     # ----------------------------------------------------------------------------- prefill
     def prefill_bucket(self, seqs: list[p.StepSeq]) -> int:
         if not self.prefill or len(seqs) > self.runner.cfg.max_seqs:
+            return 0
+        if sum(len(s.snapshots) for s in seqs) > self._pg_snaps:  # the graphs' table holds this many
             return 0
         T = sum(len(s.tokens) for s in seqs)
         return next((n for n in sorted(self.prefill) if n >= T), 0)
@@ -110,6 +118,12 @@ class StepGraphs:
         whole["spans"][:] = 0
         for i, (s, end) in enumerate(zip(seqs, ends)):
             whole["spans"][i] = (end + 1 - len(s.tokens), len(s.tokens), s.slot, s.start_pos)
+        if r.states.slots:
+            spans = [(end + 1 - len(s.tokens), len(s.tokens), s.state) for s, end in zip(seqs, ends)]
+            spans += [(0, 0, r.states.scratch)] * (r.cfg.max_seqs - len(seqs))
+            snaps = [(i, at - s.start_pos, slot) for i, s in enumerate(seqs) for at, slot in s.snapshots]
+            whole["states"][:], whole["chunks"][:], whole["conv_snaps"][:] = chunk_tables(
+                spans, snaps, self._pg_chunks, self._pg_snaps)
         whole["rows"][:] = 0
         whole["rows"][: len(sampled)] = [ends[i] for i in sampled]
         self._pg_in.copy_(staged, non_blocking=True)
@@ -121,11 +135,18 @@ class StepGraphs:
     def _pg_layout(self, buf, n: int) -> dict:
         """The prefill graphs' inputs in one int64 buffer (the device's, or a host staging copy):
         the first ``n`` of each token row's (ids, positions, slots, cache rows), the sequences'
-        spans [max_seqs, 4] and the rows to sample [max_seqs]."""
-        Tmax, S = self._pg_tokens, self.runner.cfg.max_seqs
+        spans [max_seqs, 4], the rows to sample [max_seqs], and the recurrent layers' tables
+        (``inputs.chunk_tables``): spans [5, max_seqs], chunks and conv snapshots."""
+        Tmax, S, C, M = self._pg_tokens, self.runner.cfg.max_seqs, self._pg_chunks, self._pg_snaps
+        at = 4 * Tmax + 5 * S
         return {"ids": buf[:n], "pos": buf[Tmax: Tmax + n], "slot": buf[2 * Tmax: 2 * Tmax + n],
                 "store": buf[3 * Tmax: 3 * Tmax + n], "spans": buf[4 * Tmax: 4 * Tmax + 4 * S].reshape(S, 4),
-                "rows": buf[4 * Tmax + 4 * S: 4 * Tmax + 5 * S]}
+                "rows": buf[4 * Tmax + 4 * S: at], "states": buf[at: at + 5 * S].reshape(5, S),
+                "chunks": buf[at + 5 * S: at + 5 * S + 3 * C].reshape(3, C),
+                "conv_snaps": buf[at + 5 * S + 3 * C: at + 5 * S + 3 * C + 4 * M].reshape(4, M)}
+
+    def _pg_size(self) -> int:
+        return 4 * self._pg_tokens + 10 * self.runner.cfg.max_seqs + 3 * self._pg_chunks + 4 * self._pg_snaps
 
     def _prefill_forward(self, n: int) -> tuple[torch.Tensor, torch.Tensor, None]:
         """The captured prefill step of ``n`` token rows over the static inputs."""
@@ -136,7 +157,9 @@ class StepGraphs:
         # few query tiles over thousands of keys, too few programs to keep the device busy.
         r.attention.meta = StepMeta(store_index=v["store"], decode_rows=v["ids"][:0],
                                     prefill_spans=v["spans"].to(torch.int32), prefill_max_n=n,
-                                    prefill_splits=4 if n <= 128 else 1)
+                                    prefill_splits=4 if n <= 128 else 1,
+                                    state_spans=StateSpans([], v["states"], n, [], v["chunks"], v["conv_snaps"])
+                                    if r.states.slots else None)
         return ids, r.model.forward(ids, v["pos"], r.attention, v["rows"]), None
 
     # ----------------------------------------------------------------------------- capture
@@ -147,11 +170,17 @@ class StepGraphs:
             return
         Tmax, S = sizes[-1], cfg.max_seqs
         self._pg_tokens = Tmax
-        self._pg_in = torch.zeros(4 * Tmax + 5 * S, dtype=torch.int64, device=r.device)
+        # Room for two snapshots a sequence, and every chunk they and the sequences' ends cut.
+        self._pg_snaps = 2 * S if r.states.slots else 0
+        self._pg_chunks = -(-Tmax // CHUNK) + S + self._pg_snaps if r.states.slots else 0
+        self._pg_in = torch.zeros(self._pg_size(), dtype=torch.int64, device=r.device)
         whole = self._pg_layout(self._pg_in, Tmax)  # captured with every row padding
         whole["slot"].fill_(r.scratch_row)
         whole["store"].fill_(r.kv.scratch * r.bs)
-        self._pstaged = [torch.zeros(4 * Tmax + 5 * S, dtype=torch.int64).pin_memory() for _ in range(4)]
+        whole["states"][2].fill_(r.states.scratch)
+        whole["conv_snaps"][3].fill_(-1)
+        whole["chunks"][2].fill_(-1)
+        self._pstaged = [torch.zeros(self._pg_size(), dtype=torch.int64).pin_memory() for _ in range(4)]
         self._pstage = 0
         self._capture_each(sizes, self._prefill_forward, self.prefill, pool)
 
@@ -173,9 +202,14 @@ class StepGraphs:
         r = self.runner
         t0 = time.perf_counter()
         sizes = graph_sizes(r.cfg.max_seqs)
-        self.graph_in = torch.zeros(4, sizes[-1], dtype=torch.int64, device=r.device)
+        self.graph_in = torch.zeros(7, sizes[-1], dtype=torch.int64, device=r.device)
         self.graph_in[2].fill_(r.scratch_row)
-        self._staged = [torch.zeros(4, sizes[-1], dtype=torch.int64).pin_memory() for _ in range(4)]
+        self.graph_in[4] = torch.arange(sizes[-1], device=r.device)  # the recurrent layers' spans: a row each
+        self.graph_in[5].fill_(1)
+        self.graph_in[6].fill_(r.states.scratch)
+        self._staged = [torch.zeros(7, sizes[-1], dtype=torch.int64).pin_memory() for _ in range(4)]
+        for staged in self._staged:
+            staged[4:7] = self.graph_in[4:7].cpu()
         self._stage = 0
         self._capture_prefill(self._capture_each(sizes, self._decode_forward, self.decode, None))
         torch.cuda.synchronize(r.device)

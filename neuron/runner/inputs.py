@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 import protocol as p
+from neuron.models.ops import StateSpans
 
 from .attention import PrefillBatch
 from .sampler import check_sampling, upload
@@ -58,16 +59,30 @@ def check_step(runner, seqs: list[p.StepSeq]) -> None:
 
 
 def _check_state(runner, s: p.StepSeq, seen: set[int]) -> None:
-    pool = runner.states
+    pool, n = runner.states, len(s.tokens)
+    if s.kv_from != -1:
+        if s.sampling is None or not 0 <= s.kv_from < runner.kv.blocks or s.start_pos % runner.bs == 0 \
+                or not s.block_start <= s.start_pos // runner.bs < s.block_start + len(s.blocks):
+            raise StepRejected(f"slot {s.slot}: kv_from needs a new sequence whose first block it fills in part")
     if not pool.slots:
-        if s.state != -1:
+        if s.state != -1 or s.state_from != -1 or s.snapshots:
             raise StepRejected(f"slot {s.slot}: this model keeps no per-sequence state")
         return
     if not 0 <= s.state < pool.slots or s.state in seen:
         raise StepRejected(f"slot {s.slot}: state slot {s.state} is out of range or twice in the step")
     seen.add(s.state)
-    if s.sampling is not None and s.start_pos != 0:
-        raise StepRejected(f"slot {s.slot}: a sequence with recurrent state must start at position 0")
+    if s.sampling is not None and s.start_pos != 0 and s.state_from == -1:
+        raise StepRejected(f"slot {s.slot}: a sequence with recurrent state must start at position 0 or from a "
+                           "snapshot (state_from)")
+    if s.state_from != -1 and (s.sampling is None or s.start_pos == 0 or not 0 <= s.state_from < pool.slots
+                               or s.state_from == s.state):
+        raise StepRejected(f"slot {s.slot}: state_from {s.state_from} must be another state slot, for a new "
+                           "sequence past position 0")
+    for at, slot in s.snapshots:
+        if not s.start_pos < at <= s.start_pos + n or not 0 <= slot < pool.slots or slot in seen:
+            raise StepRejected(f"slot {s.slot}: snapshot ({at}, {slot}) is outside the step's tokens or its slot "
+                               "is out of range or taken")
+        seen.add(slot)
 
 
 def flatten(seqs: list[p.StepSeq], tables_host: np.ndarray, bs: int):
@@ -101,13 +116,55 @@ def key_rows(tables_host: np.ndarray, bs: int, slot: np.ndarray, pos: np.ndarray
     return tables_host[slot, pos // bs].astype(np.int64) * bs + pos % bs
 
 
-def seq_states(seqs: list[p.StepSeq]) -> list[tuple[int, int, int]]:
-    """Each sequence's (first token row, tokens, state slot), in step order."""
-    out, row = [], 0
-    for s in seqs:
-        out.append((row, len(s.tokens), s.state))
+# Sequences of at most this many tokens take the delta rule token after token (one kernel, the
+# decode graphs' way); a step with a longer one, or with a snapshot, runs it in chunks.
+RECURRENT_TOKENS = 16
+CHUNK = 64  # neuron.kernels.deltanet.CHUNK
+
+
+def state_spans(seqs: list[p.StepSeq], device: torch.device, kernels: bool) -> StateSpans:
+    """The step's sequences for its recurrent layers: each one's (first token row, tokens, state
+    slot) in step order, its snapshots, and with ``kernels`` the device tables of both."""
+    spans, snaps, row = [], [], 0
+    for i, s in enumerate(seqs):
+        spans.append((row, len(s.tokens), s.state))
+        snaps += [(i, at - s.start_pos, slot) for at, slot in s.snapshots]
         row += len(s.tokens)
-    return out
+    max_n = max(n for _, n, _ in spans)
+    if not kernels:
+        return StateSpans(spans, None, max_n, snaps)
+    if max_n <= RECURRENT_TOKENS and not snaps:
+        table = np.ascontiguousarray(np.array(spans, dtype=np.int64).T)
+        return StateSpans(spans, upload(table, torch.int64, device), max_n)
+    table, chunks, conv = chunk_tables(spans, snaps)
+    up = lambda a: upload(a, torch.int64, device)  # noqa: E731
+    return StateSpans(spans, up(table), max_n, snaps, up(chunks), up(conv) if conv.shape[1] else None)
+
+
+def chunk_tables(spans: list[tuple[int, int, int]], snaps: list[tuple[int, int, int]], chunks_to: int = 0,
+                 snaps_to: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The chunked delta rule's tables: the spans [5, S] (first row, tokens, state slot, first
+    chunk, chunks), the chunks [3, C] (first row, tokens, slot that takes the state after it or
+    -1), each span cut at its snapshots and every ``CHUNK`` tokens, and the conv snapshots [4, M]
+    (row after the point, the span's first row, its state slot, the snapshot's slot), padded to
+    ``chunks_to`` and ``snaps_to`` (a graph's sizes) with empty entries."""
+    table = np.zeros((5, len(spans)), dtype=np.int64)
+    chunks: list[tuple[int, int, int]] = []
+    conv: list[tuple[int, int, int, int]] = []
+    for i, (first, n, slot) in enumerate(spans):
+        cuts = {at: dst for j, at, dst in snaps if j == i}
+        conv += [(first + at, first, slot, dst) for at, dst in sorted(cuts.items())]
+        table[:, i] = (first, n, slot, len(chunks), 0)
+        done = 0
+        while done < n:
+            size = min(CHUNK, n - done, min((at for at in cuts if at > done), default=n) - done)
+            done += size
+            chunks.append((first + done - size, size, cuts.get(done, -1)))
+        table[4, i] = len(chunks) - table[3, i]
+    chunks += [(0, 0, -1)] * max(0, chunks_to - len(chunks))
+    conv += [(0, 0, 0, -1)] * max(0, snaps_to - len(conv))
+    as_rows = lambda rows, k: np.ascontiguousarray(np.array(rows, dtype=np.int64).reshape(-1, k).T)  # noqa: E731
+    return table, as_rows(chunks, 3), as_rows(conv, 4)
 
 
 def prefill_batch(tables_host: np.ndarray, bs: int, prefills: list[tuple[int, int, int, int]],

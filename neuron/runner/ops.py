@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from neuron.models.ops import TorchOps
+from neuron.models.ops import StateSpans, TorchOps
 
 
 class TritonOps(TorchOps):
@@ -41,6 +41,21 @@ class TritonOps(TorchOps):
         if gate_up.dim() != 2 or gate_up.stride(1) != 1:
             return self.fallback.silu_mul(gate_up)
         return self.kernels.silu_mul(gate_up, quantize=self._quantize(gate_up, gate_up.shape[1] // 2))
+
+    def causal_conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: torch.Tensor,
+                    spans: StateSpans) -> torch.Tensor:
+        if spans.conv_snaps is not None:
+            self.kernels.conv_snapshots(x, state, spans.conv_snaps)
+        return self.kernels.causal_conv(x, weight, bias, state, spans.table, spans.max_n)
+
+    def delta_rule(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, neg_a: torch.Tensor,
+                   dt_bias: torch.Tensor, state: torch.Tensor, spans: StateSpans, r: int) -> torch.Tensor:
+        if spans.chunks is None:
+            return self.kernels.delta_rule_recurrent(qkv, a, b, neg_a, dt_bias, state, spans.table, r)
+        return self.kernels.delta_rule_chunked(qkv, a, b, neg_a, dt_bias, state, spans.table, spans.chunks, r)
+
+    def gated_rms_norm(self, o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.kernels.gated_rms_norm(o, z, weight, eps)
 
 
 class CpuOps(TorchOps):

@@ -26,9 +26,9 @@ from neuron.models.interface import KvState, Model
 
 from .attention import PagedAttention, PagedKvCache, PrefillSpan, StepMeta
 from .graphs import PREFILL_GRAPH_TOKENS, StepGraphs, graph_sizes
-from .inputs import DEVICE_TOKEN, StepRejected, check_step, flatten, key_rows, prefill_batch, seq_states
+from .inputs import DEVICE_TOKEN, StepRejected, check_step, flatten, key_rows, prefill_batch, state_spans
 from .sampler import DeviceSampler, upload
-from .sizing import kv_blocks
+from .sizing import kv_blocks, state_snapshots
 from .state import StatePool
 
 log = logging.getLogger("neuron.runner")
@@ -45,6 +45,8 @@ class RunnerConfig:
     memory_fraction: float = 0.9
     max_step_tokens: int = 2048
     cuda_graphs: bool = True
+    state_dtype: torch.dtype = torch.float32  # of recurrent state that accumulates (RecurrentState)
+    state_snapshots: int = 0  # state slots beyond one per sequence, for snapshots; -1: by memory
 
 
 @dataclass
@@ -109,7 +111,8 @@ class ModelRunner:
             model.ops = CpuOps(model.ops, self.cpu_kernels)
         specs = model.state_specs()
         kv_layers = sum(isinstance(s, KvState) for s in specs)
-        self.states = StatePool(specs, cfg.max_seqs, self.device)
+        self.state_snapshots = state_snapshots(self, specs)
+        self.states = StatePool(specs, cfg.max_seqs + self.state_snapshots, self.device, cfg.state_dtype)
         blocks = kv_blocks(self, kv_layers, self.states.nbytes)
         self.kv = PagedKvCache(kv_layers, blocks, self.bs, shape.n_kv, shape.head_dim, self.device, model.dtype)
         self.tables_host = np.full((cfg.max_seqs + 1, self.max_blocks), self.kv.scratch, dtype=np.int32)
@@ -232,7 +235,9 @@ class ModelRunner:
         cols: list[int] = []
         values: list[int] = []
         if self.states.slots:
-            self.states.clear([s.state for s in seqs if s.sampling is not None])
+            self.states.clear([s.state for s in seqs if s.sampling is not None and s.state_from == -1])
+            restored = [s for s in seqs if s.sampling is not None and s.state_from != -1]
+            self.states.copy([s.state_from for s in restored], [s.state for s in restored])
         for s in seqs:
             if s.sampling is not None:
                 self.assigned[s.slot] = 0
@@ -246,6 +251,9 @@ class ModelRunner:
         if values:
             at = upload([rows, cols], torch.int64, self.device)
             self.tables.index_put_((at[0], at[1]), upload(values, torch.int32, self.device))
+        copies = [(s.kv_from, int(self.tables_host[s.slot, s.start_pos // self.bs])) for s in seqs if s.kv_from != -1]
+        if copies:  # a cached partial block: the sequence's own block starts as a copy of it
+            self.kv.copy_blocks(upload(list(zip(*copies)), torch.int64, self.device))
 
     # ----------------------------------------------------------------------------- eager
     def _eager(self, seqs: list[p.StepSeq], sampled: list[int], every_position: bool = False):
@@ -255,7 +263,7 @@ class ModelRunner:
         ids_t, pos_t, slot_t, store_t = inputs
         ids_t = self.resolve(ids_t, slot_t)
         meta = StepMeta(store_index=store_t, decode_rows=None,
-                        seq_states=seq_states(seqs) if self.states.slots else [])
+                        state_spans=state_spans(seqs, self.device, self.triton) if self.states.slots else None)
         if len(decode_rows) < T:
             meta.decode_rows = upload(decode_rows, torch.int64, self.device)
         if decode_rows:

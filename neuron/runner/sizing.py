@@ -8,9 +8,29 @@ import logging
 
 import torch
 
+from neuron.models.ops import StateSpans
+
 from .attention import PagedAttention, PagedKvCache, PrefillSpan, StepMeta
+from .inputs import chunk_tables
 
 log = logging.getLogger("neuron.runner")
+
+
+def state_snapshots(runner, specs) -> int:
+    """How many state slots to hold beyond one per sequence, for the prefix cache's snapshots:
+    as configured, or (-1) as many as a quarter of the memory left after the weights holds, at
+    most four per sequence (on the CPU two per sequence)."""
+    from .state import StatePool
+
+    cfg = runner.cfg
+    per_slot = StatePool.bytes_per_slot(specs, cfg.state_dtype)
+    if not per_slot or cfg.state_snapshots >= 0:
+        return max(0, cfg.state_snapshots) if per_slot else 0
+    if not runner.cuda:
+        return 2 * cfg.max_seqs
+    free, total = torch.cuda.mem_get_info(runner.device)
+    budget = (free - total * (1 - cfg.memory_fraction)) / 4 - (cfg.max_seqs + 1) * per_slot
+    return max(0, min(4 * cfg.max_seqs, int(budget // per_slot)))
 
 
 def kv_blocks(runner, kv_layers: int, state_bytes: int) -> int:
@@ -33,7 +53,12 @@ def kv_blocks(runner, kv_layers: int, state_bytes: int) -> int:
     tables = torch.arange(probe.blocks, device=device, dtype=torch.int32)[None]
     attention = PagedAttention(probe, tables, shape, runner.triton, states=runner.states)
     rows = torch.arange(n, device=device)
-    attention.meta = StepMeta(store_index=rows, decode_rows=rows[:0], seq_states=[(0, n, runner.states.scratch)])
+    spans = [(0, n, runner.states.scratch)]
+    state = StateSpans(spans, None, n)
+    if runner.triton:  # the largest step's delta rule runs in chunks
+        table, chunks, _ = (torch.from_numpy(t).to(device) for t in chunk_tables(spans, []))
+        state = StateSpans(spans, table, n, [], chunks)
+    attention.meta = StepMeta(store_index=rows, decode_rows=rows[:0], state_spans=state)
     if runner.triton:
         attention.meta.prefill_spans = torch.tensor([[0, n, 0, 0]], dtype=torch.int32, device=device)
         attention.meta.prefill_max_n = n

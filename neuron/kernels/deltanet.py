@@ -1,0 +1,432 @@
+"""The Gated DeltaNet kernels (Triton): the causal depthwise conv over q/k/v with its conv state,
+the gated delta rule with its recurrent state, and the gated RMS norm of its output. Checked
+against the torch reference in neuron/models/deltanet.py.
+
+Every kernel takes the step's sequences as spans: a [3, S] int64 table whose rows are each
+sequence's first token row, its tokens and its state slot. A decode graph and a prefill graph
+pass theirs from their static inputs; a span of 0 tokens does nothing.
+
+The delta rule runs in one of two ways:
+
+- ``delta_rule_recurrent``: token after token, one program per (sequence, value head, block of
+  the value dimension) holding its share of the state in registers. Decodes take this.
+- ``delta_rule_chunked``: the chunked (WY) form, for prompt chunks. The host cuts each sequence
+  into chunks of at most 64 tokens, ending one wherever a snapshot of the state is asked for (the
+  prefix cache: ``conv_snapshots`` takes the conv state's). A first kernel prepares each chunk
+  independently (one program per chunk and value head): the
+  inverse of the chunk's unit lower-triangular system ``I + A`` as the product
+  ``(I - A)(I + A^2)(I + A^4)...`` (A is nilpotent: six factors for 64 rows, all matrix products),
+  and from it the chunk's ``w`` and ``u``, its decayed queries and keys and its intra-chunk scores,
+  into scratch rows beside the tokens'. A second kernel walks each sequence's chunks in order,
+  carrying the state from one to the next and storing it into the snapshot slots on the way (one
+  program per sequence, value head and block of the value dimension).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import INTERPRETED, grid_sync, pdl_args, pow2
+
+CHUNK = 64
+# fp32 products on the tensor cores in three tf32 passes: the chunked form solves a triangular
+# system whose rounding a single tf32 pass would carry into every later token.
+DOT_PRECISION = "ieee" if INTERPRETED else "tf32x3"
+
+
+@triton.jit
+def _softplus(x):
+    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+
+
+# ---------------------------------------------------------------------------------------------
+# The causal conv
+
+
+@triton.jit
+def _conv_kernel(X, W, Bias, State, Out, Spans, span_stride, stride_x, stride_o, stride_slot, C,
+                 K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 UPDATE: tl.constexpr, PDL: tl.constexpr):
+    """out[t, c] = silu(bias[c] + sum_i w[c, i] * x[t - K + 1 + i, c]) over a span's rows, the
+    inputs before its first row from the conv state (state[slot, c, K - 1 + j] is input j < 0).
+    ``UPDATE``: this program holds its whole span (every span fits one token tile), so it also
+    leaves the last K - 1 inputs in the state."""
+    s = tl.program_id(0)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    cm = c < C
+    tb = tl.program_id(2)
+    grid_sync(PDL)
+    row = tl.load(Spans + s)
+    n = tl.load(Spans + span_stride + s)
+    slot = tl.load(Spans + 2 * span_stride + s)
+    t = tb * BT + tl.arange(0, BT)
+    tm = t < n
+    acc = tl.zeros((BT, BC), dtype=tl.float32)
+    st = State + slot * stride_slot + c[None, :] * (K - 1)
+    for i in tl.static_range(K):
+        j = t - (K - 1) + i
+        xr = tl.load(X + (row + j)[:, None] * stride_x + c[None, :], mask=((j >= 0) & tm)[:, None] & cm[None, :],
+                     other=0.0)
+        xs = tl.load(st + (K - 1 + j)[:, None], mask=((j < 0) & tm)[:, None] & cm[None, :], other=0.0)
+        w = tl.load(W + c * K + i, mask=cm, other=0.0)
+        acc += (xr.to(tl.float32) + xs.to(tl.float32)) * w[None, :]
+    if HAS_BIAS:
+        acc += tl.load(Bias + c, mask=cm, other=0.0)[None, :]
+    acc = acc * tl.sigmoid(acc)
+    tl.store(Out + (row + t)[:, None] * stride_o + c[None, :], acc, mask=tm[:, None] & cm[None, :])
+    if UPDATE:
+        if n > 0:
+            _conv_keep(X, State, row, n, slot, c, cm, stride_x, stride_slot, K, KP)
+
+
+@triton.jit
+def _conv_keep(X, State, row, n, slot, c, cm, stride_x, stride_slot, K: tl.constexpr, KP: tl.constexpr):
+    """The span's last K - 1 inputs (from the old state where the span is shorter) into its slot."""
+    m = tl.arange(0, KP)
+    mm = m < K - 1
+    j = n - (K - 1) + m
+    st = State + slot * stride_slot + c[:, None] * (K - 1)
+    both = cm[:, None] & mm[None, :]
+    from_x = tl.load(X + (row + j)[None, :] * stride_x + c[:, None], mask=both & (j >= 0)[None, :], other=0.0)
+    from_s = tl.load(st + (K - 1 + j)[None, :], mask=both & (j < 0)[None, :], other=0.0)
+    kept = tl.where((j >= 0)[None, :], from_x.to(tl.float32), from_s.to(tl.float32))
+    tl.store(st + m[None, :], kept.to(State.dtype.element_ty), mask=both)
+
+
+@triton.jit
+def _conv_keep_kernel(X, State, Spans, span_stride, stride_x, stride_slot, C, K: tl.constexpr, KP: tl.constexpr,
+                      BC: tl.constexpr, PDL: tl.constexpr):
+    s = tl.program_id(0)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    grid_sync(PDL)
+    row = tl.load(Spans + s)
+    n = tl.load(Spans + span_stride + s)
+    slot = tl.load(Spans + 2 * span_stride + s)
+    if n > 0:
+        _conv_keep(X, State, row, n, slot, c, c < C, stride_x, stride_slot, K, KP)
+
+
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: torch.Tensor,
+                spans: torch.Tensor, max_n: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(causal depthwise conv) of each span's rows of ``x`` [T, C] (rows contiguous) after the
+    inputs its ``state`` [slots, C, K - 1] slot remembers, which then remembers the span's last
+    K - 1; float32 [T, C]. ``weight`` [C, K] float32; ``spans`` [3, S] int64 (rows contiguous);
+    ``max_n``: a bound on the spans' tokens."""
+    T, C = x.shape
+    K = weight.shape[1]
+    S = spans.shape[1]
+    assert (S == 1 or spans.stride(1) == 1) and x.stride(1) == 1
+    out = torch.empty(T, C, dtype=torch.float32, device=x.device) if out is None else out
+    if not S or not T:
+        return out
+    BT = min(pow2(max_n), 32)
+    BC = 128 if BT <= 4 else 64
+    update = max_n <= BT
+    grid = (S, triton.cdiv(C, BC), triton.cdiv(max_n, BT))
+    _conv_kernel[grid](x, weight, bias if bias is not None else weight, state, out, spans, spans.stride(0),
+                       x.stride(0), out.stride(0), state.stride(0), C, K=K, KP=pow2(K - 1), BT=BT, BC=BC, HAS_BIAS=bias is not None,
+                       UPDATE=update, num_warps=4, **pdl_args(x.device))
+    if not update:
+        _conv_keep_kernel[(S, triton.cdiv(C, 128))](x, state, spans, spans.stride(0), x.stride(0), state.stride(0),
+                                                    C, K=K, KP=pow2(K - 1), BC=128, num_warps=4, **pdl_args(x.device))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The gates and the normalized q/k of a token row
+
+
+@triton.jit
+def _gates(A, B, NegA, DtBias, r, stride_ab, h, valid):
+    """g (the log decay) and beta of value head ``h`` at token rows ``r``."""
+    a = tl.load(A + r * stride_ab + h, mask=valid, other=0.0).to(tl.float32)
+    b = tl.load(B + r * stride_ab + h, mask=valid, other=0.0).to(tl.float32)
+    g = tl.load(NegA + h) * _softplus(a + tl.load(DtBias + h))
+    return tl.where(valid, g, 0.0), tl.where(valid, tl.sigmoid(b), 0.0)
+
+
+@triton.jit
+def _l2norm(x, axis: tl.constexpr):
+    return x * tl.rsqrt(tl.sum(x * x, axis, keep_dims=True) + 1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# The delta rule, token after token
+
+
+@triton.jit
+def _recurrent_kernel(QKV, A, B, NegA, DtBias, State, Out, Spans, span_stride, stride_qkv, stride_ab, stride_o,
+                      stride_slot, key_dim, scale, R: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr,
+                      BK: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr):
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    kh = h // R
+    ik = tl.arange(0, BK)
+    km = ik < HK
+    iv = tl.program_id(2) * BV + tl.arange(0, BV)
+    vm = iv < HV
+    grid_sync(PDL)
+    row = tl.load(Spans + s)
+    n = tl.load(Spans + span_stride + s)
+    slot = tl.load(Spans + 2 * span_stride + s)
+    at = State + slot * stride_slot + h * HK * HV + ik[:, None] * HV + iv[None, :]
+    both = km[:, None] & vm[None, :]
+    S = tl.load(at, mask=both, other=0.0).to(tl.float32)
+    for t in range(0, n):
+        r = row + t
+        base = QKV + r * stride_qkv
+        q = tl.load(base + kh * HK + ik, mask=km, other=0.0).to(tl.float32)
+        k = tl.load(base + key_dim + kh * HK + ik, mask=km, other=0.0).to(tl.float32)
+        v = tl.load(base + 2 * key_dim + h * HV + iv, mask=vm, other=0.0).to(tl.float32)
+        q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale
+        k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
+        g, beta = _gates(A, B, NegA, DtBias, r, stride_ab, h, r >= 0)
+        S = S * tl.exp(g)
+        u = (v - tl.sum(S * k[:, None], 0)) * beta
+        S = S + k[:, None] * u[None, :]
+        tl.store(Out + r * stride_o + h * HV + iv, tl.sum(S * q[:, None], 0), mask=vm)
+    if n > 0:
+        tl.store(at, S.to(State.dtype.element_ty), mask=both)
+
+
+def _value_block(hv: int, programs: int, device: torch.device) -> int:
+    """The value-dimension block of a delta-rule program: smaller blocks when the spans and heads
+    alone leave the GPU's multiprocessors idle."""
+    from .launch import multiprocessors
+
+    bv = min(pow2(hv), 64)
+    while bv > 16 and programs * triton.cdiv(hv, bv) < 2 * multiprocessors(device):
+        bv //= 2
+    return bv
+
+
+def delta_rule_recurrent(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, neg_a: torch.Tensor,
+                         dt_bias: torch.Tensor, state: torch.Tensor, spans: torch.Tensor, r: int,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+    """The gated delta rule over each span's rows, token after token, from and back into its
+    ``state`` [slots, nv, hk, hv] slot. ``qkv`` [T, 2 nk hk + nv hv] (q, k, v after the conv),
+    ``a``, ``b`` [T, nv] (rows of any stride); float32 out [T, nv * hv]."""
+    T = qkv.shape[0]
+    _, nv, hk, hv = state.shape
+    S = spans.shape[1]
+    out = torch.empty(T, nv * hv, dtype=torch.float32, device=qkv.device) if out is None else out
+    if not S or not T:
+        return out
+    bv = _value_block(hv, S * nv, qkv.device)
+    assert a.stride(0) == b.stride(0)
+    _recurrent_kernel[(S, nv, triton.cdiv(hv, bv))](
+        qkv, a, b, neg_a, dt_bias, state, out, spans, spans.stride(0), qkv.stride(0), a.stride(0), out.stride(0),
+        state.stride(0), (nv // r) * hk, hk ** -0.5, R=r, HK=hk, HV=hv, BK=pow2(hk), BV=bv, num_warps=4,
+        **pdl_args(qkv.device))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The delta rule in chunks
+
+
+@triton.jit
+def _chunk_prep_kernel(QKV, A, B, NegA, DtBias, Chunks, chunk_stride, stride_qkv, stride_ab, key_dim, scale,
+                       Wo, Uo, Qo, Ko, Io, Go, NV: tl.constexpr, R: tl.constexpr, HK: tl.constexpr,
+                       HV: tl.constexpr, BK: tl.constexpr, BVA: tl.constexpr, BT: tl.constexpr,
+                       STEPS: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
+    """One chunk (of one sequence) and one value head: its w [BT, hk], u [BT, hv], decayed queries
+    and keys [BT, hk] and intra-chunk scores [BT, BT] into the scratch rows of its tokens, its
+    total log decay into the chunk's scratch."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    kh = h // R
+    grid_sync(PDL)
+    row = tl.load(Chunks + c)
+    n = tl.load(Chunks + chunk_stride + c)
+    if n > 0:
+        i = tl.arange(0, BT)
+        tm = i < n
+        r = row + i
+        ik = tl.arange(0, BK)
+        km = ik < HK
+        iv = tl.arange(0, BVA)
+        vm = iv < HV
+        base = QKV + r[:, None] * stride_qkv
+        mk = tm[:, None] & km[None, :]
+        q = tl.load(base + kh * HK + ik[None, :], mask=mk, other=0.0).to(tl.float32)
+        k = tl.load(base + key_dim + kh * HK + ik[None, :], mask=mk, other=0.0).to(tl.float32)
+        v = tl.load(base + 2 * key_dim + h * HV + iv[None, :], mask=tm[:, None] & vm[None, :],
+                    other=0.0).to(tl.float32)
+        q = _l2norm(q, 1) * scale
+        k = _l2norm(k, 1)
+        g, beta = _gates(A, B, NegA, DtBias, r, stride_ab, h, tm)
+        cum = tl.cumsum(g, 0)
+        total = tl.sum(g, 0)
+        lower = i[:, None] > i[None, :]
+        causal = i[:, None] >= i[None, :]
+        decay = tl.where(causal, tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0)), 0.0)
+        kb = k * beta[:, None]
+        a_ = tl.where(lower, tl.dot(kb, tl.trans(k), input_precision=PREC) * decay, 0.0)
+        eye = tl.where(i[:, None] == i[None, :], 1.0, 0.0)
+        inv = eye - a_
+        p = a_
+        for _ in tl.static_range(STEPS):
+            p = tl.dot(p, p, input_precision=PREC)
+            inv = inv + tl.dot(inv, p, input_precision=PREC)
+        hrow = (r * NV + h)[:, None]
+        u = tl.dot(inv, v * beta[:, None], input_precision=PREC)
+        tl.store(Uo + hrow * HV + iv[None, :], u, mask=tm[:, None] & vm[None, :])
+        w = tl.dot(inv, kb * tl.exp(cum)[:, None], input_precision=PREC)
+        tl.store(Wo + hrow * HK + ik[None, :], w, mask=mk)
+        scores = tl.dot(q, tl.trans(k), input_precision=PREC) * decay
+        tl.store(Io + hrow * BT + i[None, :], scores, mask=tm[:, None])
+        tl.store(Qo + hrow * HK + ik[None, :], q * tl.exp(cum)[:, None], mask=mk)
+        tl.store(Ko + hrow * HK + ik[None, :], k * tl.exp(total - cum)[:, None], mask=mk)
+        tl.store(Go + c * NV + h, total)
+
+
+@triton.jit
+def _chunk_scan_kernel(Wi, Ui, Qi, Ki, Ii, Gi, State, Out, Spans, span_stride, Chunks, chunk_stride, stride_o,
+                       stride_slot, NV: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, BK: tl.constexpr,
+                       BV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
+    """One sequence, value head and block of the value dimension: its chunks in order, the state
+    carried from each to the next in registers (and copied into a snapshot slot after a chunk that
+    ends at a snapshot), then back into its slot."""
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    iv = tl.program_id(2) * BV + tl.arange(0, BV)
+    vm = iv < HV
+    ik = tl.arange(0, BK)
+    km = ik < HK
+    i = tl.arange(0, BT)
+    grid_sync(PDL)
+    n = tl.load(Spans + span_stride + s)
+    slot = tl.load(Spans + 2 * span_stride + s)
+    first = tl.load(Spans + 3 * span_stride + s)
+    count = tl.load(Spans + 4 * span_stride + s)
+    head = h * HK * HV + ik[:, None] * HV + iv[None, :]
+    at = State + slot * stride_slot + head
+    both = km[:, None] & vm[None, :]
+    S = tl.load(at, mask=both, other=0.0).to(tl.float32)
+    for c in range(first, first + count):
+        row = tl.load(Chunks + c)
+        tm = i < tl.load(Chunks + chunk_stride + c)
+        snap = tl.load(Chunks + 2 * chunk_stride + c)
+        hrow = ((row + i) * NV + h)[:, None]
+        mk = tm[:, None] & km[None, :]
+        mv = tm[:, None] & vm[None, :]
+        w = tl.load(Wi + hrow * HK + ik[None, :], mask=mk, other=0.0)
+        new = tl.load(Ui + hrow * HV + iv[None, :], mask=mv, other=0.0) - tl.dot(w, S, input_precision=PREC)
+        q = tl.load(Qi + hrow * HK + ik[None, :], mask=mk, other=0.0)
+        scores = tl.load(Ii + hrow * BT + i[None, :], mask=tm[:, None], other=0.0)
+        o = tl.dot(q, S, input_precision=PREC) + tl.dot(scores, new, input_precision=PREC)
+        tl.store(Out + (row + i)[:, None] * stride_o + h * HV + iv[None, :], o, mask=mv)
+        k = tl.load(Ki + hrow * HK + ik[None, :], mask=mk, other=0.0)
+        S = S * tl.exp(tl.load(Gi + c * NV + h)) + tl.dot(tl.trans(k), new, input_precision=PREC)
+        if snap >= 0:
+            tl.store(State + snap * stride_slot + head, S.to(State.dtype.element_ty), mask=both)
+    if n > 0:
+        tl.store(at, S.to(State.dtype.element_ty), mask=both)
+
+
+def delta_rule_chunked(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, neg_a: torch.Tensor,
+                       dt_bias: torch.Tensor, state: torch.Tensor, spans: torch.Tensor, chunks: torch.Tensor,
+                       r: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``delta_rule_recurrent``'s result, in chunks: ``chunks`` [3, C] int64 (first row, tokens
+    (at most ``CHUNK``; 0: none), and the slot that takes the state after it, or -1), each span's
+    in order from ``spans``' rows 3 and 4 (its first chunk and their count)."""
+    T = qkv.shape[0]
+    _, nv, hk, hv = state.shape
+    S, C = spans.shape[1], chunks.shape[1]
+    out = torch.empty(T, nv * hv, dtype=torch.float32, device=qkv.device) if out is None else out
+    if not S or not T or not C:
+        return out
+    assert (S == 1 or spans.stride(1) == 1) and (C == 1 or chunks.stride(1) == 1) and a.stride(0) == b.stride(0)
+    f32 = dict(dtype=torch.float32, device=qkv.device)
+    w, q, k = (torch.empty(T, nv, hk, **f32) for _ in range(3))
+    u = torch.empty(T, nv, hv, **f32)
+    scores = torch.empty(T, nv, CHUNK, **f32)
+    total = torch.empty(C, nv, **f32)
+    BK, BVA = max(pow2(hk), 16), max(pow2(hv), 16)
+    _chunk_prep_kernel[(C, nv)](
+        qkv, a, b, neg_a, dt_bias, chunks, chunks.stride(0), qkv.stride(0), a.stride(0), (nv // r) * hk, hk ** -0.5,
+        w, u, q, k, scores, total, NV=nv, R=r, HK=hk, HV=hv, BK=BK, BVA=BVA, BT=CHUNK,
+        STEPS=CHUNK.bit_length() - 2, PREC=DOT_PRECISION, num_warps=8, num_stages=1, **pdl_args(qkv.device))
+    bv = max(_value_block(hv, S * nv, qkv.device), 16)
+    _chunk_scan_kernel[(S, nv, triton.cdiv(hv, bv))](
+        w, u, q, k, scores, total, state, out, spans, spans.stride(0), chunks, chunks.stride(0), out.stride(0),
+        state.stride(0), NV=nv, HK=hk, HV=hv, BK=BK, BV=bv, BT=CHUNK, PREC=DOT_PRECISION, num_warps=4,
+        num_stages=1, **pdl_args(qkv.device))
+    return out
+
+
+@triton.jit
+def _conv_snapshot_kernel(X, State, Snaps, snap_stride, stride_x, stride_slot, C, K: tl.constexpr,
+                          KP: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr):
+    """The conv state a sequence has after a snapshot point: the K - 1 inputs before it, from the
+    step's rows where they are this step's and from the sequence's state slot where they came
+    before (read before the conv kernel moves it on)."""
+    m = tl.program_id(0)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    cm = c < C
+    grid_sync(PDL)
+    point = tl.load(Snaps + m)
+    first = tl.load(Snaps + snap_stride + m)
+    slot = tl.load(Snaps + 2 * snap_stride + m)
+    dst = tl.load(Snaps + 3 * snap_stride + m)
+    if dst >= 0:
+        i = tl.arange(0, KP)
+        im = i < K - 1
+        j = point - (K - 1) + i
+        both = cm[:, None] & im[None, :]
+        from_x = tl.load(X + j[None, :] * stride_x + c[:, None], mask=both & (j >= first)[None, :], other=0.0)
+        old = State + slot * stride_slot + c[:, None] * (K - 1) + (K - 1 + j - first)[None, :]
+        from_s = tl.load(old, mask=both & (j < first)[None, :], other=0.0)
+        kept = tl.where((j >= first)[None, :], from_x.to(tl.float32), from_s.to(tl.float32))
+        tl.store(State + dst * stride_slot + c[:, None] * (K - 1) + i[None, :], kept.to(State.dtype.element_ty),
+                 mask=both)
+
+
+def conv_snapshots(x: torch.Tensor, state: torch.Tensor, snaps: torch.Tensor) -> None:
+    """For each snapshot ``snaps`` [4, M] int64 (the step row of the first token after the point,
+    the sequence's first row in the step, its state slot, and the slot that takes the snapshot,
+    or -1): the conv state after the point. Launched before ``causal_conv`` of the same rows."""
+    M, C, K = snaps.shape[1], x.shape[1], state.shape[2] + 1
+    if M:
+        assert M == 1 or snaps.stride(1) == 1
+        _conv_snapshot_kernel[(M, triton.cdiv(C, 128))](x, state, snaps, snaps.stride(0), x.stride(0), state.stride(0),
+                                                        C, K=K, KP=pow2(K - 1), BC=128, num_warps=4,
+                                                        **pdl_args(x.device))
+
+
+# ---------------------------------------------------------------------------------------------
+# The gated RMS norm
+
+
+@triton.jit
+def _gated_norm_kernel(O, Z, W, Out, stride_o, stride_z, stride_out, eps, NV: tl.constexpr, HV: tl.constexpr,
+                       BV: tl.constexpr, PDL: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    i = tl.arange(0, BV)
+    m = i < HV
+    w = tl.load(W + i, mask=m, other=0.0)
+    grid_sync(PDL)
+    dtype = Out.dtype.element_ty
+    o = tl.load(O + t * stride_o + h * HV + i, mask=m, other=0.0).to(dtype).to(tl.float32)
+    z = tl.load(Z + t * stride_z + h * HV + i, mask=m, other=0.0).to(tl.float32)
+    o = o * tl.rsqrt(tl.sum(o * o, 0) / HV + eps)
+    y = (w.to(tl.float32) * o.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    gate = (z * tl.sigmoid(z)).to(dtype).to(tl.float32)
+    tl.store(Out + t * stride_out + h * HV + i, (y * gate).to(dtype), mask=m)
+
+
+def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm(o per head of ``weight``'s size) * silu(z), in z's dtype; o [T, nv * hv] float32,
+    z [T, nv * hv] (rows of any stride)."""
+    T, width = z.shape
+    hv = weight.shape[0]
+    out = torch.empty(T, width, dtype=z.dtype, device=z.device)
+    if T:
+        _gated_norm_kernel[(T, width // hv)](o, z, weight, out, o.stride(0), z.stride(0), out.stride(0), eps,
+                                             NV=width // hv, HV=hv, BV=pow2(hv), num_warps=1 if hv <= 128 else 2,
+                                             **pdl_args(z.device))
+    return out
