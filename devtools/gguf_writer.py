@@ -102,11 +102,11 @@ def _write_gguf(out: Path, type_name: str, rng: np.random.Generator | None) -> P
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(f"neuron-tiny-{config['model_type']}")
     _add_hparams(writer, spec, config)
-    writer.add_file_type(_file_type(type_name))
-    _add_vocab(writer, out, config["vocab_size"])
+    writer.add_file_type(file_type(type_name))
+    add_vocab(writer, out, config["vocab_size"])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for name, array in _gguf_tensors(spec, config, read_safetensors(out)):
-        tensor_type = _tensor_type(name, array, qtype)
+        tensor_type = tensor_type(name, array, qtype)
         if rng is not None and tensor_type == qtype:
             data = random_quant_blocks(type_name, array.shape, rng)
         else:
@@ -165,7 +165,7 @@ def _add_rope_scaling(writer: Any, rope_scaling: dict[str, Any] | None) -> None:
         raise ValueError(f"no GGUF encoding for rope_type {rope_type!r}")
 
 
-def _file_type(type_name: str) -> int:
+def file_type(type_name: str) -> int:
     import gguf
 
     if type_name == "F32":
@@ -174,7 +174,7 @@ def _file_type(type_name: str) -> int:
     return gguf.LlamaFileType[names.get(type_name, f"MOSTLY_{type_name}")]
 
 
-def _add_vocab(writer: Any, out: Path, vocab_size: int) -> None:
+def add_vocab(writer: Any, out: Path, vocab_size: int) -> None:
     """As convert_hf_to_gguf.py's _set_vocab_gpt2: tokens, types, then merges/ids via SpecialVocab."""
     import gguf
 
@@ -293,7 +293,7 @@ def load_gguf_with_transformers(out_dir: str | Path, gguf_type: str, **kwargs: A
     return AutoModelForCausalLM.from_pretrained(out, gguf_file=f"model-{type_name}.gguf", config=config, **kwargs)
 
 
-def _tensor_type(name: str, array: np.ndarray, requested: Any) -> Any:
+def tensor_type(name: str, array: np.ndarray, requested: Any) -> Any:
     """convert_hf_to_gguf.py's choice: norms, 1-D tensors and the MoE router stay F32, and a row
     length the block size does not divide falls back to F16."""
     import gguf

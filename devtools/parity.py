@@ -61,9 +61,9 @@ class DenseView:
 def open_source(fmt: str, paths: list[str], config: ModelConfig, quant: str | None = None,
                 dense: bool = False) -> Any:
     if fmt == "gguf":
-        from neuron.loader.gguf_source import GgufSource
+        from neuron.loader.gguf_source import open_gguf
 
-        src: Any = GgufSource(paths[0], num_heads=config.num_heads, num_kv_heads=config.num_kv_heads)
+        src: Any = open_gguf(paths[0], config)
     else:
         from neuron.loader.safetensors_source import SafetensorsSource
 

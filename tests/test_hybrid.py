@@ -37,16 +37,16 @@ PROMPTS = [[(11 * i + 7 * j) % 500 + 1 for j in range(n)] for i, n in enumerate(
 NEW = 32
 
 
-def write_hybrid_checkpoint(family: str, out: Path, seed: int = 0) -> Path:
+def write_hybrid_checkpoint(family: str, out: Path, seed: int = 0, **sizes) -> Path:
     import transformers
 
     config_class, model_class, extra = FAMILIES[family]
     tokenizer = build_tokenizer()
     ids = dict(bos_token_id=tokenizer.token_to_id(BOS_TOKEN), eos_token_id=tokenizer.token_to_id(EOS_TOKEN))
     if family == "qwen3_5":
-        config = getattr(transformers, config_class)(text_config={**SIZES, **ids}, vision_config=VISION)
+        config = getattr(transformers, config_class)(text_config=SIZES | sizes | ids, vision_config=VISION)
     else:
-        config = getattr(transformers, config_class)(**SIZES, **extra, **ids)
+        config = getattr(transformers, config_class)(**(SIZES | extra | sizes | ids))
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(config).to(torch.float32).eval()
     gen = torch.Generator().manual_seed(seed)
@@ -148,10 +148,12 @@ def test_the_server_serves_it_in_chunks_concurrently_and_through_preemption(tmp_
         jobs = (PROMPTS * 3)[:8]  # eight sequences for four slots, as one batch admitted at once
         assert complete(jobs) == (alone * 3)[:8]
         info = httpx.get(f"{server.url}/models", timeout=10).json()["models"][0]
-        assert info["preemptions"] > 0 and info["state_slots"] == 4 and info["state_slots_used"] == 0
+        # 4 slots for running sequences and 8 (2 each, on the CPU) for the prefix cache's snapshots
+        assert info["preemptions"] > 0 and info["state_slots"] == 12 and info["state_slots_used"] == 0
+        assert info["state_snapshots"] == 8 and info["prefix_caching"]
         assert info["family"] == family and info["layer_types"] == {"linear_attention": 3, "full_attention": 1}
-        # (4 slots + scratch) x 3 layers x fp32 x (conv state 192 channels x 3 + delta rule 6 heads x 16 x 16)
-        assert info["state_bytes"][0] == 5 * 3 * 4 * (192 * 3 + 6 * 16 * 16)
+        # (12 slots + scratch) x 3 layers x fp32 x (conv state 192 channels x 3 + delta rule 6 heads x 16 x 16)
+        assert info["state_bytes"][0] == 13 * 3 * 4 * (192 * 3 + 6 * 16 * 16)
     finally:
         server.stop()
 

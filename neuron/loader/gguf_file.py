@@ -58,25 +58,54 @@ GLOBAL_TENSORS = {
 }
 
 
-def gguf_name(hf_name: str) -> str:
+# The hybrid family's architectures (llama.cpp's Qwen3NextModel and Qwen3_5*TextModel): the
+# tensors its converter renames; neuron.loader.gguf_hybrid undoes what it transforms.
+HYBRID_ARCHS = ("qwen3next", "qwen35", "qwen35moe")
+HYBRID_LAYER_TENSORS = {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "linear_attn.in_proj_qkv.weight": "attn_qkv.weight",
+    "linear_attn.in_proj_z.weight": "attn_gate.weight",
+    "linear_attn.in_proj_b.weight": "ssm_beta.weight",  # qwen3next: rows of ssm_ba
+    "linear_attn.in_proj_a.weight": "ssm_alpha.weight",  # qwen3next: rows of ssm_ba
+    "linear_attn.conv1d.weight": "ssm_conv1d.weight",
+    "linear_attn.A_log": "ssm_a",
+    "linear_attn.dt_bias": "ssm_dt.bias",
+    "linear_attn.norm.weight": "ssm_norm.weight",
+    "linear_attn.out_proj.weight": "ssm_out.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+}
+
+
+def gguf_name(hf_name: str, arch: str = "") -> str:
     if hf_name in GLOBAL_TENSORS:
         return GLOBAL_TENSORS[hf_name]
     parts = hf_name.split(".", 3)
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in LAYER_TENSORS:
-        return f"blk.{parts[2]}.{LAYER_TENSORS[parts[3]]}"
+    if len(parts) == 4 and parts[:2] == ["model", "layers"]:
+        if arch in HYBRID_ARCHS and parts[3] in HYBRID_LAYER_TENSORS:
+            name = HYBRID_LAYER_TENSORS[parts[3]]
+            if arch == "qwen3next" and name in ("ssm_beta.weight", "ssm_alpha.weight"):
+                name = "ssm_ba.weight"
+            return f"blk.{parts[2]}.{name}"
+        if parts[3] in LAYER_TENSORS:
+            return f"blk.{parts[2]}.{LAYER_TENSORS[parts[3]]}"
     raise KeyError(f"no GGUF name for {hf_name!r}")
 
 
-def missing_gguf_tensors(required: list[str], present: set[str] | dict[str, Any]) -> list[str]:
+def missing_gguf_tensors(required: list[str], present: set[str] | dict[str, Any], arch: str = "") -> list[str]:
     """Which of the Hugging Face names ``required`` (``experts.*`` for a layer's experts) have no
     tensor in a GGUF holding ``present``; named the GGUF way."""
     missing = []
     for name in required:
         if name.endswith(".experts.*"):
             block = f"blk.{name.split('.')[2]}"
+            if f"{block}.ffn_gate_up_exps.weight" in present and f"{block}.ffn_down_exps.weight" in present:
+                continue
             missing += [g for g in (f"{block}.ffn_{x}_exps.weight" for x in ("gate", "up", "down")) if g not in present]
-        elif gguf_name(name) not in present:
-            missing.append(gguf_name(name))
+        elif gguf_name(name, arch) not in present:
+            missing.append(gguf_name(name, arch))
     return missing
 
 

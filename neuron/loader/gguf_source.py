@@ -17,11 +17,22 @@ from .gguf_file import GgufFile, gguf_name
 if TYPE_CHECKING:
     from neuron.models.quant import QuantWeight
 
+def open_gguf(path: str, config) -> GgufSource:
+    """The GGUF source for ``config``'s model: the hybrid family's undoes what llama.cpp's
+    converter did to its tensors (``gguf_hybrid``)."""
+    from .gguf_file import HYBRID_ARCHS
+
+    if str(GgufFile(path, read_tensors=False).fields.get("general.architecture")) in HYBRID_ARCHS:
+        from .gguf_hybrid import HybridGgufSource
+        return HybridGgufSource(path, config)
+    return GgufSource(path, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads)
+
+
 class GgufSource:
     def __init__(self, path: str, *, num_heads: int, num_kv_heads: int) -> None:
         self.file = GgufFile(path)
         self.tensors = self.file.tensors
-        arch = self.file.fields.get("general.architecture")
+        arch = self.arch = str(self.file.fields.get("general.architecture", ""))
         # llama.cpp's converter permutes llama Q/K rows for its RoPE layout; we undo it per head.
         self._permuted = {"attn_q": num_heads, "attn_k": num_kv_heads} if arch == "llama" else {}
         from neuron.models.quant import is_quantized
@@ -32,17 +43,19 @@ class GgufSource:
         if name.endswith("experts.gate_up_proj"):
             return self.has(name.replace("gate_up_proj", "down_proj"))
         try:
-            return gguf_name(name) in self.tensors
+            return gguf_name(name, self.arch) in self.tensors
         except KeyError:
             return False
 
     def get(self, name: str, *, dim: int | None = None, part: range | None = None) -> torch.Tensor:
         if name.endswith("experts.gate_up_proj"):
             layer = name.split(".")[2]
+            if f"blk.{layer}.ffn_gate_up_exps.weight" in self.tensors:  # gate and up stacked already
+                return torch.from_numpy(self._read(f"blk.{layer}.ffn_gate_up_exps.weight", dim, part))
             gate = self._read(f"blk.{layer}.ffn_gate_exps.weight", dim, part)
             up = self._read(f"blk.{layer}.ffn_up_exps.weight", dim, part)
             return torch.from_numpy(np.concatenate([gate, up], axis=1))
-        gname = gguf_name(name)
+        gname = gguf_name(name, self.arch)
         data = self._read(gname, dim, part)
         kind = gname.split(".")[-2]
         if kind in self._permuted:
@@ -55,14 +68,20 @@ class GgufSource:
         from neuron.models.quant import GROUP, decode_blocks, is_quantized
 
         expert = _EXPERT.fullmatch(name)
-        if expert:  # one expert's matrix of a layer's stacked experts
+        fused = expert is not None and expert[3] != "down" and f"blk.{expert[1]}.ffn_gate_up_exps.weight" in self.tensors
+        if fused:  # gate and up of each expert stacked in one tensor: its half
+            gname = f"blk.{expert[1]}.ffn_gate_up_exps.weight"
+        elif expert:  # one expert's matrix of a layer's stacked experts
             gname = f"blk.{expert[1]}.ffn_{expert[3]}_exps.weight"
         else:
-            gname = gguf_name(name)
+            gname = gguf_name(name, self.arch)
         t = self.tensors.get(gname)
         if t is None:
             raise KeyError(f"tensor {gname!r} is not in the GGUF file")
         raw = t.data[int(expert[2])] if expert else t.data
+        if fused:
+            half = raw.shape[0] // 2
+            raw = raw[:half] if expert[3] == "gate" else raw[half:]
         if not is_quantized(t.qtype) or raw.ndim != 2:
             return None
         if part is not None and dim == 1:

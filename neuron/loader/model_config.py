@@ -43,9 +43,12 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
 def config_from_gguf(fields: dict[str, Any], tensor_names: set[str], n_tokens: int) -> ModelConfig:
     arch = fields.get("general.architecture")
     family = _GGUF_ARCH.get(str(arch))
+    own = families.gguf_family(str(arch))
+    if own is not None:
+        return own.config_from_gguf(str(arch), fields, tensor_names, n_tokens)
     if family is None:
-        raise UnsupportedModel(
-            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(_GGUF_ARCH)})")
+        served = ", ".join([*_GGUF_ARCH, *families.GGUF_BUILT_IN])
+        raise UnsupportedModel(f"GGUF architecture {arch!r} is not supported (supported: {served})")
 
     def key(name: str, default: Any = None) -> Any:
         value = fields.get(f"{arch}.{name}", default)

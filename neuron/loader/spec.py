@@ -63,7 +63,8 @@ def _gguf_spec(mid: str, files: ModelFiles) -> ModelSpec:
     names = set(gguf.tensors)
     tokens = fields.get("tokenizer.ggml.tokens") or []
     config = config_from_gguf(fields, names, len(tokens))
-    _refuse_missing(mid, missing_gguf_tensors(required_tensors(config), names), "GGUF metadata")
+    arch = str(fields.get("general.architecture", ""))
+    _refuse_missing(mid, missing_gguf_tensors(required_tensors(config), names, arch), "GGUF metadata")
     tk = tokenizer_from_gguf(fields)
     eos = [int(fields[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in fields]
     bos_id = fields.get("tokenizer.ggml.bos_token_id")

@@ -103,6 +103,19 @@ class QuantWeight:
         return QuantWeight(self.u[order], self.s[order], self.m[order], self.bits, self.source, self.group,
                            self.sup.take(order) if self.sup else None)
 
+    def with_column_order(self, order: np.ndarray) -> QuantWeight:
+        """Columns ``order``, which moves whole quant groups (a K-quant's super-block scales are
+        repeated per scale group first)."""
+        g = self.group
+        groups = order.reshape(-1, g)[:, 0] // g
+        if not np.array_equal(order.reshape(-1, g), groups[:, None] * g + np.arange(g)):
+            raise ValueError(f"a column order must move whole {g}-element quant groups")
+        sup = None
+        if self.sup is not None:
+            e = self.sup.expanded(self.sup.per)
+            sup = SuperScales(e.sc[:, groups], e.mn[:, groups], e.d[:, groups], e.dm[:, groups])
+        return QuantWeight(self.u[:, order], self.s[:, groups], self.m[:, groups], self.bits, self.source, g, sup)
+
     def in_groups_of(self, group: int) -> QuantWeight:
         """The same weight with a scale per ``group`` (a divisor of this one's group)."""
         r = self.group // group

@@ -11,7 +11,9 @@ A family module has:
 - ``check_split(cfg, world, block)``: raises ``ShardingError`` if ``world`` ranks cannot split it
   (``block``: the quant group packed weights split their input columns on);
 - ``build(cfg, world, rank, src, *, dtype, device, max_len, block)``: one rank's model, an object
-  with the interface of ``neuron.models.interface.Model``.
+  with the interface of ``neuron.models.interface.Model``;
+- optionally ``GGUF_ARCHS`` and ``config_from_gguf(arch, fields, tensor_names, n_tokens)``: the
+  GGUF architectures it reads (``general.architecture``), and their metadata as a ModelConfig.
 
 Adding a family adds its module and one line to ``BUILT_IN``. A family kept outside neuron is
 named by its module in ``NEURON_FAMILIES`` (comma-separated), in the environment of the server
@@ -55,6 +57,16 @@ def modules() -> dict[str, str]:
 
 def supported() -> list[str]:
     return list(modules())
+
+
+# GGUF architectures read by a family module of their own (the llama family's are read in
+# neuron.loader.model_config).
+GGUF_BUILT_IN: dict[str, str] = {arch: "neuron.models.families.qwen3_next" for arch in ("qwen3next", "qwen35", "qwen35moe")}
+
+
+def gguf_family(arch: str) -> ModuleType | None:
+    name = GGUF_BUILT_IN.get(arch)
+    return importlib.import_module(name) if name else None
 
 
 def family(model_type: str) -> ModuleType | None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from protocol import ModelConfig
 
 from neuron.loader.errors import BadModelConfig, UnsupportedModel
@@ -16,6 +18,8 @@ from neuron.loader.errors import BadModelConfig, UnsupportedModel
 from ..sharding import ShardingError, check_plan, sparse_layer
 
 MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe")
+# llama.cpp's names, and the model_type each GGUF architecture is.
+GGUF_ARCHS = {"qwen3next": "qwen3_next", "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text"}
 WITH_EXPERTS = ("qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe")
 NESTED = ("qwen3_5", "qwen3_5_moe")  # text_config, and the text model's tensors under this prefix:
 NESTED_PREFIX = "model.language_model"
@@ -53,6 +57,8 @@ def config_from_hf(raw: dict[str, Any], text: dict[str, Any]) -> ModelConfig:
         hidden = int(text["hidden_size"])
         extra: dict[str, int | float | str | bool | list[int]] = {k: int(text[k]) for k in LINEAR}
         extra["prefix"] = NESTED_PREFIX if model_type in NESTED else "model"
+        # Qwen3-Next's checkpoints fuse q, k, v, z and b, a into two projections per layer.
+        extra["fused_projections"] = model_type == "qwen3_next"
         extra["partial_rotary_factor"] = float(rope.get("partial_rotary_factor",
                                                         text.get("partial_rotary_factor", 0.25)))
         experts = int(text.get("num_experts") or 0) if model_type in WITH_EXPERTS else 0
@@ -84,6 +90,47 @@ def config_from_hf(raw: dict[str, Any], text: dict[str, Any]) -> ModelConfig:
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise BadModelConfig(f"config.json is missing or has a bad value: {exc}") from None
+
+
+def config_from_gguf(arch: str, fields: dict[str, Any], tensor_names: set[str], n_tokens: int) -> ModelConfig:
+    """llama.cpp's metadata of a hybrid model (its converter's Qwen3NextModel, Qwen3_5TextModel,
+    Qwen3_5MoeTextModel) as the config.json it came from. Its multi-token-prediction blocks
+    (``nextn_predict_layers``, after the others) are not read."""
+
+    def key(name: str, default: Any = None) -> Any:
+        value = fields.get(f"{arch}.{name}", default)
+        if value is None:
+            raise BadModelConfig(f"GGUF metadata lacks {arch}.{name}")
+        return value
+
+    layers = int(key("block_count")) - int(fields.get(f"{arch}.nextn_predict_layers", 0) or 0)
+    heads, hidden = int(key("attention.head_count")), int(key("embedding_length"))
+    head_dim = int(fields.get(f"{arch}.attention.key_length") or hidden // heads)
+    value_heads = int(key("ssm.time_step_rank"))
+    interval = int(key("full_attention_interval", 4))
+    text: dict[str, Any] = {
+        "vocab_size": int(fields.get(f"{arch}.vocab_size") or n_tokens), "hidden_size": hidden,
+        "intermediate_size": int(key("feed_forward_length", 0)), "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": int(key("attention.head_count_kv", heads)),
+        "head_dim": head_dim, "rms_norm_eps": float(f"{float(key('attention.layer_norm_rms_epsilon', 1e-6)):.7g}"),
+        "max_position_embeddings": int(key("context_length", 4096)),
+        "linear_conv_kernel_dim": int(key("ssm.conv_kernel")), "linear_key_head_dim": int(key("ssm.state_size")),
+        "linear_num_key_heads": int(key("ssm.group_count")), "linear_num_value_heads": value_heads,
+        "linear_value_head_dim": int(key("ssm.inner_size")) // max(value_heads, 1),
+        "full_attention_interval": interval,
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(key("rope.freq_base", 10000.0)),
+                            "partial_rotary_factor": int(key("rope.dimension_count", head_dim // 4)) / head_dim},
+        "num_experts": int(fields.get(f"{arch}.expert_count", 0) or 0),
+        "num_experts_per_tok": int(fields.get(f"{arch}.expert_used_count", 0) or 0),
+        "moe_intermediate_size": int(fields.get(f"{arch}.expert_feed_forward_length", 0) or 0),
+        "shared_expert_intermediate_size": int(fields.get(f"{arch}.expert_shared_feed_forward_length", 0) or 0),
+    }
+    if text["num_experts"]:  # a layer without a router has a dense MLP
+        text["mlp_only_layers"] = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names]
+    model_type = GGUF_ARCHS[arch]
+    cfg = config_from_hf({"model_type": model_type, "tie_word_embeddings": "output.weight" not in tensor_names}, text)
+    extra = dict(cfg.extra) | {"fused_projections": False}  # the GGUF holds them split (gguf_hybrid)
+    return msgspec.structs.replace(cfg, extra=extra)
 
 
 def _size(text: dict[str, Any], key: str, least: int = 1) -> int | None:
@@ -118,7 +165,7 @@ def _check_rotary(head_dim: int, factor: float) -> None:
 def required_tensors(cfg: ModelConfig) -> list[str]:
     prefix = str(cfg.extra.get("prefix", "model"))
     names = [f"{prefix}.embed_tokens.weight", f"{prefix}.norm.weight"]
-    fused = cfg.family == "qwen3_next"
+    fused = bool(cfg.extra.get("fused_projections", cfg.family == "qwen3_next"))
     for i, kind in enumerate(cfg.layer_types):
         p = f"{prefix}.layers.{i}"
         names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
