@@ -61,7 +61,7 @@ class DenseView:
 def open_source(fmt: str, paths: list[str], config: ModelConfig, quant: str | None = None,
                 dense: bool = False) -> Any:
     if fmt == "gguf":
-        from neuron.loader.gguf_source import open_gguf
+        from neuron.loader.gguf_open import open_gguf
 
         src: Any = open_gguf(paths[0], config)
     else:
@@ -89,7 +89,10 @@ def build(job: ParityJob, world: int = 1, rank: int = 0) -> tuple[Any, float]:
     src = open_source(job.fmt, job.paths, job.config, job.quant, job.dense)
     dtype = getattr(torch, job.dtype)
     device = torch.device(f"cuda:{rank}") if job.device == "cuda" else torch.device("cpu")
-    block = GROUP if packed_kernel_for(device, dtype) and getattr(src, "quantized", False) else 1
+    # A dense reference of packed weights splits where the packed model does (on whole quant
+    # groups): split elsewhere, in-situ quantization would group its columns differently.
+    quantized = getattr(src, "quantized", False) or (job.dense and bool(job.quant))
+    block = GROUP if packed_kernel_for(device, dtype) and quantized else 1
     model = families.family(job.config.family).build(job.config, world, rank, src, dtype=dtype, device=device,
                                                      max_len=job.max_len, block=block)
     # A cache of whole blocks for these sequences only (run_model gives each its own), not the

@@ -154,8 +154,7 @@ class LoadShard(Frame, tag="load_shard"):
     cuda_graphs: bool = True
     state_dtype: str = "float32"  # of a recurrent layer's accumulating state
     # State slots for snapshots (the prefix cache of a model with recurrent state) beside one per
-    # running sequence; -1: as many as a quarter of the memory left after the weights holds, at
-    # most 4 per running sequence (2 per running sequence on the CPU).
+    # running sequence; -1: by memory (neuron.runner.sizing.state_snapshots).
     state_snapshots: int = 0
 
 

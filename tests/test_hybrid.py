@@ -129,11 +129,16 @@ def test_tensor_parallel_ranks_over_gloo_give_the_same(world, tmp_path_factory):
 
 
 @pytest.mark.timeout(600)
-def test_the_server_serves_it_in_chunks_concurrently_and_through_preemption(tmp_path_factory, tmp_path):
-    family, ckpt, reference = built("qwen3_next", tmp_path_factory)
+@pytest.mark.parametrize("family, tp", [("qwen3_next", 1), ("qwen3_5", 2), ("qwen3_5_moe_text", 3)])
+def test_the_server_serves_it_in_chunks_concurrently_and_through_preemption(tmp_path_factory, tmp_path, family, tp):
+    """Each model type through the real server at one of TP=1, 2, 3: prompts shorter and longer
+    than the 16-token prefill chunk, alone equal to transformers, then 8 at once (repeats among
+    them, which the prefix cache serves) for four slots and a KV cache too small for all of them."""
+    family, ckpt, reference = built(family, tmp_path_factory)
     # Four slots, room for about two sequences at full length, 16-token prompt chunks.
     config = (f'[[models]]\nmodel = "{ckpt}"\nid = "hybrid"\ndtype = "float32"\nmax_model_len = 80\nmax_slots = 4\n'
-              f'block_size = 8\nkv_cache_tokens = 160\n[engine]\nprefill_chunk = 16\nmax_queue_wait_s = 600\n')
+              f'block_size = 8\nkv_cache_tokens = 160\ntensor_parallel = {tp}\n'
+              f'[engine]\nprefill_chunk = 16\nmax_queue_wait_s = 600\n')
     server = start_server(tmp_path, config=config)
     try:
         def complete(prompt):
@@ -150,10 +155,12 @@ def test_the_server_serves_it_in_chunks_concurrently_and_through_preemption(tmp_
         info = httpx.get(f"{server.url}/models", timeout=10).json()["models"][0]
         # 4 slots for running sequences and 8 (2 each, on the CPU) for the prefix cache's snapshots
         assert info["preemptions"] > 0 and info["state_slots"] == 12 and info["state_slots_used"] == 0
-        assert info["state_snapshots"] == 8 and info["prefix_caching"]
+        assert info["state_snapshots"] == 8 and info["prefix_caching"] and info["tensor_parallel"] == tp
         assert info["family"] == family and info["layer_types"] == {"linear_attention": 3, "full_attention": 1}
-        # (12 slots + scratch) x 3 layers x fp32 x (conv state 192 channels x 3 + delta rule 6 heads x 16 x 16)
-        assert info["state_bytes"][0] == 13 * 3 * 4 * (192 * 3 + 6 * 16 * 16)
+        # (12 slots + scratch) x 3 layers x fp32 x (conv state 192 channels x 3 + delta rule 6 heads x 16 x 16),
+        # each rank its share of the 3 key heads (with their 2 value heads each)
+        heads = [len(range(3)[r::tp]) for r in range(tp)]
+        assert info["state_bytes"] == [13 * 3 * 4 * (n * 64 * 3 + 2 * n * 16 * 16) for n in heads]
     finally:
         server.stop()
 
@@ -235,3 +242,29 @@ def test_a_step_with_a_forged_state_slot_is_rejected_and_nothing_runs(tmp_path_f
     stateless, _ = build(ParityJob("llama", "safetensors", [str(x) for x in llama.glob("*.safetensors")], cfg, [[1]]))
     with pytest.raises(StepRejected, match="keeps no per-sequence state"):
         stateless.step(p.Step(id=0, epoch=0, step_id=0, seqs=[seq(0, 0)]))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [1, 2])
+def test_weights_quantized_in_situ_stay_packed_and_give_their_dequantized_tokens(tmp_path_factory, world):
+    """quantize = q8_0 / q4: every projection of the hybrid layers packed (the fused Qwen3-Next
+    layout with its experts, and Qwen3.5's), equal to the same model with those weights
+    dequantized."""
+    from devtools.parity import run_parity
+
+    jobs = []
+    for family, quant in (("qwen3_next", "q4"), ("qwen3_5_text", "q8_0")):
+        base = job(*built(family, tmp_path_factory)[:2])
+        for dense in (True, False):
+            jobs.append(msgspec_replace(base, name=f"{family}-{quant}-{dense}", quant=quant, dense=dense))
+    results = run_parity(jobs, world=world, timeout=600)
+    for dense, packed in zip(results[::2], results[1::2]):
+        assert packed.weight_bytes[0] < 0.5 * dense.weight_bytes[0], packed.name
+        assert packed.greedy == dense.greedy, packed.name
+        assert all((a - b).abs().max() < 1e-3 for a, b in zip(packed.logits, dense.logits)), packed.name
+
+
+def msgspec_replace(job_, **changes):
+    import dataclasses
+
+    return dataclasses.replace(job_, **changes)

@@ -51,6 +51,7 @@ class ToyRecurrentLM:
         self.comm = Collectives(1)
         self.ops = TorchOps()
         self.capturable = False
+        self.state_snapshots = False  # its recurrence takes none: no prefix cache
         self.embed = column_parallel(src, [("model.embed_tokens.weight", None)], dtype=dtype, device=device)
         self.lm_head = self.embed
         self.norm = src.get("model.norm.weight").to(device, dtype)

@@ -17,17 +17,6 @@ from .gguf_file import GgufFile, gguf_name
 if TYPE_CHECKING:
     from neuron.models.quant import QuantWeight
 
-def open_gguf(path: str, config) -> GgufSource:
-    """The GGUF source for ``config``'s model: the hybrid family's undoes what llama.cpp's
-    converter did to its tensors (``gguf_hybrid``)."""
-    from .gguf_file import HYBRID_ARCHS
-
-    if str(GgufFile(path, read_tensors=False).fields.get("general.architecture")) in HYBRID_ARCHS:
-        from .gguf_hybrid import HybridGgufSource
-        return HybridGgufSource(path, config)
-    return GgufSource(path, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads)
-
-
 class GgufSource:
     def __init__(self, path: str, *, num_heads: int, num_kv_heads: int) -> None:
         self.file = GgufFile(path)

@@ -150,6 +150,7 @@ class HybridLM:
         self.layers = [HybridLayer(cfg, plan, src, f"{prefix}.layers.{i}", kind, i, dtype, device, block)
                        for i, kind in enumerate(cfg.layer_types)]
         self.capturable = not any(isinstance(layer.mlp, SharedExpertMoe) for layer in self.layers)
+        self.state_snapshots = True
         self.norm = zero_centred(src, f"{prefix}.norm.weight", device, dtype)
         self.rope = partial_rope(cfg, max_len, device, dtype)
         self.attention_shape = next(layer.mixer.shape for layer in self.layers if layer.kind == "full_attention")

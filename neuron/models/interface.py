@@ -7,10 +7,10 @@ Each layer declares its per-sequence state (``state_specs``):
   ``AttentionFn`` with their index among the layers that keep K/V.
 - ``RecurrentState``: a fixed-size state per sequence (a linear-attention or SSM layer), one or
   more tensors of fixed shapes in a state slot the leader assigns. Recurrent layers read the
-  step's ``seq_states`` (each sequence's rows and state slot, in order) and their tensors in
-  ``states.layer(i)`` (``i``: the index among the layers that keep such state), both on the
-  ``AttentionFn`` the step passes; a slot is cleared on its sequence's first step, and can be
-  copied to another (a snapshot at a block boundary, for the prefix cache).
+  step's ``state_spans`` (each sequence's rows and state slot, in order, and the snapshots of the
+  state to take) and their tensors in ``states.layer(i)`` (``i``: the index among the layers that
+  keep such state), both on the ``AttentionFn`` the step passes; a slot is cleared on its
+  sequence's first step, or copied from a snapshot (the prefix cache).
 - ``None``: nothing (an MLP-only layer).
 """
 
@@ -79,6 +79,9 @@ class Model(Protocol):
     comm: Collectives
     ops: TorchOps  # the runner swaps in fused kernels
     capturable: bool  # whether a step can be captured in a CUDA graph
+    # Whether its recurrent layers take the state snapshots a step asks for (``StateSpans.snapshots``,
+    # in the middle of a sequence's tokens): without them a model with state has no prefix cache.
+    state_snapshots: bool
     attention_shape: AttentionShape
 
     def state_specs(self) -> list[LayerState]:

@@ -125,6 +125,7 @@ class CausalLM:
         self.attention_shape = self.layers[0].attn.shape
         # A sparse MoE block routes with data-dependent shapes: it cannot be captured in a CUDA graph.
         self.capturable = not any(isinstance(layer.mlp, SparseMoe) for layer in self.layers)
+        self.state_snapshots = False  # it keeps no recurrent state
 
     def state_specs(self) -> list[LayerState]:
         return [KvState(self.attention_shape.n_kv, self.attention_shape.head_dim)] * len(self.layers)

@@ -131,7 +131,7 @@ class DeviceWorker:
             raise RankFailure("bad_request", "max_slots, max_len and block_size must be positive and sane")
         t0 = time.perf_counter()
         if msg.format == "gguf":
-            from neuron.loader.gguf_source import open_gguf
+            from neuron.loader.gguf_open import open_gguf
             src = open_gguf(msg.paths[0], msg.config)
         else:
             from neuron.loader.safetensors_source import SafetensorsSource

@@ -18,18 +18,21 @@ log = logging.getLogger("neuron.runner")
 
 def state_snapshots(runner, specs) -> int:
     """How many state slots to hold beyond one per sequence, for the prefix cache's snapshots:
-    as configured, or (-1) as many as a quarter of the memory left after the weights holds, at
-    most four per sequence (on the CPU two per sequence)."""
+    as configured, or (-1) as many as a quarter of the memory left after the weights and the
+    running sequences' slots holds (the KV cache takes the rest), at most four per sequence (on
+    the CPU two per sequence)."""
     from .state import StatePool
 
     cfg = runner.cfg
     per_slot = StatePool.bytes_per_slot(specs, cfg.state_dtype)
+    if not getattr(runner.model, "state_snapshots", False):
+        return 0
     if not per_slot or cfg.state_snapshots >= 0:
         return max(0, cfg.state_snapshots) if per_slot else 0
     if not runner.cuda:
         return 2 * cfg.max_seqs
     free, total = torch.cuda.mem_get_info(runner.device)
-    budget = (free - total * (1 - cfg.memory_fraction)) / 4 - (cfg.max_seqs + 1) * per_slot
+    budget = (free - total * (1 - cfg.memory_fraction) - (cfg.max_seqs + 1) * per_slot) / 4
     return max(0, min(4 * cfg.max_seqs, int(budget // per_slot)))
 
 
