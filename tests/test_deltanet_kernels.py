@@ -73,7 +73,7 @@ def chunked(qkv, a, b, neg_a, dt_bias, state, spans, r, snaps=()):
     from neuron.runner.inputs import chunk_tables
 
     tables = [torch.from_numpy(t) for t in chunk_tables(spans, list(snaps), chunks_to=40, snaps_to=6)]
-    return K.delta_rule_chunked(qkv, a, b, neg_a, dt_bias, state, tables[0], tables[1], r), tables[2]
+    return K.delta_rule(qkv, a, b, neg_a, dt_bias, state, tables[0], tables[1], r), tables[2]
 
 
 @pytest.mark.parametrize("lengths, nk, r, hk, hv", [([70, 1, 130], 1, 2, 16, 32), ([64, 0, 5], 2, 1, 32, 16)])

@@ -21,7 +21,8 @@ BLOCK, INTERVAL, SNAPSHOTS = 16, 64, 12
 def config(ckpt, caching: bool, tp: int = 1) -> str:
     return (f'[[models]]\nmodel = "{ckpt}"\nid = "hybrid"\ndtype = "float32"\nmax_model_len = 512\nmax_slots = 4\n'
             f'block_size = {BLOCK}\nprefix_caching = {str(caching).lower()}\nstate_snapshots = {SNAPSHOTS}\n'
-            f'state_snapshot_interval = {INTERVAL}\ntensor_parallel = {tp}\n[engine]\nprefill_chunk = 48\n')
+            f'state_snapshot_interval = {INTERVAL}\ntensor_parallel = {tp}\ngpu_memory_utilization = 0.3\n'
+            '[engine]\nprefill_chunk = 48\n')  # two servers share a GPU where one is
 
 
 @pytest.fixture(scope="module")

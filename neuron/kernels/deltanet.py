@@ -31,9 +31,12 @@ import triton.language as tl
 from .launch import INTERPRETED, grid_sync, pdl_args, pow2
 
 CHUNK = 64
-# fp32 products on the tensor cores in three tf32 passes: the chunked form solves a triangular
-# system whose rounding a single tf32 pass would carry into every later token.
-DOT_PRECISION = "ieee" if INTERPRETED else "tf32x3"
+
+
+def dot_precision(activations: torch.dtype) -> str:
+    """The chunked form's products on the tensor cores: tf32 for a 16-bit model (10 bits of
+    mantissa, more than its activations hold), full float32 for a float32 one."""
+    return "ieee" if INTERPRETED or activations == torch.float32 else "tf32"
 
 
 @triton.jit
@@ -159,7 +162,9 @@ def _l2norm(x, axis: tl.constexpr):
 @triton.jit
 def _recurrent_kernel(QKV, A, B, NegA, DtBias, State, Out, Spans, span_stride, stride_qkv, stride_ab, stride_o,
                       stride_slot, key_dim, scale, R: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr,
-                      BK: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr):
+                      BK: tl.constexpr, BV: tl.constexpr, UNCHUNKED: tl.constexpr, PDL: tl.constexpr):
+    """``UNCHUNKED``: the spans' table has the chunked form's rows too; only the spans it gives no
+    chunks are this kernel's."""
     s = tl.program_id(0)
     h = tl.program_id(1)
     kh = h // R
@@ -171,6 +176,8 @@ def _recurrent_kernel(QKV, A, B, NegA, DtBias, State, Out, Spans, span_stride, s
     row = tl.load(Spans + s)
     n = tl.load(Spans + span_stride + s)
     slot = tl.load(Spans + 2 * span_stride + s)
+    if UNCHUNKED:
+        n = tl.where(tl.load(Spans + 4 * span_stride + s) > 0, 0, n)
     at = State + slot * stride_slot + h * HK * HV + ik[:, None] * HV + iv[None, :]
     both = km[:, None] & vm[None, :]
     S = tl.load(at, mask=both, other=0.0).to(tl.float32)
@@ -204,10 +211,11 @@ def _value_block(hv: int, programs: int, device: torch.device) -> int:
 
 def delta_rule_recurrent(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, neg_a: torch.Tensor,
                          dt_bias: torch.Tensor, state: torch.Tensor, spans: torch.Tensor, r: int,
-                         out: torch.Tensor | None = None) -> torch.Tensor:
+                         out: torch.Tensor | None = None, unchunked: bool = False) -> torch.Tensor:
     """The gated delta rule over each span's rows, token after token, from and back into its
     ``state`` [slots, nv, hk, hv] slot. ``qkv`` [T, 2 nk hk + nv hv] (q, k, v after the conv),
-    ``a``, ``b`` [T, nv] (rows of any stride); float32 out [T, nv * hv]."""
+    ``a``, ``b`` [T, nv] (rows of any stride); float32 out [T, nv * hv]. ``unchunked``: ``spans``
+    is the chunked form's table; only the spans it gives no chunks are run (``delta_rule``)."""
     T = qkv.shape[0]
     _, nv, hk, hv = state.shape
     S = spans.shape[1]
@@ -218,9 +226,20 @@ def delta_rule_recurrent(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ne
     assert a.stride(0) == b.stride(0)
     _recurrent_kernel[(S, nv, triton.cdiv(hv, bv))](
         qkv, a, b, neg_a, dt_bias, state, out, spans, spans.stride(0), qkv.stride(0), a.stride(0), out.stride(0),
-        state.stride(0), (nv // r) * hk, hk ** -0.5, R=r, HK=hk, HV=hv, BK=pow2(hk), BV=bv, num_warps=4,
-        **pdl_args(qkv.device))
+        state.stride(0), (nv // r) * hk, hk ** -0.5, R=r, HK=hk, HV=hv, BK=pow2(hk), BV=bv, UNCHUNKED=unchunked,
+        num_warps=4, **pdl_args(qkv.device))
     return out
+
+
+def delta_rule(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, neg_a: torch.Tensor, dt_bias: torch.Tensor,
+               state: torch.Tensor, spans: torch.Tensor, chunks: torch.Tensor | None, r: int) -> torch.Tensor:
+    """The delta rule of a step: token after token where there is no ``chunks`` table, else in
+    chunks for the sequences it cuts, and token after token for the single-token ones it leaves
+    out (a step's decodes beside prompt chunks)."""
+    if chunks is None:
+        return delta_rule_recurrent(qkv, a, b, neg_a, dt_bias, state, spans, r)
+    out = delta_rule_recurrent(qkv, a, b, neg_a, dt_bias, state, spans, r, unchunked=True)
+    return delta_rule_chunked(qkv, a, b, neg_a, dt_bias, state, spans, chunks, r, out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,7 +317,6 @@ def _chunk_scan_kernel(Wi, Ui, Qi, Ki, Ii, Gi, State, Out, Spans, span_stride, C
     km = ik < HK
     i = tl.arange(0, BT)
     grid_sync(PDL)
-    n = tl.load(Spans + span_stride + s)
     slot = tl.load(Spans + 2 * span_stride + s)
     first = tl.load(Spans + 3 * span_stride + s)
     count = tl.load(Spans + 4 * span_stride + s)
@@ -323,7 +341,7 @@ def _chunk_scan_kernel(Wi, Ui, Qi, Ki, Ii, Gi, State, Out, Spans, span_stride, C
         S = S * tl.exp(tl.load(Gi + c * NV + h)) + tl.dot(tl.trans(k), new, input_precision=PREC)
         if snap >= 0:
             tl.store(State + snap * stride_slot + head, S.to(State.dtype.element_ty), mask=both)
-    if n > 0:
+    if count > 0:  # (a span without chunks is the recurrent kernel's)
         tl.store(at, S.to(State.dtype.element_ty), mask=both)
 
 
@@ -349,11 +367,12 @@ def delta_rule_chunked(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, neg_
     _chunk_prep_kernel[(C, nv)](
         qkv, a, b, neg_a, dt_bias, chunks, chunks.stride(0), qkv.stride(0), a.stride(0), (nv // r) * hk, hk ** -0.5,
         w, u, q, k, scores, total, NV=nv, R=r, HK=hk, HV=hv, BK=BK, BVA=BVA, BT=CHUNK,
-        STEPS=CHUNK.bit_length() - 2, PREC=DOT_PRECISION, num_warps=8, num_stages=1, **pdl_args(qkv.device))
-    bv = max(_value_block(hv, S * nv, qkv.device), 16)
+        STEPS=CHUNK.bit_length() - 2, PREC=dot_precision(a.dtype), num_warps=8, num_stages=1,
+        **pdl_args(qkv.device))
+    bv = max(_value_block(hv, S * nv, qkv.device), min(32, BVA))
     _chunk_scan_kernel[(S, nv, triton.cdiv(hv, bv))](
         w, u, q, k, scores, total, state, out, spans, spans.stride(0), chunks, chunks.stride(0), out.stride(0),
-        state.stride(0), NV=nv, HK=hk, HV=hv, BK=BK, BV=bv, BT=CHUNK, PREC=DOT_PRECISION, num_warps=4,
+        state.stride(0), NV=nv, HK=hk, HV=hv, BK=BK, BV=bv, BT=CHUNK, PREC=dot_precision(a.dtype), num_warps=4,
         num_stages=1, **pdl_args(qkv.device))
     return out
 

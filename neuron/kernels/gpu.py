@@ -4,7 +4,7 @@ it imports Triton: only where a GPU runs the step, or under ``TRITON_INTERPRET=1
 from __future__ import annotations
 
 from .attention import MERGE_PARTS, decode_splits, paged_decode, paged_prefill, quantizable
-from .deltanet import causal_conv, conv_snapshots, delta_rule_chunked, delta_rule_recurrent, gated_rms_norm
+from .deltanet import causal_conv, conv_snapshots, delta_rule, delta_rule_chunked, delta_rule_recurrent, gated_rms_norm
 from .dense import GEMV_CONFIGS, gemv
 from .fused import rms_norm, rope_store, silu_mul
 from .int8_rows import int8_rows_buffers, quantize_rows, reference_quantized_rows
@@ -13,7 +13,7 @@ from .packed import GEMV_ROWS, dequantize, pair_scales, qlinear, reference_qline
 from .sampling import ARGMAX_CHUNK, greedy_tokens, resolve_tokens
 
 __all__ = [
-    "ARGMAX_CHUNK", "GEMV_CONFIGS", "GEMV_ROWS", "MERGE_PARTS", "causal_conv", "conv_snapshots", "decode_splits", "delta_rule_chunked",
+    "ARGMAX_CHUNK", "GEMV_CONFIGS", "GEMV_ROWS", "MERGE_PARTS", "causal_conv", "conv_snapshots", "decode_splits", "delta_rule", "delta_rule_chunked",
     "delta_rule_recurrent", "dequantize", "gated_rms_norm", "gemv", "greedy_tokens",
     "int8_rows_buffers", "paged_decode", "paged_prefill", "pair_scales", "pdl", "pdl_args", "pdl_by_default", "qlinear",
     "quantizable", "quantize_rows", "reference_qlinear", "reference_quantized_rows", "resolve_tokens", "rms_norm",

@@ -145,8 +145,9 @@ def chunk_tables(spans: list[tuple[int, int, int]], snaps: list[tuple[int, int, 
                  snaps_to: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The chunked delta rule's tables: the spans [5, S] (first row, tokens, state slot, first
     chunk, chunks), the chunks [3, C] (first row, tokens, slot that takes the state after it or
-    -1), each span cut at its snapshots and every ``CHUNK`` tokens, and the conv snapshots [4, M]
-    (row after the point, the span's first row, its state slot, the snapshot's slot), padded to
+    -1), each span cut at its snapshots and every ``CHUNK`` tokens (a single token without a
+    snapshot is left to the recurrent kernel: no chunk), and the conv snapshots [4, M] (row after
+    the point, the span's first row, its state slot, the snapshot's slot), padded to
     ``chunks_to`` and ``snaps_to`` (a graph's sizes) with empty entries."""
     table = np.zeros((5, len(spans)), dtype=np.int64)
     chunks: list[tuple[int, int, int]] = []
@@ -155,7 +156,7 @@ def chunk_tables(spans: list[tuple[int, int, int]], snaps: list[tuple[int, int, 
         cuts = {at: dst for j, at, dst in snaps if j == i}
         conv += [(first + at, first, slot, dst) for at, dst in sorted(cuts.items())]
         table[:, i] = (first, n, slot, len(chunks), 0)
-        done = 0
+        done = 0 if n > 1 or cuts else n
         while done < n:
             size = min(CHUNK, n - done, min((at for at in cuts if at > done), default=n) - done)
             done += size

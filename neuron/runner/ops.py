@@ -50,9 +50,7 @@ class TritonOps(TorchOps):
 
     def delta_rule(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, neg_a: torch.Tensor,
                    dt_bias: torch.Tensor, state: torch.Tensor, spans: StateSpans, r: int) -> torch.Tensor:
-        if spans.chunks is None:
-            return self.kernels.delta_rule_recurrent(qkv, a, b, neg_a, dt_bias, state, spans.table, r)
-        return self.kernels.delta_rule_chunked(qkv, a, b, neg_a, dt_bias, state, spans.table, spans.chunks, r)
+        return self.kernels.delta_rule(qkv, a, b, neg_a, dt_bias, state, spans.table, spans.chunks, r)
 
     def gated_rms_norm(self, o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.kernels.gated_rms_norm(o, z, weight, eps)
