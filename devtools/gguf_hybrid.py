@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from .families import natural_key, read_json, read_safetensors
-from .gguf_writer import add_vocab, file_type, parse_gguf_types, tensor_type
+from .gguf_writer import add_vocab, file_type, finish, parse_gguf_types, tensor_type
 
 ARCHS = {"qwen3_next": "qwen3next", "qwen3_5_text": "qwen35", "qwen3_5": "qwen35",
          "qwen3_5_moe_text": "qwen35moe", "qwen3_5_moe": "qwen35moe"}
@@ -57,11 +57,7 @@ def write_hybrid_gguf(out_dir: str | Path, gguf_type: str) -> Path:
     for name, array in _tensors(arch, config, read_safetensors(out)):
         kind = tensor_type(name, array, qtype)
         writer.add_tensor(name, gguf.quants.quantize(array, kind), raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file(progress=False)
-    writer.close()
-    return path
+    return finish(writer, path)
 
 
 def _add_hparams(writer: Any, arch: str, c: dict[str, Any]) -> None:

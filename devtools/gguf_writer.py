@@ -106,13 +106,17 @@ def _write_gguf(out: Path, type_name: str, rng: np.random.Generator | None) -> P
     add_vocab(writer, out, config["vocab_size"])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for name, array in _gguf_tensors(spec, config, read_safetensors(out)):
-        tensor_type = tensor_type(name, array, qtype)
-        if rng is not None and tensor_type == qtype:
+        kind = tensor_type(name, array, qtype)
+        if rng is not None and kind == qtype:
             data = random_quant_blocks(type_name, array.shape, rng)
         else:
-            data = gguf.quants.quantize(array, tensor_type)
-        writer.add_tensor(name, data, raw_dtype=tensor_type)
+            data = gguf.quants.quantize(array, kind)
+        writer.add_tensor(name, data, raw_dtype=kind)
+    return finish(writer, path)
 
+
+def finish(writer: Any, path: Path) -> Path:
+    """Write the GGUF file out: header, metadata, tensors."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file(progress=False)

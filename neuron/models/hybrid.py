@@ -149,12 +149,16 @@ class HybridLM:
         self.vocab = VocabParallel(cfg, plan, src, prefix, dtype, device, self.comm)
         self.layers = [HybridLayer(cfg, plan, src, f"{prefix}.layers.{i}", kind, i, dtype, device, block)
                        for i, kind in enumerate(cfg.layer_types)]
-        self.capturable = not any(isinstance(layer.mlp, SharedExpertMoe) for layer in self.layers)
         self.state_snapshots = True
         self.norm = zero_centred(src, f"{prefix}.norm.weight", device, dtype)
         self.rope = partial_rope(cfg, max_len, device, dtype)
         self.attention_shape = next(layer.mixer.shape for layer in self.layers if layer.kind == "full_attention")
         self.recurrent = DeltaNetShape(cfg, key_heads(cfg, plan.world, plan.rank), dtype).state()
+
+    @property
+    def capturable(self) -> bool:
+        """Sparse experts only in their grouped kernel (see SparseMoe.grouped)."""
+        return all(layer.mlp.sparse.grouped for layer in self.layers if isinstance(layer.mlp, SharedExpertMoe))
 
     def state_specs(self) -> list[LayerState]:
         kv = KvState(self.attention_shape.n_kv, self.attention_shape.head_dim)

@@ -123,9 +123,13 @@ class CausalLM:
         divisors = src.get("rope_freqs") if src.has("rope_freqs") else None
         self.rope = rope_tables(cfg, max_len, device, dtype, divisors)
         self.attention_shape = self.layers[0].attn.shape
-        # A sparse MoE block routes with data-dependent shapes: it cannot be captured in a CUDA graph.
-        self.capturable = not any(isinstance(layer.mlp, SparseMoe) for layer in self.layers)
         self.state_snapshots = False  # it keeps no recurrent state
+
+    @property
+    def capturable(self) -> bool:
+        """A sparse MoE block's per-expert loop has data-dependent shapes: only its grouped kernel
+        (dense experts on a GPU) can be captured in a CUDA graph."""
+        return all(layer.mlp.grouped for layer in self.layers if isinstance(layer.mlp, SparseMoe))
 
     def state_specs(self) -> list[LayerState]:
         return [KvState(self.attention_shape.n_kv, self.attention_shape.head_dim)] * len(self.layers)

@@ -3,12 +3,16 @@ replicated, so every rank routes identically and one all-reduce sums the experts
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
 from protocol import ModelConfig
 
 from .layers import WeightSource
+
+log = logging.getLogger("neuron.moe")
 from .tp_linear import AnyLinear, column_parallel, packed_kernel_for, row_parallel
 from .sharding import ShardPlan
 
@@ -18,6 +22,7 @@ class SparseMoe:
                  device: torch.device) -> None:
         self.cfg = cfg
         self.experts = plan.experts
+        self.grouped_failed = False
         self.router = src.get(f"{prefix}.gate.weight").to(device, dtype)
         inter = cfg.moe_intermediate_size
         self.inter = inter
@@ -34,19 +39,27 @@ class SparseMoe:
                                             device=device),
                             row_parallel(src, [(name(e, "down"), None)], dtype=dtype, device=device))
                            for e in plan.experts]
-            self.gate = self.up = self.down = torch.empty(0)
+            self.gate = self.up = self.down = self.gate_up = torch.empty(0)
         elif src.has(f"{prefix}.experts.gate_up_proj"):
-            gate_up = src.get(f"{prefix}.experts.gate_up_proj", dim=0, part=plan.experts)
-            self.gate, self.up = gate_up[:, :inter].to(device, dtype), gate_up[:, inter:].to(device, dtype)
+            self.gate_up = src.get(f"{prefix}.experts.gate_up_proj", dim=0, part=plan.experts).to(device, dtype)
             self.down = src.get(f"{prefix}.experts.down_proj", dim=0, part=plan.experts).to(device, dtype)
         else:
-            def stack(name: str) -> torch.Tensor:
-                return torch.stack([src.get(f"{prefix}.experts.{e}.{name}.weight") for e in plan.experts]).to(device, dtype)
-            self.gate, self.up, self.down = stack("gate_proj"), stack("up_proj"), stack("down_proj")
+            def stack(names: tuple[str, ...]) -> torch.Tensor:
+                return torch.stack([torch.cat([src.get(f"{prefix}.experts.{e}.{n}.weight") for n in names])
+                                    for e in plan.experts]).to(device, dtype)
+            self.gate_up, self.down = stack(("gate_proj", "up_proj")), stack(("down_proj",))
+        if not self.packed:  # gate and up of an expert stacked: the grouped kernel runs them as one
+            self.gate, self.up = self.gate_up[:, :inter], self.gate_up[:, inter:]
 
     def tensors(self) -> list[torch.Tensor]:
         packed = [t for pair in self.packed for lin in pair for t in lin.tensors()]
-        return [self.router, self.gate, self.up, self.down, *packed]
+        return [self.router, self.gate_up, self.down, *packed]
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the experts run in the grouped kernel (dense, on a GPU), which a CUDA graph can
+        hold: the per-expert loop below cannot (its shapes follow the routing)."""
+        return not self.packed and self.gate_up.is_cuda and len(self.experts) > 0 and not self.grouped_failed
 
     def __call__(self, x: torch.Tensor, ops: object = None) -> torch.Tensor:
         probs = F.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float)
@@ -54,6 +67,13 @@ class SparseMoe:
         if self.cfg.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype)
+        moe = getattr(ops, "sparse_moe", None)
+        if moe is not None and self.grouped:
+            try:
+                return moe(x, weights, chosen, self.experts.start, self.gate_up, self.down)
+            except Exception as exc:  # noqa: BLE001 - a kernel this GPU's Triton cannot build
+                log.warning("the grouped MoE kernel failed (%s); experts run one by one, without CUDA graphs", exc)
+                self.grouped_failed = True
         out = torch.zeros_like(x)
         for local, expert in enumerate(self.experts):
             token, k = torch.where(chosen == expert)

@@ -42,6 +42,11 @@ class TritonOps(TorchOps):
             return self.fallback.silu_mul(gate_up)
         return self.kernels.silu_mul(gate_up, quantize=self._quantize(gate_up, gate_up.shape[1] // 2))
 
+    def sparse_moe(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, first: int,
+                   gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """A sparse MoE block's experts in the grouped kernel (``kernels.moe``; dense experts)."""
+        return self.kernels.sparse_moe(x, weights, chosen, first, gate_up, down, self.silu_mul)
+
     def causal_conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: torch.Tensor,
                     spans: StateSpans) -> torch.Tensor:
         if spans.conv_snaps is not None:

@@ -1,0 +1,98 @@
+"""Sparse mixture-of-experts on a GPU without data-dependent shapes, so a CUDA graph can hold it:
+the (token, expert) pairs a router chose are sorted by expert into blocks of ``BLOCK_M`` rows (an
+expert's last block padded), and one grouped product runs every block against its expert's
+weights, reading each chosen expert's weights once per block. A step of one token touches only
+the ``k`` experts it routed to; a step of many reads each chosen expert once per block of its
+tokens. Checked against the per-expert loop of neuron/models/moe.py."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import grid_sync, pdl_args
+
+
+def block_rows(tokens: int) -> int:
+    """Rows of a block: 16 for a decode step's few pairs, 64 for a prompt's many."""
+    return 16 if tokens <= 64 else 64
+
+
+def sort_pairs(chosen: torch.Tensor, experts: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pairs of ``chosen`` [T, k] (expert ids) sorted by expert, each expert's padded to a
+    multiple of ``rows``: the pair at each padded position ([P + E (rows - 1)] rounded up to
+    ``rows``; padding holds P = T k), and each block's expert (-1: past the last block). Torch
+    ops of fixed shapes, no host sync."""
+    flat = chosen.reshape(-1)
+    P, device = flat.numel(), flat.device
+    count = torch.zeros(experts, dtype=torch.int64, device=device).index_add_(0, flat, torch.ones_like(flat))
+    padded = (count + rows - 1) // rows * rows
+    padded_start = torch.cumsum(padded, 0) - padded
+    start = torch.cumsum(count, 0) - count
+    e_sorted, order = torch.sort(flat, stable=True)
+    at = padded_start[e_sorted] + torch.arange(P, device=device) - start[e_sorted]
+    size = -(-(P + experts * (rows - 1)) // rows) * rows
+    pairs = torch.full((size,), P, dtype=torch.int64, device=device).index_copy_(0, at, order)
+    ends = torch.cumsum(padded, 0)
+    block_start = torch.arange(0, size, rows, device=device)
+    block_expert = torch.searchsorted(ends, block_start, right=True)
+    block_expert = torch.where(block_start < ends[-1], block_expert, -1)
+    return pairs, block_expert
+
+
+@triton.jit
+def _grouped_kernel(X, W, Out, Pairs, BlockExpert, stride_x, stride_we, stride_wn, stride_o, N, K, P,
+                    PER_ROW: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    PDL: tl.constexpr):
+    """Out[pair, n] = sum_k X[row, k] W[expert, n, k] for the rows of one block of pairs and one
+    block of N; ``row`` is the pair's token (``PER_ROW`` pairs share a token) or the pair itself
+    (PER_ROW 1)."""
+    b = tl.program_id(0)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    grid_sync(PDL)
+    expert = tl.load(BlockExpert + b)
+    if expert >= 0:
+        pair = tl.load(Pairs + b * BM + tl.arange(0, BM))
+        valid = pair < P
+        row = pair // PER_ROW
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        w = W + expert * stride_we + n[None, :] * stride_wn
+        for k0 in range(0, K, BK):
+            k = k0 + tl.arange(0, BK)
+            a = tl.load(X + row[:, None] * stride_x + k[None, :], mask=valid[:, None] & (k < K)[None, :], other=0.0)
+            bt = tl.load(w + k[:, None], mask=(k < K)[:, None] & (n < N)[None, :], other=0.0)
+            acc += tl.dot(a, bt)
+        tl.store(Out + pair[:, None] * stride_o + n[None, :], acc.to(Out.dtype.element_ty),
+                 mask=valid[:, None] & (n < N)[None, :])
+
+
+def grouped(x: torch.Tensor, w: torch.Tensor, pairs: torch.Tensor, block_expert: torch.Tensor, P: int,
+            per_row: int, rows: int) -> torch.Tensor:
+    """[P, N]: each pair's row of ``x`` (its token's: row ``pair // per_row``) times its expert's
+    ``w`` [E, N, K]."""
+    N, K = w.shape[1], w.shape[2]
+    out = torch.empty(P, N, dtype=x.dtype, device=x.device)
+    BN, BK = 64, 64
+    _grouped_kernel[(block_expert.numel(), triton.cdiv(N, BN))](
+        x, w, out, pairs, block_expert, x.stride(0), w.stride(0), w.stride(1), out.stride(0), N, K, P,
+        PER_ROW=per_row, BM=rows, BN=BN, BK=BK, num_warps=4, num_stages=3, **pdl_args(x.device))
+    return out
+
+
+def sparse_moe(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, first: int, gate_up: torch.Tensor,
+               down: torch.Tensor, silu_mul) -> torch.Tensor:
+    """sum_k weights[t, k] * down_e(silu_mul(gate_up_e(x_t))) over each token's chosen experts
+    ``chosen`` [T, k] that this rank holds: ``gate_up`` [E, 2I, H] and ``down`` [E, H, I] are
+    experts ``first .. first + E`` (a pair routed elsewhere adds nothing here); ``silu_mul`` the
+    step's fused SiLU·mul."""
+    T, k = chosen.shape
+    E = gate_up.shape[0]
+    rows = block_rows(T * k)
+    local = chosen - first
+    here = (local >= 0) & (local < E)
+    pairs, block_expert = sort_pairs(torch.where(here, local, E), E + 1, rows)  # E: held elsewhere
+    block_expert = torch.where(block_expert == E, -1, block_expert)
+    h = silu_mul(grouped(x, gate_up, pairs, block_expert, T * k, k, rows))
+    y = grouped(h, down, pairs, block_expert, T * k, 1, rows).view(T, k, -1)
+    return (torch.where(here[..., None], y, 0) * weights[..., None].to(y.dtype)).sum(1)

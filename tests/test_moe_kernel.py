@@ -1,0 +1,56 @@
+"""The grouped kernel of sparse MoE blocks (neuron/kernels/moe.py), which CUDA graphs can hold,
+against the per-expert loop of neuron/models/moe.py, run by Triton's interpreter on the CPU: one
+token, a decode batch, a prompt's many tokens, and a rank holding only some of the experts."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
+pytest.importorskip("triton")
+
+from neuron.kernels import moe as K  # noqa: E402
+
+
+def reference(x, weights, chosen, first, gate_up, down):
+    E, I2, _ = gate_up.shape
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(chosen.shape[1]):
+            e = int(chosen[t, j]) - first
+            if 0 <= e < E:
+                g, u = (gate_up[e] @ x[t]).split(I2 // 2)
+                out[t] += weights[t, j] * (down[e] @ (torch.nn.functional.silu(g) * u))
+    return out
+
+
+def silu_mul(h):
+    g, u = h.chunk(2, dim=-1)
+    return torch.nn.functional.silu(g) * u
+
+
+@pytest.mark.parametrize("tokens, experts, k, first, held", [(1, 8, 2, 0, 8), (5, 8, 2, 0, 8), (70, 6, 3, 0, 6),
+                                                            (9, 8, 2, 3, 3)])
+def test_the_grouped_experts_equal_the_loop(tokens, experts, k, first, held):
+    g = torch.Generator().manual_seed(tokens * 10 + first)
+    H, inter = 64, 32
+    x = torch.randn(tokens, H, generator=g)
+    probs = torch.rand(tokens, experts, generator=g)
+    weights, chosen = torch.topk(probs, k, dim=-1)
+    gate_up = torch.randn(held, 2 * inter, H, generator=g) * 0.1
+    down = torch.randn(held, H, inter, generator=g) * 0.1
+    got = K.sparse_moe(x, weights, chosen, first, gate_up, down, silu_mul)
+    want = reference(x, weights, chosen, first, gate_up, down)
+    assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+
+
+def test_pairs_are_sorted_by_expert_into_padded_blocks():
+    chosen = torch.tensor([[2, 0], [2, 1], [0, 2]])
+    pairs, block_expert = K.sort_pairs(chosen, 4, 2)
+    # pairs (token, choice) 0..5 go to experts 2 0 2 1 0 2: expert 0 takes pairs 1, 4; expert 1 pair 3
+    # (+ padding: 6, the pair count); expert 2 pairs 0, 2, 5 (+ padding); expert 3 none
+    assert pairs.tolist()[:8] == [1, 4, 3, 6, 0, 2, 5, 6]
+    assert block_expert.tolist()[:4] == [0, 1, 2, 2] and all(e == -1 for e in block_expert.tolist()[4:])
