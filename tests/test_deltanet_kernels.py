@@ -14,6 +14,7 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 pytest.importorskip("triton")
 
+from neuron.kernels import conv as CONV  # noqa: E402
 from neuron.kernels import deltanet as K  # noqa: E402
 from neuron.models import recurrence as R  # noqa: E402
 
@@ -44,7 +45,7 @@ def test_the_causal_conv_equals_the_reference_and_keeps_the_last_inputs(lengths,
     state = torch.randn(SLOTS, C, k - 1, generator=g)
     want_state = state.clone()
     want = R.causal_conv(x, weight, b, want_state, [s for s in spans if s[1]])
-    got = K.causal_conv(x, weight, b, state, table(spans), max(lengths))
+    got = CONV.causal_conv(x, weight, b, state, table(spans), max(lengths))
     assert torch.allclose(got, want, atol=1e-5) and torch.allclose(state, want_state, atol=1e-6)
 
 
@@ -108,8 +109,8 @@ def test_snapshots_inside_a_chunk_at_its_edge_and_at_the_end_hold_the_state_ther
     want_conv = conv_state.clone()
     weight = torch.randn(C, k)
     R.causal_conv(qkv, weight, None, want_conv, spans, snaps)
-    K.conv_snapshots(qkv, conv_state, conv_snaps)
-    K.causal_conv(qkv, weight, None, conv_state, table(spans), max(lengths))
+    CONV.conv_snapshots(qkv, conv_state, conv_snaps)
+    CONV.causal_conv(qkv, weight, None, conv_state, table(spans), max(lengths))
     assert torch.allclose(conv_state, want_conv, atol=1e-6)
 
 

@@ -1,6 +1,6 @@
-"""The Gated DeltaNet kernels (Triton): the causal depthwise conv over q/k/v with its conv state,
-the gated delta rule with its recurrent state, and the gated RMS norm of its output. Checked
-against the torch reference in neuron/models/deltanet.py.
+"""The Gated DeltaNet kernels (Triton): the gated delta rule with its recurrent state, and the
+gated RMS norm of its output (the causal conv before it: ``conv``). Checked against the torch
+reference in neuron/models/recurrence.py.
 
 Every kernel takes the step's sequences as spans: a [3, S] int64 table whose rows are each
 sequence's first token row, its tokens and its state slot. A decode graph and a prefill graph
@@ -12,7 +12,7 @@ The delta rule runs in one of two ways:
   the value dimension) holding its share of the state in registers. Decodes take this.
 - ``delta_rule_chunked``: the chunked (WY) form, for prompt chunks. The host cuts each sequence
   into chunks of at most 64 tokens, ending one wherever a snapshot of the state is asked for (the
-  prefix cache: ``conv_snapshots`` takes the conv state's). A first kernel prepares each chunk
+  prefix cache: ``conv.conv_snapshots`` takes the conv state's). A first kernel prepares each chunk
   independently (one program per chunk and value head): the
   inverse of the chunk's unit lower-triangular system ``I + A`` as the product
   ``(I - A)(I + A^2)(I + A^4)...`` (A is nilpotent: six factors for 64 rows, all matrix products),
@@ -42,99 +42,6 @@ def dot_precision(activations: torch.dtype) -> str:
 @triton.jit
 def _softplus(x):
     return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-
-
-# ---------------------------------------------------------------------------------------------
-# The causal conv
-
-
-@triton.jit
-def _conv_kernel(X, W, Bias, State, Out, Spans, span_stride, stride_x, stride_o, stride_slot, C,
-                 K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 UPDATE: tl.constexpr, PDL: tl.constexpr):
-    """out[t, c] = silu(bias[c] + sum_i w[c, i] * x[t - K + 1 + i, c]) over a span's rows, the
-    inputs before its first row from the conv state (state[slot, c, K - 1 + j] is input j < 0).
-    ``UPDATE``: this program holds its whole span (every span fits one token tile), so it also
-    leaves the last K - 1 inputs in the state."""
-    s = tl.program_id(0)
-    c = tl.program_id(1) * BC + tl.arange(0, BC)
-    cm = c < C
-    tb = tl.program_id(2)
-    grid_sync(PDL)
-    row = tl.load(Spans + s)
-    n = tl.load(Spans + span_stride + s)
-    slot = tl.load(Spans + 2 * span_stride + s)
-    t = tb * BT + tl.arange(0, BT)
-    tm = t < n
-    acc = tl.zeros((BT, BC), dtype=tl.float32)
-    st = State + slot * stride_slot + c[None, :] * (K - 1)
-    for i in tl.static_range(K):
-        j = t - (K - 1) + i
-        xr = tl.load(X + (row + j)[:, None] * stride_x + c[None, :], mask=((j >= 0) & tm)[:, None] & cm[None, :],
-                     other=0.0)
-        xs = tl.load(st + (K - 1 + j)[:, None], mask=((j < 0) & tm)[:, None] & cm[None, :], other=0.0)
-        w = tl.load(W + c * K + i, mask=cm, other=0.0)
-        acc += (xr.to(tl.float32) + xs.to(tl.float32)) * w[None, :]
-    if HAS_BIAS:
-        acc += tl.load(Bias + c, mask=cm, other=0.0)[None, :]
-    acc = acc * tl.sigmoid(acc)
-    tl.store(Out + (row + t)[:, None] * stride_o + c[None, :], acc, mask=tm[:, None] & cm[None, :])
-    if UPDATE:
-        if n > 0:
-            _conv_keep(X, State, row, n, slot, c, cm, stride_x, stride_slot, K, KP)
-
-
-@triton.jit
-def _conv_keep(X, State, row, n, slot, c, cm, stride_x, stride_slot, K: tl.constexpr, KP: tl.constexpr):
-    """The span's last K - 1 inputs (from the old state where the span is shorter) into its slot."""
-    m = tl.arange(0, KP)
-    mm = m < K - 1
-    j = n - (K - 1) + m
-    st = State + slot * stride_slot + c[:, None] * (K - 1)
-    both = cm[:, None] & mm[None, :]
-    from_x = tl.load(X + (row + j)[None, :] * stride_x + c[:, None], mask=both & (j >= 0)[None, :], other=0.0)
-    from_s = tl.load(st + (K - 1 + j)[None, :], mask=both & (j < 0)[None, :], other=0.0)
-    kept = tl.where((j >= 0)[None, :], from_x.to(tl.float32), from_s.to(tl.float32))
-    tl.store(st + m[None, :], kept.to(State.dtype.element_ty), mask=both)
-
-
-@triton.jit
-def _conv_keep_kernel(X, State, Spans, span_stride, stride_x, stride_slot, C, K: tl.constexpr, KP: tl.constexpr,
-                      BC: tl.constexpr, PDL: tl.constexpr):
-    s = tl.program_id(0)
-    c = tl.program_id(1) * BC + tl.arange(0, BC)
-    grid_sync(PDL)
-    row = tl.load(Spans + s)
-    n = tl.load(Spans + span_stride + s)
-    slot = tl.load(Spans + 2 * span_stride + s)
-    if n > 0:
-        _conv_keep(X, State, row, n, slot, c, c < C, stride_x, stride_slot, K, KP)
-
-
-def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: torch.Tensor,
-                spans: torch.Tensor, max_n: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(causal depthwise conv) of each span's rows of ``x`` [T, C] (rows contiguous) after the
-    inputs its ``state`` [slots, C, K - 1] slot remembers, which then remembers the span's last
-    K - 1; float32 [T, C]. ``weight`` [C, K] float32; ``spans`` [3, S] int64 (rows contiguous);
-    ``max_n``: a bound on the spans' tokens."""
-    T, C = x.shape
-    K = weight.shape[1]
-    S = spans.shape[1]
-    assert (S == 1 or spans.stride(1) == 1) and x.stride(1) == 1
-    out = torch.empty(T, C, dtype=torch.float32, device=x.device) if out is None else out
-    if not S or not T:
-        return out
-    BT = min(pow2(max_n), 32)
-    BC = 128 if BT <= 4 else 64
-    update = max_n <= BT
-    grid = (S, triton.cdiv(C, BC), triton.cdiv(max_n, BT))
-    _conv_kernel[grid](x, weight, bias if bias is not None else weight, state, out, spans, spans.stride(0),
-                       x.stride(0), out.stride(0), state.stride(0), C, K=K, KP=pow2(K - 1), BT=BT, BC=BC, HAS_BIAS=bias is not None,
-                       UPDATE=update, num_warps=4, **pdl_args(x.device))
-    if not update:
-        _conv_keep_kernel[(S, triton.cdiv(C, 128))](x, state, spans, spans.stride(0), x.stride(0), state.stride(0),
-                                                    C, K=K, KP=pow2(K - 1), BC=128, num_warps=4, **pdl_args(x.device))
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,45 +282,6 @@ def delta_rule_chunked(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, neg_
         state.stride(0), NV=nv, HK=hk, HV=hv, BK=BK, BV=bv, BT=CHUNK, PREC=dot_precision(a.dtype), num_warps=4,
         num_stages=1, **pdl_args(qkv.device))
     return out
-
-
-@triton.jit
-def _conv_snapshot_kernel(X, State, Snaps, snap_stride, stride_x, stride_slot, C, K: tl.constexpr,
-                          KP: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr):
-    """The conv state a sequence has after a snapshot point: the K - 1 inputs before it, from the
-    step's rows where they are this step's and from the sequence's state slot where they came
-    before (read before the conv kernel moves it on)."""
-    m = tl.program_id(0)
-    c = tl.program_id(1) * BC + tl.arange(0, BC)
-    cm = c < C
-    grid_sync(PDL)
-    point = tl.load(Snaps + m)
-    first = tl.load(Snaps + snap_stride + m)
-    slot = tl.load(Snaps + 2 * snap_stride + m)
-    dst = tl.load(Snaps + 3 * snap_stride + m)
-    if dst >= 0:
-        i = tl.arange(0, KP)
-        im = i < K - 1
-        j = point - (K - 1) + i
-        both = cm[:, None] & im[None, :]
-        from_x = tl.load(X + j[None, :] * stride_x + c[:, None], mask=both & (j >= first)[None, :], other=0.0)
-        old = State + slot * stride_slot + c[:, None] * (K - 1) + (K - 1 + j - first)[None, :]
-        from_s = tl.load(old, mask=both & (j < first)[None, :], other=0.0)
-        kept = tl.where((j >= first)[None, :], from_x.to(tl.float32), from_s.to(tl.float32))
-        tl.store(State + dst * stride_slot + c[:, None] * (K - 1) + i[None, :], kept.to(State.dtype.element_ty),
-                 mask=both)
-
-
-def conv_snapshots(x: torch.Tensor, state: torch.Tensor, snaps: torch.Tensor) -> None:
-    """For each snapshot ``snaps`` [4, M] int64 (the step row of the first token after the point,
-    the sequence's first row in the step, its state slot, and the slot that takes the snapshot,
-    or -1): the conv state after the point. Launched before ``causal_conv`` of the same rows."""
-    M, C, K = snaps.shape[1], x.shape[1], state.shape[2] + 1
-    if M:
-        assert M == 1 or snaps.stride(1) == 1
-        _conv_snapshot_kernel[(M, triton.cdiv(C, 128))](x, state, snaps, snaps.stride(0), x.stride(0), state.stride(0),
-                                                        C, K=K, KP=pow2(K - 1), BC=128, num_warps=4,
-                                                        **pdl_args(x.device))
 
 
 # ---------------------------------------------------------------------------------------------

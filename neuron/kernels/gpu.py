@@ -4,7 +4,8 @@ it imports Triton: only where a GPU runs the step, or under ``TRITON_INTERPRET=1
 from __future__ import annotations
 
 from .attention import MERGE_PARTS, decode_splits, paged_decode, paged_prefill, quantizable
-from .deltanet import causal_conv, conv_snapshots, delta_rule, delta_rule_chunked, delta_rule_recurrent, gated_rms_norm
+from .conv import causal_conv, conv_snapshots
+from .deltanet import delta_rule, delta_rule_chunked, delta_rule_recurrent, gated_rms_norm
 from .dense import GEMV_CONFIGS, gemv
 from .fused import rms_norm, rope_store, silu_mul
 from .int8_rows import int8_rows_buffers, quantize_rows, reference_quantized_rows
