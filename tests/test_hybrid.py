@@ -8,6 +8,7 @@ at once, through preemption, equal to one at a time."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import httpx
@@ -211,7 +212,11 @@ def test_a_malformed_hybrid_config_is_refused_by_name_before_any_rank_starts(tmp
 
 def test_a_step_with_a_forged_state_slot_is_rejected_and_nothing_runs(tmp_path_factory):
     """The rank checks the state slot the leader sends like it checks blocks: out of range, shared by
-    two sequences, a prefix-cache start on a model with state, or a slot for a model without state."""
+    two sequences, a prefix-cache start on a model with state without a snapshot to start from, or
+    a slot for a model without state; and the prefix cache's fields: a snapshot to start from that
+    is the sequence's own slot or out of range, snapshots outside the step's tokens or into a slot
+    in use, a partial block to copy that is no block, or for a sequence that starts on a block
+    boundary."""
     import protocol as p
     from devtools.parity import build
 
@@ -221,14 +226,23 @@ def test_a_step_with_a_forged_state_slot_is_rejected_and_nothing_runs(tmp_path_f
     runner, _ = build(job(family, ckpt))  # one slot per prompt: 3 state slots
     greedy = p.Sampling(temperature=0.0)
 
-    def seq(slot: int, state: int, start: int = 0) -> p.StepSeq:
+    def seq(slot: int, state: int, start: int = 0, **fields) -> p.StepSeq:
         return p.StepSeq(slot=slot, tokens=[1, 2, 3], start_pos=start, sample=True, sampling=greedy,
-                         blocks=list(range(slot * 8, slot * 8 + 8)), state=state)
+                         blocks=list(range(slot * 8, slot * 8 + 8)), state=state, **fields)
 
     for seqs, why in (([seq(0, 3)], "state slot 3 is out of range"), ([seq(0, -1)], "state slot -1"),
                       ([seq(0, 1), seq(1, 1)], "twice in the step"),
-                      ([seq(0, 0, start=16)], "must start at position 0")):
-        with pytest.raises(StepRejected, match=why):
+                      ([seq(0, 0, start=16)], "must start at position 0"),
+                      ([seq(0, 0, start=16, state_from=0)], "state_from 0 must be another state slot"),
+                      ([seq(0, 0, start=16, state_from=7)], "state_from 7"),
+                      ([seq(0, 0, state_from=1)], "state_from 1 must be another state slot, for a new sequence past"),
+                      ([seq(0, 0, snapshots=[(4, 1)])], "snapshot (4, 1) is outside"),
+                      ([seq(0, 0, snapshots=[(2, 0)])], "snapshot (2, 0)"),
+                      ([seq(0, 0), seq(1, 1, snapshots=[(3, 0)])], "snapshot (3, 0)"),
+                      ([seq(0, 0, snapshots=[(3, 9)])], "snapshot (3, 9)"),
+                      ([seq(0, 0, start=5, state_from=1, kv_from=10 ** 6)], "kv_from"),
+                      ([seq(0, 0, start=16, state_from=1, kv_from=3)], "kv_from")):
+        with pytest.raises(StepRejected, match=re.escape(why)):
             runner.step(p.Step(id=0, epoch=0, step_id=0, seqs=seqs))
     assert runner.step(p.Step(id=0, epoch=0, step_id=0, seqs=[seq(0, 2)])).wait()[0][0] >= 0
 

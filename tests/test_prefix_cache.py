@@ -107,8 +107,9 @@ def serve(jobs: list[tuple[list[int], int]], blocks: int, block_size: int, cachi
     return asyncio.run(main())
 
 
-def run_alone(sched: Scheduler, device: Device, req: GenRequest) -> None:
-    """Admit ``req`` into an idle scheduler and run it to its end, one step at a time."""
+def run_alone(sched: Scheduler, device, req: GenRequest, keep: bool = False) -> None:
+    """Admit ``req`` into an idle scheduler and run it to its end, one step at a time (``keep``:
+    its end as a finished request's, whose last state a model with state keeps)."""
     sched.waiting.append(req)
     sched.admit()
     while not req.finished:
@@ -121,7 +122,7 @@ def run_alone(sched: Scheduler, device: Device, req: GenRequest) -> None:
                 x.req.output.append(tok)
                 if len(x.req.output) >= x.req.max_tokens:
                     x.req.finished = True
-                    sched.release(x.req)
+                    sched.release(x.req, keep=keep)
 
 
 def test_chain_hashes_name_the_whole_prefix_and_the_key():

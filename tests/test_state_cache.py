@@ -16,7 +16,7 @@ from collections import deque
 from hypothesis import given, settings, strategies as st
 
 from neuron.engine.scheduler import DEVICE_TOKEN, Scheduler
-from test_prefix_cache import VOCAB, request
+from test_prefix_cache import VOCAB, request, run_alone
 
 
 def next_token(context: list[int], state: tuple[int, ...]) -> int:
@@ -159,19 +159,7 @@ def test_a_chat_restarts_each_turn_at_the_end_of_the_last():
         found = []
         for turn in range(4):
             req = request(prompt, 5)
-            sched.waiting.append(req)
-            sched.admit()
-            while not req.finished:
-                plan = sched.schedule()
-                tokens = device.run(plan)
-                sched.completed(plan)
-                for x, tok in zip(plan, tokens):
-                    if x.sample:
-                        x.req.pending -= 1
-                        x.req.output.append(tok)
-                        if len(x.req.output) >= x.req.max_tokens:
-                            x.req.finished = True
-                            sched.release(x.req, keep=True)
+            run_alone(sched, device, req, keep=True)
             found.append((req.cached_tokens, len(req.prompt) + len(req.output)))
             prompt = req.prompt + req.output + [20 + turn, 30 + turn]
         return found
