@@ -87,6 +87,22 @@ def test_the_chunked_delta_rule_equals_the_reference(lengths, nk, r, hk, hv):
     assert torch.allclose(state, want_state, atol=1e-4), (state - want_state).abs().max()
 
 
+@pytest.mark.parametrize("low", [False, True])
+def test_a_16_bit_model_keeps_its_chunk_scratch_in_16_bits_within_their_rounding(low, monkeypatch):
+    """A bfloat16 model's scratch between the two chunk kernels is bfloat16, and (``low``) the scan's
+    products take the state and new values in bfloat16 too: the error is that rounding's, not a
+    wrong term (which would be of the order of the values)."""
+    monkeypatch.setitem(K.SCAN, "low", low)
+    lengths, nk, r, hk, hv = [70, 1, 40], 1, 2, 16, 32
+    qkv, a, b, neg_a, dt_bias, state, spans = qkv_case(lengths, nk, r, hk, hv, 5)
+    qkv, a, b = qkv.to(torch.bfloat16), a.to(torch.bfloat16), b.to(torch.bfloat16)
+    want_state = state.clone()
+    want = R.delta_rule(qkv.float(), a.float(), b.float(), neg_a, dt_bias, want_state, spans, r)
+    got, _ = chunked(qkv, a, b, neg_a, dt_bias, state, spans, r)
+    scale = want.abs().max()
+    assert (got - want).abs().max() < 3e-2 * scale and (state - want_state).abs().max() < 3e-2 * want_state.abs().max()
+
+
 def test_snapshots_inside_a_chunk_at_its_edge_and_at_the_end_hold_the_state_there():
     """A snapshot after 37 tokens (mid-chunk), after 64 (a chunk's edge) and after the last token,
     of the conv state and the delta rule's: what the sequence's state was at that point (the

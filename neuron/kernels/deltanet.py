@@ -155,12 +155,13 @@ def delta_rule(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, neg_a: torch
 
 @triton.jit
 def _chunk_prep_kernel(QKV, A, B, NegA, DtBias, Chunks, chunk_stride, stride_qkv, stride_ab, key_dim, scale,
-                       Wo, Uo, Qo, Ko, Io, Go, NV: tl.constexpr, R: tl.constexpr, HK: tl.constexpr,
+                       Wo, Uo, QKo, Io, Co, Go, NV: tl.constexpr, R: tl.constexpr, HK: tl.constexpr,
                        HV: tl.constexpr, BK: tl.constexpr, BVA: tl.constexpr, BT: tl.constexpr,
                        STEPS: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
-    """One chunk (of one sequence) and one value head: its w [BT, hk], u [BT, hv], decayed queries
-    and keys [BT, hk] and intra-chunk scores [BT, BT] into the scratch rows of its tokens, its
-    total log decay into the chunk's scratch."""
+    """One chunk (of one sequence) and one value head: its w [BT, hk], u [BT, hv] and intra-chunk
+    scores [BT, BT] into the scratch rows of its tokens, with the cumulative log decay of each
+    token; its total log decay into the chunk's scratch; the normalized queries and keys of its
+    key head (by the key head's first value head)."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     kh = h // R
@@ -179,45 +180,48 @@ def _chunk_prep_kernel(QKV, A, B, NegA, DtBias, Chunks, chunk_stride, stride_qkv
         mk = tm[:, None] & km[None, :]
         q = tl.load(base + kh * HK + ik[None, :], mask=mk, other=0.0).to(tl.float32)
         k = tl.load(base + key_dim + kh * HK + ik[None, :], mask=mk, other=0.0).to(tl.float32)
-        v = tl.load(base + 2 * key_dim + h * HV + iv[None, :], mask=tm[:, None] & vm[None, :],
-                    other=0.0).to(tl.float32)
         q = _l2norm(q, 1) * scale
         k = _l2norm(k, 1)
         g, beta = _gates(A, B, NegA, DtBias, r, stride_ab, h, tm)
         cum = tl.cumsum(g, 0)
-        total = tl.sum(g, 0)
-        lower = i[:, None] > i[None, :]
         causal = i[:, None] >= i[None, :]
         decay = tl.where(causal, tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0)), 0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=PREC) * decay
+        hrow = (r * NV + h)[:, None]
+        tl.store(Io + hrow * BT + i[None, :], scores, mask=tm[:, None])
+        if h % R == 0:
+            krow = ((r * (NV // R) + kh) * 2)[:, None] * HK + ik[None, :]
+            tl.store(QKo + krow, q, mask=mk)
+            tl.store(QKo + krow + HK, k, mask=mk)
         kb = k * beta[:, None]
-        a_ = tl.where(lower, tl.dot(kb, tl.trans(k), input_precision=PREC) * decay, 0.0)
-        eye = tl.where(i[:, None] == i[None, :], 1.0, 0.0)
-        inv = eye - a_
+        a_ = tl.where(i[:, None] > i[None, :], tl.dot(kb, tl.trans(k), input_precision=PREC) * decay, 0.0)
+        inv = tl.where(i[:, None] == i[None, :], 1.0, 0.0) - a_
         p = a_
         for _ in tl.static_range(STEPS):
             p = tl.dot(p, p, input_precision=PREC)
             inv = inv + tl.dot(inv, p, input_precision=PREC)
-        hrow = (r * NV + h)[:, None]
-        u = tl.dot(inv, v * beta[:, None], input_precision=PREC)
-        tl.store(Uo + hrow * HV + iv[None, :], u, mask=tm[:, None] & vm[None, :])
         w = tl.dot(inv, kb * tl.exp(cum)[:, None], input_precision=PREC)
         tl.store(Wo + hrow * HK + ik[None, :], w, mask=mk)
-        scores = tl.dot(q, tl.trans(k), input_precision=PREC) * decay
-        tl.store(Io + hrow * BT + i[None, :], scores, mask=tm[:, None])
-        tl.store(Qo + hrow * HK + ik[None, :], q * tl.exp(cum)[:, None], mask=mk)
-        tl.store(Ko + hrow * HK + ik[None, :], k * tl.exp(total - cum)[:, None], mask=mk)
-        tl.store(Go + c * NV + h, total)
+        v = tl.load(base + 2 * key_dim + h * HV + iv[None, :], mask=tm[:, None] & vm[None, :],
+                    other=0.0).to(tl.float32)
+        u = tl.dot(inv, v * beta[:, None], input_precision=PREC)
+        tl.store(Uo + hrow * HV + iv[None, :], u, mask=tm[:, None] & vm[None, :])
+        tl.store(Co + r * NV + h, cum, mask=tm)
+        tl.store(Go + c * NV + h, tl.sum(g, 0))
 
 
 @triton.jit
-def _chunk_scan_kernel(Wi, Ui, Qi, Ki, Ii, Gi, State, Out, Spans, span_stride, Chunks, chunk_stride, stride_o,
-                       stride_slot, NV: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, BK: tl.constexpr,
-                       BV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
+def _chunk_scan_kernel(Wi, Ui, QKi, Ii, Ci, Gi, State, Out, Spans, span_stride, Chunks, chunk_stride, stride_o,
+                       stride_slot, NV: tl.constexpr, R: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr,
+                       BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
+                       LOW: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr):
     """One sequence, value head and block of the value dimension: its chunks in order, the state
     carried from each to the next in registers (and copied into a snapshot slot after a chunk that
-    ends at a snapshot), then back into its slot."""
+    ends at a snapshot), then back into its slot. ``LOW``: the products take the state and the
+    chunk's new values in the scratch's 16-bit type (the state itself stays float32)."""
     s = tl.program_id(0)
     h = tl.program_id(1)
+    kh = h // R
     iv = tl.program_id(2) * BV + tl.arange(0, BV)
     vm = iv < HV
     ik = tl.arange(0, BK)
@@ -235,21 +239,40 @@ def _chunk_scan_kernel(Wi, Ui, Qi, Ki, Ii, Gi, State, Out, Spans, span_stride, C
         row = tl.load(Chunks + c)
         tm = i < tl.load(Chunks + chunk_stride + c)
         snap = tl.load(Chunks + 2 * chunk_stride + c)
-        hrow = ((row + i) * NV + h)[:, None]
+        r = row + i
+        hrow = (r * NV + h)[:, None]
+        krow = ((r * (NV // R) + kh) * 2)[:, None] * HK + ik[None, :]
         mk = tm[:, None] & km[None, :]
         mv = tm[:, None] & vm[None, :]
-        w = tl.load(Wi + hrow * HK + ik[None, :], mask=mk, other=0.0)
-        new = tl.load(Ui + hrow * HV + iv[None, :], mask=mv, other=0.0) - tl.dot(w, S, input_precision=PREC)
-        q = tl.load(Qi + hrow * HK + ik[None, :], mask=mk, other=0.0)
-        scores = tl.load(Ii + hrow * BT + i[None, :], mask=tm[:, None], other=0.0)
-        o = tl.dot(q, S, input_precision=PREC) + tl.dot(scores, new, input_precision=PREC)
-        tl.store(Out + (row + i)[:, None] * stride_o + h * HV + iv[None, :], o, mask=mv)
-        k = tl.load(Ki + hrow * HK + ik[None, :], mask=mk, other=0.0)
-        S = S * tl.exp(tl.load(Gi + c * NV + h)) + tl.dot(tl.trans(k), new, input_precision=PREC)
+        cum = tl.load(Ci + r * NV + h, mask=tm, other=0.0)
+        total = tl.load(Gi + c * NV + h)
+        w = tl.load(Wi + hrow * HK + ik[None, :], mask=mk, other=0.0).to(tl.float32)
+        q = tl.load(QKi + krow, mask=mk, other=0.0).to(tl.float32) * tl.exp(cum)[:, None]
+        k = tl.load(QKi + krow + HK, mask=mk, other=0.0).to(tl.float32) * tl.exp(total - cum)[:, None]
+        scores = tl.load(Ii + hrow * BT + i[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
+        u = tl.load(Ui + hrow * HV + iv[None, :], mask=mv, other=0.0).to(tl.float32)
+        Sd = S
+        if LOW:
+            low = Wi.dtype.element_ty
+            w, q, k, scores, Sd = w.to(low), q.to(low), k.to(low), scores.to(low), S.to(low)
+            if INTERPRETED:  # (whose 16-bit products are wrong): the same roundings, products in float32
+                w, q, k, scores, Sd = w.to(tl.float32), q.to(tl.float32), k.to(tl.float32), \
+                    scores.to(tl.float32), Sd.to(tl.float32)
+        new = u - tl.dot(w, Sd, input_precision=PREC)
+        nd = new.to(Wi.dtype.element_ty).to(scores.dtype) if LOW else new
+        o = tl.dot(q, Sd, input_precision=PREC) + tl.dot(scores, nd, input_precision=PREC)
+        tl.store(Out + r[:, None] * stride_o + h * HV + iv[None, :], o, mask=mv)
+        S = S * tl.exp(total) + tl.dot(tl.trans(k), nd, input_precision=PREC)
         if snap >= 0:
             tl.store(State + snap * stride_slot + head, S.to(State.dtype.element_ty), mask=both)
     if count > 0:  # (a span without chunks is the recurrent kernel's)
         tl.store(at, S.to(State.dtype.element_ty), mask=both)
+
+
+# launch settings, from scripts/bench-kernels (bv 0: by the grid's size; low: 16-bit products in
+# the scan for a 16-bit model, as the peers' kernels take them)
+SCAN = {"warps": 4, "stages": 2, "bv": 0, "low": True}
+PREP = {"warps": 4, "stages": 1}
 
 
 def delta_rule_chunked(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, neg_a: torch.Tensor,
@@ -257,7 +280,8 @@ def delta_rule_chunked(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, neg_
                        r: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """``delta_rule_recurrent``'s result, in chunks: ``chunks`` [3, C] int64 (first row, tokens
     (at most ``CHUNK``; 0: none), and the slot that takes the state after it, or -1), each span's
-    in order from ``spans``' rows 3 and 4 (its first chunk and their count)."""
+    in order from ``spans``' rows 3 and 4 (its first chunk and their count). The scratch between
+    the two kernels is float32 for a float32 model, else 16-bit."""
     T = qkv.shape[0]
     _, nv, hk, hv = state.shape
     S, C = spans.shape[1], chunks.shape[1]
@@ -265,22 +289,26 @@ def delta_rule_chunked(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, neg_
     if not S or not T or not C:
         return out
     assert (S == 1 or spans.stride(1) == 1) and (C == 1 or chunks.stride(1) == 1) and a.stride(0) == b.stride(0)
+    wide = qkv.dtype == torch.float32
+    scratch = dict(dtype=torch.float32 if wide else torch.bfloat16, device=qkv.device)
     f32 = dict(dtype=torch.float32, device=qkv.device)
-    w, q, k = (torch.empty(T, nv, hk, **f32) for _ in range(3))
-    u = torch.empty(T, nv, hv, **f32)
-    scores = torch.empty(T, nv, CHUNK, **f32)
-    total = torch.empty(C, nv, **f32)
+    w, u = torch.empty(T, nv, hk, **scratch), torch.empty(T, nv, hv, **scratch)
+    qk = torch.empty(T, nv // r, 2, hk, **scratch)
+    scores = torch.empty(T, nv, CHUNK, **scratch)
+    cum, total = torch.empty(T, nv, **f32), torch.empty(C, nv, **f32)
     BK, BVA = max(pow2(hk), 16), max(pow2(hv), 16)
+    prec = dot_precision(qkv.dtype)
     _chunk_prep_kernel[(C, nv)](
         qkv, a, b, neg_a, dt_bias, chunks, chunks.stride(0), qkv.stride(0), a.stride(0), (nv // r) * hk, hk ** -0.5,
-        w, u, q, k, scores, total, NV=nv, R=r, HK=hk, HV=hv, BK=BK, BVA=BVA, BT=CHUNK,
-        STEPS=CHUNK.bit_length() - 2, PREC=dot_precision(a.dtype), num_warps=8, num_stages=1,
+        w, u, qk, scores, cum, total, NV=nv, R=r, HK=hk, HV=hv, BK=BK, BVA=BVA, BT=CHUNK,
+        STEPS=CHUNK.bit_length() - 2, PREC=prec, num_warps=PREP["warps"], num_stages=PREP["stages"],
         **pdl_args(qkv.device))
-    bv = max(_value_block(hv, S * nv, qkv.device), min(32, BVA))
+    bv = SCAN["bv"] or max(_value_block(hv, S * nv, qkv.device), min(32, BVA))
+    low = SCAN["low"] and not wide
     _chunk_scan_kernel[(S, nv, triton.cdiv(hv, bv))](
-        w, u, q, k, scores, total, state, out, spans, spans.stride(0), chunks, chunks.stride(0), out.stride(0),
-        state.stride(0), NV=nv, HK=hk, HV=hv, BK=BK, BV=bv, BT=CHUNK, PREC=dot_precision(a.dtype), num_warps=4,
-        num_stages=1, **pdl_args(qkv.device))
+        w, u, qk, scores, cum, total, state, out, spans, spans.stride(0), chunks, chunks.stride(0), out.stride(0),
+        state.stride(0), NV=nv, R=r, HK=hk, HV=hv, BK=BK, BV=bv, BT=CHUNK, PREC="ieee" if low and not INTERPRETED
+        else prec, LOW=low, INTERPRETED=INTERPRETED, num_warps=SCAN["warps"], num_stages=SCAN["stages"], **pdl_args(qkv.device))
     return out
 
 
