@@ -1,6 +1,7 @@
-"""The grouped kernel of sparse MoE blocks (neuron/kernels/moe.py), which CUDA graphs can hold,
-against the per-expert loop of neuron/models/moe.py, run by Triton's interpreter on the CPU: one
-token, a decode batch, a prompt's many tokens, and a rank holding only some of the experts."""
+"""The kernels of sparse MoE blocks (neuron/kernels/moe.py), which CUDA graphs can hold, against
+the per-expert loop of neuron/models/moe.py, run by Triton's interpreter on the CPU: one token and
+a decode batch (a program per pair), a prompt's many tokens (the grouped product, both tilings),
+and a rank holding only some of the experts on each path."""
 
 from __future__ import annotations
 
@@ -33,8 +34,10 @@ def silu_mul(h):
 
 
 @pytest.mark.parametrize("tokens, experts, k, first, held", [(1, 8, 2, 0, 8), (5, 8, 2, 0, 8), (70, 6, 3, 0, 6),
-                                                            (9, 8, 2, 3, 3)])
+                                                            (9, 8, 2, 3, 3), (40, 8, 2, 2, 4),
+                                                            (100, 8, 3, 2, 4)])
 def test_the_grouped_experts_equal_the_loop(tokens, experts, k, first, held):
+    assert (tokens * k <= K.PAIRS_ALONE) == (tokens < 10) and (tokens * k > 256) == (tokens == 100)
     g = torch.Generator().manual_seed(tokens * 10 + first)
     H, inter = 64, 32
     x = torch.randn(tokens, H, generator=g)

@@ -1,9 +1,13 @@
-"""Sparse mixture-of-experts on a GPU without data-dependent shapes, so a CUDA graph can hold it:
-the (token, expert) pairs a router chose are sorted by expert into blocks of ``BLOCK_M`` rows (an
-expert's last block padded), and one grouped product runs every block against its expert's
-weights, reading each chosen expert's weights once per block. A step of one token touches only
-the ``k`` experts it routed to; a step of many reads each chosen expert once per block of its
-tokens. Checked against the per-expert loop of neuron/models/moe.py."""
+"""Sparse mixture-of-experts on a GPU without data-dependent shapes, so a CUDA graph can hold it.
+
+- A step of few (token, expert) pairs (decodes): one program per pair and block of output
+  columns multiplies the pair's row by its expert's weights (``pair_products``). Only the chosen
+  experts are read, with nothing to sort; an expert two pairs chose is read twice.
+- A step of many: the pairs are sorted by expert into blocks of rows (an expert's last block
+  padded), and one grouped product runs every block against its expert's weights, reading each
+  chosen expert's weights once per block of its pairs (``grouped``).
+
+Checked against the per-expert loop of neuron/models/moe.py. The tiles: scripts/bench-kernels."""
 
 from __future__ import annotations
 
@@ -14,9 +18,13 @@ import triton.language as tl
 from .launch import grid_sync, pdl_args
 
 
-def block_rows(tokens: int) -> int:
-    """Rows of a block: 16 for a decode step's few pairs, 64 for a prompt's many."""
-    return 16 if tokens <= 64 else 64
+PAIRS_ALONE = 32  # at most this many pairs run one program per pair (scripts/bench-kernels)
+# the grouped product's tiles (rows of a block, columns, depth, warps, stages) by pair count
+TILES = {"few": (16, 64, 64, 4, 3), "many": (64, 128, 64, 8, 3)}
+
+
+def tiles(pairs: int) -> tuple[int, int, int, int, int]:
+    return TILES["few" if pairs <= 256 else "many"]
 
 
 def sort_pairs(chosen: torch.Tensor, experts: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,15 +76,50 @@ def _grouped_kernel(X, W, Out, Pairs, BlockExpert, stride_x, stride_we, stride_w
 
 
 def grouped(x: torch.Tensor, w: torch.Tensor, pairs: torch.Tensor, block_expert: torch.Tensor, P: int,
-            per_row: int, rows: int) -> torch.Tensor:
+            per_row: int) -> torch.Tensor:
     """[P, N]: each pair's row of ``x`` (its token's: row ``pair // per_row``) times its expert's
     ``w`` [E, N, K]."""
     N, K = w.shape[1], w.shape[2]
     out = torch.empty(P, N, dtype=x.dtype, device=x.device)
-    BN, BK = 64, 64
+    rows, BN, BK, warps, stages = tiles(P)
     _grouped_kernel[(block_expert.numel(), triton.cdiv(N, BN))](
         x, w, out, pairs, block_expert, x.stride(0), w.stride(0), w.stride(1), out.stride(0), N, K, P,
-        PER_ROW=per_row, BM=rows, BN=BN, BK=BK, num_warps=4, num_stages=3, **pdl_args(x.device))
+        PER_ROW=per_row, BM=rows, BN=BN, BK=BK, num_warps=warps, num_stages=stages, **pdl_args(x.device))
+    return out
+
+
+@triton.jit
+def _pair_kernel(X, W, Out, Chosen, stride_x, stride_we, stride_wn, stride_o, N, K, first, E,
+                 PER_ROW: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+    """Out[pair, n] = sum_k X[row, k] W[expert - first, n, k] for one pair and block of N (nothing
+    for a pair whose expert is not among the ``E`` held here); ``row`` as in ``_grouped_kernel``."""
+    p = tl.program_id(0)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nm = n < N
+    grid_sync(PDL)
+    e = tl.load(Chosen + p) - first
+    if (e >= 0) & (e < E):
+        acc = tl.zeros((BN, BK), dtype=tl.float32)
+        w = W + e * stride_we + n[:, None] * stride_wn
+        x = X + (p // PER_ROW) * stride_x
+        for k0 in range(0, K, BK):
+            k = k0 + tl.arange(0, BK)
+            km = k < K
+            wt = tl.load(w + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+            acc += wt.to(tl.float32) * tl.load(x + k, mask=km, other=0.0).to(tl.float32)[None, :]
+        tl.store(Out + p * stride_o + n, tl.sum(acc, 1).to(Out.dtype.element_ty), mask=nm)
+
+
+def pair_products(x: torch.Tensor, w: torch.Tensor, chosen: torch.Tensor, first: int, per_row: int) -> torch.Tensor:
+    """[P, N] (P = chosen.numel()): each pair's row of ``x`` times its expert's ``w`` [E, N, K]
+    (experts ``first ..``); rows of pairs routed elsewhere are left unwritten."""
+    N, K = w.shape[1], w.shape[2]
+    P = chosen.numel()
+    out = torch.empty(P, N, dtype=x.dtype, device=x.device)
+    BN, BK = (16, 256) if K >= 256 else (32, 128)
+    _pair_kernel[(P, triton.cdiv(N, BN))](
+        x, w, out, chosen, x.stride(0), w.stride(0), w.stride(1), out.stride(0), N, K, first, w.shape[0],
+        PER_ROW=per_row, BN=BN, BK=BK, num_warps=4, num_stages=3, **pdl_args(x.device))
     return out
 
 
@@ -88,11 +131,15 @@ def sparse_moe(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, fir
     step's fused SiLU·mul."""
     T, k = chosen.shape
     E = gate_up.shape[0]
-    rows = block_rows(T * k)
     local = chosen - first
     here = (local >= 0) & (local < E)
-    pairs, block_expert = sort_pairs(torch.where(here, local, E), E + 1, rows)  # E: held elsewhere
-    block_expert = torch.where(block_expert == E, -1, block_expert)
-    h = silu_mul(grouped(x, gate_up, pairs, block_expert, T * k, k, rows))
-    y = grouped(h, down, pairs, block_expert, T * k, 1, rows).view(T, k, -1)
+    if T * k <= PAIRS_ALONE:
+        flat = chosen.reshape(-1).contiguous()
+        h = silu_mul(pair_products(x, gate_up, flat, first, k))
+        y = pair_products(h, down, flat, first, 1).view(T, k, -1)
+    else:
+        pairs, block_expert = sort_pairs(torch.where(here, local, E), E + 1, tiles(T * k)[0])  # E: elsewhere
+        block_expert = torch.where(block_expert == E, -1, block_expert)
+        h = silu_mul(grouped(x, gate_up, pairs, block_expert, T * k, k))
+        y = grouped(h, down, pairs, block_expert, T * k, 1).view(T, k, -1)
     return (torch.where(here[..., None], y, 0) * weights[..., None].to(y.dtype)).sum(1)

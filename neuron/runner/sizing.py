@@ -79,7 +79,8 @@ def kv_blocks(runner, kv_layers: int, state_bytes: int) -> int:
     if blocks < runner.max_blocks:
         raise torch.OutOfMemoryError(
             f"the KV cache would hold {max(0, blocks) * bs} tokens, less than one sequence of "
-            f"max_model_len={cfg.max_len}: raise memory_fraction or lower max_model_len")
+            f"max_model_len={cfg.max_len} ({runner.states.slots} state slots): raise gpu_memory_utilization, "
+            f"lower max_model_len or max_slots")
     log.info("rank %d: KV cache of %d blocks (%d tokens, %.2f GiB), %.2f GiB of per-sequence state; a %d-token "
              "step peaks at %.2f GiB", runner.rank, blocks, blocks * bs, blocks * per_block / 2**30,
              state_bytes / 2**30, n, peak / 2**30)
