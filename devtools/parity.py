@@ -38,6 +38,7 @@ class ParityJob:
     score_greedy: bool = False  # also score each prompt followed by its own greedy continuation
     device: str = "cpu"  # cuda: one GPU per rank (rank r on cuda:r)
     forced: list[list[int]] = field(default_factory=list)  # per prompt: tokens fed one decode step each
+    checkpoint_quant: Any = None  # protocol.CheckpointQuant: the publisher quantized the checkpoint
 
 
 @dataclass
@@ -59,7 +60,7 @@ class DenseView:
 
 
 def open_source(fmt: str, paths: list[str], config: ModelConfig, quant: str | None = None,
-                dense: bool = False) -> Any:
+                dense: bool = False, checkpoint_quant: Any = None) -> Any:
     if fmt == "gguf":
         from neuron.loader.gguf_open import open_gguf
 
@@ -68,6 +69,10 @@ def open_source(fmt: str, paths: list[str], config: ModelConfig, quant: str | No
         from neuron.loader.safetensors_source import SafetensorsSource
 
         src = SafetensorsSource(list(paths))
+        if checkpoint_quant is not None:
+            from neuron.loader.published import PublishedSource
+
+            src = PublishedSource(src, checkpoint_quant)
     if quant:
         from neuron.loader.insitu import QuantizingSource
 
@@ -86,7 +91,7 @@ def build(job: ParityJob, world: int = 1, rank: int = 0) -> tuple[Any, float]:
     from neuron.runner.runner import ModelRunner, RunnerConfig
 
     t0 = time.perf_counter()
-    src = open_source(job.fmt, job.paths, job.config, job.quant, job.dense)
+    src = open_source(job.fmt, job.paths, job.config, job.quant, job.dense, job.checkpoint_quant)
     dtype = getattr(torch, job.dtype)
     device = torch.device(f"cuda:{rank}") if job.device == "cuda" else torch.device("cpu")
     # A dense reference of packed weights splits where the packed model does (on whole quant

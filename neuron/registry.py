@@ -233,7 +233,8 @@ class Registry:
                 max_slots=entry.max_slots, max_len=z.max_len, block_size=entry.block_size, kv_tokens=kv_tokens,
                 memory_fraction=entry.gpu_memory_utilization, max_step_tokens=z.max_batch_tokens + entry.max_slots,
                 cuda_graphs=entry.cuda_graphs, quant=entry.quantize or None, state_dtype=entry.state_dtype,
-                state_snapshots=entry.state_snapshots if z.cache_key is not None else 0))
+                state_snapshots=entry.state_snapshots if z.cache_key is not None else 0,
+                checkpoint_quant=spec.checkpoint_quant))
         except BaseException:
             await group.close_after_failure()
             raise

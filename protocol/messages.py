@@ -138,6 +138,18 @@ class SanityCheck(Frame, tag="sanity_check"):
     pass
 
 
+class CheckpointQuant(msgspec.Struct, frozen=True):
+    """How a checkpoint its publisher quantized stores its projections (config.json's
+    ``quantization_config``, as the leader read it): ``method`` awq | gptq | fp8."""
+
+    method: str
+    bits: int = 4
+    group_size: int = 128  # -1: one group per row (AWQ, GPTQ)
+    sym: bool = False  # GPTQ
+    block: list[int] = []  # FP8 weight_block_size [rows, columns]; []: a scale per tensor or per row
+    keep_float: list[str] = []  # modules left unquantized (names or name prefixes)
+
+
 class LoadShard(Frame, tag="load_shard"):
     model: str
     format: str  # safetensors | gguf
@@ -156,6 +168,7 @@ class LoadShard(Frame, tag="load_shard"):
     # State slots for snapshots (the prefix cache of a model with recurrent state) beside one per
     # running sequence; -1: by memory (neuron.runner.sizing.state_snapshots).
     state_snapshots: int = 0
+    checkpoint_quant: CheckpointQuant | None = None
 
 
 class Step(Frame, tag="step"):

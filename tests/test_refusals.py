@@ -217,15 +217,20 @@ def test_moe_weights_missing_an_expert(tmp_path):
 @pytest.mark.parametrize("config, words", [
     ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
      ("quant_method 'fp8'", "weight_block_size [128, 128]")),
-    ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
-     ("quant_method 'awq'", "bits 4", "group_size 128")),
-    ({"quant_method": "gptq", "bits": 8, "group_size": 32, "desc_act": True}, ("quant_method 'gptq'", "bits 8")),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemv"},
+     ("quant_method 'awq'", "bits 4", "group_size 128", "'gemv' layout")),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": False}, ("without zero points",)),
+    ({"quant_method": "gptq", "bits": 8, "group_size": 32, "desc_act": True}, ("quant_method 'gptq'", "bits 8",
+                                                                               "desc_act")),
+    ({"quant_method": "gptq", "bits": 3, "group_size": 128}, ("3-bit GPTQ",)),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 48}, ("multiples of 32",)),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, ("quant_method 'bitsandbytes'", "load_in_4bit")),
     ({"bits": 4}, ("without a quant_method",)),
 ])
 def test_a_checkpoint_quantized_by_its_publisher_is_refused_by_its_method(good, tmp_path, config, words):
     """Not loaded as if its integers or float8 values were float weights (that answered with wrong
-    tokens and no error); the message names the method and what can be loaded instead."""
+    tokens and no error); the message names the method (or the variant of a method neuron reads
+    that it does not) and what can be loaded instead."""
     d = copy(good, tmp_path / "m", without=("*.gguf",))
     edit_json(d / "config.json", quantization_config=config)
     refused(str(d), UnsupportedModel, 422, "unsupported_model", *words, "not supported", "GGUF", "q8_0")

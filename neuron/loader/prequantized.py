@@ -1,5 +1,6 @@
 """Checkpoints their publisher quantized (``quantization_config`` in ``config.json``, or weights
-stored in a float8 or packed integer dtype). neuron reads none of these formats yet, so each is
+stored in a float8 or packed integer dtype): the methods neuron reads (AWQ and GPTQ, 4 and 8 bits)
+are described for the ranks (``CheckpointQuant``; ``published`` reads them), everything else is
 refused at load by name: a quantized weight read as if it were float answers with wrong tokens
 and no error."""
 
@@ -7,11 +8,57 @@ from __future__ import annotations
 
 from typing import Any
 
+from protocol import CheckpointQuant
+
 from .errors import UnsupportedModel
 
 # What a user can load instead, named in every refusal.
-INSTEAD = ("float checkpoints (bf16, f16, f32; quantize = \"q8_0\" or \"q4\" packs them at load) and GGUF files "
-           "(Q4_0, Q4_1, Q4_K, Q5_x, Q6_K, Q8_0, ...)")
+INSTEAD = ("AWQ (GEMM, 4 bits) and GPTQ (4 and 8 bits) checkpoints, float checkpoints (bf16, f16, f32; quantize = "
+           "\"q8_0\" or \"q4\" packs them at load) and GGUF files (Q4_0, Q4_1, Q4_K, Q5_x, Q6_K, Q8_0, ...)")
+
+
+def checkpoint_quant(raw: dict[str, Any], dtypes: dict[str, int]) -> CheckpointQuant | None:
+    """How the checkpoint of config.json ``raw`` is quantized (None: it is not), or
+    UnsupportedModel naming what neuron cannot read."""
+    for where, config in (("config.json", raw), ("config.json's text_config", raw.get("text_config"))):
+        if isinstance(config, dict) and isinstance(config.get("quantization_config"), dict):
+            q = config["quantization_config"]
+            read = _readable(q, where)
+            if read is not None:
+                return read
+            break
+    refuse_prequantized(raw, dtypes)
+    return None
+
+
+def _readable(q: dict[str, Any], where: str) -> CheckpointQuant | None:
+    method = str(q.get("quant_method", "")).lower()
+    bits = q.get("bits", q.get("w_bit"))
+    group = q.get("group_size", q.get("q_group_size", 128))
+    if method not in ("awq", "gptq") or not isinstance(bits, int) or not isinstance(group, int):
+        return None
+    what = f"{where} declares quant_method {method!r} (bits {bits}, group_size {group})"
+    if bits not in ((4,) if method == "awq" else (4, 8)):
+        raise UnsupportedModel(f"{what}: {bits}-bit {method.upper()} is not supported; supported: {INSTEAD}")
+    if group != -1 and (group <= 0 or group % 32):
+        raise UnsupportedModel(f"{what}: groups that are not whole multiples of 32 columns (or -1) are not supported; supported: {INSTEAD}")
+    if method == "awq":
+        version = str(q.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise UnsupportedModel(f"{what}: AWQ's {version!r} layout is not supported (GEMM is); supported: {INSTEAD}")
+        if q.get("zero_point") is False:
+            raise UnsupportedModel(f"{what}: AWQ without zero points is not supported; supported: {INSTEAD}")
+        keep = q.get("modules_to_not_convert") or []
+        return CheckpointQuant("awq", bits, group, False, [], [str(m) for m in keep])
+    fmt = str(q.get("checkpoint_format", q.get("format", "gptq"))).lower()
+    if fmt not in ("gptq", ""):
+        raise UnsupportedModel(f"{what}: GPTQ's {fmt!r} checkpoint format is not supported (the v1 'gptq' one is); "
+                               f"supported: {INSTEAD}")
+    if q.get("desc_act"):
+        raise UnsupportedModel(f"{what}: desc_act (columns quantized out of order, a g_idx permutation) is not "
+                               f"supported yet; supported: {INSTEAD}")
+    keep = q.get("modules_to_not_convert") or []
+    return CheckpointQuant("gptq", bits, group, bool(q.get("sym", True)), [], [str(m) for m in keep])
 # safetensors dtypes that hold quantized values, not weights one can multiply by.
 QUANTIZED_DTYPES = ("f8_e4m3", "f8_e5m2", "f8_e8m0", "f4", "f6_e2m3", "f6_e3m2", "i4", "u4")
 

@@ -17,6 +17,11 @@ class SafetensorsSource:
     def has(self, name: str) -> bool:
         return name in self._where
 
+    def shape(self, name: str) -> list[int]:
+        if name not in self._where:
+            raise KeyError(f"tensor {name!r} is not in the checkpoint")
+        return self._files[self._where[name]].get_slice(name).get_shape()
+
     def get(self, name: str, *, dim: int | None = None, part: range | None = None) -> torch.Tensor:
         if name not in self._where:
             raise KeyError(f"tensor {name!r} is not in the checkpoint")

@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from protocol import ModelConfig
+from protocol import CheckpointQuant, ModelConfig
 
 from .errors import BadModelConfig, LoadError
 from .model_config import config_from_gguf, config_from_hf, missing_tensors, read_config_json, required_tensors
-from .prequantized import refuse_prequantized
+from .prequantized import checkpoint_quant
 from .resolve import DEFAULT_MODEL, ModelFiles, resolve_model
 from .tokenizer import TokenizerInfo, tokenizer_from_gguf
 
@@ -29,6 +29,7 @@ class ModelSpec:
     sampling_defaults: dict[str, float] = field(default_factory=dict)
     weight_format: str = ""  # what the files hold: "gguf:Q4_1+Q8_0", "safetensors:bf16"
     quantized: bool = False  # the files hold quantized projection weights (kept packed on the CPU)
+    checkpoint_quant: CheckpointQuant | None = None  # how (AWQ, GPTQ), for a quantized safetensors checkpoint
 
     @property
     def context_length(self) -> int:
@@ -97,9 +98,12 @@ def _hf_spec(mid: str, files: ModelFiles) -> ModelSpec:
     d = files.directory
     raw = read_config_json(d / "config.json")
     dtypes = _safetensors_dtypes(files.paths)
-    refuse_prequantized(raw, dtypes)
+    quant = checkpoint_quant(raw, dtypes)
     config = config_from_hf(raw)
-    _refuse_missing(mid, missing_tensors(config, files.tensor_names), "config.json")
+    names = files.tensor_names
+    if quant is not None:  # a packed linear X holds X.qweight, X.qzeros, X.scales for X.weight
+        names = frozenset(names) | {n.removesuffix(".qweight") + ".weight" for n in names if n.endswith(".qweight")}
+    _refuse_missing(mid, missing_tensors(config, names), "config.json")
     if not (d / "tokenizer.json").is_file():
         raise LoadError(f"model {mid!r} has no tokenizer.json")
     tk = Tokenizer.from_file(str(d / "tokenizer.json"))
@@ -129,7 +133,11 @@ def _hf_spec(mid: str, files: ModelFiles) -> ModelSpec:
     )
     defaults = {k: float(gen[k]) for k in SAMPLING_KEYS if isinstance(gen.get(k), (int, float))}
     weight_format = "safetensors:" + "+".join(dtypes)
-    return ModelSpec(mid, files, config, info, defaults, weight_format=weight_format)
+    if quant is not None:
+        group = "per row" if quant.group_size == -1 else f"groups of {quant.group_size}"
+        weight_format = f"{quant.method}:int{quant.bits} {group} ({weight_format})"
+    return ModelSpec(mid, files, config, info, defaults, weight_format=weight_format, quantized=quant is not None,
+                     checkpoint_quant=quant)
 
 
 def _safetensors_dtypes(paths: tuple[Path, ...]) -> dict[str, int]:

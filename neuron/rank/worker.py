@@ -136,6 +136,9 @@ class DeviceWorker:
         else:
             from neuron.loader.safetensors_source import SafetensorsSource
             src = SafetensorsSource(msg.paths)
+            if msg.checkpoint_quant is not None:
+                from neuron.loader.published import PublishedSource
+                src = PublishedSource(src, msg.checkpoint_quant)
         if msg.quant:
             from neuron.loader.insitu import QuantizingSource
             if msg.quant not in SCHEMES:

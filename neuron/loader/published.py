@@ -1,0 +1,168 @@
+"""Checkpoints quantized by their publisher, read in their own layout and kept packed: AWQ (GEMM)
+and GPTQ (v1) projections become ``QuantWeight``s of the packed kernels, each rank reading only
+the packed words of its share.
+
+- AWQ, per linear ``X``: ``X.qweight`` int32 [K, N/8] (8 four-bit values a word along the output
+  dimension, in AutoAWQ's order: value ``8j + AWQ_ORDER[i]`` in bits 4i..4i+3 of word j),
+  ``X.qzeros`` int32 [K/g, N/8] (the same), ``X.scales`` float16 [K/g, N];
+  ``w[n, k] = s[k // g, n] * (q[k, n] - z[k // g, n])``.
+- GPTQ: ``X.qweight`` int32 [K * bits / 32, N] (values along the input dimension, lowest bits
+  first), ``X.qzeros`` int32 [K/g, N * bits / 32] (along the output dimension) holding each zero
+  point less one (the v1 convention), ``X.scales`` float16 [K/g, N], ``X.g_idx`` [K] (each input
+  column's group; columns in order only: ``desc_act`` is refused at load).
+
+The zero points stay exact: a group's offset ``-s z`` is the float16 scale times a small integer
+(the super-block form of the K-quants, ``m = dm * mn``), which the packed kernels multiply out in
+float32 (an offset rounded to float16 changes greedy tokens of small models).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from neuron.models.quant import GROUP, QuantWeight, SuperScales
+from protocol import CheckpointQuant
+
+from .errors import LoadError
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def unpack_awq(words: torch.Tensor) -> torch.Tensor:
+    """int32 [R, W] -> uint8 [R, 8 W] in column order."""
+    nibbles = (words[..., None] >> (4 * torch.arange(8, dtype=torch.int32))) & 15  # [R, W, 8]: nibble i
+    out = torch.empty_like(nibbles)
+    out[..., list(AWQ_ORDER)] = nibbles
+    return out.reshape(words.shape[0], -1).to(torch.uint8)
+
+
+def unpack_along_columns(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [R, W] -> uint8 [R, W * 32 / bits], lowest bits first (GPTQ's qzeros)."""
+    per = 32 // bits
+    values = (words[..., None] >> (bits * torch.arange(per, dtype=torch.int32))) & ((1 << bits) - 1)
+    return values.reshape(words.shape[0], -1).to(torch.uint8)
+
+
+def unpack_along_rows(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [W, N] -> uint8 [W * 32 / bits, N], lowest bits first (GPTQ's qweight)."""
+    per = 32 // bits
+    values = (words[:, None, :] >> (bits * torch.arange(per, dtype=torch.int32))[None, :, None]) & ((1 << bits) - 1)
+    return values.reshape(-1, words.shape[1]).to(torch.uint8)
+
+
+class PublishedSource:
+    """A safetensors source whose projections the publisher quantized: ``get_quant`` gives a
+    rank's share packed, ``get`` its floats (for devices without the packed kernels)."""
+
+    def __init__(self, src, quant: CheckpointQuant) -> None:
+        self.src, self.q = src, quant
+        self.quantized = True
+
+    def _packed(self, name: str) -> str | None:
+        base = name.removesuffix(".weight")
+        return base if name.endswith(".weight") and self.src.has(base + ".qweight") else None
+
+    def has(self, name: str) -> bool:
+        return self._packed(name) is not None or self.src.has(name)
+
+    def get(self, name: str, *, dim: int | None = None, part: range | None = None) -> torch.Tensor:
+        q = self.get_quant(name, dim=dim, part=part)
+        if q is None:
+            return self.src.get(name, dim=dim, part=part)
+        return torch.from_numpy(q.dequantize())
+
+    def get_quant(self, name: str, *, dim: int | None = None, part: range | None = None) -> QuantWeight | None:
+        base = self._packed(name)
+        if base is None:
+            return None
+        rows = part if dim == 0 else None
+        cols = part if dim == 1 else None
+        if cols is not None and (cols.start % GROUP or cols.stop % GROUP):
+            raise LoadError(f"{base}: a share of columns {cols.start}..{cols.stop} splits a {GROUP}-column group")
+        q, z, s, col_group = (self._awq if self.q.method == "awq" else self._gptq)(base, rows, cols)
+        return _quant_weight(q, z, s, col_group, self.q, base)
+
+    # -- the layouts: q [K', N'] values, z [G', N'] zero points, s [G', N'] scales, and the group of
+    # each column of the share (an index into the G' rows)
+
+    def _groups(self, base: str, K: int, cols: range | None) -> tuple[range | None, np.ndarray]:
+        g = self.q.group_size if self.q.group_size > 0 else K
+        k = np.arange(cols.start, cols.stop) if cols is not None else np.arange(K)
+        first = int(k[0]) // g if len(k) else 0
+        groups = range(first, -(-int(k[-1] + 1) // g)) if cols is not None and len(k) else None
+        return groups, k // g - first
+
+    def _words(self, name: str, dim: int, values: range | None, per: int) -> tuple[torch.Tensor, int]:
+        """The packed words holding ``values`` along ``dim`` (``per`` a word), and the offset of
+        the first value in them."""
+        if values is None:
+            return self.src.get(name), 0
+        first = values.start // per
+        return self.src.get(name, dim=dim, part=range(first, -(-values.stop // per))), values.start - first * per
+
+    def _awq(self, base: str, rows: range | None, cols: range | None):
+        K = self._shape(base + ".qweight")[0]
+        groups, col_group = self._groups(base, K, cols)
+        words, skip = self._words(base + ".qweight", 1, rows, 8)
+        if cols is not None:
+            words = words[cols.start:cols.stop]
+        q = _trim(unpack_awq(words), skip, rows)
+        zwords, zskip = self._words(base + ".qzeros", 1, rows, 8)
+        z = _trim(unpack_awq(self._take(zwords, groups)), zskip, rows)
+        s = self.src.get(base + ".scales", dim=1, part=rows) if rows is not None else self.src.get(base + ".scales")
+        return q, z, self._take(s, groups), col_group
+
+    def _gptq(self, base: str, rows: range | None, cols: range | None):
+        bits, per = self.q.bits, 32 // self.q.bits
+        K = self._shape(base + ".qweight")[0] * per
+        groups, col_group = self._groups(base, K, cols)
+        if self.src.has(base + ".g_idx"):
+            g_idx = self.src.get(base + ".g_idx").numpy()
+            g = self.q.group_size if self.q.group_size > 0 else K
+            if not np.array_equal(g_idx, np.arange(len(g_idx)) // g):
+                raise LoadError(f"{base}: g_idx puts columns out of order (desc_act), which is not supported yet")
+        words, skip = self._words(base + ".qweight", 0, cols, per)
+        if rows is not None:
+            words = words[:, rows.start:rows.stop]
+        q = unpack_along_rows(words, bits)
+        if cols is not None:
+            q = q[skip:skip + len(cols)]
+        zwords, zskip = self._words(base + ".qzeros", 1, rows, per)
+        z = _trim(unpack_along_columns(self._take(zwords, groups), bits), zskip, rows).to(torch.int16) + 1
+        s = self.src.get(base + ".scales", dim=1, part=rows) if rows is not None else self.src.get(base + ".scales")
+        return q, z, self._take(s, groups), col_group
+
+    def _take(self, t: torch.Tensor, groups: range | None) -> torch.Tensor:
+        return t if groups is None else t[groups.start:groups.stop]
+
+    def _shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.src.shape(name)) if hasattr(self.src, "shape") else tuple(self.src.get(name).shape)
+
+
+def _trim(values: torch.Tensor, skip: int, rows: range | None) -> torch.Tensor:
+    return values if rows is None else values[:, skip:skip + len(rows)]
+
+
+def _quant_weight(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor, col_group: np.ndarray, quant: CheckpointQuant,
+                  base: str) -> QuantWeight:
+    """A share [K', N'] as a QuantWeight [N', K'] of 32-column groups: ``s`` the float16 scale of
+    each one's group, ``m = -s z`` as ``dm * mn`` with ``dm = -s f`` (f a power of two that brings
+    z into int8)."""
+    K, N = q.shape
+    sub = torch.from_numpy(col_group[::GROUP].copy())  # the group of each 32 columns
+    scale = s.to(torch.float16)[sub].T.contiguous()  # [N, K / 32]
+    zero = z.to(torch.int32)[sub].T.contiguous()
+    factor = torch.ones_like(zero)
+    while bool((big := (zero > 127 * factor)).any()):
+        if bool((big & (zero % (2 * factor) != 0)).any()):
+            raise LoadError(f"{base}: a zero point above 127 that is odd cannot be kept exact")
+        factor = torch.where(big, 2 * factor, factor)
+    d = scale.numpy()
+    dm = (-(scale.float() * factor)).to(torch.float16).numpy()
+    mn = (zero // factor).to(torch.int8).numpy()
+    sup = SuperScales(np.ones(mn.shape, np.int8), mn, d, dm)
+    s32 = d.astype(np.float32)
+    m32 = dm.astype(np.float32) * mn.astype(np.float32)
+    source = f"{quant.method.upper()} int{quant.bits} g{quant.group_size}"
+    return QuantWeight(q.T.contiguous().numpy(), s32, m32, quant.bits, source, GROUP, sup)

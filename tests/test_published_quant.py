@@ -1,0 +1,205 @@
+"""Checkpoints their publisher quantized, AWQ (GEMM) and GPTQ (v1), read in their own layout and
+kept packed (neuron/loader/published.py). Each checkpoint is written here from a random float
+checkpoint, the way AutoAWQ and AutoGPTQ pack theirs; its reference is transformers' float model
+holding the dequantized weights. Served greedy tokens equal that reference at TP=1, 2 and 3, the
+unpacking matches the formats' definitions worked by hand, and /models names the format."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import start_server
+from devtools.checkpoints import make_checkpoint
+from devtools.parity import ParityJob, run_parity
+from neuron.loader.published import unpack_along_columns, unpack_along_rows, unpack_awq
+from neuron.loader.spec import load_spec
+
+NEW_TOKENS = 24
+_gen = torch.Generator().manual_seed(303)
+PROMPTS = [torch.randint(0, 509, (n,), generator=_gen).tolist() for n in (4, 11, 29)]
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# name: (method, bits, group_size, sym)
+FORMATS = {"awq": ("awq", 4, 64, False), "gptq4": ("gptq", 4, 64, False), "gptq8": ("gptq", 8, -1, True)}
+
+
+# ------------------------------------------------------------------------- the layouts, by hand
+
+
+def test_awq_words_hold_their_columns_in_autoawqs_order():
+    # AutoAWQ packs column 8j + (0, 2, 4, 6, 1, 3, 5, 7)[i] into bits 4i of word j: nibbles
+    # 0..7 of 0x76543210 are the values 0..7, so columns 0..7 read 0, 4, 1, 5, 2, 6, 3, 7.
+    words = torch.tensor([[0x76543210, 0x0000000F]], dtype=torch.int32)
+    assert unpack_awq(words).tolist() == [[0, 4, 1, 5, 2, 6, 3, 7, 15, 0, 0, 0, 0, 0, 0, 0]]
+    assert unpack_awq(torch.tensor([[-1]], dtype=torch.int32)).tolist() == [[15] * 8]  # the sign bit is a value bit
+
+
+def test_gptq_words_hold_their_values_lowest_bits_first():
+    words = torch.tensor([[0x76543210, 0x000000FF]], dtype=torch.int32)
+    assert unpack_along_rows(words, 4).T.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7], [15, 15, 0, 0, 0, 0, 0, 0]]
+    assert unpack_along_columns(words, 8).tolist() == [[0x10, 0x32, 0x54, 0x76, 0xFF, 0, 0, 0]]
+
+
+# ------------------------------------------------------------------------- writing checkpoints
+
+
+def quantize(w: torch.Tensor, bits: int, group: int, sym: bool) -> tuple[torch.Tensor, ...]:
+    """w [N, K] -> q [K, N], zero points [G, N] (the true ones), float16 scales [G, N], and the
+    dequantized weight [N, K]."""
+    N, K = w.shape
+    g = K if group == -1 else group
+    x = w.reshape(N, K // g, g)
+    top = 2 ** bits - 1
+    if sym:
+        s = (x.abs().amax(-1) / (2 ** (bits - 1) - 1)).half().float()
+        z = torch.full_like(s, 2 ** (bits - 1))
+    else:
+        lo, hi = x.amin(-1), x.amax(-1)
+        s = ((hi - lo) / top).half().float()
+        z = torch.round(-lo / s).clamp(1, top)  # >= 1: GPTQ v1 stores z - 1
+    q = torch.clamp(torch.round(x / s[..., None]) + z[..., None], 0, top)
+    deq = ((q - z[..., None]) * s[..., None]).reshape(N, K)
+    return (q.reshape(N, K).T.to(torch.int32).contiguous(), z.T.to(torch.int32).contiguous(), s.T.half().contiguous(),
+            deq)
+
+
+def pack(values: torch.Tensor, bits: int, dim: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """int32 words of ``values`` packed along ``dim``: ``32 / bits`` values a word, value i of a
+    word at bits ``bits * i`` (in ``order``: value ``order[i]`` there, AutoAWQ's)."""
+    per = 32 // bits
+    v = values.movedim(dim, -1)
+    v = v.reshape(*v.shape[:-1], -1, per).to(torch.int64)
+    if order is not None:
+        v = v[..., list(order)]
+    word = (v << (bits * torch.arange(per))).sum(-1)
+    word = torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)
+    return word.movedim(-1, dim).contiguous()
+
+
+def write_quantized(src: Path, out: Path, method: str, bits: int, group: int, sym: bool) -> Path:
+    """``out``: src's checkpoint with its projections packed the way ``method`` packs them;
+    ``out``-float: the same model with the dequantized weights, in float32 (the reference)."""
+    ref = out.with_name(out.name + "-float")
+    for d in (out, ref):
+        shutil.copytree(src, d)
+        for f in d.glob("*.safetensors"):
+            f.unlink()
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors |= load_file(f)
+    packed, floats = {}, {}
+    for name, w in tensors.items():
+        base = name.removesuffix(".weight")
+        if not name.endswith(".weight") or base.split(".")[-1] not in LINEARS:
+            packed[name] = floats[name] = w
+            continue
+        q, z, s, deq = quantize(w.float(), bits, group, sym)
+        floats[name] = deq
+        packed[base + ".scales"] = s
+        if method == "awq":
+            order = (0, 2, 4, 6, 1, 3, 5, 7)
+            packed[base + ".qweight"] = pack(q, bits, 1, order)
+            packed[base + ".qzeros"] = pack(z, bits, 1, order)
+        else:
+            packed[base + ".qweight"] = pack(q, bits, 0)
+            packed[base + ".qzeros"] = pack(z - 1, bits, 1)
+            g = q.shape[0] if group == -1 else group
+            packed[base + ".g_idx"] = torch.arange(q.shape[0], dtype=torch.int32) // g
+    save_file(packed, out / "model.safetensors", metadata={"format": "pt"})
+    save_file(floats, ref / "model.safetensors", metadata={"format": "pt"})
+    for d in (out, ref):
+        index = d / "model.safetensors.index.json"
+        if index.exists():
+            index.unlink()
+    config = json.loads((out / "config.json").read_text())
+    quant = {"quant_method": method, "bits": bits, "group_size": group}
+    quant |= {"version": "gemm", "zero_point": True} if method == "awq" else {"sym": sym, "desc_act": False}
+    (out / "config.json").write_text(json.dumps(config | {"quantization_config": quant}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("published")
+    src = make_checkpoint("qwen3", tmp / "qwen3", seed=17)
+    return {name: write_quantized(src, tmp / name, *fmt) for name, fmt in FORMATS.items()}
+
+
+def hf_greedy(checkpoint: Path) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    model.eval().generation_config.eos_token_id = None
+    out = []
+    with torch.no_grad():
+        for p in PROMPTS:
+            ids = torch.tensor([p])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS)
+            out.append(gen[0, len(p):].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def references(checkpoints) -> dict[str, list[list[int]]]:
+    return {name: hf_greedy(d.with_name(d.name + "-float")) for name, d in checkpoints.items()}
+
+
+# ------------------------------------------------------------------------- served and split
+
+
+def test_the_unpacked_weights_are_the_published_dequantization(checkpoints):
+    from neuron.loader.published import PublishedSource
+    from neuron.loader.safetensors_source import SafetensorsSource
+
+    for name, d in checkpoints.items():
+        spec = load_spec(str(d))
+        src = PublishedSource(SafetensorsSource([str(d / "model.safetensors")]), spec.checkpoint_quant)
+        want = load_file(d.with_name(d.name + "-float") / "model.safetensors")
+        for linear in ("model.layers.1.self_attn.o_proj.weight", "model.layers.0.mlp.gate_proj.weight"):
+            assert torch.equal(src.get(linear), want[linear]), (name, linear)
+            rows, cols = range(16, 48), range(32, 64)  # a share of either kind, inside a 64-column group
+            assert torch.equal(src.get(linear, dim=0, part=rows), want[linear][16:48]), (name, linear)
+            assert torch.equal(src.get(linear, dim=1, part=cols), want[linear][:, 32:64]), (name, linear)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(checkpoints, references, world):
+    jobs = []
+    for name, d in checkpoints.items():
+        spec = load_spec(str(d))
+        jobs.append(ParityJob(name, "safetensors", [str(d / "model.safetensors")], spec.config, PROMPTS, NEW_TOKENS,
+                              checkpoint_quant=spec.checkpoint_quant))
+    for job, result in zip(jobs, run_parity(jobs, world=world)):
+        assert result.greedy == references[job.name], (job.name, world)
+        dense = (Path(job.paths[0]).parent.with_name(job.name + "-float") / "model.safetensors").stat().st_size
+        assert sum(result.weight_bytes) < 0.6 * dense, (job.name, result.weight_bytes)  # kept packed
+
+
+def test_the_server_serves_them_packed_and_names_the_format(tmp_path, checkpoints, references):
+    tps = {"awq": 3, "gptq4": 2, "gptq8": 1}
+    config = "".join(f'[[models]]\nmodel = "{checkpoints[n]}"\nid = "{n}"\nmax_model_len = 128\nmax_slots = 2\n'
+                     f'tensor_parallel = {tp}\n' for n, tp in tps.items())
+    server = start_server(tmp_path, config=config)
+    try:
+        models = {m["id"]: m for m in httpx.get(f"{server.url}/models", timeout=10).json()["models"]}
+        for name, tp in tps.items():
+            m = models[name]
+            method, bits, group, _ = FORMATS[name]
+            assert m["status"] == "loaded" and m["tensor_parallel"] == tp
+            groups = "per row" if group == -1 else f"groups of {group}"
+            assert m["weight_format"] == f"{method}:int{bits} {groups} (safetensors:i32+f16+f32)", m["weight_format"]
+            assert f"int{bits} from {method.upper()} int{bits} g{group}" in m["packing"], m["packing"]
+            for i, prompt in enumerate(PROMPTS):
+                body = {"model": name, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
+                        "ignore_eos": True, "return_token_ids": True}
+                r = httpx.post(f"{server.base}/completions", json=body, timeout=120)
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["token_ids"] == references[name][i], (name, i)
+    finally:
+        assert server.stop() == 0
