@@ -1,5 +1,6 @@
-"""Checkpoints their publisher quantized, AWQ (GEMM) and GPTQ (v1), read in their own layout and
-kept packed (neuron/loader/published.py). Each checkpoint is written here from a random float
+"""Checkpoints their publisher quantized, AWQ (GEMM), GPTQ (v1) and FP8 (block scales as Qwen's
+releases, per-row scales as compressed-tensors'), read in their own layout and kept packed
+(neuron/loader/published.py). Each checkpoint is written here from a random float
 checkpoint, the way AutoAWQ and AutoGPTQ pack theirs; its reference is transformers' float model
 holding the dequantized weights. Served greedy tokens equal that reference at TP=1, 2 and 3, the
 unpacking matches the formats' definitions worked by hand, and /models names the format."""
@@ -25,8 +26,12 @@ NEW_TOKENS = 24
 _gen = torch.Generator().manual_seed(303)
 PROMPTS = [torch.randint(0, 509, (n,), generator=_gen).tolist() for n in (4, 11, 29)]
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# name: (method, bits, group_size, sym)
-FORMATS = {"awq": ("awq", 4, 64, False), "gptq4": ("gptq", 4, 64, False), "gptq8": ("gptq", 8, -1, True)}
+# name: (method, bits, group_size, sym) or, for FP8: ("fp8", weight_block_size, scale dtype, config style)
+FORMATS = {"awq": ("awq", 4, 64, False), "gptq4": ("gptq", 4, 64, False), "gptq8": ("gptq", 8, -1, True),
+           "fp8-block32": ("fp8", [32, 32], torch.bfloat16, "fp8"),
+           "fp8-block128": ("fp8", [128, 128], torch.float16, "fp8"),
+           "fp8-rows": ("fp8", None, torch.float32, "compressed-tensors"),
+           "fp8-tensor": ("fp8", None, torch.float32, "fp8")}
 
 
 # ------------------------------------------------------------------------- the layouts, by hand
@@ -82,7 +87,25 @@ def pack(values: torch.Tensor, bits: int, dim: int, order: tuple[int, ...] | Non
     return word.movedim(-1, dim).contiguous()
 
 
-def write_quantized(src: Path, out: Path, method: str, bits: int, group: int, sym: bool) -> Path:
+def fp8_quantize(w: torch.Tensor, block: list[int] | None, scale_dtype: torch.dtype, per_row: bool):
+    """float8 e4m3 values, their scales (stored as ``scale_dtype``), the dequantized weight."""
+    N, K = w.shape
+    if block:
+        bn, bk = block
+        rows, cols = -(-N // bn), -(-K // bk)
+        padded = torch.zeros(rows * bn, cols * bk).index_put_((torch.arange(N)[:, None], torch.arange(K)), w)
+        amax = padded.abs().reshape(rows, bn, cols, bk).amax((1, 3))
+    else:
+        amax = w.abs().amax(1, keepdim=True) if per_row else w.abs().amax().reshape(1)
+    scale = (amax / 448).to(scale_dtype)
+    full = scale.float()
+    if block:
+        full = full.repeat_interleave(block[0], 0)[:N].repeat_interleave(block[1], 1)[:, :K]
+    values = (w / full).to(torch.float8_e4m3fn)
+    return values, scale, values.float() * full
+
+
+def write_quantized(src: Path, out: Path, method: str, bits, group, sym) -> Path:
     """``out``: src's checkpoint with its projections packed the way ``method`` packs them;
     ``out``-float: the same model with the dequantized weights, in float32 (the reference)."""
     ref = out.with_name(out.name + "-float")
@@ -98,6 +121,12 @@ def write_quantized(src: Path, out: Path, method: str, bits: int, group: int, sy
         base = name.removesuffix(".weight")
         if not name.endswith(".weight") or base.split(".")[-1] not in LINEARS:
             packed[name] = floats[name] = w
+            continue
+        if method == "fp8":
+            block, scale_dtype, style = bits, group, sym
+            values, scale, floats[name] = fp8_quantize(w.float(), block, scale_dtype, style == "compressed-tensors")
+            packed[name] = values
+            packed[name + ("_scale_inv" if block else "_scale")] = scale
             continue
         q, z, s, deq = quantize(w.float(), bits, group, sym)
         floats[name] = deq
@@ -118,8 +147,17 @@ def write_quantized(src: Path, out: Path, method: str, bits: int, group: int, sy
         if index.exists():
             index.unlink()
     config = json.loads((out / "config.json").read_text())
-    quant = {"quant_method": method, "bits": bits, "group_size": group}
-    quant |= {"version": "gemm", "zero_point": True} if method == "awq" else {"sym": sym, "desc_act": False}
+    if method == "fp8" and sym == "compressed-tensors":
+        quant = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+                 "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                     "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True},
+                     "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}}}
+    elif method == "fp8":
+        quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+        quant |= {"weight_block_size": bits} if bits else {}
+    else:
+        quant = {"quant_method": method, "bits": bits, "group_size": group}
+        quant |= {"version": "gemm", "zero_point": True} if method == "awq" else {"sym": sym, "desc_act": False}
     (out / "config.json").write_text(json.dumps(config | {"quantization_config": quant}))
     return out
 
@@ -182,7 +220,7 @@ def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(checkpoints
 
 
 def test_the_server_serves_them_packed_and_names_the_format(tmp_path, checkpoints, references):
-    tps = {"awq": 3, "gptq4": 2, "gptq8": 1}
+    tps = {"awq": 3, "gptq4": 2, "gptq8": 1, "fp8-block128": 3, "fp8-rows": 2}
     config = "".join(f'[[models]]\nmodel = "{checkpoints[n]}"\nid = "{n}"\nmax_model_len = 128\nmax_slots = 2\n'
                      f'tensor_parallel = {tp}\n' for n, tp in tps.items())
     server = start_server(tmp_path, config=config)
@@ -192,9 +230,15 @@ def test_the_server_serves_them_packed_and_names_the_format(tmp_path, checkpoint
             m = models[name]
             method, bits, group, _ = FORMATS[name]
             assert m["status"] == "loaded" and m["tensor_parallel"] == tp
-            groups = "per row" if group == -1 else f"groups of {group}"
-            assert m["weight_format"] == f"{method}:int{bits} {groups} (safetensors:i32+f16+f32)", m["weight_format"]
-            assert f"int{bits} from {method.upper()} int{bits} g{group}" in m["packing"], m["packing"]
+            if method == "fp8":
+                scales = f"blocks of {bits[0]}x{bits[1]}" if bits else "scales per tensor or row"
+                assert m["weight_format"].startswith(f"fp8:{scales} (safetensors:"), m["weight_format"]
+                assert "f8_e4m3" in m["weight_format"]
+                assert f"fp8 e4m3, {scales if bits else 'per row'} x" in m["packing"], m["packing"]
+            else:
+                groups = "per row" if group == -1 else f"groups of {group}"
+                assert m["weight_format"] == f"{method}:int{bits} {groups} (safetensors:i32+f16+f32)", m["weight_format"]
+                assert f"int{bits} from {method.upper()} int{bits} g{group}" in m["packing"], m["packing"]
             for i, prompt in enumerate(PROMPTS):
                 body = {"model": name, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
                         "ignore_eos": True, "return_token_ids": True}

@@ -215,8 +215,10 @@ def test_moe_weights_missing_an_expert(tmp_path):
 
 
 @pytest.mark.parametrize("config, words", [
-    ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
-     ("quant_method 'fp8'", "weight_block_size [128, 128]")),
+    ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "static", "weight_block_size": [128, 128]},
+     ("quant_method 'fp8'", "weight_block_size [128, 128]", "activation_scheme 'static'")),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
+        "weights": {"num_bits": 4, "type": "int", "strategy": "group"}}}}, ("'compressed-tensors'", "4-bit int")),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemv"},
      ("quant_method 'awq'", "bits 4", "group_size 128", "'gemv' layout")),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": False}, ("without zero points",)),

@@ -13,7 +13,8 @@ from protocol import CheckpointQuant
 from .errors import UnsupportedModel
 
 # What a user can load instead, named in every refusal.
-INSTEAD = ("AWQ (GEMM, 4 bits) and GPTQ (4 and 8 bits) checkpoints, float checkpoints (bf16, f16, f32; quantize = "
+INSTEAD = ("FP8 (block, per-row or per-tensor scales; fp8 and compressed-tensors), AWQ (GEMM, 4 bits) and GPTQ "
+           "(4 and 8 bits) checkpoints, float checkpoints (bf16, f16, f32; quantize = "
            "\"q8_0\" or \"q4\" packs them at load) and GGUF files (Q4_0, Q4_1, Q4_K, Q5_x, Q6_K, Q8_0, ...)")
 
 
@@ -33,6 +34,10 @@ def checkpoint_quant(raw: dict[str, Any], dtypes: dict[str, int]) -> CheckpointQ
 
 def _readable(q: dict[str, Any], where: str) -> CheckpointQuant | None:
     method = str(q.get("quant_method", "")).lower()
+    if method == "fp8":
+        return _fp8(q, where)
+    if method == "compressed-tensors":
+        return _compressed_tensors(q, where)
     bits = q.get("bits", q.get("w_bit"))
     group = q.get("group_size", q.get("q_group_size", 128))
     if method not in ("awq", "gptq") or not isinstance(bits, int) or not isinstance(group, int):
@@ -83,6 +88,43 @@ def refuse_prequantized(raw: dict[str, Any], dtypes: dict[str, int]) -> None:
     if packed:
         raise UnsupportedModel(f"the weights hold {', '.join(packed)} matrices (packed integers, as AWQ or GPTQ "
                                f"write them) and no quantization_config; supported: {INSTEAD}")
+
+
+def _fp8(q: dict[str, Any], where: str) -> CheckpointQuant:
+    what = f"{where} declares quant_method 'fp8'{_describe(q)}"
+    scheme = str(q.get("activation_scheme", "dynamic")).lower()
+    if scheme != "dynamic":
+        raise UnsupportedModel(f"{what}: activation_scheme {scheme!r} (fixed activation scales) is not supported, "
+                               f"'dynamic' is; supported: {INSTEAD}")
+    block = q.get("weight_block_size")
+    if block is not None and not (isinstance(block, list) and len(block) == 2 and all(
+            isinstance(b, int) and b > 0 for b in block)):
+        raise UnsupportedModel(f"{what}: weight_block_size must be two positive integers; supported: {INSTEAD}")
+    keep = [str(m) for m in (q.get("modules_to_not_convert") or []) + (q.get("ignored_layers") or [])]
+    return CheckpointQuant("fp8", 8, 0, True, list(block or []), keep)
+
+
+def _compressed_tensors(q: dict[str, Any], where: str) -> CheckpointQuant:
+    """compressed-tensors' FP8: every config group's weights 8-bit floats by tensor, channel or
+    block, its activations none or dynamic."""
+    what = f"{where} declares quant_method 'compressed-tensors' (format {q.get('format')!r})"
+    groups = q.get("config_groups") or {}
+    blocks = set()
+    for name, group in groups.items():
+        w, a = (group or {}).get("weights") or {}, (group or {}).get("input_activations")
+        if w.get("type") != "float" or w.get("num_bits") != 8:
+            raise UnsupportedModel(f"{what}: group {name!r} has {w.get('num_bits')}-bit {w.get('type')} weights, "
+                                   f"which are not supported (only FP8 ones are); supported: {INSTEAD}")
+        strategy = w.get("strategy")
+        if strategy not in ("tensor", "channel", "block"):
+            raise UnsupportedModel(f"{what}: group {name!r} has weights by {strategy!r}, which is not supported; supported: {INSTEAD}")
+        if a and not a.get("dynamic", False):
+            raise UnsupportedModel(f"{what}: group {name!r} has static activation scales, which are not supported; supported: {INSTEAD}")
+        blocks.add(tuple(w.get("block_structure") or ()) if strategy == "block" else ())
+    if not groups or len(blocks) > 1:
+        raise UnsupportedModel(f"{what}: {'no config_groups' if not groups else 'mixed weight strategies'} (not supported); "
+                               f"supported: {INSTEAD}")
+    return CheckpointQuant("fp8", 8, 0, True, list(blocks.pop()), [str(m) for m in q.get("ignore") or []])
 
 
 def _describe(q: dict[str, Any]) -> str:

@@ -1,6 +1,6 @@
 """Checkpoints quantized by their publisher, read in their own layout and kept packed: AWQ (GEMM)
 and GPTQ (v1) projections become ``QuantWeight``s of the packed kernels, each rank reading only
-the packed words of its share.
+the packed words of its share; FP8 ones ``Fp8Weight``s (neuron/models/fp8.py).
 
 - AWQ, per linear ``X``: ``X.qweight`` int32 [K, N/8] (8 four-bit values a word along the output
   dimension, in AutoAWQ's order: value ``8j + AWQ_ORDER[i]`` in bits 4i..4i+3 of word j),
@@ -10,6 +10,10 @@ the packed words of its share.
   first), ``X.qzeros`` int32 [K/g, N * bits / 32] (along the output dimension) holding each zero
   point less one (the v1 convention), ``X.scales`` float16 [K/g, N], ``X.g_idx`` [K] (each input
   column's group; columns in order only: ``desc_act`` is refused at load).
+
+- FP8: ``X.weight`` float8 [N, K] with ``X.weight_scale_inv`` [ceil(N / bn), ceil(K / bk)] (a
+  scale per block, multiplied in despite its name) or ``X.weight_scale`` (per tensor, or [N] /
+  [N, 1] per row); ``w = values * scale``.
 
 The zero points stay exact: a group's offset ``-s z`` is the float16 scale times a small integer
 (the super-block form of the K-quants, ``m = dm * mn``), which the packed kernels multiply out in
@@ -21,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from neuron.models.fp8 import Fp8Weight
 from neuron.models.quant import GROUP, QuantWeight, SuperScales
 from protocol import CheckpointQuant
 
@@ -67,10 +72,49 @@ class PublishedSource:
         return self._packed(name) is not None or self.src.has(name)
 
     def get(self, name: str, *, dim: int | None = None, part: range | None = None) -> torch.Tensor:
+        f = self.get_fp8(name, dim=dim, part=part)
+        if f is not None:
+            return f.dequantize()
         q = self.get_quant(name, dim=dim, part=part)
-        if q is None:
-            return self.src.get(name, dim=dim, part=part)
-        return torch.from_numpy(q.dequantize())
+        if q is not None:
+            return torch.from_numpy(q.dequantize())
+        t = self.src.get(name, dim=dim, part=part)
+        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # never multiplied without its scale
+            raise LoadError(f"{name} is float8 but has no {name}_scale_inv or {name}_scale beside it")
+        return t
+
+    def _fp8_scale(self, name: str) -> str | None:
+        if self.q.method != "fp8" or not name.endswith(".weight"):
+            return None
+        return next((name + s for s in ("_scale_inv", "_scale") if self.src.has(name + s)), None)
+
+    def get_fp8(self, name: str, *, dim: int | None = None, part: range | None = None) -> Fp8Weight | None:
+        """An FP8 weight's share (rows with dim 0, columns with dim 1), as the file holds it."""
+        scale_name = self._fp8_scale(name)
+        if scale_name is None:
+            return None
+        values = self.src.get(name, dim=dim, part=part) if part is not None else self.src.get(name)
+        if values.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or values.ndim != 2:
+            raise LoadError(f"{name}: an FP8 weight with a scale must be a float8 matrix, not {values.dtype}")
+        N, K = self._shape(name)
+        rows = torch.arange(part.start, part.stop) if dim == 0 and part is not None else torch.arange(N)
+        cols = torch.arange(part.start, part.stop) if dim == 1 and part is not None else torch.arange(K)
+        scale = self.src.get(scale_name).float()
+        if self.q.block:
+            bn, bk = self.q.block
+            if tuple(scale.shape) != (-(-N // bn), -(-K // bk)):
+                raise LoadError(f"{scale_name}: {tuple(scale.shape)} scales for a {N}x{K} weight in {bn}x{bk} blocks")
+            blocks = cols // bk
+            scale, col_block = scale[rows // bn][:, int(blocks[0]):int(blocks[-1]) + 1], blocks - blocks[0]
+            layout = f"blocks of {bn}x{bk}"
+        elif scale.numel() == 1:
+            scale, col_block, layout = scale.reshape(1, 1).expand(len(rows), 1), torch.zeros_like(cols), "per tensor"
+        elif scale.numel() == N:
+            scale, col_block, layout = scale.reshape(N, 1)[rows], torch.zeros_like(cols), "per row"
+        else:
+            raise LoadError(f"{scale_name}: {tuple(scale.shape)} scales fit neither the tensor nor its {N} rows")
+        kind = str(values.dtype).removeprefix("torch.float8_").removesuffix("fn")
+        return Fp8Weight(values, scale.contiguous(), col_block, f"fp8 {kind}, {layout}")
 
     def get_quant(self, name: str, *, dim: int | None = None, part: range | None = None) -> QuantWeight | None:
         base = self._packed(name)

@@ -133,7 +133,10 @@ def _hf_spec(mid: str, files: ModelFiles) -> ModelSpec:
     )
     defaults = {k: float(gen[k]) for k in SAMPLING_KEYS if isinstance(gen.get(k), (int, float))}
     weight_format = "safetensors:" + "+".join(dtypes)
-    if quant is not None:
+    if quant is not None and quant.method == "fp8":
+        scales = f"blocks of {quant.block[0]}x{quant.block[1]}" if quant.block else "scales per tensor or row"
+        weight_format = f"fp8:{scales} ({weight_format})"
+    elif quant is not None:
         group = "per row" if quant.group_size == -1 else f"groups of {quant.group_size}"
         weight_format = f"{quant.method}:int{quant.bits} {group} ({weight_format})"
     return ModelSpec(mid, files, config, info, defaults, weight_format=weight_format, quantized=quant is not None,

@@ -23,6 +23,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from .fp8 import Fp8Linear, Fp8Weight, concat_fp8
 from .quant import PackedLinear, QuantWeight, concat_rows
 
 log = logging.getLogger("neuron.linear")
@@ -68,7 +69,7 @@ class ConcatLinear:
         return torch.cat([p(x, out_dtype) for p in self.parts], dim=-1)
 
 
-AnyLinear = Linear | PackedLinear | ConcatLinear
+AnyLinear = Linear | PackedLinear | ConcatLinear | Fp8Linear
 
 
 class Source(Protocol):
@@ -113,6 +114,13 @@ def row_parallel(src: Source, parts: list[tuple[str, range | None]], *, dtype: t
 
 def _build(src: Source, parts: list[tuple[str, range | None]], dim: int, dtype: torch.dtype, device: torch.device,
            bias: torch.Tensor | None, rows_to: int | None) -> AnyLinear:
+    get_fp8 = getattr(src, "get_fp8", None)
+    if get_fp8 is not None:  # an FP8 checkpoint: unpacked in tiles on any device
+        fp8 = [get_fp8(name, dim=dim, part=part) for name, part in parts]
+        if all(f is not None for f in fp8):
+            return _fp8(fp8, bias, dtype, device, rows_to)
+        if any(f is not None for f in fp8):
+            raise ValueError(f"{'+'.join(n for n, _ in parts)}: FP8 and float parts of one fused projection")
     get_quant = getattr(src, "get_quant", None)
     if get_quant is not None and packed_kernel_for(device, dtype):
         quants = [get_quant(name, dim=dim, part=part) for name, part in parts]
@@ -150,6 +158,16 @@ def _packed(quants: list[QuantWeight], bias: torch.Tensor | None, dtype: torch.d
     return ConcatLinear(linears)
 
 
+def _fp8(parts: list[Fp8Weight], bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device,
+         rows_to: int | None) -> Fp8Linear:
+    q = concat_fp8(parts)
+    if rows_to is not None and rows_to > q.values.shape[0]:
+        extra = rows_to - q.values.shape[0]
+        q = Fp8Weight(torch.cat([q.values, q.values.new_zeros(extra, q.values.shape[1])]),
+                      torch.cat([q.scale, q.scale.new_zeros(extra, q.scale.shape[1])]), q.col_block, q.source)
+    return Fp8Linear(q, bias, dtype, device)
+
+
 def _zero_rows(n: int, k: int, bits: int) -> QuantWeight:
     import numpy as np
 
@@ -175,6 +193,8 @@ def describe_packing(model) -> str:
     for part in parts:
         if isinstance(part, PackedLinear):
             seen[f"int{part.bits} from {part.source}"] += 1
+        elif isinstance(part, Fp8Linear):
+            seen[part.source] += 1
         else:
             seen[f"dense {str(part.weight.dtype).removeprefix('torch.')}"] += 1
     return ", ".join(f"{k} x{v}" for k, v in sorted(seen.items()))

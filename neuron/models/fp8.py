@@ -1,0 +1,75 @@
+"""FP8 weights kept as their checkpoint holds them: float8 values (one byte a weight) and their
+scales, a scale per block of rows and columns (Qwen's and DeepSeek's FP8 releases), per row or
+per tensor (compressed-tensors). A product unpacks the weight to the activation dtype a tile of
+rows at a time (float32 on the CPU), never whole, so it runs on every device and inside CUDA
+graphs; the FP8 tensor cores of Hopper GPUs are not used yet."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+TILE = 1 << 22  # weights unpacked at a time (16 MB of float32)
+
+
+@dataclass
+class Fp8Weight:
+    """``w[n, k] = values[n, k] * scale[n, col_block[k]]`` for a share [N, K] of a weight."""
+
+    values: torch.Tensor  # float8 [N, K]
+    scale: torch.Tensor  # float32 [N, blocks of columns]
+    col_block: torch.Tensor  # int64 [K]
+    source: str  # "fp8 e4m3, blocks of 128x128", ...
+
+    def dequantize(self) -> torch.Tensor:
+        return self.values.float() * self.scale[:, self.col_block]
+
+
+def concat_fp8(parts: list[Fp8Weight]) -> Fp8Weight:
+    """Weights stacked by rows (fused q/k/v, gate/up), which share their column blocks."""
+    first = parts[0]
+    if any(not torch.equal(p.col_block, first.col_block) or p.values.dtype != first.values.dtype for p in parts):
+        raise ValueError("fused FP8 weights must share their column blocks and float8 type")
+    sources = sorted({p.source for p in parts})
+    return Fp8Weight(torch.cat([p.values for p in parts]), torch.cat([p.scale for p in parts]), first.col_block,
+                     "+".join(sources))
+
+
+class Fp8Linear:
+    def __init__(self, q: Fp8Weight, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> None:
+        self.values = q.values.to(device)
+        self.scale = q.scale.to(device, torch.float32)
+        self.col_block = q.col_block.to(device)
+        self.n, self.k = q.values.shape
+        self.source, self.bias, self.dtype = q.source, bias, dtype
+        self.compute = torch.float32 if device.type == "cpu" else dtype
+        self.tile = max(1, TILE // max(1, self.k))
+
+    @property
+    def out_features(self) -> int:
+        return self.n
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.values, self.scale, self.col_block, *([self.bias] if self.bias is not None else [])]
+
+    def _weights(self, rows: slice | torch.Tensor) -> torch.Tensor:
+        return (self.values[rows].to(torch.float32) * self.scale[rows][:, self.col_block]).to(self.compute)
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, self.k).to(self.compute)
+        if self.tile >= self.n:
+            y = F.linear(flat, self._weights(slice(None)))
+        else:
+            y = torch.cat([F.linear(flat, self._weights(slice(r, r + self.tile))) for r in range(0, self.n, self.tile)],
+                          dim=-1)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(out_dtype or x.dtype).view(*shape[:-1], self.n)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of W, unpacked (an embedding lookup on this matrix)."""
+        flat = ids.reshape(-1)
+        return self._weights(flat).to(self.dtype).view(*ids.shape, self.k)
