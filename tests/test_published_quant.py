@@ -28,6 +28,7 @@ PROMPTS = [torch.randint(0, 509, (n,), generator=_gen).tolist() for n in (4, 11,
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # name: (method, bits, group_size, sym) or, for FP8: ("fp8", weight_block_size, scale dtype, config style)
 FORMATS = {"awq": ("awq", 4, 64, False), "gptq4": ("gptq", 4, 64, False), "gptq8": ("gptq", 8, -1, True),
+           "gptq4-act": ("gptq", 4, 64, "act"),
            "fp8-block32": ("fp8", [32, 32], torch.bfloat16, "fp8"),
            "fp8-block128": ("fp8", [128, 128], torch.float16, "fp8"),
            "fp8-rows": ("fp8", None, torch.float32, "compressed-tensors"),
@@ -54,24 +55,37 @@ def test_gptq_words_hold_their_values_lowest_bits_first():
 # ------------------------------------------------------------------------- writing checkpoints
 
 
-def quantize(w: torch.Tensor, bits: int, group: int, sym: bool) -> tuple[torch.Tensor, ...]:
+def quantize(w: torch.Tensor, bits: int, group: int, sym: bool, g_idx: torch.Tensor | None = None):
     """w [N, K] -> q [K, N], zero points [G, N] (the true ones), float16 scales [G, N], and the
-    dequantized weight [N, K]."""
+    dequantized weight [N, K]; column k in group ``g_idx[k]`` (default: k // group)."""
     N, K = w.shape
-    g = K if group == -1 else group
-    x = w.reshape(N, K // g, g)
-    top = 2 ** bits - 1
-    if sym:
-        s = (x.abs().amax(-1) / (2 ** (bits - 1) - 1)).half().float()
-        z = torch.full_like(s, 2 ** (bits - 1))
-    else:
-        lo, hi = x.amin(-1), x.amax(-1)
-        s = ((hi - lo) / top).half().float()
-        z = torch.round(-lo / s).clamp(1, top)  # >= 1: GPTQ v1 stores z - 1
-    q = torch.clamp(torch.round(x / s[..., None]) + z[..., None], 0, top)
-    deq = ((q - z[..., None]) * s[..., None]).reshape(N, K)
-    return (q.reshape(N, K).T.to(torch.int32).contiguous(), z.T.to(torch.int32).contiguous(), s.T.half().contiguous(),
-            deq)
+    g_idx = torch.arange(K) // (K if group == -1 else group) if g_idx is None else g_idx.long()
+    G, top = int(g_idx.max()) + 1, 2 ** bits - 1
+    s, z = torch.empty(N, G), torch.empty(N, G)
+    for i in range(G):
+        x = w[:, g_idx == i]
+        if sym:
+            s[:, i] = (x.abs().amax(1) / (2 ** (bits - 1) - 1)).half().float()
+            z[:, i] = 2 ** (bits - 1)
+        else:
+            lo, hi = x.amin(1), x.amax(1)
+            s[:, i] = ((hi - lo) / top).half().float()
+            z[:, i] = torch.round(-lo / s[:, i]).clamp(1, top)  # >= 1: GPTQ v1 stores z - 1
+    scale, zero = s[:, g_idx], z[:, g_idx]
+    q = torch.clamp(torch.round(w / scale) + zero, 0, top)
+    return (q.T.to(torch.int32).contiguous(), z.T.to(torch.int32).contiguous(), s.T.half().contiguous(),
+            (q - zero) * scale)
+
+
+def act_order(K: int, group: int, seed: int) -> torch.Tensor:
+    """GPTQ's desc_act g_idx: the columns quantized in a shuffled order P, the i-th of them in group
+    i // group. P moves whole runs of 32 columns (shuffled inside), as a tensor-parallel share needs."""
+    gen = torch.Generator().manual_seed(seed)
+    runs = torch.randperm(K // 32, generator=gen)
+    order = torch.cat([r * 32 + torch.randperm(32, generator=gen) for r in runs])
+    g_idx = torch.empty(K, dtype=torch.int32)
+    g_idx[order] = (torch.arange(K) // group).to(torch.int32)
+    return g_idx
 
 
 def pack(values: torch.Tensor, bits: int, dim: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
@@ -128,7 +142,8 @@ def write_quantized(src: Path, out: Path, method: str, bits, group, sym) -> Path
             packed[name] = values
             packed[name + ("_scale_inv" if block else "_scale")] = scale
             continue
-        q, z, s, deq = quantize(w.float(), bits, group, sym)
+        g_idx = act_order(w.shape[1], group, len(packed)) if sym == "act" else None
+        q, z, s, deq = quantize(w.float(), bits, group, sym is True, g_idx)
         floats[name] = deq
         packed[base + ".scales"] = s
         if method == "awq":
@@ -139,7 +154,7 @@ def write_quantized(src: Path, out: Path, method: str, bits, group, sym) -> Path
             packed[base + ".qweight"] = pack(q, bits, 0)
             packed[base + ".qzeros"] = pack(z - 1, bits, 1)
             g = q.shape[0] if group == -1 else group
-            packed[base + ".g_idx"] = torch.arange(q.shape[0], dtype=torch.int32) // g
+            packed[base + ".g_idx"] = g_idx if g_idx is not None else torch.arange(q.shape[0], dtype=torch.int32) // g
     save_file(packed, out / "model.safetensors", metadata={"format": "pt"})
     save_file(floats, ref / "model.safetensors", metadata={"format": "pt"})
     for d in (out, ref):
@@ -157,7 +172,8 @@ def write_quantized(src: Path, out: Path, method: str, bits, group, sym) -> Path
         quant |= {"weight_block_size": bits} if bits else {}
     else:
         quant = {"quant_method": method, "bits": bits, "group_size": group}
-        quant |= {"version": "gemm", "zero_point": True} if method == "awq" else {"sym": sym, "desc_act": False}
+        quant |= {"version": "gemm", "zero_point": True} if method == "awq" else \
+            {"sym": sym is True, "desc_act": sym == "act"}
     (out / "config.json").write_text(json.dumps(config | {"quantization_config": quant}))
     return out
 
@@ -220,7 +236,7 @@ def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(checkpoints
 
 
 def test_the_server_serves_them_packed_and_names_the_format(tmp_path, checkpoints, references):
-    tps = {"awq": 3, "gptq4": 2, "gptq8": 1, "fp8-block128": 3, "fp8-rows": 2}
+    tps = {"awq": 3, "gptq4": 2, "gptq8": 1, "gptq4-act": 2, "fp8-block128": 3, "fp8-rows": 2}
     config = "".join(f'[[models]]\nmodel = "{checkpoints[n]}"\nid = "{n}"\nmax_model_len = 128\nmax_slots = 2\n'
                      f'tensor_parallel = {tp}\n' for n, tp in tps.items())
     server = start_server(tmp_path, config=config)
@@ -247,3 +263,35 @@ def test_the_server_serves_them_packed_and_names_the_format(tmp_path, checkpoint
                 assert r.json()["choices"][0]["token_ids"] == references[name][i], (name, i)
     finally:
         assert server.stop() == 0
+
+
+def test_a_desc_act_share_that_cuts_a_32_column_run_is_refused_naming_it():
+    """Columns of a group scattered in runs of 16: the whole matrix reads (sorted by group), a
+    share of half its columns cannot keep one scale per 32 columns and says so."""
+    from neuron.loader.errors import LoadError
+    from neuron.loader.published import PublishedSource
+    from neuron.loader.prequantized import checkpoint_quant
+
+    K, N, group = 128, 16, 64
+    gen = torch.Generator().manual_seed(5)
+    order = torch.cat([r * 16 + torch.arange(16) for r in torch.randperm(K // 16, generator=gen)])
+    g_idx = torch.empty(K, dtype=torch.int32)
+    g_idx[order] = (torch.arange(K) // group).to(torch.int32)
+    w = torch.randn(N, K, generator=gen)
+    q, z, s, deq = quantize(w, 4, group, False, g_idx)
+    tensors = {"x.qweight": pack(q, 4, 0), "x.qzeros": pack(z - 1, 4, 1), "x.scales": s, "x.g_idx": g_idx}
+
+    class Tensors:
+        def has(self, name):
+            return name in tensors
+
+        def get(self, name, *, dim=None, part=None):
+            t = tensors[name]
+            return t if part is None else t.narrow(dim or 0, part.start, len(part))
+
+    quant = checkpoint_quant({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": group,
+                                                      "desc_act": True, "sym": False}}, {})
+    src = PublishedSource(Tensors(), quant)
+    assert torch.equal(src.get("x.weight"), deq)
+    with pytest.raises(LoadError, match="desc_act groups do not fall on whole 32-column runs"):
+        src.get_quant("x.weight", dim=1, part=range(0, 64))

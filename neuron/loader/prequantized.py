@@ -59,9 +59,6 @@ def _readable(q: dict[str, Any], where: str) -> CheckpointQuant | None:
     if fmt not in ("gptq", ""):
         raise UnsupportedModel(f"{what}: GPTQ's {fmt!r} checkpoint format is not supported (the v1 'gptq' one is); "
                                f"supported: {INSTEAD}")
-    if q.get("desc_act"):
-        raise UnsupportedModel(f"{what}: desc_act (columns quantized out of order, a g_idx permutation) is not "
-                               f"supported yet; supported: {INSTEAD}")
     keep = q.get("modules_to_not_convert") or []
     return CheckpointQuant("gptq", bits, group, bool(q.get("sym", True)), [], [str(m) for m in keep])
 # safetensors dtypes that hold quantized values, not weights one can multiply by.

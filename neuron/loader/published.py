@@ -9,7 +9,9 @@ the packed words of its share; FP8 ones ``Fp8Weight``s (neuron/models/fp8.py).
 - GPTQ: ``X.qweight`` int32 [K * bits / 32, N] (values along the input dimension, lowest bits
   first), ``X.qzeros`` int32 [K/g, N * bits / 32] (along the output dimension) holding each zero
   point less one (the v1 convention), ``X.scales`` float16 [K/g, N], ``X.g_idx`` [K] (each input
-  column's group; columns in order only: ``desc_act`` is refused at load).
+  column's group). With ``desc_act`` a group's columns lie anywhere: a share's columns are sorted
+  by group and the input is read in that order (``QuantWeight.perm``), which needs each group's
+  columns in the share to come in whole runs of 32 (always so for a whole row of the matrix).
 
 - FP8: ``X.weight`` float8 [N, K] with ``X.weight_scale_inv`` [ceil(N / bn), ceil(K / bk)] (a
   scale per block, multiplied in despite its name) or ``X.weight_scale`` (per tensor, or [N] /
@@ -124,8 +126,10 @@ class PublishedSource:
         cols = part if dim == 1 else None
         if cols is not None and (cols.start % GROUP or cols.stop % GROUP):
             raise LoadError(f"{base}: a share of columns {cols.start}..{cols.stop} splits a {GROUP}-column group")
-        q, z, s, col_group = (self._awq if self.q.method == "awq" else self._gptq)(base, rows, cols)
-        return _quant_weight(q, z, s, col_group, self.q, base)
+        q, z, s, col_group, perm = (self._awq if self.q.method == "awq" else self._gptq)(base, rows, cols)
+        weight = _quant_weight(q, z, s, col_group, self.q, base)
+        weight.perm = perm
+        return weight
 
     # -- the layouts: q [K', N'] values, z [G', N'] zero points, s [G', N'] scales, and the group of
     # each column of the share (an index into the G' rows)
@@ -155,17 +159,23 @@ class PublishedSource:
         zwords, zskip = self._words(base + ".qzeros", 1, rows, 8)
         z = _trim(unpack_awq(self._take(zwords, groups)), zskip, rows)
         s = self.src.get(base + ".scales", dim=1, part=rows) if rows is not None else self.src.get(base + ".scales")
-        return q, z, self._take(s, groups), col_group
+        return q, z, self._take(s, groups), col_group, None
 
     def _gptq(self, base: str, rows: range | None, cols: range | None):
         bits, per = self.q.bits, 32 // self.q.bits
         K = self._shape(base + ".qweight")[0] * per
         groups, col_group = self._groups(base, K, cols)
+        perm = None
         if self.src.has(base + ".g_idx"):
-            g_idx = self.src.get(base + ".g_idx").numpy()
+            g_idx = self.src.get(base + ".g_idx").numpy().astype(np.int64)
             g = self.q.group_size if self.q.group_size > 0 else K
-            if not np.array_equal(g_idx, np.arange(len(g_idx)) // g):
-                raise LoadError(f"{base}: g_idx puts columns out of order (desc_act), which is not supported yet")
+            if not np.array_equal(g_idx, np.arange(len(g_idx)) // g):  # desc_act: groups out of column order
+                share = g_idx[cols.start:cols.stop] if cols is not None else g_idx
+                perm = np.argsort(share, kind="stable")
+                groups, col_group = None, share[perm]
+                if (col_group.reshape(-1, GROUP) != col_group[::GROUP, None]).any():
+                    raise LoadError(f"{base}: its desc_act groups do not fall on whole {GROUP}-column runs of this "
+                                    f"rank's share of columns; load it with fewer tensor-parallel ranks")
         words, skip = self._words(base + ".qweight", 0, cols, per)
         if rows is not None:
             words = words[:, rows.start:rows.stop]
@@ -175,7 +185,9 @@ class PublishedSource:
         zwords, zskip = self._words(base + ".qzeros", 1, rows, per)
         z = _trim(unpack_along_columns(self._take(zwords, groups), bits), zskip, rows).to(torch.int16) + 1
         s = self.src.get(base + ".scales", dim=1, part=rows) if rows is not None else self.src.get(base + ".scales")
-        return q, z, self._take(s, groups), col_group
+        if perm is not None:
+            q = q[torch.from_numpy(perm)]
+        return q, z, self._take(s, groups), col_group, perm
 
     def _take(self, t: torch.Tensor, groups: range | None) -> torch.Tensor:
         return t if groups is None else t[groups.start:groups.stop]

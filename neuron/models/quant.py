@@ -75,6 +75,7 @@ class QuantWeight:
     source: str  # what the file held: "Q4_1", "Q8_0", "q4 (in situ)", ...
     group: int = GROUP
     sup: SuperScales | None = None  # the K-quants: s and m from super-block scales
+    perm: np.ndarray | None = None  # the input's columns in this weight's order (GPTQ's desc_act)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -83,7 +84,7 @@ class QuantWeight:
     def rows(self, part: range) -> QuantWeight:
         rows = slice(part.start, part.stop)
         return QuantWeight(self.u[rows], self.s[rows], self.m[rows], self.bits, self.source, self.group,
-                           self.sup.take(rows) if self.sup else None)
+                           self.sup.take(rows) if self.sup else None, self.perm)
 
     def columns(self, part: range) -> QuantWeight:
         """Columns ``part`` of every row; ``part`` must start and end on a group boundary."""
@@ -97,7 +98,12 @@ class QuantWeight:
     def dequantize(self) -> np.ndarray:
         N, K = self.u.shape
         u = self.u.reshape(N, K // self.group, self.group).astype(np.float32)
-        return (self.s[..., None] * u + self.m[..., None]).reshape(N, K)
+        w = (self.s[..., None] * u + self.m[..., None]).reshape(N, K)
+        if self.perm is None:
+            return w
+        out = np.empty_like(w)
+        out[:, self.perm] = w  # the columns back in the input's order
+        return out
 
     def with_rows(self, order: np.ndarray) -> QuantWeight:
         return QuantWeight(self.u[order], self.s[order], self.m[order], self.bits, self.source, self.group,
@@ -128,6 +134,10 @@ class QuantWeight:
 def concat_rows(parts: list[QuantWeight]) -> QuantWeight:
     bits = max(p.bits for p in parts)
     group = min(p.group for p in parts)
+    perm = parts[0].perm
+    if any((p.perm is None) != (perm is None) or (perm is not None and not np.array_equal(p.perm, perm))
+           for p in parts):
+        raise ValueError("fused packed weights must read their input's columns in one order")
     parts = [p.in_groups_of(group) for p in parts]
     sources = sorted({p.source for p in parts if p.source})
     sup = None
@@ -137,7 +147,7 @@ def concat_rows(parts: list[QuantWeight]) -> QuantWeight:
             sups = [s.expanded(s.per) for s in sups]
         sup = SuperScales(*(np.concatenate([getattr(s, f) for s in sups]) for f in ("sc", "mn", "d", "dm")))
     return QuantWeight(np.concatenate([p.u for p in parts]), np.concatenate([p.s for p in parts]),
-                       np.concatenate([p.m for p in parts]), bits, "+".join(sources), group, sup)
+                       np.concatenate([p.m for p in parts]), bits, "+".join(sources), group, sup, perm)
 
 
 # ---------------------------------------------------------------------------------- GGUF blocks
@@ -334,6 +344,7 @@ class PackedLinear:
         self.bits = 4 if q.bits <= 4 else 8
         self.bias, self.dtype = bias, dtype
         self.device = device or torch.device("cpu")
+        self.perm = torch.from_numpy(q.perm).to(self.device) if q.perm is not None else None
         u = torch.from_numpy(np.ascontiguousarray(q.u))
         self.u = pack_nibbles(u) if self.bits == 4 else u
         if q.sup is not None:  # exact: the integers and float16s the file builds its scales from
@@ -367,11 +378,14 @@ class PackedLinear:
 
     def tensors(self) -> list[torch.Tensor]:
         scales = [self.sm] if self.device.type == "cuda" else [self.s, self.m]  # s, m: views of sm there
-        return [self.u, *scales, self.d, self.dm, *([self.bias] if self.bias is not None else [])]
+        extra = [t for t in (self.bias, self.perm) if t is not None]
+        return [self.u, *scales, self.d, self.dm, *extra]
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """``x W^T + b`` in ``x``'s dtype, or its values in ``out_dtype``."""
         shape = x.shape
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
         if x.is_cuda:
             from neuron.kernels.gpu import qlinear
 
