@@ -20,7 +20,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--insecure-admin", action="store_true",
                    help="serve beyond loopback without an admin key (anyone reaching the port may load "
                         "and unload models); same as [server] allow_insecure_admin = true")
-    s.add_argument("--quantize", choices=["q8_0", "q4", "none"],
+    s.add_argument("--quantize", choices=["q8_0", "q4", "fp8", "none"],
                    help="quantize float (bf16/fp16/fp32) weights at load, on each rank, only its shard")
     s.set_defaults(run=_serve)
 

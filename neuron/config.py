@@ -15,7 +15,7 @@ class ConfigError(ValueError):
     pass
 
 
-QUANTIZE = ("", "q8_0", "q4")
+QUANTIZE = ("", "q8_0", "q4", "fp8")
 # How a model's tool calls and thinking are read from its output (neuron.parsing.tool_calls,
 # neuron.parsing.reasoning); "auto" finds them in the chat template.
 TOOL_PARSERS = ("auto", "none", "hermes", "llama3_json", "mistral")

@@ -295,3 +295,18 @@ def test_a_desc_act_share_that_cuts_a_32_column_run_is_refused_naming_it():
     assert torch.equal(src.get("x.weight"), deq)
     with pytest.raises(LoadError, match="desc_act groups do not fall on whole 32-column runs"):
         src.get_quant("x.weight", dim=1, part=range(0, 64))
+
+
+def test_in_situ_fp8_keeps_one_byte_a_weight_and_equals_its_dequantized_model(checkpoints):
+    """``quantize = "fp8"`` on a float checkpoint: the same greedy tokens at TP=1, 2 and 3 as the
+    float model of its dequantized weights (a scale per row and 32 columns, so every split reads
+    the same values), in about a quarter of the float32 bytes."""
+    src = checkpoints["awq"].with_name("qwen3")
+    paths = [str(p) for p in sorted(src.glob("*.safetensors"))]
+    cfg = load_spec(str(src)).config
+    (ref,) = run_parity([ParityJob("ref", "safetensors", paths, cfg, PROMPTS, NEW_TOKENS, quant="fp8", dense=True)])
+    dense = sum(Path(p).stat().st_size for p in paths)
+    for world in (1, 2, 3):
+        (got,) = run_parity([ParityJob("fp8", "safetensors", paths, cfg, PROMPTS, NEW_TOKENS, quant="fp8")], world=world)
+        assert got.greedy == ref.greedy, world
+        assert sum(got.weight_bytes) < 0.45 * dense, got.weight_bytes

@@ -9,6 +9,7 @@ import re
 
 import torch
 
+from neuron.models.fp8 import Fp8Weight, quantize_fp8
 from neuron.models.quant import GROUP, SCHEMES, QuantWeight, quantize
 
 
@@ -34,13 +35,28 @@ class QuantizingSource:
         own = getattr(self.src, "get_quant", None)
         if own is not None and (q := own(name, dim=dim, part=part)) is not None:
             return q
+        w = self._float(name, dim, part) if self.scheme != "fp8" else None
+        return quantize(w, self.scheme) if w is not None else None
+
+    def get_fp8(self, name: str, *, dim: int | None = None, part: range | None = None) -> Fp8Weight | None:
+        own = getattr(self.src, "get_fp8", None)
+        if own is not None and (f := own(name, dim=dim, part=part)) is not None:
+            return f
+        if self.scheme != "fp8":
+            return None
+        packed = getattr(self.src, "get_quant", None)
+        if packed is not None and packed(name, dim=dim, part=part) is not None:
+            return None  # a weight the file holds packed stays as it is
+        w = self._float(name, dim, part)
+        return quantize_fp8(w) if w is not None else None
+
+    def _float(self, name: str, dim: int | None, part: range | None) -> torch.Tensor | None:
+        """A projection's float share, to quantize (None: not one)."""
         if not quantizable(name):
             return None
         w = self._expert(name) if _EXPERT.fullmatch(name) and not self.src.has(name) else self.src.get(
             name, dim=dim, part=part)
-        if w.ndim != 2 or w.shape[1] % GROUP:
-            return None
-        return quantize(w, self.scheme)
+        return w if w.ndim == 2 and not w.shape[1] % GROUP else None
 
     def _expert(self, name: str) -> torch.Tensor:
         """One expert's matrix out of a checkpoint that stacks them (``experts.gate_up_proj``)."""
@@ -60,7 +76,13 @@ class QuantizingSource:
             w = self.src.get(name, dim=dim, part=part)
             if w.shape[-1] % GROUP:
                 return w
-            return torch.from_numpy(quantize(w.reshape(-1, w.shape[-1]), self.scheme).dequantize()).view(w.shape)
+            flat = w.reshape(-1, w.shape[-1])
+            if self.scheme == "fp8":
+                return quantize_fp8(flat).dequantize().view(w.shape)
+            return torch.from_numpy(quantize(flat, self.scheme).dequantize()).view(w.shape)
+        f = self.get_fp8(name, dim=dim, part=part)
+        if f is not None:
+            return f.dequantize()
         q = self.get_quant(name, dim=dim, part=part)
         if q is None:
             return self.src.get(name, dim=dim, part=part)

@@ -26,7 +26,7 @@ from gguf.quants import Q4_K, dequantize
 log = logging.getLogger("neuron.quant")
 
 GROUP = 32
-SCHEMES = ("q8_0", "q4")  # in-situ quantization
+SCHEMES = ("q8_0", "q4", "fp8")  # in-situ quantization (fp8: neuron/models/fp8.py)
 
 
 @dataclass
