@@ -16,7 +16,8 @@ import torch
 from neuron.loader.gguf_file import GgufFile
 from neuron.loader.resolve import default_model_path
 from neuron.loader.spec import load_spec
-from neuron.models.quant import GROUP, PackedLinear, decode_blocks, quantize
+from neuron.models.packed_linear import PackedLinear
+from neuron.models.quant import GROUP, decode_blocks, quantize
 from neuron.models.sharding import ShardingError, check_plan, plan_shard
 from devtools.checkpoints import make_checkpoint, random_quant_blocks, write_random_kquant_gguf
 from devtools.parity import ParityJob, run_parity

@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 CHECK = r"""
 import json, sys, numpy as np, torch, gguf
-from neuron.models.quant import decode_blocks, pack_nibbles
+from neuron.models.packed_linear import pack_nibbles
+from neuron.models.quant import decode_blocks
 from neuron.kernels import packed as tk
 from neuron.kernels.int8_rows import reference_quantized_rows
 from neuron.kernels.packed import qlinear, reference_qlinear

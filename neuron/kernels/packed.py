@@ -1,5 +1,5 @@
 """GPU kernels for packed weights (Triton): ``y = x W^T`` with ``W`` in the CPU kernel's layout
-(``quant.PackedLinear``: 4-bit or 8-bit integers in groups of 32 along the input dimension,
+(``packed_linear.PackedLinear``: 4-bit or 8-bit integers in groups of 32 along the input dimension,
 ``w = s * u + m`` per group, or per 16 for the K-quants), bfloat16 or float16 activations,
 float32 accumulation.
 

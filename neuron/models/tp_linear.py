@@ -11,7 +11,7 @@
 
 At world 1 both are the whole weight. Every projection of a model is one of these, so how a
 weight is stored is decided here and nowhere else in the model code: packed quantized groups
-(``quant.PackedLinear``) when the source holds it quantized (a GGUF quant type, or in-situ
+(``packed_linear.PackedLinear``) when the source holds it quantized (a GGUF quant type, or in-situ
 quantization) and a packed kernel runs on this device in this activation dtype; dense otherwise.
 """
 
@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from .fp8 import Fp8Linear, Fp8Weight, concat_fp8
-from .quant import PackedLinear, QuantWeight, concat_rows
+from .packed_linear import PackedLinear
+from .quant import QuantWeight, concat_rows
 
 log = logging.getLogger("neuron.linear")
 
