@@ -39,6 +39,16 @@ class ChatPrompt:
     shown: set[int] = field(default_factory=set)  # special tokens the answer's text must show
 
 
+IMAGE_PARTS = ("image_url", "input_image", "image")
+
+
+def no_images(model: str, param: str) -> ApiError:
+    """An image sent to a model that does not take them: no model neuron serves runs a vision
+    tower yet, so every image is refused, never dropped."""
+    return ApiError(400, "vision_unsupported", f"model {model[:80]!r} does not take images: neuron runs no vision "
+                    f"tower yet; send text parts only", param=param)
+
+
 def chat_messages(body: ChatRequest) -> list[dict[str, Any]]:
     _check(bool(body.messages), "messages", "messages must not be empty")
     messages = []
@@ -47,7 +57,9 @@ def chat_messages(body: ChatRequest) -> list[dict[str, Any]]:
                f"unknown role {m.role[:40]!r}")
         content = m.content
         if isinstance(content, list):
-            for part in content:
+            for j, part in enumerate(content):
+                if part.type in IMAGE_PARTS:
+                    raise no_images(body.model, f"messages.{i}.content.{j}")
                 _check(part.type in ("text", "input_text", "output_text"), f"messages.{i}.content",
                        f"content part type {part.type[:40]!r} is not supported")
             content = "".join(part.text or "" for part in content)

@@ -22,6 +22,7 @@ from neuron.server.openai.choices import Choice, Delta
 from neuron.server.openai.generation import respond, usage
 from neuron.server.openai.routes import serving
 from neuron.server.openai.planning import plan_chat
+from neuron.server.openai.prompts import IMAGE_PARTS, no_images
 from neuron.server.openai.requests import decode_json, read_body
 from neuron.server.openai.response_store import ResponseStore
 from neuron.server.schemas import ChatRequest
@@ -77,12 +78,14 @@ REFUSED = {
 # ----------------------------------------------------------------------------- the request
 
 
-def _text(content: Any, param: str) -> str:
+def _text(content: Any, param: str, model: str = "") -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         parts = []
         for i, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") in IMAGE_PARTS:
+                raise no_images(model, f"{param}.{i}")
             if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
                 raise _bad("only text content parts are supported", f"{param}.{i}.type")
             parts.append(str(part.get("text") or ""))
@@ -90,7 +93,7 @@ def _text(content: Any, param: str) -> str:
     raise _bad("content must be a string or a list of text parts", param)
 
 
-def input_messages(raw: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+def input_messages(raw: str | list[dict[str, Any]], model: str = "") -> list[dict[str, Any]]:
     """Input items as chat messages: messages, earlier function calls (one assistant turn) and
     their outputs (tool turns). Earlier reasoning items are the model's own: left out."""
     if isinstance(raw, str):
@@ -103,7 +106,7 @@ def input_messages(raw: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise _bad("a message's role must be user, system, developer or assistant", f"{param}.role")
-            messages.append({"role": role, "content": _text(item.get("content"), f"{param}.content")})
+            messages.append({"role": role, "content": _text(item.get("content"), f"{param}.content", model)})
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
@@ -139,7 +142,7 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
 
 def as_chat(body: ResponsesRequest, history: list[dict[str, Any]]) -> tuple[ChatRequest, list[dict[str, Any]]]:
     """The chat request this response runs as, and its conversation (kept for the next turn)."""
-    conversation = history + input_messages(body.input)
+    conversation = history + input_messages(body.input, body.model)
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + conversation
     fmt = (body.text or {}).get("format")
     if fmt is not None and not isinstance(fmt, dict):
