@@ -10,7 +10,7 @@ import tomllib
 from conftest import ROOT
 
 DOCS = ROOT / "docs"
-PAGES = ["api.md", "configuration.md", "operations.md", "architecture.md", "gpu.md"]
+PAGES = ["api.md", "configuration.md", "operations.md", "architecture.md", "gpu.md", "multihost.md"]
 
 
 def test_the_readme_keeps_its_first_two_commands():
