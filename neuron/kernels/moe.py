@@ -18,7 +18,7 @@ import triton.language as tl
 from .launch import grid_sync, pdl_args
 
 
-PAIRS_ALONE = 32  # at most this many pairs run one program per pair (scripts/bench-kernels)
+PAIRS_ALONE = 128  # at most this many pairs run one program per pair (scripts/bench-kernels)
 # the grouped product's tiles (rows of a block, columns, depth, warps, stages) by pair count
 TILES = {"few": (16, 64, 64, 4, 3), "many": (64, 128, 64, 8, 3)}
 
