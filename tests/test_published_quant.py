@@ -236,7 +236,7 @@ def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(checkpoints
 
 
 def test_the_server_serves_them_packed_and_names_the_format(tmp_path, checkpoints, references):
-    tps = {"awq": 3, "gptq4": 2, "gptq8": 1, "gptq4-act": 2, "fp8-block128": 3, "fp8-rows": 2}
+    tps = {"awq": 2, "gptq8": 1, "fp8-block128": 3}  # (every format at every TP size: in process)
     config = "".join(f'[[models]]\nmodel = "{checkpoints[n]}"\nid = "{n}"\nmax_model_len = 128\nmax_slots = 2\n'
                      f'tensor_parallel = {tp}\n' for n, tp in tps.items())
     server = start_server(tmp_path, config=config)
