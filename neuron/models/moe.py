@@ -26,12 +26,12 @@ class SparseMoe:
         self.router = src.get(f"{prefix}.gate.weight").to(device, dtype)
         inter = cfg.moe_intermediate_size
         self.inter = inter
-        # packed experts: each one's gate/up and down as packed linears
+        # packed experts (quantized groups or FP8): each one's gate/up and down as their linears
         self.packed: list[tuple[AnyLinear, AnyLinear]] = []
-        get_quant = getattr(src, "get_quant", None)
         first = f"{prefix}.experts.{plan.experts.start}.gate_proj.weight"
-        if (len(plan.experts) and get_quant is not None and packed_kernel_for(device, dtype)
-                and get_quant(first) is not None):
+        readers = [getattr(src, r, None) for r in ("get_quant", "get_fp8")]  # packed groups, FP8
+        if (len(plan.experts) and packed_kernel_for(device, dtype)
+                and any(read is not None and read(first) is not None for read in readers)):
             def name(e: int, proj: str) -> str:
                 return f"{prefix}.experts.{e}.{proj}_proj.weight"
 
