@@ -356,18 +356,25 @@ def test_a_hybrid_fp8_checkpoint_equals_transformers_on_its_dequantized_weights(
     assert sum(got.weight_bytes) < 0.7 * dense  # the projections at a byte a weight, the rest float32
 
 
-@pytest.mark.parametrize("fmt", ["fp8-block32", "gptq8"])
+@pytest.mark.parametrize("fmt", ["fp8-block32", "gptq8", "in-situ fp8"])
 def test_sparse_experts_of_a_quantized_checkpoint_stay_packed(tmp_path, fmt):
-    """qwen3_moe with every expert's projections FP8 (or GPTQ): each expert kept in its format,
-    greedy tokens equal transformers on the dequantized weights at TP=1 and 2 (experts split
-    between the ranks)."""
+    """qwen3_moe with every expert's projections FP8 (or GPTQ, or quantized to fp8 at load): each
+    expert kept in its format, greedy tokens equal transformers on the dequantized weights (in
+    situ: the dequantized model) at TP=1 and 2 (experts split between the ranks)."""
     src = make_checkpoint("qwen3_moe", tmp_path / "moe", seed=23)
-    d = write_quantized(src, tmp_path / fmt, *FORMATS[fmt])
-    want = hf_greedy(d.with_name(d.name + "-float"))
-    spec = load_spec(str(d))
-    job = ParityJob(fmt, "safetensors", [str(d / "model.safetensors")], spec.config, PROMPTS, NEW_TOKENS,
-                    checkpoint_quant=spec.checkpoint_quant)
-    dense = (d.with_name(d.name + "-float") / "model.safetensors").stat().st_size
+    if fmt == "in-situ fp8":
+        paths = [str(p) for p in sorted(src.glob("*.safetensors"))]
+        cfg = load_spec(str(src)).config
+        (ref,) = run_parity([ParityJob("ref", "safetensors", paths, cfg, PROMPTS, NEW_TOKENS, quant="fp8", dense=True)])
+        want, job = ref.greedy, ParityJob(fmt, "safetensors", paths, cfg, PROMPTS, NEW_TOKENS, quant="fp8")
+        dense = sum(Path(p).stat().st_size for p in paths)
+    else:
+        d = write_quantized(src, tmp_path / fmt, *FORMATS[fmt])
+        want = hf_greedy(d.with_name(d.name + "-float"))
+        spec = load_spec(str(d))
+        job = ParityJob(fmt, "safetensors", [str(d / "model.safetensors")], spec.config, PROMPTS, NEW_TOKENS,
+                        checkpoint_quant=spec.checkpoint_quant)
+        dense = (d.with_name(d.name + "-float") / "model.safetensors").stat().st_size
     for world in (1, 2):
         (got,) = run_parity([job], world=world)
         assert got.greedy == want, world
