@@ -90,18 +90,7 @@ def serve(jobs: list[tuple[list[int], int]], blocks: int, block_size: int, cachi
                     break
                 queue.append((plan, device.run(plan)))
             assert queue, "nothing can run: the scheduler is stuck"
-            plan, tokens = queue.popleft()
-            sched.completed(plan)
-            for x, tok in zip(plan, tokens):
-                if not x.sample:
-                    continue
-                x.req.pending -= 1
-                if x.req.finished:
-                    continue
-                x.req.output.append(tok)
-                if len(x.req.output) >= x.req.max_tokens:
-                    x.req.finished = True
-                    sched.release(x.req)
+            take_tokens(sched, *queue.popleft())
         assert sched.blocks.used == 0
         return [r.output for r in reqs], [r.cached_tokens for r in reqs], sched
     return asyncio.run(main())
@@ -114,15 +103,23 @@ def run_alone(sched: Scheduler, device, req: GenRequest, keep: bool = False) -> 
     sched.admit()
     while not req.finished:
         plan = sched.schedule()
-        tokens = device.run(plan)
-        sched.completed(plan)
-        for x, tok in zip(plan, tokens):
-            if x.sample:
-                x.req.pending -= 1
-                x.req.output.append(tok)
-                if len(x.req.output) >= x.req.max_tokens:
-                    x.req.finished = True
-                    sched.release(x.req, keep=keep)
+        take_tokens(sched, plan, device.run(plan), keep)
+
+
+def take_tokens(sched: Scheduler, plan, tokens: list[int], keep: bool = False) -> None:
+    """A completed step's tokens into its requests, as the engine takes them: a request that
+    reaches its max_tokens ends (``keep``: as a finished request whose last state is kept)."""
+    sched.completed(plan)
+    for x, tok in zip(plan, tokens):
+        if not x.sample:
+            continue
+        x.req.pending -= 1
+        if x.req.finished:
+            continue
+        x.req.output.append(tok)
+        if len(x.req.output) >= x.req.max_tokens:
+            x.req.finished = True
+            sched.release(x.req, keep=keep)
 
 
 def test_chain_hashes_name_the_whole_prefix_and_the_key():

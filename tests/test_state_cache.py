@@ -16,7 +16,7 @@ from collections import deque
 from hypothesis import given, settings, strategies as st
 
 from neuron.engine.scheduler import DEVICE_TOKEN, Scheduler
-from test_prefix_cache import VOCAB, request, run_alone
+from test_prefix_cache import VOCAB, request, run_alone, take_tokens
 
 
 def next_token(context: list[int], state: tuple[int, ...]) -> int:
@@ -95,17 +95,7 @@ def serve(jobs, blocks: int, block_size: int, caching: bool, snapshots: int, in_
                         x.req.finished = True
                         sched.release(x.req)
                 continue
-            sched.completed(plan)
-            for x, tok in zip(plan, tokens):
-                if not x.sample:
-                    continue
-                x.req.pending -= 1
-                if x.req.finished:
-                    continue
-                x.req.output.append(tok)
-                if len(x.req.output) >= x.req.max_tokens:
-                    x.req.finished = True
-                    sched.release(x.req, keep=True)
+            take_tokens(sched, plan, tokens, keep=True)
         states = sched.states
         assert sched.blocks.used == sum(1 for s in states._lru if s.block >= 0)  # only snapshots' tail blocks
         assert states.running == 0 and states.pending == 0 and not sched.closing
