@@ -379,3 +379,39 @@ def test_sparse_experts_of_a_quantized_checkpoint_stay_packed(tmp_path, fmt):
         (got,) = run_parity([job], world=world)
         assert got.greedy == want, world
         assert sum(got.weight_bytes) < 0.6 * dense, got.weight_bytes  # experts too: most of the weights
+
+
+def test_a_broken_quantized_checkpoint_fails_its_load_naming_the_tensor_and_leaves_no_rank(tmp_path, checkpoints):
+    """An FP8 checkpoint whose block scales do not fit its weight (a careless conversion): the
+    ranks' load fails with the tensor and shapes named, the daemon exits 1 with that message,
+    and no rank process outlives it."""
+    import os
+    import signal
+    import time
+
+    d = tmp_path / "broken"
+    shutil.copytree(checkpoints["fp8-block32"], d)
+    tensors = load_file(d / "model.safetensors")
+    name = "model.layers.1.mlp.down_proj.weight_scale_inv"
+    tensors[name] = tensors[name][:, :1].contiguous()
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    server = start_server(tmp_path, args=["--model", str(d), "--tensor-parallel", "2"], healthy=False)
+    try:
+        assert server.proc.wait(120) == 1
+    finally:
+        if server.proc.poll() is None:
+            server.stop()
+    assert f"{name}: (2, 1) scales for a 64x128 weight in 32x32 blocks" in server.log(), server.log()[-3000:]
+    def session(pid: int) -> int:  # the daemon starts its own session; its live ranks are in it
+        try:
+            state, *fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            return -1 if state == "Z" else int(fields[2])  # (an exited process not yet reaped holds nothing)
+        except (OSError, ValueError, IndexError):
+            return -1
+
+    time.sleep(1)
+    leftovers = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc"))) if session(pid) == server.proc.pid]
+    seen = {pid: open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode() for pid in leftovers}
+    for pid in leftovers:
+        os.kill(pid, signal.SIGKILL)
+    assert not leftovers, seen
