@@ -48,14 +48,15 @@ HYBRID = ("qwen3_5_text", "qwen3_5_moe_text")
 
 
 def make_shaped_checkpoint(shape: str, out_dir: str | Path, *, device: str = "cpu", dtype: str = "bfloat16",
-                           seed: int = 0) -> Path:
+                           seed: int = 0, layers: int = 0) -> Path:
     """Write a random-weight safetensors checkpoint of a real model shape (one file per layer),
-    tensor by tensor on `device`, without building the model. The tokenizer is the tiny test one:
-    most generated ids have no text, so measure with ``return_token_ids``."""
+    tensor by tensor on `device`, without building the model; ``layers``: only that many of its
+    layers (a slice of the model's widths, quick to write and load). The tokenizer is the tiny test
+    one: most generated ids have no text, so measure with ``return_token_ids``."""
     import torch
     from safetensors.torch import save_file
 
-    shaped = dict(SHAPES[shape])
+    shaped = dict(SHAPES[shape]) | ({"num_hidden_layers": layers} if layers else {})
     model_type = shaped.pop("model_type")
     if model_type in HYBRID:
         return _hybrid_checkpoint(model_type, shaped, Path(out_dir), device, dtype, seed)

@@ -95,12 +95,16 @@ def test_a_16_bit_model_keeps_its_chunk_scratch_in_16_bits_within_their_rounding
     monkeypatch.setitem(K.SCAN, "low", low)
     lengths, nk, r, hk, hv = [70, 1, 40], 1, 2, 16, 32
     qkv, a, b, neg_a, dt_bias, state, spans = qkv_case(lengths, nk, r, hk, hv, 5)
-    qkv, a, b = qkv.to(torch.bfloat16), a.to(torch.bfloat16), b.to(torch.bfloat16)
-    want_state = state.clone()
-    want = R.delta_rule(qkv.float(), a.float(), b.float(), neg_a, dt_bias, want_state, spans, r)
+    # As in the model: q/k/v come from the conv in float32, a and b from the projection in bfloat16.
+    a, b = a.to(torch.bfloat16), b.to(torch.bfloat16)
+    wide_state, want_state = state.clone(), state.clone()
+    want = R.delta_rule(qkv, a.float(), b.float(), neg_a, dt_bias, want_state, spans, r)
     got, _ = chunked(qkv, a, b, neg_a, dt_bias, state, spans, r)
+    wide, _ = chunked(qkv, a.float(), b.float(), neg_a, dt_bias, wide_state, spans, r)
     scale = want.abs().max()
     assert (got - want).abs().max() < 3e-2 * scale and (state - want_state).abs().max() < 3e-2 * want_state.abs().max()
+    assert (wide - want).abs().max() < 1e-4 * scale
+    assert not torch.equal(got, wide)  # the 16-bit path did run (the float32 one gives the reference's values)
 
 
 def test_snapshots_inside_a_chunk_at_its_edge_and_at_the_end_hold_the_state_there():

@@ -281,7 +281,8 @@ def delta_rule_chunked(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, neg_
     """``delta_rule_recurrent``'s result, in chunks: ``chunks`` [3, C] int64 (first row, tokens
     (at most ``CHUNK``; 0: none), and the slot that takes the state after it, or -1), each span's
     in order from ``spans``' rows 3 and 4 (its first chunk and their count). The scratch between
-    the two kernels is float32 for a float32 model, else 16-bit."""
+    the two kernels is float32 for a float32 model, else 16-bit: the model's dtype is that of ``a``
+    (a projection's output; ``qkv`` comes from the conv in float32 whatever the model's)."""
     T = qkv.shape[0]
     _, nv, hk, hv = state.shape
     S, C = spans.shape[1], chunks.shape[1]
@@ -289,7 +290,7 @@ def delta_rule_chunked(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, neg_
     if not S or not T or not C:
         return out
     assert (S == 1 or spans.stride(1) == 1) and (C == 1 or chunks.stride(1) == 1) and a.stride(0) == b.stride(0)
-    wide = qkv.dtype == torch.float32
+    wide = a.dtype == torch.float32
     scratch = dict(dtype=torch.float32 if wide else torch.bfloat16, device=qkv.device)
     f32 = dict(dtype=torch.float32, device=qkv.device)
     w, u = torch.empty(T, nv, hk, **scratch), torch.empty(T, nv, hv, **scratch)
@@ -297,7 +298,7 @@ def delta_rule_chunked(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, neg_
     scores = torch.empty(T, nv, CHUNK, **scratch)
     cum, total = torch.empty(T, nv, **f32), torch.empty(C, nv, **f32)
     BK, BVA = max(pow2(hk), 16), max(pow2(hv), 16)
-    prec = dot_precision(qkv.dtype)
+    prec = dot_precision(a.dtype)
     _chunk_prep_kernel[(C, nv)](
         qkv, a, b, neg_a, dt_bias, chunks, chunks.stride(0), qkv.stride(0), a.stride(0), (nv // r) * hk, hk ** -0.5,
         w, u, qk, scores, cum, total, NV=nv, R=r, HK=hk, HV=hv, BK=BK, BVA=BVA, BT=CHUNK,
