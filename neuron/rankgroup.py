@@ -188,7 +188,8 @@ class RankGroup:
     async def load(self, msg_for: Callable[[int], p.LoadShard]) -> dict[int, p.LoadOk]:
         return await self.broadcast(msg_for, self.timeouts.load_s)
 
-    async def send_step(self, step_id: int, seqs: list[p.StepSeq]) -> Callable[[], Awaitable[p.StepResult]]:
+    async def send_step(self, step_id: int, seqs: list[p.StepSeq],
+                        forget_images: list[bytes] | None = None) -> Callable[[], Awaitable[p.StepResult]]:
         """Broadcast one step and return how to wait for its result (rank 0 answers with tokens,
         the others only with errors). The caller may send the next step before waiting."""
         tokens = sum(len(s.tokens) for s in seqs)
@@ -196,7 +197,8 @@ class RankGroup:
         deadline = 2 * (self.timeouts.step_base_s + self.timeouts.step_per_token_s * tokens)
         cid = next(_ids)
         call = self._open(cid, {0})
-        frame = p.encode(p.Step(id=cid, epoch=self.epoch, step_id=step_id, seqs=seqs))
+        frame = p.encode(p.Step(id=cid, epoch=self.epoch, step_id=step_id, seqs=seqs,
+                                forget_images=forget_images or []))
         for rank in range(self.world):
             await self._send(rank, frame)
 

@@ -79,7 +79,8 @@ class ModelHandle:
         z = self.engine.sizing
         return {
             "id": self.id, "status": self.status, "error": self.error, "format": self.spec.files.format,
-            "family": self.spec.config.family, "devices": self.devices, "tensor_parallel": len(self.devices),
+            "family": self.spec.config.family, "capabilities": ["text"] + (["vision"] if self.spec.config.vision else []),
+            "image_encodes": stats.image_encodes, "image_reuses": stats.image_reuses, "devices": self.devices, "tensor_parallel": len(self.devices),
             "dtype": self.dtype, "max_model_len": self.max_len, "max_slots": self.entry.max_slots,
             "weight_format": self.weight_format, "packing": self.packing,
             "shard_bytes": self.shard_bytes, "load_seconds": round(self.load_seconds, 3),
@@ -181,7 +182,7 @@ class Registry:
                                  # the K/V of a prefix depends on the weights and how they are computed
                                  f"{model_id}|{spec.files.paths}|{entry.dtype}|{entry.tensor_parallel}|{entry.quantize}"
                                  f"|{entry.state_dtype}" if entry.prefix_caching else None,
-                                 entry.state_snapshot_interval)))
+                                 entry.state_snapshot_interval, 4 * spec.config.hidden_size)))
         try:  # packed weights split their input columns on whole quant groups
             families.family(spec.config.family).check_split(spec.config, entry.tensor_parallel,
                                                             QUANT_GROUP if handle.packed else 1)

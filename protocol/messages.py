@@ -7,7 +7,7 @@ respawn, so a late reply from an old group can never be taken for an answer of t
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Any, Union
 
 import msgspec
 
@@ -50,6 +50,23 @@ class ModelConfig(msgspec.Struct, frozen=True):
     layer_types: list[str] = []
     # Settings only one family reads, by their config.json names (its module says which).
     extra: dict[str, int | float | str | bool | list[int]] = {}
+    # A model that sees images (neuron.loader.vision_config): its vision tower's config.json
+    # section ("config"), its image processor's settings ("processor"), the image tokens' ids and
+    # the text model's M-RoPE sections. Empty: text only.
+    vision: dict[str, Any] = {}
+
+
+class StepImage(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """An image of a sequence's prompt: its ``tokens`` image-pad tokens from ``offset`` on, its
+    patch grid (t, h, w) and content hash ``key``. ``data`` (the encoded file) is sent when the
+    ranks must run the vision tower on it and have not kept its embeddings; empty otherwise (kept
+    under ``key``, or not needed: the image lies wholly before the step's first position)."""
+
+    key: bytes
+    offset: int
+    tokens: int
+    grid: tuple[int, int, int]
+    data: bytes = b""
 
 
 class Sampling(msgspec.Struct, array_like=True, gc=False, frozen=True):
@@ -95,6 +112,8 @@ class StepSeq(msgspec.Struct, array_like=True, gc=False, frozen=True):
     - ``kv_from`` (with ``sampling``): a KV block whose K/V the sequence's block at table entry
       ``start_pos // block_size`` takes before the step (a cached partial block, copied: the
       sequence then writes the rest of it).
+    - ``images`` (with ``sampling``): the prompt's images, in order; the slot keeps them (their
+      embeddings and M-RoPE positions) until the next sequence starts there.
     """
 
     slot: int
@@ -110,6 +129,7 @@ class StepSeq(msgspec.Struct, array_like=True, gc=False, frozen=True):
     state_from: int = -1
     snapshots: list[tuple[int, int]] = []
     kv_from: int = -1
+    images: list[StepImage] = []
 
 
 class StepTimings(msgspec.Struct, array_like=True, gc=False, frozen=True):
@@ -174,6 +194,7 @@ class LoadShard(Frame, tag="load_shard"):
 class Step(Frame, tag="step"):
     step_id: int
     seqs: list[StepSeq]
+    forget_images: list[bytes] = []  # image embeddings the ranks drop before the step (by key)
 
 
 class Free(Frame, tag="free"):

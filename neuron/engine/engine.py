@@ -14,6 +14,7 @@ from neuron.config import EngineConfig
 from neuron.errors import ApiError
 from neuron.rankgroup import GroupFailed, RankError, RankGroup
 
+from .image_cache import ImageCache
 from .request import FinishEvent, GenRequest, TokenEvent
 from .scheduler import Planned, Scheduler
 
@@ -42,6 +43,8 @@ class EngineStats:
     step_ms: float = 0.0  # time between consecutive step results
     rank_host_ms_per_step: float = 0.0
     device_idle_ms_per_step: float = 0.0
+    image_encodes: int = 0  # images the vision tower ran on
+    image_reuses: int = 0  # images whose kept embeddings served again
 
 
 @dataclass
@@ -56,6 +59,7 @@ class Sizing:
     steps_in_flight: int = 2  # steps sent before the oldest one's reply is in (overlapped steps)
     cache_key: str | None = None  # the prefix cache's key (what the K/V depends on); None: no cache
     snapshot_interval: int = 512  # tokens between a prompt's state snapshots (models with recurrent state)
+    image_token_bytes: int = 0  # a bound on an image token's embedding bytes on a rank
 
 
 class Engine:
@@ -65,6 +69,7 @@ class Engine:
         self.sizing = sizing
         self.max_len = sizing.max_len
         self.sched = self._scheduler(1, 16, 0)
+        self.images = ImageCache(sizing.image_token_bytes)
         self._snapshots = 0
         self._cache_counts = (0, 0)  # prefix-cache queries and hits of the caches before this one
         # Steps in flight: the next is sent before the last one's reply is in (overlapped steps).
@@ -102,6 +107,7 @@ class Engine:
         old = self.sched.blocks  # a fresh cache (the ranks' is new); the counters carry on
         self._cache_counts = (self._cache_counts[0] + old.queries, self._cache_counts[1] + old.hits)
         self.sched = self._scheduler(num_blocks, block_size, state_slots, snapshots)
+        self.images.clear()  # the new ranks keep no image embeddings
         self._snapshots = snapshots
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name=f"engine-{self.model_id}")
@@ -164,6 +170,7 @@ class Engine:
                            prefix_cache_hits=self._cache_counts[1] + s.blocks.hits,
                            leader_ms_per_step=1e3 * self.leader_s / max(1, self.steps), step_ms=self.step_ms,
                            rank_host_ms_per_step=self.rank_host_ms / max(1, self.steps),
+                           image_encodes=self.images.encodes, image_reuses=self.images.reuses,
                            device_idle_ms_per_step=self.device_idle_ms / max(1, self.steps))
 
     # ----------------------------------------------------------------------------- the loop
@@ -197,9 +204,11 @@ class Engine:
                                   sampling=x.req.sampling if x.start else None,
                                   allowed=x.req.constraint.allowed() if x.sample and x.req.constraint else None,
                                   context=_context(x), state=x.req.states[0] if x.req.states else -1,
-                                  state_from=x.state_from, snapshots=x.snapshots, kv_from=x.kv_from)
+                                  state_from=x.state_from, snapshots=x.snapshots, kv_from=x.kv_from,
+                                  images=self.images.step_images(x.req, x.start_pos)
+                                  if x.start and x.req.images else [])
                         for x in plan]
-                waiter = await group.send_step(self._step_ids, seqs)
+                waiter = await group.send_step(self._step_ids, seqs, self.images.take_forget())
                 self.inflight.append((plan, asyncio.ensure_future(waiter())))
         except GroupFailed as exc:
             self.detach(f"model {self.model_id!r} failed: {exc}", "model_unavailable")

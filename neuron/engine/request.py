@@ -48,6 +48,17 @@ class TokenConstraint(Protocol):
     def accept(self, token: int) -> None: ...
 
 
+@dataclass(frozen=True)
+class ImageInput:
+    """An image of a prompt: its ``tokens`` image-pad tokens from ``offset`` on."""
+
+    key: bytes  # content hash
+    data: bytes  # the encoded file
+    grid: tuple[int, int, int]  # its patches (t, h, w)
+    tokens: int
+    offset: int = -1
+
+
 @dataclass(eq=False)  # a request is itself: comparing every field would cost each list lookup
 class GenRequest:
     prompt: list[int]
@@ -80,10 +91,23 @@ class GenRequest:
     first_token_at: float | None = None
     admitted: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     constraint: TokenConstraint | None = None
+    images: list[ImageInput] = field(default_factory=list)
     stop_matcher: StopMatcher = field(init=False)
+    keyed_prompt: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
         self.stop_matcher = StopMatcher(self.stop)
+        self.keyed_prompt = self.prompt
+        if self.images:  # the prefix cache tells images apart by content: their pad tokens hash as it
+            self.keyed_prompt = list(self.prompt)
+            for image in self.images:  # 40 bits of the hash a token, in turn (a block holds them all)
+                parts = [int.from_bytes(image.key[j: j + 5], "little") << 16 for j in (0, 5, 10)]
+                self.keyed_prompt[image.offset: image.offset + image.tokens] = \
+                    [-(parts[i % 3] + i % 65536 + 1) for i in range(image.tokens)]
+
+    def keyed(self) -> list[int]:
+        """Its tokens as the prefix cache hashes them (``prompt + output`` but for images)."""
+        return self.keyed_prompt + self.output
 
     def abort(self) -> None:
         """The client went away: the scheduler drops the sequence at the next step."""

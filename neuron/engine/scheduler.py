@@ -75,7 +75,7 @@ class Scheduler:
                 continue
             if req.pending:  # preempted with a token in flight: recompute once it is known
                 break
-            tokens = req.prompt + req.output
+            tokens = req.keyed()
             # The longest cached prefix of whole blocks; the last token is always computed, since
             # its logits give the next token.
             hits, hashes = self.blocks.match(tokens, len(tokens) - 1, req.cache_salt)
@@ -145,7 +145,7 @@ class Scheduler:
         bs, n = self.blocks.block_size, req.computed
         self._register(req, n // bs)
         full = n // bs
-        tail = tuple((req.prompt + req.output)[full * bs: n])
+        tail = tuple(req.keyed()[full * bs: n])
         parent = req.hashes[full - 1] if full else self.states.root(self.blocks.key(req.cache_salt))
         self.states.keep(req.states.pop(), n, parent, tail, req.blocks[full] if tail else -1, running=True)
         self._drop(req)
@@ -159,7 +159,7 @@ class Scheduler:
         """Cache the request's first ``full`` blocks (their K/V is computed) under their hashes."""
         tokens = None
         for i in range(len(req.hashes), full):
-            tokens = tokens or req.prompt + req.output
+            tokens = tokens or req.keyed()
             h = chain_hash(req.hashes[-1] if req.hashes else b"", tokens[i * self.blocks.block_size:
                                                                          (i + 1) * self.blocks.block_size],
                            self.blocks.key(req.cache_salt))

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from protocol import CheckpointQuant, ModelConfig
 
 from .errors import BadModelConfig, LoadError
@@ -15,6 +17,7 @@ from .model_config import config_from_gguf, config_from_hf, missing_tensors, rea
 from .prequantized import checkpoint_quant
 from .resolve import DEFAULT_MODEL, ModelFiles, resolve_model
 from .tokenizer import TokenizerInfo, tokenizer_from_gguf
+from .vision_config import missing as vision_missing, vision_settings
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 FLOAT_GGUF_TYPES = ("F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64")
@@ -30,6 +33,7 @@ class ModelSpec:
     weight_format: str = ""  # what the files hold: "gguf:Q4_1+Q8_0", "safetensors:bf16"
     quantized: bool = False  # the files hold quantized projection weights (kept packed on the CPU)
     checkpoint_quant: CheckpointQuant | None = None  # how (AWQ, GPTQ), for a quantized safetensors checkpoint
+    no_vision: str = "it is a text model"  # why the model takes no images ('' when it does)
 
     @property
     def context_length(self) -> int:
@@ -101,6 +105,7 @@ def _hf_spec(mid: str, files: ModelFiles) -> ModelSpec:
     quant = checkpoint_quant(raw, dtypes)
     config = config_from_hf(raw)
     names = files.tensor_names
+    config = msgspec.structs.replace(config, vision=vision_settings(raw, d, names))
     if quant is not None:  # a packed linear X holds X.qweight, X.qzeros, X.scales for X.weight
         names = frozenset(names) | {n.removesuffix(".qweight") + ".weight" for n in names if n.endswith(".qweight")}
     _refuse_missing(mid, missing_tensors(config, names), "config.json")
@@ -140,7 +145,7 @@ def _hf_spec(mid: str, files: ModelFiles) -> ModelSpec:
         group = "per row" if quant.group_size == -1 else f"groups of {quant.group_size}"
         weight_format = f"{quant.method}:int{quant.bits} {group} ({weight_format})"
     return ModelSpec(mid, files, config, info, defaults, weight_format=weight_format, quantized=quant is not None,
-                     checkpoint_quant=quant)
+                     checkpoint_quant=quant, no_vision=vision_missing(raw, d, names))
 
 
 def _safetensors_dtypes(paths: tuple[Path, ...]) -> dict[str, int]:

@@ -25,9 +25,11 @@ from .interface import AttentionFn, AttentionShape, KvState, LayerState
 from .layers import Collectives, WeightSource, unique_bytes
 from .llama import Mlp
 from .moe import SparseMoe
+from .mrope import mrope_angles
 from .ops import RopeTables, Rotary, TorchOps
 from .sharding import ShardPlan, sparse_layer, split_blocks
 from .tp_linear import AnyLinear, ConcatLinear, column_parallel, row_parallel
+from .vision import TOWER_PREFIX, VisionTower
 from .vocab import VocabParallel
 
 
@@ -49,12 +51,17 @@ def _runs(order: list[int], base: int) -> list[range]:
     return runs
 
 
-def partial_rope(cfg: ModelConfig, max_len: int, device: torch.device, dtype: torch.dtype) -> RopeTables:
+def rotary_freqs(cfg: ModelConfig) -> torch.Tensor:
+    """The inverse frequencies of a head's rotated dimensions (in the stored order's frequency
+    slots, see above), zero for the slots that do not rotate: [head_dim / 2]."""
     hd = cfg.head_dim
     rot = int(hd * float(cfg.extra.get("partial_rotary_factor", 1.0)))
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.int64).float() / rot))
-    inv = torch.cat([inv, torch.zeros(hd // 2 - rot // 2)])
-    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv)
+    return torch.cat([inv, torch.zeros(hd // 2 - rot // 2)])
+
+
+def partial_rope(cfg: ModelConfig, max_len: int, device: torch.device, dtype: torch.dtype) -> RopeTables:
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rotary_freqs(cfg))
     emb = torch.cat((freqs, freqs), dim=-1)
     return RopeTables(emb.cos().to(device, dtype), emb.sin().to(device, dtype))
 
@@ -152,6 +159,7 @@ class HybridLM:
         self.state_snapshots = True
         self.norm = zero_centred(src, f"{prefix}.norm.weight", device, dtype)
         self.rope = partial_rope(cfg, max_len, device, dtype)
+        self.vision = VisionTower(cfg.vision["config"], src, TOWER_PREFIX, dtype, device) if cfg.vision else None
         self.attention_shape = next(layer.mixer.shape for layer in self.layers if layer.kind == "full_attention")
         self.recurrent = DeltaNetShape(cfg, key_heads(cfg, plan.world, plan.rank), dtype).state()
 
@@ -186,20 +194,34 @@ class HybridLM:
 
     def weight_bytes(self) -> int:
         tensors = [t for lin in self.vocab.linears() for t in lin.tensors()] + [self.norm]
+        tensors += self.vision.tensors() if self.vision is not None else []
         for layer in self.layers:
             tensors += [layer.attn_norm, layer.mlp_norm, *layer.mixer.tensors(), *layer.mlp.tensors()]
         return unique_bytes(tensors)
+
+    def mrope_tables(self, positions: torch.Tensor) -> RopeTables:
+        """Rotary tables of rows at M-RoPE ``positions`` [3, n] (Qwen3.5's images)."""
+        angles = mrope_angles(positions, rotary_freqs(self.cfg).to(positions.device),
+                              [int(x) for x in self.cfg.vision["mrope_section"]])
+        emb = torch.cat((angles, angles), dim=-1)
+        return RopeTables(emb.cos().to(self.dtype), emb.sin().to(self.dtype))
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, attend: AttentionFn,
                 rows: torch.Tensor | None) -> torch.Tensor:
         ops, eps = self.ops, self.cfg.rms_norm_eps
         h = self.vocab.embed_tokens(ids)
+        rope, rope_at = self.rope, positions
+        images = getattr(attend.meta, "images", None)
+        if images is not None:  # image embeddings at their pad tokens, and the step's M-RoPE rows
+            if images.rows is not None:
+                h[images.rows] = images.embeds.to(h.dtype)
+            rope, rope_at = images.rope, images.rope_index
         kv_layer = state_layer = 0
         for layer in self.layers:
             x = ops.rms_norm(h, layer.attn_norm, eps)
             if layer.kind == "full_attention":
-                y = layer.mixer(x, kv_layer, positions, self.rope, attend)
+                y = layer.mixer(x, kv_layer, rope_at, rope, attend)
                 kv_layer += 1
             else:
                 y = layer.mixer(x, attend.states.layer(state_layer), attend.meta.state_spans, ops)

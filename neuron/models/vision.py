@@ -12,6 +12,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+TOWER_PREFIX = "model.visual."  # the tower's tensors in a ForConditionalGeneration checkpoint
+
 
 class VisionTower:
     def __init__(self, cfg: dict[str, Any], src, prefix: str, dtype: torch.dtype, device: torch.device) -> None:

@@ -13,6 +13,7 @@ queries are the last rows of its sequence.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -91,6 +92,7 @@ class StepMeta:
     prefill_splits: int = 1  # key ranges per tile (a prefill graph's rows are all chunks or padding)
     # For recurrent layers: the step's sequences (their rows and state slots).
     state_spans: StateSpans | None = None
+    images: Any = None  # a step with image sequences: runner.images.StepImages
 
 
 class PagedAttention:

@@ -26,6 +26,7 @@ from neuron.models.interface import KvState, Model
 
 from .attention import PagedAttention, PagedKvCache, PrefillSpan, StepMeta
 from .graphs import PREFILL_GRAPH_TOKENS, StepGraphs, graph_sizes
+from .images import RankImages
 from .inputs import DEVICE_TOKEN, StepRejected, check_step, flatten, key_rows, prefill_batch, state_spans
 from .sampler import DeviceSampler, upload
 from .sizing import kv_blocks, state_snapshots
@@ -122,6 +123,7 @@ class ModelRunner:
                                         model.ops.int8_rows if self.triton else 0, self.states)
         self.sampler = DeviceSampler(cfg.max_seqs + 1, self.vocab, self.device)
         self.step_graphs = StepGraphs(self)
+        self.images = RankImages(model, self.device) if getattr(model, "vision", None) is not None else None
         self._last_end: torch.cuda.Event | None = None
         if self.cuda:
             self._outs = [torch.zeros(cfg.max_seqs, dtype=torch.int64).pin_memory() for _ in range(4)]
@@ -160,6 +162,8 @@ class ModelRunner:
             begin.record()
             gap = (self._last_end, begin) if self._last_end is not None else None
         seqs = msg.seqs
+        if self.images is not None:
+            self.images.forget(msg.forget_images)
         sampled = [i for i, s in enumerate(seqs) if s.sample]
         bucket, ids, positions, slot_t, logits, argmax = self._forward(seqs, sampled)
         rows_slots = [seqs[i].slot for i in sampled]
@@ -210,6 +214,14 @@ class ModelRunner:
                     n = len(s.context)
                     at = upload([[s.slot] * n, s.context, list(range(n))], torch.int64, self.device)
                     self.sampler.feed(at[0], at[1], at[2])
+        if any(s.images for s in seqs) and self.images is None:
+            raise StepRejected("a step holds images, and this model takes none")
+        if self.images is not None:
+            for s in seqs:
+                if s.sampling is not None:
+                    self.images.start(s)
+            if self.images.involved(seqs):  # the embeddings and M-RoPE tables are the step's own
+                return (0, *self._eager(seqs, sampled, every_position), None)
         bucket = 0 if every_position else self.step_graphs.bucket(seqs)
         if not bucket:
             tokens = 0 if every_position else self.step_graphs.prefill_bucket(seqs)
@@ -264,6 +276,8 @@ class ModelRunner:
         ids_t = self.resolve(ids_t, slot_t)
         meta = StepMeta(store_index=store_t, decode_rows=None,
                         state_spans=state_spans(seqs, self.device, self.triton) if self.states.slots else None)
+        if self.images is not None and self.images.involved(seqs):
+            meta.images = self.images.step_inputs(seqs, positions)
         if len(decode_rows) < T:
             meta.decode_rows = upload(decode_rows, torch.int64, self.device)
         if decode_rows:

@@ -44,6 +44,9 @@ class _EngineState:
                                       labels=label)
         hits = CounterMetricFamily("neuron:prefix_cache_hits", "Prompt tokens found in the prefix cache",
                                    labels=label)
+        encodes = CounterMetricFamily("neuron:image_encodes", "Images the vision tower encoded", labels=label)
+        reuses = CounterMetricFamily("neuron:image_embedding_reuses",
+                                     "Images served from the ranks' kept embeddings, not encoded again", labels=label)
         status = GaugeMetricFamily("neuron:model_status", "1 for the model's current status",
                                    labels=["model_name", "status"])
         for model_id, handle in list(self.models.items()):
@@ -54,9 +57,11 @@ class _EngineState:
             preempt.add_metric([model_id], stats.preemptions)
             queries.add_metric([model_id], stats.prefix_cache_queries)
             hits.add_metric([model_id], stats.prefix_cache_hits)
+            encodes.add_metric([model_id], stats.image_encodes)
+            reuses.add_metric([model_id], stats.image_reuses)
             for name in STATUSES:
                 status.add_metric([model_id, name], 1 if handle.status == name else 0)
-        yield from (running, waiting, kv, preempt, queries, hits, status)
+        yield from (running, waiting, kv, preempt, queries, hits, encodes, reuses, status)
 
 
 class Metrics:

@@ -12,6 +12,7 @@ import msgspec
 class ContentPart(msgspec.Struct):
     type: str
     text: str | None = None
+    image_url: dict[str, Any] | str | None = None  # {"url": "data:image/png;base64,..."} (or the URL alone)
 
 
 class Message(msgspec.Struct):

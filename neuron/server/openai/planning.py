@@ -101,10 +101,14 @@ def plan_chat(body: ChatRequest, handle: ModelHandle, top: int | None,
     after = plan.markers.end if plan.markers is not None and plan.thinking else None
     make_constraint = _constraint_factory(body, handle, grammar, after)
     ids = truncate(body, handle, plan.prompt.ids)
+    images = plan.prompt.images
+    if images and len(ids) != len(plan.prompt.ids):
+        raise _bad("truncate_prompt_tokens cannot cut a prompt that holds images", "truncate_prompt_tokens")
     markers = plan.markers
 
     def build() -> list[Choice]:
-        return [Choice(i, make_request(body, handle, settings, ids, i, make_constraint), len(ids) if i == 0 else 0,
+        return [Choice(i, make_request(body, handle, settings, ids, i, make_constraint, images),
+                       len(ids) if i == 0 else 0,
                        echo=plan.echo, thinking=ReasoningSplitter(markers, plan.thinking) if markers else None,
                        tools=_tool_parser(plan), include_reasoning=body.include_reasoning)
                 for i in range(settings.n)]

@@ -15,6 +15,7 @@ from neuron.registry import ModelHandle
 
 from neuron.parsing.reasoning import ThinkMarkers, reasoning_markers, starts_thinking
 from neuron.server.schemas import ChatRequest, CompletionRequest
+from neuron.server.openai.image_prompts import ImageReader, PromptImage
 from neuron.server.openai.tools import ToolPlan, detect_syntax, plan_tools, with_tool_prompt
 
 
@@ -27,6 +28,7 @@ def _check(ok: bool, param: str, message: str) -> None:
 class Prompt:
     ids: list[int]
     text: str = ""  # what the completion's echo repeats
+    images: list[PromptImage] = field(default_factory=list)  # at their image-pad tokens in ``ids``
 
 
 @dataclass
@@ -42,14 +44,7 @@ class ChatPrompt:
 IMAGE_PARTS = ("image_url", "input_image", "image")
 
 
-def no_images(model: str, param: str) -> ApiError:
-    """An image sent to a model that does not take them: no model neuron serves runs a vision
-    tower yet, so every image is refused, never dropped."""
-    return ApiError(400, "vision_unsupported", f"model {model[:80]!r} does not take images: neuron runs no vision "
-                    f"tower yet; send text parts only", param=param)
-
-
-def chat_messages(body: ChatRequest) -> list[dict[str, Any]]:
+def chat_messages(body: ChatRequest, images: ImageReader) -> list[dict[str, Any]]:
     _check(bool(body.messages), "messages", "messages must not be empty")
     messages = []
     for i, m in enumerate(body.messages):
@@ -57,12 +52,16 @@ def chat_messages(body: ChatRequest) -> list[dict[str, Any]]:
                f"unknown role {m.role[:40]!r}")
         content = m.content
         if isinstance(content, list):
+            texts = []
             for j, part in enumerate(content):
                 if part.type in IMAGE_PARTS:
-                    raise no_images(body.model, f"messages.{i}.content.{j}")
+                    _check(m.role == "user", f"messages.{i}.content.{j}", "only user messages may hold images")
+                    texts.append(images.part(part, f"messages.{i}.content.{j}"))
+                    continue
                 _check(part.type in ("text", "input_text", "output_text"), f"messages.{i}.content",
                        f"content part type {part.type[:40]!r} is not supported")
-            content = "".join(part.text or "" for part in content)
+                texts.append(part.text or "")
+            content = "".join(texts)
         message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
         for key in ("name", "tool_call_id", "reasoning_content"):
             if getattr(m, key) is not None:
@@ -103,7 +102,8 @@ def chat_prompt(body: ChatRequest, handle: ModelHandle) -> ChatPrompt:
     info = handle.spec.tokenizer
     entry = handle.entry
     template = body.chat_template if body.chat_template is not None else info.chat_template
-    messages = chat_messages(body)
+    reader = ImageReader(handle.spec.config.vision, info.tokenizer, body.model, handle.spec.no_vision)
+    messages = chat_messages(body, reader)
     extra = dict(body.chat_template_kwargs or {})
     for name, value in (("reasoning_effort", body.reasoning_effort), ("documents", body.documents)):
         if value is not None:
@@ -136,9 +136,9 @@ def chat_prompt(body: ChatRequest, handle: ModelHandle) -> ChatPrompt:
         _check(at >= 0, "continue_final_message", "the template does not show the final message as given")
         text = text[: at + len(final)]
     encoded = encode_ids(info.tokenizer, text, body.add_special_tokens)
-    ids = encoded if body.add_special_tokens else _with_bos(info, encoded)
+    ids, images = reader.expand(encoded if body.add_special_tokens else _with_bos(info, encoded))
     markers = reasoning_markers(getattr(entry, "reasoning_parser", "auto"), template)
-    out = ChatPrompt(Prompt(ids, text), tools, markers, starts_thinking(text, markers) if markers else None)
+    out = ChatPrompt(Prompt(ids, text, images), tools, markers, starts_thinking(text, markers) if markers else None)
     if body.echo and messages[-1]["role"] == "assistant":
         out.echo = messages[-1]["content"]
     marker_texts = [markers.start, markers.end] if markers else []

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import msgspec
 from starlette.requests import ClientDisconnect, Request
 
 from neuron.engine.detokenizer import Detokenizer
-from neuron.engine.request import GenRequest, TokenConstraint
+from neuron.engine.request import GenRequest, ImageInput, TokenConstraint
 from neuron.engine.stops import StopMatcher
 from neuron.errors import ApiError
 from neuron.registry import ModelHandle
@@ -176,7 +176,8 @@ def check_sequence(body: SamplingFields, handle: ModelHandle, settings: Settings
 
 
 def make_request(body: SamplingFields, handle: ModelHandle, settings: Settings, prompt: list[int], choice: int,
-                 constraint: Callable[[int], TokenConstraint | None] | None = None) -> GenRequest:
+                 constraint: Callable[[int], TokenConstraint | None] | None = None,
+                 images: Sequence[ImageInput] = ()) -> GenRequest:
     """The GenRequest of one sequence: ``choice`` is its index among the n of its prompt (a
     seeded request derives seed + choice, as vLLM does); ``constraint`` makes its constraint
     from its token budget."""
@@ -194,6 +195,7 @@ def make_request(body: SamplingFields, handle: ModelHandle, settings: Settings, 
         detokenizer=Detokenizer(info.tokenizer, settings.shown),
         constraint=constraint(budget) if constraint is not None else None,
         cache_salt=(getattr(body, "cache_salt", None) or "").encode(),
+        images=list(images),
     )
     if body.include_stop_str_in_output or settings.min_tokens:
         # No stop string before min_tokens tokens; the rank keeps the stop tokens out until then.

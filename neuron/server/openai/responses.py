@@ -22,7 +22,7 @@ from neuron.server.openai.choices import Choice, Delta
 from neuron.server.openai.generation import respond, usage
 from neuron.server.openai.routes import serving
 from neuron.server.openai.planning import plan_chat
-from neuron.server.openai.prompts import IMAGE_PARTS, no_images
+from neuron.server.openai.prompts import IMAGE_PARTS
 from neuron.server.openai.requests import decode_json, read_body
 from neuron.server.openai.response_store import ResponseStore
 from neuron.server.schemas import ChatRequest
@@ -78,22 +78,27 @@ REFUSED = {
 # ----------------------------------------------------------------------------- the request
 
 
-def _text(content: Any, param: str, model: str = "") -> str:
+def _text(content: Any, param: str) -> str | list[dict[str, Any]]:
+    """A message's content as chat content: its text, or its parts where it holds images."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        parts = []
+        parts: list[dict[str, Any]] = []
         for i, part in enumerate(content):
             if isinstance(part, dict) and part.get("type") in IMAGE_PARTS:
-                raise no_images(model, f"{param}.{i}")
+                url = part.get("image_url")
+                parts.append({"type": "image_url", "image_url": url.get("url") if isinstance(url, dict) else url})
+                continue
             if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
-                raise _bad("only text content parts are supported", f"{param}.{i}.type")
-            parts.append(str(part.get("text") or ""))
-        return "".join(parts)
-    raise _bad("content must be a string or a list of text parts", param)
+                raise _bad("only text and image content parts are supported", f"{param}.{i}.type")
+            parts.append({"type": "text", "text": str(part.get("text") or "")})
+        if all(part["type"] == "text" for part in parts):
+            return "".join(part["text"] for part in parts)
+        return parts
+    raise _bad("content must be a string or a list of text and image parts", param)
 
 
-def input_messages(raw: str | list[dict[str, Any]], model: str = "") -> list[dict[str, Any]]:
+def input_messages(raw: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Input items as chat messages: messages, earlier function calls (one assistant turn) and
     their outputs (tool turns). Earlier reasoning items are the model's own: left out."""
     if isinstance(raw, str):
@@ -106,7 +111,7 @@ def input_messages(raw: str | list[dict[str, Any]], model: str = "") -> list[dic
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise _bad("a message's role must be user, system, developer or assistant", f"{param}.role")
-            messages.append({"role": role, "content": _text(item.get("content"), f"{param}.content", model)})
+            messages.append({"role": role, "content": _text(item.get("content"), f"{param}.content")})
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
@@ -142,7 +147,7 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
 
 def as_chat(body: ResponsesRequest, history: list[dict[str, Any]]) -> tuple[ChatRequest, list[dict[str, Any]]]:
     """The chat request this response runs as, and its conversation (kept for the next turn)."""
-    conversation = history + input_messages(body.input, body.model)
+    conversation = history + input_messages(body.input)
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + conversation
     fmt = (body.text or {}).get("format")
     if fmt is not None and not isinstance(fmt, dict):

@@ -1,0 +1,69 @@
+"""The images of a chat: each ``image_url`` part read (a ``data:`` URI decoded with Pillow, every
+pixel, so a corrupt file is a 400 now and never a failed step), hashed, and counted in image
+tokens; its place in the prompt marked for the chat template, and each marker's image-pad token
+then expanded to the image's count. Off the event loop, as the prompt is."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import replace
+from typing import Any
+
+from neuron.engine.request import ImageInput as PromptImage
+from neuron.errors import ApiError
+from neuron.loader.images import ImageError, ImageProcessing, data_uri_bytes, open_image
+
+MAX_IMAGES = 16  # a request's images
+MAX_IMAGE_BYTES = 20 << 20  # one image's encoded bytes
+
+
+class ImageReader:
+    """A request's images, in the order their parts come."""
+
+    def __init__(self, vision: dict[str, Any], tokenizer, model: str, no_vision: str) -> None:
+        self.vision, self.model, self.no_vision = vision, model, no_vision
+        self.images: list[PromptImage] = []
+        if vision:
+            self.processing = ImageProcessing.from_config(vision["processor"])
+            self.marker = "".join(tokenizer.id_to_token(vision[k]) or "" for k in (
+                "vision_start_token_id", "image_token_id", "vision_end_token_id"))
+
+    def part(self, part: Any, param: str) -> str:
+        """The text an image part stands as in the prompt."""
+        if not self.vision:
+            raise ApiError(400, "vision_unsupported", f"model {self.model[:80]!r} does not take images: "
+                           f"{self.no_vision}; send text parts only", param=param)
+        if len(self.images) >= MAX_IMAGES:
+            raise ApiError(400, "too_many_images", f"a request may hold at most {MAX_IMAGES} images", param=param)
+        url = part.image_url.get("url") if isinstance(part.image_url, dict) else part.image_url
+        try:
+            data = data_uri_bytes(url, MAX_IMAGE_BYTES)
+            image = open_image(data, decode=True)
+            width, height = image.size
+            grid = self.processing.grid(height, width)
+            tokens = self.processing.tokens(height, width)
+        except ImageError as exc:
+            raise ApiError(400, "invalid_image", str(exc), param=f"{param}.image_url") from None
+        self.images.append(PromptImage(hashlib.blake2b(data, digest_size=16).digest(), data, grid, tokens))
+        return self.marker
+
+    def expand(self, ids: list[int]) -> tuple[list[int], list[PromptImage]]:
+        """``ids`` with each image's pad token repeated to its count, and the images with their
+        offsets; exactly one pad token per image, or the template lost or added one."""
+        if not self.vision:
+            return ids, []
+        pad = int(self.vision["image_token_id"])
+        at = [i for i, t in enumerate(ids) if t == pad]
+        if len(at) != len(self.images):
+            raise ApiError(400, "invalid_request", f"the prompt holds {len(at)} image tokens for {len(self.images)} "
+                           "images: image tokens cannot be sent as text, and the chat template must keep each "
+                           "image part", param="messages")
+        out: list[int] = []
+        images = []
+        last = 0
+        for i, image in zip(at, self.images):
+            out += ids[last:i]
+            images.append(replace(image, offset=len(out)))
+            out += [pad] * image.tokens
+            last = i + 1
+        return out + ids[last:], images
