@@ -312,3 +312,26 @@ def test_the_hybrid_family_at_tp2_over_nccl_gives_the_eager_and_the_cpu_tokens(t
     graph_and_eager(tmp_path, hybrid_checkpoint, 2)
     cpu = greedy_tokens(tmp_path, hybrid_checkpoint, ["--device", "cpu"])
     assert greedy_tokens(tmp_path, hybrid_checkpoint, ["--device", "cuda", "--tensor-parallel", "2"]) == cpu
+
+
+@needs_gpu
+@pytest.mark.timeout(600)
+def test_image_chats_on_the_gpu_give_the_cpu_tokens(tmp_path):
+    """Qwen3.5 with its vision tower (tests/test_vision_chat.py's checkpoint): an image chat, one
+    with an image across prefill chunks, and one resent (its embeddings kept), in float32 on the
+    GPU (at TP=2 where two GPUs are there) give the CPU's greedy tokens."""
+    from test_vision_chat import CHUNKED, IMAGES, chat, config, picture, served, write_checkpoint
+
+    ckpt = write_checkpoint(tmp_path / "vision")
+    chats = [chat("Look: ", [picture(w, h, 10 * i + j) for j, (w, h) in enumerate(sizes)], " What is it?")
+             for i, sizes in enumerate(IMAGES.values())]
+    chats += [chat(" ".join(["the quick brown fox"] * 30), [picture(128, 96, 7)], " What?"), chats[0]]
+    answers = {}
+    for device, tp in [("cpu", 1), ("cuda", 1)] + ([("cuda", 2)] if _gpus() >= 2 else []):
+        server = start_server(tmp_path, config=CHUNKED + config(ckpt),
+                              args=["--device", device, "--tensor-parallel", str(tp)])
+        try:
+            answers[device, tp] = [served(server, m)["choices"][0]["token_ids"] for m in chats]
+        finally:
+            assert server.stop() == 0
+    assert all(got == answers["cpu", 1] for got in answers.values()), answers

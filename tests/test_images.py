@@ -94,9 +94,9 @@ def test_corrupt_unsupported_huge_and_elongated_images_are_refused():
 
 
 def test_an_image_sent_to_the_server_is_refused_as_vision_unsupported_never_dropped(tp1):
-    """No model neuron serves runs a vision tower yet: an image part in a chat (the official
-    client's shape) or a Responses input is a 400 vision_unsupported naming the part, and the
-    server answers the next request as before."""
+    """A text model (the default one): an image part in a chat (the official client's shape) or a
+    Responses input is a 400 vision_unsupported naming the part, and the server answers the next
+    request as before."""
     import httpx
     import openai
 
