@@ -38,6 +38,16 @@ PROMPTS = [[(11 * i + 7 * j) % 500 + 1 for j in range(n)] for i, n in enumerate(
 NEW = 32
 
 
+def randomized(model, seed: int):
+    """``model`` with random weights of a size that moves its outputs (decays of a usable range)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            scale = 0.5 if name.endswith(("A_log", "dt_bias")) else 0.1
+            param.copy_(torch.randn(param.shape, generator=gen) * scale)
+    return model
+
+
 def write_hybrid_checkpoint(family: str, out: Path, seed: int = 0, **sizes) -> Path:
     import transformers
 
@@ -49,12 +59,7 @@ def write_hybrid_checkpoint(family: str, out: Path, seed: int = 0, **sizes) -> P
     else:
         config = getattr(transformers, config_class)(**(SIZES | extra | sizes | ids))
     torch.manual_seed(seed)
-    model = getattr(transformers, model_class)(config).to(torch.float32).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            scale = 0.5 if name.endswith(("A_log", "dt_bias")) else 0.1
-            param.copy_(torch.randn(param.shape, generator=gen) * scale)
+    model = randomized(getattr(transformers, model_class)(config).to(torch.float32).eval(), seed)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     saved = json.loads((out / "config.json").read_text())

@@ -19,6 +19,7 @@ import torch
 from PIL import Image
 
 from conftest import start_server
+from test_hybrid import randomized
 from devtools.fixture_tokenizer import BOS_TOKEN, EOS_TOKEN, build_tokenizer, write_tokenizer
 
 VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
@@ -48,13 +49,8 @@ def write_checkpoint(out: Path, seed: int = 0, family: str = "qwen3_5") -> Path:
     config = (transformers.Qwen3_5MoeConfig if moe else transformers.Qwen3_5Config)(
         text_config=text | (MOE if moe else {}), vision_config=VISION, **ids)
     torch.manual_seed(seed)
-    model = (transformers.Qwen3_5MoeForConditionalGeneration if moe
-             else transformers.Qwen3_5ForConditionalGeneration)(config).float().eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            scale = 0.5 if name.endswith(("A_log", "dt_bias")) else 0.1
-            param.copy_(torch.randn(param.shape, generator=gen) * scale)
+    model = randomized((transformers.Qwen3_5MoeForConditionalGeneration if moe
+                        else transformers.Qwen3_5ForConditionalGeneration)(config).float().eval(), seed)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     write_tokenizer(out, tokenizer, json.loads((out / "config.json").read_text())["text_config"])
