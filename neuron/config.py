@@ -73,6 +73,7 @@ class EngineConfig:
     queue_size: int = 64
     max_queue_wait_s: float = 60.0
     steps_in_flight: int = 0
+    image_embedding_cache_mb: float = 512.0  # a rank's kept image embeddings (models that see images)
 
 
 @dataclass
@@ -263,7 +264,8 @@ def validate(cfg: Config) -> None:
     if cfg.runtime.transport not in ("ipc", "tcp"):
         raise ConfigError("runtime.transport must be ipc or tcp")
     if (cfg.engine.queue_size < 1 or cfg.engine.max_batch_tokens < 0 or cfg.engine.prefill_chunk < 0
-            or cfg.engine.prefill_chunk_decoding < 0 or not 0 <= cfg.engine.steps_in_flight <= 8):
+            or cfg.engine.prefill_chunk_decoding < 0 or not 0 <= cfg.engine.steps_in_flight <= 8
+            or cfg.engine.image_embedding_cache_mb < 0):
         raise ConfigError("engine sizes must be positive (0 for the device's default)")
     for section in (cfg.http, cfg.grammar):
         for f in dataclasses.fields(section):

@@ -194,7 +194,7 @@ class LoadShard(Frame, tag="load_shard"):
 class Step(Frame, tag="step"):
     step_id: int
     seqs: list[StepSeq]
-    forget_images: list[bytes] = []  # image embeddings the ranks drop before the step (by key)
+    forget_images: list[bytes] = []  # image embeddings the ranks drop after the step's own images (by key)
 
 
 class Free(Frame, tag="free"):

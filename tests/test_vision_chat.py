@@ -280,3 +280,26 @@ def test_what_an_image_cannot_be_is_a_4xx_naming_it_and_the_server_stays_healthy
         assert ok.usage.completion_tokens == 4
     finally:
         assert server.stop() == 0
+
+
+def test_image_chats_at_once_through_preemption_and_evictions_equal_one_at_a_time(vision_model, tmp_path):
+    """Eight image chats at once (six images, two of them twice) for four slots, a KV cache for
+    about two, 16-token prompt chunks and room for the embeddings of about two images: sequences
+    are preempted and recomputed, embeddings dropped and encoded again, and every answer is the one
+    it gets alone."""
+    import concurrent.futures
+
+    ckpt, reference = vision_model
+    chats = [chat(f"Picture {i}: ", [picture(48 + 16 * (i % 3), 40, i % 6)], " What is it?") for i in range(8)]
+    settings = dict(max_model_len=96, max_slots=4, block_size=8, kv_cache_tokens=96)
+    engine = "[engine]\nprefill_chunk = 16\nmax_queue_wait_s = 600\nimage_embedding_cache_mb = 0.006\n"
+    server = start_server(tmp_path, config=engine + config(ckpt, **settings), args=["--device", "cpu"])
+    try:
+        alone = [served(server, m)["choices"][0]["token_ids"] for m in chats]
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            together = list(pool.map(lambda m: served(server, m)["choices"][0]["token_ids"], chats))
+        assert together == alone
+        info = httpx.get(f"{server.url}/models", timeout=10).json()["models"][0]
+        assert info["preemptions"] > 0 and info["image_encodes"] > 6, info
+    finally:
+        assert server.stop() == 0

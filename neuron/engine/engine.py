@@ -69,7 +69,7 @@ class Engine:
         self.sizing = sizing
         self.max_len = sizing.max_len
         self.sched = self._scheduler(1, 16, 0)
-        self.images = ImageCache(sizing.image_token_bytes)
+        self.images = ImageCache(sizing.image_token_bytes, int(cfg.image_embedding_cache_mb * 2**20))
         self._snapshots = 0
         self._cache_counts = (0, 0)  # prefix-cache queries and hits of the caches before this one
         # Steps in flight: the next is sent before the last one's reply is in (overlapped steps).

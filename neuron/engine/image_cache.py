@@ -1,8 +1,9 @@
 """Which images' embeddings the ranks keep, decided here: the ranks run the vision tower on an
 image once and keep its embeddings under its content hash, least recently used first out, within
 a bound of bytes; the leader mirrors that set, so an image's bytes cross the rank sockets only when
-the ranks must encode it, and tells them which to drop (``Step.forget_images``). A new rank group
-starts empty (``clear``)."""
+the ranks must encode it, and tells them which to drop (``Step.forget_images``, which a rank
+applies after the step's own images, so that after each step both sides hold the same set). A new
+rank group starts empty (``clear``)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,8 @@ import protocol as p
 
 from .request import GenRequest
 
-EMBEDDING_CACHE_BYTES = 512 << 20  # a rank's kept image embeddings
-
-
 class ImageCache:
-    def __init__(self, bytes_per_token: int, budget: int = EMBEDDING_CACHE_BYTES) -> None:
+    def __init__(self, bytes_per_token: int, budget: int) -> None:
         self.bytes_per_token, self.budget = bytes_per_token, budget
         self.held: OrderedDict[bytes, int] = OrderedDict()  # key -> bytes of its embeddings
         self.forget: list[bytes] = []
@@ -45,9 +43,11 @@ class ImageCache:
         return out
 
     def _keep(self, key: bytes, size: int) -> None:
+        if key in self.forget:  # dropped earlier in this step, encoded again: the ranks keep it after all
+            self.forget.remove(key)
         self.held[key] = size
         total = sum(self.held.values())
-        while total > self.budget and len(self.held) > 1:
+        while total > self.budget and self.held:
             old, freed = self.held.popitem(last=False)
             self.forget.append(old)
             total -= freed

@@ -162,10 +162,10 @@ class ModelRunner:
             begin.record()
             gap = (self._last_end, begin) if self._last_end is not None else None
         seqs = msg.seqs
-        if self.images is not None:
-            self.images.forget(msg.forget_images)
         sampled = [i for i, s in enumerate(seqs) if s.sample]
         bucket, ids, positions, slot_t, logits, argmax = self._forward(seqs, sampled)
+        if self.images is not None:  # after the step's own images: it may drop one it just encoded
+            self.images.forget(msg.forget_images)
         rows_slots = [seqs[i].slot for i in sampled]
         every_token_sampled = bucket and len(sampled) == len(seqs)  # then token rows are sampled rows
         slot_rows = slot_t if every_token_sampled else upload(rows_slots, torch.int64, self.device)
