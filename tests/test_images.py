@@ -89,6 +89,8 @@ def test_corrupt_unsupported_huge_and_elongated_images_are_refused():
         open_image(encoded(image(8, 8, "RGB", 3), "BMP"))
     with pytest.raises(ImageError, match="larger than 32 on a side"):
         open_image(png, max_side=32)
+    with pytest.raises(ImageError, match="40x40 pixels has more than 1000 pixels"):
+        open_image(png, max_pixels=1000)
     with pytest.raises(ImageError, match="aspect ratio above 200"):
         ImageProcessing().tokens(2, 1000)
 

@@ -70,6 +70,13 @@ def picture(width: int, height: int, seed: int) -> bytes:
     return buf.getvalue()
 
 
+def bomb() -> bytes:
+    """A 177 KB PNG that decodes to 168 MB (one colour)."""
+    buf = io.BytesIO()
+    Image.new("RGB", (8000, 7000), (10, 20, 30)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
 def uri(data: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(data).decode()
 
@@ -254,6 +261,7 @@ def test_what_an_image_cannot_be_is_a_4xx_naming_it_and_the_server_stays_healthy
         (chat("a", [png[: len(png) // 2]], "b"), "invalid_image", "truncated or corrupt"),
         (chat("a", [b"not an image"], "b"), "invalid_image", "not a PNG"),
         (chat("a", [picture(20000, 1, 2)], "b"), "invalid_image", "larger than 16384 on a side"),
+        (chat("a", [bomb()], "b"), "invalid_image", "has more than 50000000 pixels"),
         (chat("a", [png] * 17, "b"), "too_many_images", "at most 16 images"),
         (chat("a <|image_pad|>", [png], "b"), "invalid_request", "2 image tokens for 1 images"),
         ([{"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": uri(png)}}]}],

@@ -125,13 +125,20 @@ def data_uri_bytes(url: str, max_bytes: int) -> bytes:
         raise ImageError("an image data: URI is not valid base64") from None
 
 
-def open_image(data: bytes, max_side: int = 16384, decode: bool = False):
+# Decoded, an image takes 3 bytes a pixel: a small file of one colour can unpack to gigabytes.
+MAX_PIXELS = 50_000_000  # a 48-megapixel photo passes
+
+
+def open_image(data: bytes, max_side: int = 16384, decode: bool = False, max_pixels: int = MAX_PIXELS):
     """A Pillow image of ``data`` (PNG, JPEG, WebP, GIF: its first frame). ``decode``: read every
-    pixel too (a truncated or corrupt file fails here, not later)."""
+    pixel too (a truncated or corrupt file fails here, not later); only an image of at most
+    ``max_pixels`` pixels is decoded."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         image = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError:
+        raise ImageError(f"the image has more than {max_pixels} pixels") from None
     except (UnidentifiedImageError, OSError, ValueError):
         raise ImageError("the image data is not a PNG, JPEG, WebP or GIF image") from None
     if image.format not in FORMATS:
@@ -139,6 +146,8 @@ def open_image(data: bytes, max_side: int = 16384, decode: bool = False):
     width, height = image.size
     if not 0 < width <= max_side or not 0 < height <= max_side:
         raise ImageError(f"an image of {width}x{height} pixels is larger than {max_side} on a side")
+    if width * height > max_pixels:
+        raise ImageError(f"an image of {width}x{height} pixels has more than {max_pixels} pixels")
     if decode:
         try:
             image.seek(0)
