@@ -45,7 +45,6 @@ class RankImages:
         self.merge = int(vision["config"].get("spatial_merge_size", 2))
         self.kept: dict[bytes, torch.Tensor] = {}
         self.slots: dict[int, list[SlotImage]] = {}
-        self.encoded = 0
 
     def forget(self, keys: list[bytes]) -> None:
         for key in keys:
@@ -75,8 +74,8 @@ class RankImages:
             raise StepRejected(f"image {image.key.hex()}: {exc}") from None
         if tuple(grid) != tuple(image.grid):
             raise StepRejected(f"image {image.key.hex()} has the grid {grid}, not {tuple(image.grid)}")
-        self.encoded += 1
-        return self.model.vision(torch.from_numpy(patches), [grid])
+        with torch.inference_mode():
+            return self.model.vision(torch.from_numpy(patches), [grid])
 
     def involved(self, seqs: list[p.StepSeq]) -> bool:
         return any(s.slot in self.slots for s in seqs)

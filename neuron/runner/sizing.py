@@ -72,6 +72,8 @@ def kv_blocks(runner, kv_layers: int, state_bytes: int) -> int:
     peak = torch.cuda.max_memory_allocated(device) - before - probe.nbytes
     del probe, attention, tables, rows
     torch.cuda.empty_cache()
+    if getattr(model, "vision", None) is not None:  # an image's tower run must fit too, on every rank
+        peak = max(peak, tower_peak(model, device))
     free, total = torch.cuda.mem_get_info(device)
     sampler_bytes = 6 * (cfg.max_seqs + 1) * runner.vocab  # penalty state, if any sequence wants it
     budget = total * cfg.memory_fraction - (total - free) - peak - sampler_bytes - (256 << 20)
@@ -85,3 +87,25 @@ def kv_blocks(runner, kv_layers: int, state_bytes: int) -> int:
              "step peaks at %.2f GiB", runner.rank, blocks, blocks * bs, blocks * per_block / 2**30,
              state_bytes / 2**30, n, peak / 2**30)
     return blocks
+
+
+def tower_peak(model, device: torch.device) -> int:
+    """Bytes beyond the weights that the vision tower takes on the largest image the model's
+    processor makes (a square of ``max_pixels``), measured."""
+    from neuron.loader.images import ImageProcessing
+
+    p = ImageProcessing.from_config(model.cfg.vision["processor"])
+    side = p.resized(*(2 * [int(p.max_pixels ** 0.5)]))[0] // p.patch_size
+    pixels = torch.zeros(side * side, 3 * p.temporal_patch_size * p.patch_size ** 2, dtype=model.dtype, device=device)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    with torch.inference_mode():
+        model.vision(pixels, [(1, side, side)])
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del pixels
+    torch.cuda.empty_cache()
+    log.info("rank %d: the vision tower peaks at %.2f GiB on a %dx%d-patch image", torch.distributed.get_rank()
+             if torch.distributed.is_initialized() else 0, peak / 2**30, side, side)
+    return peak
