@@ -147,12 +147,13 @@ def test_a_bfloat16_state_is_read_and_written_in_its_dtype():
 # float32 only: the interpreter's conversions to bfloat16 truncate where the GPU's round to nearest
 # (the GPU test runs the bfloat16 model).
 @pytest.mark.parametrize("dtype", [torch.float32])
-def test_the_gated_norm_equals_the_reference(dtype):
+@pytest.mark.parametrize("heads, hv", [(3, 32), (12, 128), (1, 16)])  # whole programs, a part-filled one
+def test_the_gated_norm_equals_the_reference(dtype, heads, hv):
     g = torch.Generator().manual_seed(5)
-    o = torch.randn(5, 3 * 32, generator=g)
-    zx = torch.randn(5, 4 * 32, generator=g).to(dtype)
-    weight = torch.randn(32, generator=g).to(dtype)
-    z = zx[:, 32:]  # a strided view, as the projection's slice
+    o = torch.randn(5, heads * hv, generator=g)
+    zx = torch.randn(5, (heads + 1) * hv, generator=g).to(dtype)
+    weight = torch.randn(hv, generator=g).to(dtype)
+    z = zx[:, hv:]  # a strided view, as the projection's slice
     want = R.gated_rms_norm(o, z, weight, 1e-6)
     got = K.gated_rms_norm(o, z, weight, 1e-6)
     assert got.dtype == dtype and torch.allclose(got, want, atol=1e-5)
