@@ -252,7 +252,7 @@ def test_what_an_image_cannot_be_is_a_4xx_naming_it_and_the_server_stays_healthy
     import openai
 
     ckpt, reference = vision_model
-    server = start_server(tmp_path, config=config(ckpt), args=["--device", "cpu"])
+    server = start_server(tmp_path, config=config(ckpt) + "[debug]\nfault_injection = true\n", args=["--device", "cpu"])
     client = openai.OpenAI(base_url=server.base, api_key="none")
     png = picture(32, 32, 1)
     cases = [
@@ -286,6 +286,15 @@ def test_what_an_image_cannot_be_is_a_4xx_naming_it_and_the_server_stays_healthy
         assert r.json()["usage"]["input_tokens"] == want
         ok = client.chat.completions.create(model="vis", messages=chat("Look: ", [png], "?"), max_tokens=4)
         assert ok.usage.completion_tokens == 4
+        # A step that fails on the rank (here out of memory before the tower ran): what it was to
+        # keep is unknown, so the same image sent again is encoded again, and answers.
+        fresh = chat("Again: ", [picture(40, 24, 9)], "?")
+        armed = httpx.post(f"{server.url}/debug/fault", json={"model": "vis", "rank": 0, "kind": "oom"})
+        assert armed.status_code == 200, armed.text
+        with pytest.raises(openai.APIStatusError) as err:
+            client.with_options(max_retries=0).chat.completions.create(model="vis", messages=fresh, max_tokens=4)
+        assert err.value.body["code"] == "insufficient_memory", err.value.body
+        check_against(reference, served(server, fresh), fresh)
     finally:
         assert server.stop() == 0
 

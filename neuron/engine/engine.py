@@ -288,6 +288,7 @@ class Engine:
             return
         log.warning("%s: step failed (%s); failing its %d request(s)", self.model_id, exc, len(planned))
         self.sched.abandon(planned)
+        self.images.drop_all()
         for x in planned:
             if x.sample:
                 x.req.pending -= 1

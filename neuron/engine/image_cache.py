@@ -13,10 +13,12 @@ import protocol as p
 
 from .request import GenRequest
 
+
 class ImageCache:
     def __init__(self, bytes_per_token: int, budget: int) -> None:
         self.bytes_per_token, self.budget = bytes_per_token, budget
         self.held: OrderedDict[bytes, int] = OrderedDict()  # key -> bytes of its embeddings
+        self.total = 0
         self.forget: list[bytes] = []
         self.encodes = 0  # images the ranks encoded
         self.reuses = 0  # images whose kept embeddings served again
@@ -24,6 +26,13 @@ class ImageCache:
     def clear(self) -> None:
         self.held.clear()
         self.forget.clear()
+        self.total = 0
+
+    def drop_all(self) -> None:
+        """A step failed: what its ranks kept of it is unknown, so they drop every image."""
+        self.forget += [key for key in self.held if key not in self.forget]
+        self.held.clear()
+        self.total = 0
 
     def step_images(self, req: GenRequest, start_pos: int) -> list[p.StepImage]:
         """The images of ``req``'s first step from ``start_pos``: with their bytes where the ranks
@@ -46,11 +55,11 @@ class ImageCache:
         if key in self.forget:  # dropped earlier in this step, encoded again: the ranks keep it after all
             self.forget.remove(key)
         self.held[key] = size
-        total = sum(self.held.values())
-        while total > self.budget and self.held:
+        self.total += size
+        while self.total > self.budget and self.held:
             old, freed = self.held.popitem(last=False)
             self.forget.append(old)
-            total -= freed
+            self.total -= freed
 
     def take_forget(self) -> list[bytes]:
         out, self.forget = self.forget, []

@@ -160,6 +160,7 @@ class HybridLM:
         self.norm = zero_centred(src, f"{prefix}.norm.weight", device, dtype)
         self.rope = partial_rope(cfg, max_len, device, dtype)
         self.vision = VisionTower(cfg.vision["config"], src, TOWER_PREFIX, dtype, device) if cfg.vision else None
+        self.inv_freq = rotary_freqs(cfg).to(device)
         self.attention_shape = next(layer.mixer.shape for layer in self.layers if layer.kind == "full_attention")
         self.recurrent = DeltaNetShape(cfg, key_heads(cfg, plan.world, plan.rank), dtype).state()
 
@@ -201,8 +202,7 @@ class HybridLM:
 
     def mrope_tables(self, positions: torch.Tensor) -> RopeTables:
         """Rotary tables of rows at M-RoPE ``positions`` [3, n] (Qwen3.5's images)."""
-        angles = mrope_angles(positions, rotary_freqs(self.cfg).to(positions.device),
-                              [int(x) for x in self.cfg.vision["mrope_section"]])
+        angles = mrope_angles(positions, self.inv_freq, [int(x) for x in self.cfg.vision["mrope_section"]])
         emb = torch.cat((angles, angles), dim=-1)
         return RopeTables(emb.cos().to(self.dtype), emb.sin().to(self.dtype))
 

@@ -9,7 +9,7 @@ import hashlib
 from dataclasses import replace
 from typing import Any
 
-from neuron.engine.request import ImageInput as PromptImage
+from neuron.engine.request import ImageInput
 from neuron.errors import ApiError
 from neuron.loader.images import ImageError, ImageProcessing, data_uri_bytes, open_image
 
@@ -22,7 +22,7 @@ class ImageReader:
 
     def __init__(self, vision: dict[str, Any], tokenizer, model: str, no_vision: str) -> None:
         self.vision, self.model, self.no_vision = vision, model, no_vision
-        self.images: list[PromptImage] = []
+        self.images: list[ImageInput] = []
         if vision:
             self.processing = ImageProcessing.from_config(vision["processor"])
             self.marker = "".join(tokenizer.id_to_token(vision[k]) or "" for k in (
@@ -44,10 +44,10 @@ class ImageReader:
             tokens = self.processing.tokens(height, width)
         except ImageError as exc:
             raise ApiError(400, "invalid_image", str(exc), param=f"{param}.image_url") from None
-        self.images.append(PromptImage(hashlib.blake2b(data, digest_size=16).digest(), data, grid, tokens))
+        self.images.append(ImageInput(hashlib.blake2b(data, digest_size=16).digest(), data, grid, tokens))
         return self.marker
 
-    def expand(self, ids: list[int]) -> tuple[list[int], list[PromptImage]]:
+    def expand(self, ids: list[int]) -> tuple[list[int], list[ImageInput]]:
         """``ids`` with each image's pad token repeated to its count, and the images with their
         offsets; exactly one pad token per image, or the template lost or added one."""
         if not self.vision:

@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from neuron.engine.request import ImageInput
 from neuron.errors import ApiError
 from neuron.loader.chat_template import TemplateError, render_chat
 from neuron.loader.tokenizer import TokenizerInfo, encode_ids
@@ -15,7 +16,7 @@ from neuron.registry import ModelHandle
 
 from neuron.parsing.reasoning import ThinkMarkers, reasoning_markers, starts_thinking
 from neuron.server.schemas import ChatRequest, CompletionRequest
-from neuron.server.openai.image_prompts import ImageReader, PromptImage
+from neuron.server.openai.image_prompts import ImageReader
 from neuron.server.openai.tools import ToolPlan, detect_syntax, plan_tools, with_tool_prompt
 
 
@@ -28,7 +29,7 @@ def _check(ok: bool, param: str, message: str) -> None:
 class Prompt:
     ids: list[int]
     text: str = ""  # what the completion's echo repeats
-    images: list[PromptImage] = field(default_factory=list)  # at their image-pad tokens in ``ids``
+    images: list[ImageInput] = field(default_factory=list)  # at their image-pad tokens in ``ids``
 
 
 @dataclass
