@@ -179,3 +179,44 @@ def _hybrid_checkpoint(model_type: str, shaped: dict[str, Any], out: Path, devic
     write_tokenizer(out, tokenizer, config)
     write_json(out / "generation_config.json", generation_config(config))
     return out
+
+
+def fp8_block_checkpoint(src: str | Path, out_dir: str | Path, *, block: int = 128, device: str = "cpu") -> Path:
+    """``src``'s checkpoint as the FP8 releases publish one (Qwen/Qwen3-8B-FP8): each projection
+    (``*_proj.weight``) e4m3 with a float32 ``weight_scale_inv`` per ``block`` x ``block`` block
+    (its max|w| / 448), everything else (embeddings, LM head, norms) as it was; the config names
+    ``quant_method: "fp8"`` with dynamic activations."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src, out = Path(src), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.is_file():
+            shutil.copy(f, out / f.name)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    for f in sorted(src.glob("*.safetensors")):
+        tensors = {}
+        for name, w in load_file(f, device=device).items():
+            if not name.endswith("_proj.weight") or w.ndim != 2:
+                tensors[name] = w
+                continue
+            N, K = w.shape
+            padded = torch.zeros(-(-N // block) * block, -(-K // block) * block, device=w.device)
+            padded[:N, :K] = w.float()
+            blocks = padded.unflatten(0, (-1, block)).unflatten(2, (-1, block))  # [N/b, b, K/b, b]
+            scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448
+            values = (blocks / scale[:, None, :, None]).flatten(2).flatten(0, 1)[:N, :K]
+            tensors[name] = values.to(torch.float8_e4m3fn)
+            tensors[name + "_scale_inv"] = scale
+            index["weight_map"][name + "_scale_inv"] = f.name
+        save_file({k: v.cpu().contiguous() for k, v in tensors.items()}, str(out / f.name), metadata={"format": "pt"})
+    write_json(out / "model.safetensors.index.json", index)
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                     "weight_block_size": [block, block]}
+    write_json(out / "config.json", config)
+    return out

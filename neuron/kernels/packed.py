@@ -288,7 +288,7 @@ def _qgemm_kernel(x_ptr, u_ptr, sm_ptr, y_ptr, part_ptr, M, N, K, NS, stride_u, 
 
 @triton.jit
 def _split_sum_kernel(part_ptr, y_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """``y`` = the sum of the ``SPLIT`` float32 parts [SPLIT, MN] ``_qgemm_kernel`` left, in
+    """``y`` = the sum of the ``SPLIT`` float32 parts [SPLIT, MN] a split-K product left, in
     ``y``'s dtype."""
     grid_sync(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -409,8 +409,7 @@ def qlinear(x: torch.Tensor, u: torch.Tensor, sm: torch.Tensor, bits: int,
             BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, IEEE=x.dtype == torch.float32, num_warps=warps,
             num_stages=stages, **pdl_args(x.device))
         if split > 1:
-            _split_sum_kernel[(triton.cdiv(M * N, 1024),)](part, y, M * N, SPLIT=split, BLOCK=1024, num_warps=4,
-                                                           **pdl_args(x.device))
+            sum_parts(part, y)
         return y
     step = max(1, DEQUANT_BYTES // (K * x.element_size()))
     if N <= step:
@@ -419,6 +418,13 @@ def qlinear(x: torch.Tensor, u: torch.Tensor, sm: torch.Tensor, bits: int,
         rows = slice(n0, n0 + step)
         y[:, rows].addmm_(x, dequantize(u[rows], sm[rows], bits, x.dtype).t(), beta=0)
     return y
+
+
+def sum_parts(part: torch.Tensor, y: torch.Tensor) -> None:
+    """``y`` [M, N] = the sum over the float32 parts [SPLIT, M, N] a split-K product left."""
+    split, mn = part.shape[0], y.numel()
+    _split_sum_kernel[(triton.cdiv(mn, 1024),)](part, y, mn, SPLIT=split, BLOCK=1024, num_warps=4,
+                                                **pdl_args(y.device))
 
 
 def gemm_split(tiles: int, steps: int, per_sm: int, device: torch.device) -> int:

@@ -1,8 +1,8 @@
 """FP8 weights kept as their checkpoint holds them: float8 values (one byte a weight) and their
 scales, a scale per block of rows and columns (Qwen's and DeepSeek's FP8 releases), per row or
-per tensor (compressed-tensors). A product unpacks the weight to the activation dtype a tile of
-rows at a time (float32 on the CPU), never whole, so it runs on every device and inside CUDA
-graphs; the FP8 tensor cores of Hopper GPUs are not used yet."""
+per tensor (compressed-tensors). Products run on the FP8 tensor cores where the GPU has them
+(``Fp8Linear``); elsewhere the weight is unpacked to the activation dtype a tile of rows at a
+time (float32 on the CPU), never whole. Either way inside CUDA graphs."""
 
 from __future__ import annotations
 
@@ -48,28 +48,64 @@ def concat_fp8(parts: list[Fp8Weight]) -> Fp8Weight:
                      "+".join(sources))
 
 
+def tensor_cores(device: torch.device) -> bool:
+    """Whether ``device`` multiplies e4m3 on its tensor cores (CUDA compute capability 8.9 and
+    later: Ada, Hopper)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 class Fp8Linear:
+    """Where the device has FP8 tensor cores and the weight's column groups are whole and
+    uniform, products run there (``kernels/fp8``): the rows of ``x`` quantized to e4m3 on the
+    fly, per token and group of up to 128 columns, as transformers and vLLM run these checkpoints
+    on such GPUs. Elsewhere (the CPU, older GPUs, a share that starts inside a column block) the
+    weight is unpacked to the activation dtype a tile of rows at a time and ``x`` stays as it is,
+    as transformers does there."""
+
     def __init__(self, q: Fp8Weight, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> None:
         self.values = q.values.to(device)
-        self.scale = q.scale.to(device, torch.float32)
+        self.scale_t = q.scale.to(device, torch.float32).t().contiguous()  # [column groups, N]: a step reads a row
+        self.scale = self.scale_t.t()
         self.col_block = q.col_block.to(device)
         self.n, self.k = q.values.shape
         self.source, self.bias, self.dtype = q.source, bias, dtype
         self.compute = torch.float32 if device.type == "cpu" else dtype
         self.tile = max(1, TILE // max(1, self.k))
+        self.kernel: tuple[int, int] | None = None  # (column group, activation group) on FP8 tensor cores
+        self.blocks: torch.Tensor | None = None  # [N / 128, K / 128] scales, for torch's block-scaled product
+        if tensor_cores(device) and self.values.dtype == torch.float8_e4m3fn:
+            from neuron.kernels.fp8 import activation_group, blockwise_ok
+
+            width = int((q.col_block == 0).sum())
+            block_k = activation_group(self.k, width)
+            if block_k and torch.equal(q.col_block, torch.arange(self.k) // width):
+                self.kernel = (width, block_k)
+                per_block = self.scale_t[:, ::128]  # a 128x128 block's scale, where W's rows come in such blocks
+                if width == 128 and torch.equal(per_block.repeat_interleave(128, 1)[:, :self.n], self.scale_t):
+                    self.blocks = per_block.t().contiguous()
+                    blockwise_ok(device)  # probed at load, not first inside a graph capture
 
     @property
     def out_features(self) -> int:
         return self.n
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.values, self.scale, self.col_block, *([self.bias] if self.bias is not None else [])]
+        return [self.values, self.scale_t, self.col_block, *([self.blocks] if self.blocks is not None else []),
+                *([self.bias] if self.bias is not None else [])]
 
     def _weights(self, rows: slice | torch.Tensor) -> torch.Tensor:
         return (self.values[rows].to(torch.float32) * self.scale[rows][:, self.col_block]).to(self.compute)
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         shape = x.shape
+        if self.kernel is not None:
+            from neuron.kernels.fp8 import fp8_linear
+
+            y = fp8_linear(x.reshape(-1, self.k), self.values, self.scale_t, *self.kernel,
+                           out_dtype=out_dtype if self.bias is None else torch.float32, blocks=self.blocks)
+            if self.bias is not None:
+                y = (y + self.bias).to(out_dtype or x.dtype)
+            return y.view(*shape[:-1], self.n)
         flat = x.reshape(-1, self.k).to(self.compute)
         if self.tile >= self.n:
             y = F.linear(flat, self._weights(slice(None)))

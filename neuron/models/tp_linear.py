@@ -195,7 +195,7 @@ def describe_packing(model) -> str:
         if isinstance(part, PackedLinear):
             seen[f"int{part.bits} from {part.source}"] += 1
         elif isinstance(part, Fp8Linear):
-            seen[part.source] += 1
+            seen[part.source + (", on FP8 tensor cores" if part.kernel else "")] += 1
         else:
             seen[f"dense {str(part.weight.dtype).removeprefix('torch.')}"] += 1
     return ", ".join(f"{k} x{v}" for k, v in sorted(seen.items()))

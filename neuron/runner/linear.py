@@ -115,7 +115,7 @@ def _graph_ms(fn, reps: int = 10) -> float:
     fn()  # compiles the kernel
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # another thread's calls go on
         fn()
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
