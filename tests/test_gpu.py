@@ -357,7 +357,14 @@ def test_image_chats_on_the_gpu_give_the_cpu_tokens(tmp_path):
     """Qwen3.5 with its vision tower (tests/test_vision_chat.py's checkpoint): an image chat, one
     with an image across prefill chunks, and one resent (its embeddings kept), in float32 on the
     GPU (at TP=2 where two GPUs are there) give the CPU's greedy tokens."""
-    from test_vision_chat import CHUNKED, IMAGES, chat, config, picture, served, write_checkpoint
+    from test_vision_chat import CHUNKED, IMAGES, chat, config, picture, write_checkpoint
+
+    def served(server, messages):  # httpx: the GPU hosts have no openai client
+        r = httpx.post(f"{server.base}/chat/completions", timeout=300, json={
+            "model": "vis", "messages": messages, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        return r.json()
 
     ckpt = write_checkpoint(tmp_path / "vision")
     chats = [chat("Look: ", [picture(w, h, 10 * i + j) for j, (w, h) in enumerate(sizes)], " What is it?")
