@@ -18,6 +18,22 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 
+def run_kernel_check(code: str, *args: str, interpret: bool) -> object:
+    """The JSON that ``code`` prints last, run in a process of its own (the kernels compiled, or
+    by Triton's interpreter: a process imports Triton one way only) with ``args`` as its argv."""
+    import json
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    env.pop("TRITON_INTERPRET", None)
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run([sys.executable, "-c", code, *args], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -9,13 +9,10 @@ any kernel), so it checks float16 activations; bfloat16 runs the same code on th
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+
+from conftest import run_kernel_check
 
 # Not imported here: a triton imported before tests/test_kernels.py sets TRITON_INTERPRET would
 # leave that module's kernels half compiled, half interpreted (this file runs its kernels in
@@ -23,7 +20,6 @@ import pytest
 if importlib.util.find_spec("triton") is None:
     pytest.skip("no triton", allow_module_level=True)
 
-ROOT = Path(__file__).resolve().parent.parent
 
 CHECK = r"""
 import json, sys, numpy as np, torch, gguf
@@ -86,14 +82,7 @@ print(json.dumps(out))
 
 
 def run_check(device: str, dtypes: str, interpret: bool) -> list[dict]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    env.pop("TRITON_INTERPRET", None)
-    if interpret:
-        env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run([sys.executable, "-c", CHECK, device, dtypes], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_kernel_check(CHECK, device, dtypes, interpret=interpret)
 
 
 def check(results: list[dict], dtypes: int) -> None:
