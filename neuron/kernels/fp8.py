@@ -45,6 +45,9 @@ FUSED_ROWS = 16  # more rows than this: quantize x once, then multiply
 FUSED_CONFIG = {16: (16, 64, 4, 3, 2), 32: (32, 64, 4, 3, 2), 64: (64, 64, 4, 3, 2)}
 WIDE_CONFIG = (16, 128, 4, 3, 2)
 WIDE_N = 16384
+# What a rank times at load for each FP8 weight shape, up to FUSED_ROWS rows (runner/linear.tune_fp8).
+FUSED_CANDIDATES = ((16, 32, 4, 3, 4), (16, 64, 4, 3, 2), (16, 64, 4, 3, 4), (16, 64, 4, 4, 4), (16, 128, 4, 3, 2),
+                    (16, 128, 4, 3, 4), (16, 128, 4, 3, 8))
 GEMM_CONFIG = (128, 128, 8, 4)
 GROUP_M = 8
 CUBLAS = True  # blocks of 128x128: the prefill product by cuBLAS where torch offers it (blockwise_ok)
@@ -191,12 +194,14 @@ def _scaled_mm(x: torch.Tensor, w: torch.Tensor, blocks: torch.Tensor, out_dtype
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, g: int, block_k: int,
-               out_dtype: torch.dtype | None = None, blocks: torch.Tensor | None = None) -> torch.Tensor:
+               out_dtype: torch.dtype | None = None, blocks: torch.Tensor | None = None,
+               config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """``x`` [M, K] (a float dtype), ``w`` e4m3 [N, K], ``ws`` float32 [groups of ``g`` columns,
     N] (transposed: a step reads a row of it), ``block_k`` from ``activation_group`` -> ``y``
     [M, N] in ``out_dtype`` (default ``x``'s). ``blocks``: the same scales a 128x128 block,
     [N / 128, K / 128], where W has them: then cuBLAS multiplies more than ``FUSED_ROWS`` rows
-    (where torch offers it, for K in whole 512s: it takes the blocks of K in fours)."""
+    (where torch offers it, for K in whole 512s: it takes the blocks of K in fours). ``config``: the
+    fused kernel's, up to ``FUSED_ROWS`` rows, where one was measured for this weight."""
     M, K = x.shape
     N = w.shape[0]
     assert w.dtype == torch.float8_e4m3fn and K % block_k == 0 and (g >= K or g % block_k == 0)
@@ -206,8 +211,8 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, g: int, block
     y = torch.empty((M, N), device=x.device, dtype=out_dtype or x.dtype)
     steps = K // block_k
     if M <= FUSED_ROWS:
-        block_m, block_n, warps, stages, per_sm = (WIDE_CONFIG if M <= 16 and N >= WIDE_N else
-                                                   FUSED_CONFIG[max(16, triton.next_power_of_2(M))])
+        block_m, block_n, warps, stages, per_sm = config or (WIDE_CONFIG if M <= 16 and N >= WIDE_N else
+                                                             FUSED_CONFIG[max(16, triton.next_power_of_2(M))])
         tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
         split = gemm_split(tiles, steps, per_sm, x.device)
         while steps % split:  # whole parts: each program's range ends inside K

@@ -73,6 +73,7 @@ class Fp8Linear:
         self.tile = max(1, TILE // max(1, self.k))
         self.kernel: tuple[int, int] | None = None  # (column group, activation group) on FP8 tensor cores
         self.blocks: torch.Tensor | None = None  # [N / 128, K / 128] scales, for torch's block-scaled product
+        self.fused_config: tuple[int, int, int, int, int] | None = None  # measured at load (runner/linear.tune_fp8)
         if tensor_cores(device) and self.values.dtype == torch.float8_e4m3fn:
             from neuron.kernels.fp8 import activation_group, blockwise_ok
 
@@ -102,7 +103,8 @@ class Fp8Linear:
             from neuron.kernels.fp8 import fp8_linear
 
             y = fp8_linear(x.reshape(-1, self.k), self.values, self.scale_t, *self.kernel,
-                           out_dtype=out_dtype if self.bias is None else torch.float32, blocks=self.blocks)
+                           out_dtype=out_dtype if self.bias is None else torch.float32, blocks=self.blocks,
+                           config=self.fused_config)
             if self.bias is not None:
                 y = (y + self.bias).to(out_dtype or x.dtype)
             return y.view(*shape[:-1], self.n)

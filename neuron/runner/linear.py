@@ -160,3 +160,31 @@ def tune_packed(model, batch_sizes: list[int]) -> None:
             log.info("packed decode of %dx%d int%d at %d row(s): %s, %.1f us (default %.1f us)", n, k, bits, block_m,
                      config if best < 0.97 * default else "default", 1000 * best / len(parts),
                      1000 * default / len(parts))
+
+
+def tune_fp8(model) -> None:
+    """For every FP8 weight shape on the FP8 tensor cores, time the fused decode kernel's
+    candidate tile configs at one row over all the model's weights of that shape in a row (a
+    config holds for every row count up to ``FUSED_ROWS``: they share its tiles); where one beats
+    the default by 3%, the weights of that shape use it."""
+    from neuron.kernels.fp8 import FUSED_CANDIDATES, fp8_linear
+    from neuron.models.fp8 import Fp8Linear
+
+    by_shape: dict[tuple, list] = {}
+    for part in model.linears()[0]:
+        if isinstance(part, Fp8Linear) and part.kernel is not None:
+            by_shape.setdefault((part.n, part.k, part.kernel), []).append(part)
+    for (n, k, _), parts in by_shape.items():
+        x = torch.randn(1, k, device=model.device, dtype=model.dtype)
+
+        def run(config) -> None:
+            for p in parts:
+                fp8_linear(x, p.values, p.scale_t, *p.kernel, config=config)
+
+        default = _graph_ms(lambda: run(None))
+        best, config = min((_graph_ms(lambda: run(c)), c) for c in FUSED_CANDIDATES)
+        if best < 0.97 * default:
+            for p in parts:
+                p.fused_config = config
+        log.info("FP8 decode of %dx%d at 1 row: %s, %.1f us (default %.1f us)", n, k,
+                 config if best < 0.97 * default else "default", 1000 * best / len(parts), 1000 * default / len(parts))

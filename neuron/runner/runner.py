@@ -133,9 +133,10 @@ class ModelRunner:
             how = model.comm.use_peer_memory(rows * model.cfg.hidden_size, model.dtype, self.device)
             log.info("rank %d: all-reduces of up to %d rows: %s", rank, rows, how)
         if self.cuda and cfg.cuda_graphs and model.capturable and self.triton:
-            from .linear import tune, tune_packed
+            from .linear import tune, tune_fp8, tune_packed
             tune(model, graph_sizes(cfg.max_seqs))
             tune_packed(model, graph_sizes(cfg.max_seqs))
+            tune_fp8(model)
             try:
                 self.step_graphs.capture()
             except RuntimeError as exc:  # e.g. a collective the driver cannot capture: run eagerly
