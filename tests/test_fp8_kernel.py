@@ -51,8 +51,7 @@ for dtype in [getattr(torch, d) for d in sys.argv[2].split(",")]:
         ref = k.reference_fp8_linear(x, w, ws, G, bk)
         split = 1
         if M <= k.FUSED_ROWS:  # the split fp8_linear chose
-            bm, bn, _, _, per_sm = (k.WIDE_CONFIG if M <= 16 and N >= k.WIDE_N else
-                                    k.FUSED_CONFIG[max(16, 1 << (M - 1).bit_length())])
+            bm, bn, _, _, per_sm = k.WIDE_CONFIG if N >= k.WIDE_N else k.FUSED_CONFIG
             split = k.gemm_split(-(-N // bn) * -(-M // bm), K // bk, per_sm, torch.device(device))
         out["rows"].append(dict(M=M, N=N, K=K, G=G, bk=bk, dtype=str(dtype), out_dtype=str(y.dtype),
                                 split=split, err32=float((y32 - ref).abs().max() / ref.abs().max()),

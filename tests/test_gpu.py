@@ -217,7 +217,14 @@ def test_publisher_quantized_checkpoints_on_a_gpu_agree_with_their_dequantized_w
             m.setattr(Fp8Linear, "__call__", w8a8_in_torch)
             (want,) = run_parity([job(score_greedy=True)])
         assert w8a8_in_torch.calls > 0, name
-    (r,) = run_parity([job(score=[p + g for p, g in zip(PROMPTS, want.greedy)])])
+    import neuron.kernels.fp8 as fp8_kernels
+
+    products = []
+    on_tensor_cores = fp8_kernels.fp8_linear
+    with monkeypatch.context() as m:  # counts the served model's products on the FP8 tensor cores
+        m.setattr(fp8_kernels, "fp8_linear", lambda *a, **kw: products.append(1) or on_tensor_cores(*a, **kw))
+        (r,) = run_parity([job(score=[p + g for p, g in zip(PROMPTS, want.greedy)])])
+    assert bool(products) == name.startswith("fp8"), name
     positions = sum(len(s) for s in want.argmax)
     agree = sum(a == b for x, y in zip(want.argmax, r.argmax) for a, b in zip(x, y)) / positions
     same = sum(a == b for a, b in zip(want.greedy, r.greedy)) / len(want.greedy)

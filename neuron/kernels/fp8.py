@@ -1,6 +1,6 @@
 """FP8 weights on the FP8 tensor cores (Hopper and Ada): ``y = x W^T`` where W is float8 e4m3
 with a float32 scale per row and group of ``G`` columns (``models/fp8.Fp8Linear``: blocks of
-128x128, rows, a tensor, in-situ 1x32), and the rows of ``x`` are quantized to e4m3 on the fly
+128x128, rows, a tensor; 64 columns or more), and the rows of ``x`` are quantized to e4m3 on the fly
 per group of ``BLOCK_K`` columns, ``d = max|x| / 448``: the dynamic activation scheme the FP8
 checkpoints name, as transformers' and vLLM's FP8 linears run it. Each ``BLOCK_K`` step is one
 FP8 product scaled by its row's ``d`` and its column's weight scale, accumulated in float32.
@@ -9,13 +9,15 @@ FP8 product scaled by its row's ``d`` and its column's weight scale, accumulated
   program of a column tile does it again: ``x`` is small, and a second kernel would cost a launch
   and a round trip more per product) and splits K where a few rows over a narrow W make too few
   programs to keep the memory system busy (``packed.gemm_split``, ``packed.sum_parts``).
-- More rows (prefill): ``quantize_rows_fp8`` writes ``x``'s e4m3 values and scales once, and the
-  product reads them, its tiles taken in groups of ``GROUP_M`` row tiles so that a column tile
+- More rows (prefill): ``quantize_rows_fp8`` writes ``x``'s e4m3 values and scales once, and
+  cuBLAS's block-scaled product multiplies them (``scaled_mm_blocks``, weights in 128x128 blocks)
+  or a Triton GEMM does, its tiles taken in groups of ``GROUP_M`` row tiles so that a column tile
   of W is read from L2 by the row tiles that need it.
 
-Both paths compute the same values (the same groups, the same rounding), so a sequence's tokens
-do not depend on how many rows its step has. Only basic ``tl`` operations: the same source runs
-under ``TRITON_INTERPRET=1``, where the tests check it against ``reference_fp8_linear``.
+Every path quantizes ``x`` the same way (the same groups, the same rounding); their sums differ
+only in order and, on Hopper's warp-group MMA, in the bits it adds with. Only basic ``tl``
+operations: the same source runs under ``TRITON_INTERPRET=1``, where the tests check it against
+``reference_fp8_linear``.
 """
 
 from __future__ import annotations
@@ -37,12 +39,12 @@ E4M3_MAX = 448.0
 TINY = 1e-12  # the least max|x| a group is scaled by (a group of zeros stays zeros)
 FUSED_ROWS = 16  # more rows than this: quantize x once, then multiply
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, programs a multiprocessor the split aims at) of the
-# fused decode kernel by rows of x rounded up to a power of two (at least 16), and for W of
-# WIDE_N rows and more (scripts/bench-fp8 --sweep, H200, Qwen3-8B's o and gate/up at 1 row:
-# 9.8 and 33.4 us against bfloat16's 12.4 and 49.7). BLOCK_K is the activation group (128
-# where the weight's groups allow it). The prefill product's (BLOCK_M, BLOCK_N, num_warps,
-# num_stages).
-FUSED_CONFIG = {16: (16, 64, 4, 3, 2), 32: (32, 64, 4, 3, 2), 64: (64, 64, 4, 3, 2)}
+# fused decode kernel, and for W of WIDE_N rows and more (scripts/bench-fp8 --sweep, H200,
+# Qwen3-8B's o and gate/up at 1 row: 9.8 and 33.4 us against bfloat16's 12.4 and 49.7); a rank
+# replaces them with what it measures at load (runner/linear.tune_fp8). BLOCK_K is the
+# activation group (128 where the weight's groups allow it). GEMM_CONFIG: the prefill product's
+# (BLOCK_M, BLOCK_N, num_warps, num_stages).
+FUSED_CONFIG = (16, 64, 4, 3, 2)
 WIDE_CONFIG = (16, 128, 4, 3, 2)
 WIDE_N = 16384
 # What a rank times at load for each FP8 weight shape, up to FUSED_ROWS rows (runner/linear.tune_fp8).
@@ -173,7 +175,7 @@ def blockwise_ok(device: torch.device) -> bool:
     blocks = torch.rand(2, 4, device=device, generator=g) + 0.5
     ws = blocks.repeat_interleave(128, 0).t().contiguous()
     try:
-        y = _scaled_mm(x, w, blocks, torch.bfloat16).float()
+        y = scaled_mm_blocks(x, w, blocks, torch.bfloat16).float()
     except (RuntimeError, ValueError, TypeError, NotImplementedError) as e:
         log.info("FP8 products of 128x128 blocks in Triton: torch's scaled_mm said %s", e)
         return False
@@ -184,9 +186,10 @@ def blockwise_ok(device: torch.device) -> bool:
     return err <= 1e-2
 
 
-def _scaled_mm(x: torch.Tensor, w: torch.Tensor, blocks: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """cuBLAS's block-scaled product; rows padded to a multiple of 16 (cuBLAS refused a 2,046-row
-    prompt chunk: CUBLAS_STATUS_NOT_SUPPORTED)."""
+def scaled_mm_blocks(x: torch.Tensor, w: torch.Tensor, blocks: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """cuBLAS's block-scaled product of ``x`` [M, K] and ``w`` with ``blocks`` [N / 128, K / 128];
+    rows padded to a multiple of 16 (cuBLAS refused a 2,046-row prompt chunk:
+    CUBLAS_STATUS_NOT_SUPPORTED)."""
     M = x.shape[0]
     q, s = quantize_rows_fp8(x, 128, rows=-(-M // 16) * 16)
     st = F.ScalingType
@@ -207,12 +210,11 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, g: int, block
     assert w.dtype == torch.float8_e4m3fn and K % block_k == 0 and (g >= K or g % block_k == 0)
     x = x.contiguous()
     if M > FUSED_ROWS and CUBLAS and blocks is not None and K % 512 == 0 and blockwise_ok(x.device):
-        return _scaled_mm(x, w, blocks, torch.bfloat16).to(out_dtype or x.dtype)
+        return scaled_mm_blocks(x, w, blocks, torch.bfloat16).to(out_dtype or x.dtype)
     y = torch.empty((M, N), device=x.device, dtype=out_dtype or x.dtype)
     steps = K // block_k
     if M <= FUSED_ROWS:
-        block_m, block_n, warps, stages, per_sm = config or (WIDE_CONFIG if M <= 16 and N >= WIDE_N else
-                                                             FUSED_CONFIG[max(16, triton.next_power_of_2(M))])
+        block_m, block_n, warps, stages, per_sm = config or (WIDE_CONFIG if N >= WIDE_N else FUSED_CONFIG)
         tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
         split = gemm_split(tiles, steps, per_sm, x.device)
         while steps % split:  # whole parts: each program's range ends inside K

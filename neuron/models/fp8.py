@@ -6,10 +6,13 @@ time (float32 on the CPU), never whole. Either way inside CUDA graphs."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 TILE = 1 << 22  # weights unpacked at a time (16 MB of float32)
 
@@ -82,9 +85,22 @@ class Fp8Linear:
             if block_k and torch.equal(q.col_block, torch.arange(self.k) // width):
                 self.kernel = (width, block_k)
                 per_block = self.scale_t[:, ::128]  # a 128x128 block's scale, where W's rows come in such blocks
-                if width == 128 and torch.equal(per_block.repeat_interleave(128, 1)[:, :self.n], self.scale_t):
-                    self.blocks = per_block.t().contiguous()
-                    blockwise_ok(device)  # probed at load, not first inside a graph capture
+                if (width == 128 and torch.equal(per_block.repeat_interleave(128, 1)[:, :self.n], self.scale_t)
+                        and blockwise_ok(device)):  # probed at load, not first inside a graph capture
+                    self.blocks = self._cublas_takes(per_block.t().contiguous(), dtype, device)
+
+    def _cublas_takes(self, blocks: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """``blocks`` where cuBLAS multiplies this weight's shape (one product of a few rows at
+        load), else None: its prompts then go to the Triton product, not to a failed step each."""
+        from neuron.kernels.fp8 import FUSED_ROWS, scaled_mm_blocks
+
+        try:
+            scaled_mm_blocks(torch.zeros(FUSED_ROWS + 1, self.k, device=device, dtype=dtype), self.values, blocks,
+                             torch.bfloat16)
+        except (RuntimeError, ValueError) as e:
+            log.info("FP8 %dx%d: prompts by Triton, cuBLAS said %s", self.n, self.k, e)
+            return None
+        return blocks
 
     @property
     def out_features(self) -> int:
