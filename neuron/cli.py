@@ -22,7 +22,35 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                         "and unload models); same as [server] allow_insecure_admin = true")
     s.add_argument("--quantize", choices=["q8_0", "q4", "fp8", "none"],
                    help="quantize float (bf16/fp16/fp32) weights at load, on each rank, only its shard")
+    c = s.add_argument_group("across hosts", "one model over several nodes (docs/multihost.md); the same "
+                             "settings come from NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT and [cluster]")
+    c.add_argument("--nnodes", type=int, help="how many nodes serve the model (tensor_parallel / nnodes ranks each)")
+    c.add_argument("--node-rank", type=int, help="this node: 0 is the head (HTTP API); others only run ranks")
+    c.add_argument("--master-addr", help="the head's address on the nodes' private network")
+    c.add_argument("--master-port", type=int, help="the head's port for the nodes (default 29500)")
+    c.add_argument("--group-key", help="the group key file every node holds (`neuron keygen FILE`)")
     s.set_defaults(run=_serve)
+
+
+def _keygen_parser(sub: argparse._SubParsersAction) -> None:
+    k = sub.add_parser("keygen", help="write a new group key for serving one model across hosts")
+    k.add_argument("file", help="where to write it (mode 0600; an existing file is never overwritten)")
+    k.set_defaults(run=_keygen)
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    from .cluster.keys import write_key
+
+    try:
+        path = write_key(args.file)
+    except FileExistsError:
+        print(f"neuron: {args.file} exists; not overwritten", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"neuron: cannot write {args.file}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    print(f"wrote the group key {path} (mode 0600): copy it to every node, pass it as --group-key")
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -35,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="neuron", description="Self-hosted LLM inference daemon")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _serve_parser(sub)
+    _keygen_parser(sub)
     commands.add_parsers(sub)
     chat.add_parser(sub)
     return ap

@@ -117,6 +117,20 @@ class RuntimeConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """One model across hosts (docs/multihost.md). Node 0 (the head) serves HTTP; the others
+    only start their ranks for it. ``NNODES``, ``NODE_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``
+    (torchrun's names) override the file; flags override both."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = ""
+    master_port: int = 29500
+    group_key: str = ""  # the file `neuron keygen` wrote; every node holds the same one
+    join_timeout_s: float = 300.0  # how long the head waits for the other nodes
+
+
+@dataclass
 class DebugConfig:
     tap: str = ""
     fault_injection: bool = False
@@ -131,6 +145,7 @@ class Config:
     grammar: GrammarConfig = field(default_factory=GrammarConfig)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
 
@@ -186,7 +201,7 @@ def load_config(path: str | Path | None = None, env: dict[str, str] | None = Non
             raise ConfigError(f"{path} is not valid TOML: {exc}") from None
     sections: dict[str, type] = {"server": ServerConfig, "engine": EngineConfig, "http": HttpConfig,
                                  "grammar": GrammarConfig, "timeouts": TimeoutConfig,
-                                 "runtime": RuntimeConfig, "debug": DebugConfig}
+                                 "runtime": RuntimeConfig, "cluster": ClusterConfig, "debug": DebugConfig}
     unknown = set(data) - set(sections) - {"models"}
     if unknown:
         raise ConfigError(f"unknown config sections: {', '.join(sorted(unknown))}")
@@ -198,8 +213,20 @@ def load_config(path: str | Path | None = None, env: dict[str, str] | None = Non
             raise ConfigError("models must be an array of tables ([[models]])")
         cfg.models = [_fill(ModelEntry, m, f"models[{i}]") for i, m in enumerate(data["models"])]
     _apply_env(cfg, os.environ if env is None else env)
+    _apply_torchrun_env(cfg.cluster, os.environ if env is None else env)
     validate(cfg)
     return cfg
+
+
+TORCHRUN_ENV = {"NNODES": "nnodes", "NODE_RANK": "node_rank", "MASTER_ADDR": "master_addr", "MASTER_PORT": "master_port"}
+
+
+def _apply_torchrun_env(cluster: ClusterConfig, env: dict[str, str]) -> None:
+    """What torchrun, ``srun`` wrappers and a LeaderWorkerSet set for every node."""
+    hints = get_type_hints(ClusterConfig)
+    for key, name in TORCHRUN_ENV.items():
+        if env.get(key, "").strip():
+            setattr(cluster, name, _coerce(hints[name], env[key].strip(), key))
 
 
 def _apply_env(cfg: Config, env: dict[str, str]) -> None:
@@ -261,6 +288,7 @@ def validate(cfg: Config) -> None:
     for root in cfg.server.model_roots:
         if not Path(root).expanduser().is_absolute():
             raise ConfigError(f"server.model_roots: {root!r} must be an absolute path")
+    validate_cluster(cfg)
     if cfg.runtime.transport not in ("ipc", "tcp"):
         raise ConfigError("runtime.transport must be ipc or tcp")
     if (cfg.engine.queue_size < 1 or cfg.engine.max_batch_tokens < 0 or cfg.engine.prefill_chunk < 0
@@ -273,6 +301,25 @@ def validate(cfg: Config) -> None:
                 raise ConfigError(f"{type(section).__name__[:-6].lower()}.{f.name} must be positive")
     if cfg.http.max_inflight_body_bytes < cfg.server.max_body_bytes:
         raise ConfigError("http.max_inflight_body_bytes must be at least server.max_body_bytes")
+
+
+def validate_cluster(cfg: Config) -> None:
+    c = cfg.cluster
+    if c.nnodes < 1 or not 0 <= c.node_rank < c.nnodes:
+        raise ConfigError(f"cluster: node_rank must be in 0..nnodes-1 (nnodes {c.nnodes}, node_rank {c.node_rank})")
+    if c.nnodes == 1:
+        return
+    if not c.master_addr or not c.group_key:
+        raise ConfigError("cluster: more than one node needs master_addr (--master-addr, MASTER_ADDR) and a "
+                          "group_key file (--group-key; write one with `neuron keygen FILE`)")
+    if not 0 < c.master_port < 65536 or c.join_timeout_s <= 0:
+        raise ConfigError("cluster: master_port must be a TCP port and join_timeout_s positive")
+    if len(cfg.models) != 1:
+        raise ConfigError("cluster: a group of nodes serves exactly one model ([[models]] holds one entry)")
+    world = cfg.models[0].tensor_parallel
+    if world % c.nnodes:
+        raise ConfigError(f"cluster: tensor_parallel {world} does not split over {c.nnodes} nodes (each node runs "
+                          "tensor_parallel / nnodes ranks)")
 
 
 def engine_sizes(engine: EngineConfig, entry: ModelEntry, on_gpu: bool) -> tuple[int, int, int]:

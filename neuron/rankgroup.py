@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 import msgspec
 import zmq
@@ -28,6 +28,11 @@ import protocol as p
 from protocol.sockets import CURVE_ENV, bind_router, identity_rank, ipc_endpoint, rank_identity
 
 from .config import TimeoutConfig
+from .leader_sockets import CurveGate, TapMirror
+
+if TYPE_CHECKING:
+    from .cluster.head import ClusterHead
+    from .cluster.keys import GroupKey
 
 log = logging.getLogger("neuron.group")
 
@@ -57,66 +62,34 @@ class _Call:
     replies: dict[int, p.Reply] = field(default_factory=dict)
 
 
-class TapMirror:
-    """Publishes a copy of every frame on a PUB socket for ``scripts/neuron-tap``. Read-only:
-    nothing that arrives on it is ever read."""
-
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str) -> None:
-        self.sock = ctx.socket(zmq.PUB)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDHWM, 10000)
-        self.sock.bind(endpoint)
-        if endpoint.startswith("ipc://"):
-            os.chmod(endpoint[len("ipc://"):], 0o600)
-        self._enc = msgspec.msgpack.Encoder()
-
-    def publish(self, direction: str, model: str, epoch: int, rank: int, frame: bytes) -> None:
-        envelope = {"t": time.time(), "dir": direction, "model": model, "epoch": epoch, "rank": rank, "frame": frame}
-        try:
-            self.sock.send_multipart([b"frame", self._enc.encode(envelope)], flags=zmq.NOBLOCK)
-        except zmq.Again:
-            pass
-
-    def close(self) -> None:
-        self.sock.close(0)
-
-
-class CurveGate:
-    """The leader's ZAP handler for tcp:// rank endpoints: only the CURVE client keys the leader
-    minted for its own ranks may connect."""
-
-    def __init__(self, ctx: zmq.asyncio.Context) -> None:
-        from zmq.auth.asyncio import AsyncioAuthenticator
-
-        self.allowed: set[bytes] = set()
-        self.auth = AsyncioAuthenticator(ctx)
-        self.auth.start()
-        self.auth.configure_curve_callback(domain="*", credentials_provider=self)
-
-    def allow(self, public_key: bytes) -> None:
-        self.allowed.add(public_key)
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        return key in self.allowed
-
-    def stop(self) -> None:
-        self.auth.stop()
-
-
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
+
+
+@dataclass
+class Remote:
+    """The ranks of a group that run on other nodes: node i runs ranks i*local .. (i+1)*local-1,
+    started by its supervisor when the head's directory orders them."""
+
+    head: "ClusterHead"
+    key: "GroupKey"
+    model: str  # the model reference each node resolves for itself
+    fingerprint: str  # of the head's files; every node's must equal it
+    world: int
 
 
 class RankGroup:
     def __init__(self, *, model_id: str, devices: list[str], timeouts: TimeoutConfig, runtime_dir: Path,
                  ctx: zmq.asyncio.Context, tap: TapMirror | None = None, allow_faults: bool = False,
                  on_failure: Callable[["RankGroup", str], None] | None = None,
-                 curve: "CurveGate | None" = None) -> None:
+                 curve: "CurveGate | None" = None, remote: Remote | None = None) -> None:
         self.model_id = model_id
-        self.devices = devices
-        self.world = len(devices)
+        self.devices = devices  # this host's ranks (0 .. len-1); the rest run on other nodes
+        self.remote = remote
+        self.world = remote.world if remote else len(devices)
+        self.remote_paths: dict[int, list[str]] = {}
         self.timeouts = timeouts
         self.epoch = next(_epochs)
         self.ctx = ctx
@@ -124,7 +97,12 @@ class RankGroup:
         self.allow_faults = allow_faults
         self.on_failure = on_failure
         self.curve = curve
-        self.endpoint = "tcp://127.0.0.1" if curve else ipc_endpoint(runtime_dir, f"group-{self.epoch}.sock")
+        if remote is not None:
+            self.host = remote.head.cfg.master_addr
+            self.endpoint = f"tcp://{self.host}"
+        else:
+            self.host = "127.0.0.1"
+            self.endpoint = "tcp://127.0.0.1" if curve else ipc_endpoint(runtime_dir, f"group-{self.epoch}.sock")
         self.sock: zmq.asyncio.Socket | None = None
         self.procs: list[asyncio.subprocess.Process] = []
         self.pids: list[int] = []
@@ -142,7 +120,9 @@ class RankGroup:
     async def start(self) -> None:
         """Spawn, connect, ping, init the collective group and check it; raises on failure."""
         server_keys = client_keys = None
-        if self.curve is not None:
+        if self.remote is not None:  # every rank, here or on a node, holds the group key
+            server_keys, client_keys = self.remote.key.server, self.remote.key.client[1:]
+        elif self.curve is not None:
             server_keys, client_keys = zmq.curve_keypair(), zmq.curve_keypair()
             self.curve.allow(client_keys[0])
         self.sock, self.endpoint = bind_router(self.ctx, self.endpoint, server_keys)
@@ -151,6 +131,20 @@ class RankGroup:
         env = dict(os.environ)
         if server_keys and client_keys:
             env.update(zip(CURVE_ENV, (k.decode() for k in (server_keys[0], *client_keys))))
+        if self.remote is not None:
+            from .cluster.netif import collective_env
+
+            for name, value in collective_env(self.host).items():
+                env.setdefault(name, value)
+            from .cluster.head import JoinFailed
+
+            r = self.remote
+            try:
+                self.remote_paths = await r.head.join(self.epoch, r.model, r.fingerprint, self.endpoint, self.world,
+                                                      len(self.devices), self.fail)
+            except JoinFailed as exc:
+                self.fail(str(exc))
+                raise GroupFailed(str(exc)) from None
         if backend == "gloo":
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.world)))
         else:  # a GPU rank's host work is launches: idle OpenMP threads would only spin beside it
@@ -171,7 +165,7 @@ class RankGroup:
         for rank, pong in pongs.items():
             if not isinstance(pong, p.Pong) or pong.rank != rank or pong.world != self.world:
                 raise GroupFailed(f"rank {rank} answered ping with {pong!r}")
-        rendezvous = f"tcp://127.0.0.1:{free_port()}"
+        rendezvous = f"tcp://{self.host}:{free_port(self.host)}"
         await self.broadcast_each(lambda i, r: p.InitDist(
             id=i, epoch=self.epoch, backend=backend, rendezvous=rendezvous, world=self.world, rank=r,
             timeout_s=self.timeouts.control_s), self.timeouts.control_s)
@@ -186,7 +180,13 @@ class RankGroup:
             await self._hello.wait()
 
     async def load(self, msg_for: Callable[[int], p.LoadShard]) -> dict[int, p.LoadOk]:
-        return await self.broadcast(msg_for, self.timeouts.load_s)
+        """Every rank loads its shard; a rank on another node reads the files where that node has them."""
+        def shard(cid: int, rank: int) -> p.LoadShard:
+            msg = msg_for(cid)
+            paths = self.remote_paths.get(rank)
+            return msg if paths is None else msgspec.structs.replace(msg, paths=paths)
+
+        return await self.broadcast_each(shard, self.timeouts.load_s)
 
     async def send_step(self, step_id: int, seqs: list[p.StepSeq],
                         forget_images: list[bytes] | None = None) -> Callable[[], Awaitable[p.StepResult]]:
@@ -279,6 +279,8 @@ class RankGroup:
         await asyncio.gather(*(proc.wait() for proc in self.procs))
 
     def _close_socket(self) -> None:
+        if self.remote is not None:
+            self.remote.head.release(self.epoch)
         for task in self._tasks:
             task.cancel()
         if self.sock is not None:
@@ -300,6 +302,8 @@ class RankGroup:
         self.failure = reason
         log.error("%s: rank group (epoch %d) failed: %s", self.model_id, self.epoch, reason)
         self.kill()
+        if self.remote is not None:
+            self.remote.head.release(self.epoch)
         for call in self._calls.values():
             if not call.future.done():
                 call.future.set_exception(GroupFailed(reason))

@@ -31,7 +31,8 @@ from .models import families
 from .models.sharding import ShardingError
 
 QUANT_GROUP = 32  # models.quant.GROUP, without importing torch in the leader
-from .rankgroup import CurveGate, GroupFailed, RankError, RankGroup, TapMirror
+from .leader_sockets import CurveGate, TapMirror
+from .rankgroup import GroupFailed, RankError, RankGroup, Remote
 
 log = logging.getLogger("neuron.registry")
 
@@ -80,7 +81,7 @@ class ModelHandle:
         return {
             "id": self.id, "status": self.status, "error": self.error, "format": self.spec.files.format,
             "family": self.spec.config.family, "capabilities": ["text"] + (["vision"] if self.spec.config.vision else []),
-            "image_encodes": stats.image_encodes, "image_reuses": stats.image_reuses, "devices": self.devices, "tensor_parallel": len(self.devices),
+            "image_encodes": stats.image_encodes, "image_reuses": stats.image_reuses, "devices": self.devices, "tensor_parallel": self.entry.tensor_parallel,
             "dtype": self.dtype, "max_model_len": self.max_len, "max_slots": self.entry.max_slots,
             "weight_format": self.weight_format, "packing": self.packing,
             "shard_bytes": self.shard_bytes, "load_seconds": round(self.load_seconds, 3),
@@ -114,7 +115,16 @@ class Registry:
         self.ctx = zmq.asyncio.Context()
         self.runtime = runtime_dir(cfg.runtime.dir or None)
         self.tap = TapMirror(self.ctx, cfg.debug.tap) if cfg.debug.tap else None
-        self.curve = CurveGate(self.ctx) if cfg.runtime.transport == "tcp" else None
+        clustered = cfg.cluster.nnodes > 1
+        self.curve = CurveGate(self.ctx) if cfg.runtime.transport == "tcp" or clustered else None
+        self.cluster = None
+        if clustered:
+            from .cluster.head import ClusterHead
+            from .cluster.keys import read_key
+
+            self.group_key = read_key(cfg.cluster.group_key)
+            self.curve.allow(self.group_key.client_public)
+            self.cluster = ClusterHead(cfg.cluster, self.group_key, self.ctx, cfg.timeouts.heartbeat_timeout_s)
         self.models: dict[str, ModelHandle] = {}
         self._ops: dict[str, asyncio.Task] = {}  # the lifecycle operation in progress, per model id
         self.closing = False
@@ -147,6 +157,9 @@ class Registry:
         if self.closing:
             raise ApiError(503, "shutting_down", "the server is shutting down")
         model_id = entry.id or model_id_for(entry.model)
+        if self.cluster is not None and entry.model != self.cfg.models[0].model:
+            raise ApiError(409, "cluster_model", f"this group of {self.cfg.cluster.nnodes} nodes serves "
+                           f"{self.cfg.models[0].model!r} only; start the group with the model you want", param="model")
         op = self._ops.get(model_id)
         if op is not None and op.kind == "unload":  # type: ignore[attr-defined]
             raise ApiError(409, "model_unloading", f"model {model_id!r} is being unloaded; load it again after",
@@ -168,8 +181,11 @@ class Registry:
         t0 = time.monotonic()
         spec = await asyncio.to_thread(load_spec, entry.model, model_id=model_id,
                                        hf_cache=self.cfg.runtime.hf_cache or None)
+        nodes = self.cfg.cluster.nnodes
         try:
-            devices = choose_devices(entry.device, entry.tensor_parallel, entry.devices)
+            if entry.tensor_parallel % nodes:
+                raise ValueError(f"tensor_parallel {entry.tensor_parallel} does not split over {nodes} nodes")
+            devices = choose_devices(entry.device, entry.tensor_parallel // nodes, entry.devices)
         except ValueError as exc:
             raise LoadError(str(exc)) from None
         max_len = min(entry.max_model_len, spec.context_length)
@@ -215,10 +231,16 @@ class Registry:
                 log.info("%s: loading, %.2f GB of weights read", handle.id, done / 1e9)
 
     async def _start_group(self, handle: ModelHandle) -> RankGroup:
+        remote = None
+        if self.cluster is not None:
+            from .cluster.fingerprint import model_fingerprint
+
+            fingerprint = await asyncio.to_thread(model_fingerprint, handle.spec)
+            remote = Remote(self.cluster, self.group_key, handle.entry.model, fingerprint, handle.entry.tensor_parallel)
         group = RankGroup(model_id=handle.id, devices=handle.devices, timeouts=self.cfg.timeouts,
                           runtime_dir=self.runtime, ctx=self.ctx, tap=self.tap,
                           allow_faults=self.cfg.debug.fault_injection, on_failure=self._on_group_failure,
-                          curve=self.curve)
+                          curve=self.curve, remote=remote)
         spec, entry, z = handle.spec, handle.entry, handle.engine.sizing
         handle.loading = group
         progress = asyncio.create_task(self._log_progress(handle, group))
@@ -362,6 +384,7 @@ class Registry:
             await handle.engine.stop()
             if handle.group is not None:
                 await handle.group.shutdown(timeout=5.0)
+        self._close()
 
     def kill_all(self) -> None:
         """Kill every rank process at once (the last resort of a shutdown that did not end)."""
@@ -373,11 +396,15 @@ class Registry:
                     except OSError:
                         pass
 
+    def _close(self) -> None:
+        """The leader's sockets and its private directory, once every group is gone."""
         if self.tap is not None:
             self.tap.close()
+        if self.cluster is not None:
+            self.cluster.close()
         if self.curve is not None:
             self.curve.stop()
-        self.ctx.term()
+        self.ctx.destroy(linger=0)
         try:
             self.runtime.rmdir()
         except OSError:

@@ -100,6 +100,10 @@ def apply_flags(cfg: Config, args: argparse.Namespace) -> Config:
             entry.device = args.device
         if getattr(args, "quantize", None) is not None:
             entry.quantize = "" if args.quantize == "none" else args.quantize
+    for flag, name in (("nnodes", "nnodes"), ("node_rank", "node_rank"), ("master_addr", "master_addr"),
+                       ("master_port", "master_port"), ("group_key", "group_key")):
+        if getattr(args, flag, None) is not None:
+            setattr(cfg.cluster, name, getattr(args, flag))
     validate(cfg)
     return cfg
 
@@ -144,6 +148,11 @@ def serve_main(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"neuron: {exc}", file=sys.stderr)
         return 2
+    if cfg.cluster.node_rank > 0:  # a node of a group: no HTTP API, only this host's ranks
+        from .cluster.node import run_node
+
+        configure_logging(cfg.server.log_level, cfg.server.log_format)
+        return run_node(cfg)
     refused = admin_exposure(cfg)
     if refused is not None:
         print(f"neuron: {refused}", file=sys.stderr)

@@ -119,10 +119,10 @@ class Engine:
         for req in list(self.sched.running) + list(self.sched.waiting):
             self._fail(req, reason, kind)
         for _, future in self.inflight:
-            if not future.done():
-                future.cancel()
-            elif not future.cancelled():
-                future.exception()  # retrieved: a step that failed with the group is no news
+            # A step that failed with the group is no news: its exception is retrieved, even when
+            # the cancel comes too late to stop the wait raising it.
+            future.add_done_callback(lambda f: f.cancelled() or f.exception())
+            future.cancel()
         self.inflight.clear()
         self._wake.set()  # the loop notices it is idle
 

@@ -81,9 +81,12 @@ async def _load_startup_models(state: AppState) -> None:
     try:
         for entry in state.cfg.models:
             await state.registry.load(entry)
-    except (LoadError, ApiError) as exc:
-        state.startup_error = getattr(exc, "message", str(exc))
-        log.error("startup model failed to load: %s", state.startup_error)
+    except Exception as exc:  # a bug too ends the startup, said, never a server that waits forever
+        state.startup_error = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, (LoadError, ApiError)):
+            log.error("startup model failed to load: %s", state.startup_error)
+        else:
+            log.exception("startup model failed to load: %s", state.startup_error)
         if state.on_startup_failure is not None:
             state.on_startup_failure(state.startup_error)
         return

@@ -21,17 +21,21 @@ from neuron.server.state import AppState, require_key
 async def health(request: Request) -> Response:
     state: AppState = request.app.state.neuron
     models = {h.id: h.status for h in state.registry.models.values()}
+    extra = {"cluster": state.registry.cluster.describe()} if state.registry.cluster is not None else {}
     if state.draining:
-        return JSONResponse({"status": "shutting_down", "models": models}, status_code=503)
+        return JSONResponse({"status": "shutting_down", "models": models, **extra}, status_code=503)
     if state.startup_error:
-        return JSONResponse({"status": "failed", "reason": state.startup_error, "models": models}, status_code=503)
+        return JSONResponse({"status": "failed", "reason": state.startup_error, "models": models, **extra},
+                            status_code=503)
     if state.starting:
-        return JSONResponse({"status": "starting", "models": models}, status_code=503)
+        return JSONResponse({"status": "starting", "models": models, **extra}, status_code=503)
     bad = {k: v for k, v in models.items() if v != "loaded"}
     if bad:
         reason = "; ".join(f"model {k!r} is {v}" for k, v in bad.items())
-        return JSONResponse({"status": "degraded", "reason": reason, "models": models}, status_code=503)
-    return JSONResponse({"status": "ok", "models": models})
+        if extra and extra["cluster"]["missing"]:
+            reason += f"; node(s) {extra['cluster']['missing']} missing"
+        return JSONResponse({"status": "degraded", "reason": reason, "models": models, **extra}, status_code=503)
+    return JSONResponse({"status": "ok", "models": models, **extra})
 
 
 async def metrics(request: Request) -> Response:

@@ -1,0 +1,280 @@
+"""One model across hosts: network namespaces joined by veth pairs stand for the hosts (this
+namespace is the head's). TP=2 over two hosts answers as TP=2 on one; a node with another key is
+refused and reaches nothing; a cut link fails the group within its deadline and the group
+serves again once it is mended; a killed head leaves no rank alive; a node with other files is
+named when the load is refused. The settings' precedence and the key file run everywhere."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import DEFAULT_MODEL, ROOT, SMALL, alive, chat, children_of, free_port, start_server
+from devtools import netns
+
+PROMPTS = ["What is the capital of France?", "Write a haiku about rain.", "List three fruits.",
+           "Explain gravity in one sentence."]
+DEADLINE_S = 3.0
+CLUSTER_CONF = SMALL + f"""
+[timeouts]
+heartbeat_timeout_s = {DEADLINE_S}
+
+[cluster]
+join_timeout_s = 90
+"""
+
+
+def greedy(server, prompt: str) -> list[int]:
+    r = chat(server, prompt, max_tokens=24, return_token_ids=True)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+# ------------------------------------------------------------------------------------ settings
+def test_keygen_writes_a_private_key_and_never_overwrites(tmp_path):
+    key = tmp_path / "group.key"
+    cmd = [sys.executable, "-m", "neuron.cli", "keygen", str(key)]
+    first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    text = key.read_text()
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert again.returncode == 1 and "not overwritten" in again.stderr and key.read_text() == text
+
+    from neuron.cluster.keys import GroupKeyError, read_key
+
+    k = read_key(key)
+    assert len({k.server_public, k.server_secret, k.client_public, k.client_secret}) == 4
+    bad = tmp_path / "bad.key"
+    bad.write_text('server_public = "short"\n')
+    with pytest.raises(GroupKeyError, match="server_public"):
+        read_key(bad)
+
+
+def test_cluster_settings_come_from_flags_over_torchrun_variables_over_the_file(tmp_path):
+    from neuron.cli import build_parser
+    from neuron.config import ConfigError, load_config
+    from neuron.serve import apply_flags
+
+    conf = tmp_path / "n.toml"
+    conf.write_text('[[models]]\ntensor_parallel = 4\n[cluster]\nnnodes = 2\nmaster_addr = "10.0.0.9"\n'
+                    'group_key = "/k"\nmaster_port = 1234\n')
+    env = {"NODE_RANK": "1", "MASTER_PORT": "2345"}
+    cfg = load_config(conf, env=env)
+    assert (cfg.cluster.nnodes, cfg.cluster.node_rank, cfg.cluster.master_addr, cfg.cluster.master_port) == \
+        (2, 1, "10.0.0.9", 2345)
+    args = build_parser().parse_args(["serve", "--master-addr", "10.0.0.7", "--node-rank", "0"])
+    cfg = apply_flags(cfg, args)
+    assert (cfg.cluster.node_rank, cfg.cluster.master_addr, cfg.cluster.master_port) == (0, "10.0.0.7", 2345)
+    with pytest.raises(ConfigError, match="does not split over 2 nodes"):
+        load_config(conf, env={"NNODES": "2", "NEURON_MODELS__0__TENSOR_PARALLEL": "3"})
+    with pytest.raises(ConfigError, match="group_key"):
+        load_config(None, env={"NNODES": "2", "MASTER_ADDR": "10.0.0.1"})
+    with pytest.raises(ConfigError, match="node_rank"):
+        load_config(None, env={"NNODES": "2", "NODE_RANK": "2"})
+
+
+# ------------------------------------------------------------------------------------ namespaces
+@pytest.fixture(scope="module")
+def hosts():
+    why = netns.why_not()
+    if why is not None:
+        pytest.skip(f"multi-host tests need network namespaces: {why}")
+    with netns.Hosts(1) as h:
+        yield h
+
+
+@pytest.fixture(scope="module")
+def key(tmp_path_factory) -> Path:
+    from neuron.cluster.keys import write_key
+
+    return write_key(tmp_path_factory.mktemp("cluster") / "group.key")
+
+
+class Group:
+    """A head here and node 1 in its namespace, serving the default model at TP=2."""
+
+    def __init__(self, tmp: Path, hosts: netns.Hosts, key: Path, config: str = CLUSTER_CONF) -> None:
+        self.tmp, self.hosts, self.key, self.config = tmp, hosts, key, config
+        self.port = free_port()
+        self.head = None
+        self.node = None
+
+    def flags(self, node_rank: int, key: Path | None = None) -> list[str]:
+        return ["--tensor-parallel", "2", "--nnodes", "2", "--node-rank", str(node_rank),
+                "--master-addr", self.hosts.head, "--master-port", str(self.port),
+                "--group-key", str(key or self.key)]
+
+    def start_node(self, key: Path | None = None, wrap: list[str] = ()) -> subprocess.Popen:
+        conf = self.tmp / f"node-{self.port}.toml"
+        conf.write_text(self.config)
+        log = open(self.tmp / f"node-{self.port}-{time.monotonic_ns()}.log", "wb")
+        cmd = [*self.hosts.run_in(1), *wrap, sys.executable, "-m", "neuron.cli", "serve", "--config", str(conf),
+               *self.flags(1, key)]
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def start(self, healthy: bool = True) -> "Group":
+        self.node = self.start_node()
+        self.head = start_server(self.tmp, config=self.config, args=self.flags(0), healthy=healthy)
+        return self
+
+    def node_ranks(self) -> list[int]:
+        out = []
+        for pid in children_of(self.node.pid):  # ip netns exec execs; the supervisor is the node
+            try:
+                if b"neuron.rank" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    out.append(pid)
+            except OSError:
+                pass
+        return out
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.head.url}/health", timeout=5).json()
+
+    def wait_healthy(self, timeout: float = 120) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                h = self.health()
+                if h["status"] == "ok":
+                    return h
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise AssertionError(f"not healthy in {timeout}s: {self.health()}\n{self.head.log()[-3000:]}")
+
+    def stop(self) -> None:
+        if self.head is not None:
+            self.head.stop()
+        if self.node is not None and self.node.poll() is None:
+            os.killpg(self.node.pid, signal.SIGTERM)
+            try:
+                self.node.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.node.pid, signal.SIGKILL)
+                self.node.wait()
+
+
+@pytest.fixture(scope="module")
+def reference(server_tmp):
+    """TP=2 on one host."""
+    server = start_server(server_tmp, config=SMALL, args=["--tensor-parallel", "2"])
+    try:
+        yield [greedy(server, q) for q in PROMPTS]
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def group(server_tmp, hosts, key):
+    g = Group(server_tmp, hosts, key).start()
+    yield g
+    g.stop()
+
+
+def test_tp2_across_two_hosts_answers_as_tp2_on_one_host(group, reference):
+    assert [greedy(group.head, q) for q in PROMPTS] == reference
+    results: dict[int, list[int]] = {}
+
+    def one(i: int) -> None:
+        results[i] = greedy(group.head, PROMPTS[i % len(PROMPTS)])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [results[i] for i in range(8)] == [reference[i % len(PROMPTS)] for i in range(8)]
+    h = group.health()
+    assert h["cluster"]["nodes"]["1"]["status"] == "ready" and h["cluster"]["missing"] == []
+    info = httpx.get(f"{group.head.url}/models", timeout=10).json()["models"][0]
+    assert info["tensor_parallel"] == 2 and len(info["shard_bytes"]) == 2
+    assert len(group.head.rank_pids()) == 1 and len(group.node_ranks()) == 1
+
+
+def test_a_node_with_another_key_is_refused_and_reaches_nothing(group, server_tmp):
+    from neuron.cluster.keys import write_key
+
+    other = write_key(server_tmp / f"other-{time.monotonic_ns()}.key")
+    intruder = group.start_node(key=other)
+    assert intruder.wait(30) == 2
+    logs = sorted(server_tmp.glob(f"node-{group.port}-*.log"), key=lambda p: p.stat().st_mtime)
+    assert "was refused by the head" in logs[-1].read_text()
+    # Nothing it sent reached the head or a rank: no frame dropped, node 1 still the one serving.
+    assert "dropped a frame" not in group.head.log()
+    info = httpx.get(f"{group.head.url}/models", timeout=10).json()["models"][0]
+    assert info["dropped_frames"] == 0
+    assert group.health()["status"] == "ok"
+
+
+def test_a_cut_link_fails_the_group_within_its_deadline_and_it_serves_again_when_mended(group, reference):
+    group.wait_healthy()
+    body = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "Write a long story about a dragon."}],
+            "temperature": 0, "max_tokens": 800, "stream": True, "ignore_eos": True}
+    events: list[str] = []
+    cut_at = []
+    with httpx.stream("POST", f"{group.head.base}/chat/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if len(events) == 5:
+                    group.hosts.cut(1)
+                    cut_at.append(time.monotonic())
+    ended = time.monotonic()
+    try:
+        assert events[-1] == "[DONE]"
+        assert '"error"' in events[-2] and "heartbeat" in events[-2], events[-3:]
+        assert ended - cut_at[0] < DEADLINE_S + 2.0
+        h = group.health()
+        assert h["status"] != "ok" and h["cluster"]["missing"] == [1] or h["models"][DEFAULT_MODEL] != "loaded"
+    finally:
+        group.hosts.mend(1)
+    group.wait_healthy(120)
+    assert greedy(group.head, PROMPTS[0]) == reference[0]
+
+
+def test_a_killed_head_leaves_no_rank_alive_and_a_new_head_is_joined(group, reference):
+    group.wait_healthy()
+    ranks = group.node_ranks()
+    assert ranks
+    os.killpg(group.head.proc.pid, signal.SIGKILL)
+    group.head.proc.wait()
+    killed = time.monotonic()
+    while any(alive(pid) for pid in ranks) and time.monotonic() - killed < DEADLINE_S + 3.0:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in ranks), "a rank outlived its head past the deadline"
+    assert group.node.poll() is None, "the node supervisor keeps running for the next head"
+    group.head = start_server(group.tmp, config=group.config, args=group.flags(0))
+    assert greedy(group.head, PROMPTS[1]) == reference[1]
+
+
+def test_a_node_with_other_files_is_named_when_the_load_is_refused(server_tmp, hosts, key):
+    from devtools.checkpoints import make_checkpoint
+
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare is not installed")
+    ours = make_checkpoint("llama", server_tmp / "mh-ours", seed=3)
+    theirs = make_checkpoint("llama", server_tmp / "mh-theirs", seed=3, intermediate_size=96)
+    config = f'[[models]]\nmodel = "{ours}"\nmax_model_len = 256\nmax_slots = 2\n' \
+             f'[timeouts]\nheartbeat_timeout_s = {DEADLINE_S}\nrecovery_attempts = 1\n[cluster]\njoin_timeout_s = 60\n'
+    g = Group(server_tmp, hosts, key, config=config)
+    # Node 1 sees other files at the same path: its own mount of them.
+    g.node = g.start_node(wrap=["unshare", "-m", "sh", "-c", f'mount --bind "{theirs}" "{ours}" && exec "$0" "$@"'])
+    try:
+        g.head = start_server(server_tmp, config=config, args=g.flags(0), healthy=False)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and "node 1 has other files" not in g.head.log():
+            time.sleep(0.3)
+        assert "node 1 has other files" in g.head.log(), g.head.log()[-3000:]
+    finally:
+        g.stop()
