@@ -220,3 +220,77 @@ def fp8_block_checkpoint(src: str | Path, out_dir: str | Path, *, block: int = 1
                                      "weight_block_size": [block, block]}
     write_json(out / "config.json", config)
     return out
+
+
+def pack_words(values: Any, bits: int, dim: int, order: tuple[int, ...] | None = None) -> Any:
+    """int32 words of ``values`` packed along ``dim``: ``32 / bits`` values a word, value i of a
+    word at bits ``bits * i`` (in ``order``: value ``order[i]`` there, AutoAWQ's)."""
+    import torch
+
+    per = 32 // bits
+    v = values.movedim(dim, -1)
+    v = v.reshape(*v.shape[:-1], -1, per).to(torch.int64)
+    if order is not None:
+        v = v[..., list(order)]
+    word = (v << (bits * torch.arange(per, device=v.device))).sum(-1)
+    word = torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)
+    return word.movedim(-1, dim).contiguous()
+
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def int4_checkpoint(src: str | Path, out_dir: str | Path, method: str, *, group: int = 128,
+                    device: str = "cpu") -> Path:
+    """``src``'s checkpoint as the 4-bit releases publish one: ``awq`` (Qwen/Qwen3-8B-AWQ: GEMM
+    layout, zero points, ``group`` columns a group) or ``gptq`` (the GPTQ-Int4 releases: symmetric,
+    no act order), each projection packed with float16 scales; everything else as it was."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    if method not in ("awq", "gptq"):
+        raise ValueError(f"method must be awq or gptq, not {method!r}")
+    src, out = Path(src), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.is_file() and f.name != "model.safetensors.index.json":
+            shutil.copy(f, out / f.name)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    weight_map = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors = {}
+        for name, w in load_file(f, device=device).items():
+            base = name.removesuffix(".weight")
+            if not name.endswith("_proj.weight") or w.ndim != 2:
+                tensors[name] = w
+                continue
+            N, K = w.shape
+            x = w.float().reshape(N, K // group, group)
+            if method == "awq":
+                lo, hi = x.amin(2), x.amax(2)
+                s = ((hi - lo) / 15).clamp_min(1e-8).half().float()
+                z = torch.round(-lo / s).clamp(0, 15)
+            else:
+                s = (x.abs().amax(2) / 7).clamp_min(1e-8).half().float()
+                z = torch.full_like(s, 8)
+            q = torch.clamp(torch.round(x / s[..., None]) + z[..., None], 0, 15).reshape(N, K)
+            q, z = q.T.to(torch.int32), z.T.to(torch.int32)  # [K, N], [G, N]
+            tensors[base + ".scales"] = s.T.half().contiguous()
+            if method == "awq":
+                tensors[base + ".qweight"] = pack_words(q, 4, 1, AWQ_ORDER)
+                tensors[base + ".qzeros"] = pack_words(z, 4, 1, AWQ_ORDER)
+            else:
+                tensors[base + ".qweight"] = pack_words(q, 4, 0)
+                tensors[base + ".qzeros"] = pack_words(z - 1, 4, 1)
+                tensors[base + ".g_idx"] = torch.arange(K, dtype=torch.int32, device=q.device) // group
+        save_file({k: v.cpu().contiguous() for k, v in tensors.items()}, str(out / f.name), metadata={"format": "pt"})
+        weight_map |= {k: f.name for k in tensors}
+    write_json(out / "model.safetensors.index.json", {"metadata": index.get("metadata", {}), "weight_map": weight_map})
+    config = json.loads((src / "config.json").read_text())
+    quant = {"quant_method": method, "bits": 4, "group_size": group}
+    quant |= {"version": "gemm", "zero_point": True} if method == "awq" else {"sym": True, "desc_act": False}
+    write_json(out / "config.json", config | {"quantization_config": quant})
+    return out

@@ -415,3 +415,30 @@ def test_a_broken_quantized_checkpoint_fails_its_load_naming_the_tensor_and_leav
     for pid in leftovers:
         os.kill(pid, signal.SIGKILL)
     assert not leftovers, seen
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_the_benchmarks_4bit_writer_is_read_back_within_a_step(tmp_path, method):
+    """``devtools.shapes.int4_checkpoint`` (what ``scripts/perf-gpu --quantize awq,gptq`` serves)
+    writes checkpoints that neuron's reader of the published layouts unpacks to the source
+    weights: GPTQ's symmetric ones within half a step, AWQ's within one (its zero point is rounded,
+    so the top of a group may clamp a step short, as AutoAWQ's own do)."""
+    from devtools.shapes import int4_checkpoint, make_shaped_checkpoint
+    from neuron.loader.published import PublishedSource
+    from neuron.loader.safetensors_source import SafetensorsSource
+    from neuron.loader.spec import load_spec
+
+    src = make_shaped_checkpoint("qwen3-tiny", tmp_path / "src", dtype="float32", layers=2)
+    out = int4_checkpoint(src, tmp_path / method, method, group=32)
+    spec = load_spec(str(out))
+    assert spec.checkpoint_quant is not None and spec.checkpoint_quant.method == method
+    packed = PublishedSource(SafetensorsSource(spec.files.paths), spec.checkpoint_quant)
+    floats = SafetensorsSource(load_spec(str(src)).files.paths)
+    name = "model.layers.1.mlp.down_proj.weight"
+    w, deq = floats.get(name), packed.get(name)
+    groups = w.reshape(w.shape[0], -1, 32)
+    step, share = ((groups.amax(2) - groups.amin(2)) / 15, 1.0) if method == "awq" else (groups.abs().amax(2) / 7, 0.5)
+    err = (deq.float() - w).abs().reshape(w.shape[0], -1, 32).amax(2)
+    assert (err <= step * (share + 1e-3) + 1e-7).all()
+    assert err.mean() < step.mean() * 0.5
+    assert packed.get("model.embed_tokens.weight").equal(floats.get("model.embed_tokens.weight"))
