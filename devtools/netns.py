@@ -30,22 +30,25 @@ def why_not() -> str | None:
 
 @dataclass
 class Hosts:
-    """``count`` hosts besides this one, on 10.<net>.0.0/24: this host is .1, host i is .(i+1)."""
+    """``count`` namespaces on the /24 ``prefix`` (default 10.<1xx>.0). With ``head_here`` this
+    namespace is a host too, the head, at .1, and namespace i is at .(i+1); without, namespace i
+    is at .i and namespace 1 is the head."""
 
     count: int
     tag: str = field(default_factory=lambda: f"{os.getpid() % 100000}")
-    net: int = 0
+    prefix: str = ""
+    head_here: bool = True
     names: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.net = self.net or 100 + os.getpid() % 100
+        self.prefix = self.prefix or f"10.{100 + os.getpid() % 100}.0"
 
     @property
     def head(self) -> str:
-        return f"10.{self.net}.0.1"
+        return f"{self.prefix}.1"
 
     def address(self, i: int) -> str:
-        return f"10.{self.net}.0.{i + 1}"
+        return f"{self.prefix}.{i + 1 if self.head_here else i}"
 
     @property
     def bridge(self) -> str:
@@ -60,7 +63,8 @@ class Hosts:
 
     def up(self) -> "Hosts":
         _ip("link", "add", self.bridge, "type", "bridge")
-        _ip("addr", "add", f"{self.head}/24", "dev", self.bridge)
+        if self.head_here:
+            _ip("addr", "add", f"{self.head}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
         for i in range(1, self.count + 1):
             ns, outer, inner = self.namespace(i), self.link(i), f"nrv{self.tag}x{i}"

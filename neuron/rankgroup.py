@@ -98,7 +98,7 @@ class RankGroup:
         self.on_failure = on_failure
         self.curve = curve
         if remote is not None:
-            self.host = remote.head.cfg.master_addr
+            self.host = remote.head.address
             self.endpoint = f"tcp://{self.host}"
         else:
             self.host = "127.0.0.1"

@@ -278,3 +278,57 @@ def test_a_node_with_other_files_is_named_when_the_load_is_refused(server_tmp, h
         assert "node 1 has other files" in g.head.log(), g.head.log()[-3000:]
     finally:
         g.stop()
+
+
+def readme_commands() -> list[list[str]]:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## Across hosts\n", 1)[1].split("\n## ", 1)[0]
+    return [line.strip().split() for line in section.splitlines()
+            if line.startswith("    ") and not line.strip().startswith("#")]
+
+
+def test_the_readmes_two_host_commands_work_word_for_word(tmp_path):
+    """The README's commands as written, each host a namespace with the README's address; the
+    head's API answered at its default 127.0.0.1:13131 inside its own namespace."""
+    why = netns.why_not()
+    if why is not None:
+        pytest.skip(f"multi-host tests need network namespaces: {why}")
+    venv = ROOT / ".venv"
+    if not (venv / "bin" / "neuron").exists():
+        pytest.skip("the README's commands run .venv/bin/neuron, which ./scripts/setup makes")
+    keygen, head_cmd, node_cmd = readme_commands()
+    addr = head_cmd[head_cmd.index("--master-addr") + 1]
+    (tmp_path / ".venv").symlink_to(venv)
+    assert subprocess.run(keygen, cwd=tmp_path).returncode == 0
+    with netns.Hosts(2, prefix=addr.rsplit(".", 1)[0], head_here=False) as hosts:
+        assert hosts.head == addr
+        procs = []
+        try:
+            for i, cmd in ((1, head_cmd), (2, node_cmd)):
+                log = open(tmp_path / f"host{i}.log", "wb")
+                procs.append(subprocess.Popen([*hosts.run_in(i), *cmd], cwd=tmp_path, stdout=log,
+                                              stderr=subprocess.STDOUT, start_new_session=True))
+            ask = ("import httpx, time, sys\n"
+                   "for _ in range(600):\n"
+                   "    try:\n"
+                   "        if httpx.get('http://127.0.0.1:13131/health', timeout=2).status_code == 200: break\n"
+                   "    except httpx.HTTPError: pass\n"
+                   "    time.sleep(0.3)\n"
+                   "r = httpx.post('http://127.0.0.1:13131/v1/chat/completions', timeout=60, json={'model': "
+                   f"'{DEFAULT_MODEL}', 'temperature': 0, 'max_tokens': 12, 'messages': [{{'role': 'user', "
+                   "'content': 'What is the capital of France?'}]})\n"
+                   "print(r.json()['choices'][0]['message']['content'])\n")
+            out = subprocess.run([*hosts.run_in(1), sys.executable, "-c", ask], capture_output=True, text=True,
+                                 timeout=300)
+            logs = "\n".join((tmp_path / f"host{i}.log").read_text(errors="replace")[-2000:] for i in (1, 2))
+            assert "Paris" in out.stdout, out.stderr[-2000:] + logs
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGTERM)
+            for proc in procs:
+                try:
+                    proc.wait(20)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -73,7 +74,9 @@ class ClusterHead:
         self.sock.curve_server = True
         self.sock.curve_publickey, self.sock.curve_secretkey = key.server
         keep_alive(self.sock, deadline_s)
-        self.sock.bind(f"tcp://{cfg.master_addr}:{cfg.master_port}")
+        # A host name (Slurm's, a LeaderWorkerSet's) is resolved once: sockets bind addresses.
+        self.address = socket.gethostbyname(cfg.master_addr)
+        self.sock.bind(f"tcp://{self.address}:{cfg.master_port}")
         self.nodes: dict[int, Node] = {}
         self.refused: dict[int, str] = {}
         self.placements: dict[int, list[Placement]] = {}  # by epoch
