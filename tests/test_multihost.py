@@ -300,7 +300,8 @@ def test_the_readmes_two_host_commands_work_word_for_word(tmp_path):
     addr = head_cmd[head_cmd.index("--master-addr") + 1]
     (tmp_path / ".venv").symlink_to(venv)
     assert subprocess.run(keygen, cwd=tmp_path).returncode == 0
-    with netns.Hosts(2, prefix=addr.rsplit(".", 1)[0], head_here=False) as hosts:
+    tag = f"{os.getpid() % 100000}r"  # beside the module's hosts, if they are up
+    with netns.Hosts(2, tag=tag, prefix=addr.rsplit(".", 1)[0], head_here=False) as hosts:
         assert hosts.head == addr
         procs = []
         try:
