@@ -16,6 +16,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--port", type=int)
     s.add_argument("--model", help="model id, HF repo id, directory or .gguf path")
     s.add_argument("--tensor-parallel", type=int)
+    s.add_argument("--pipeline-parallel", type=int, help="split the layers into this many stages (each "
+                   "--tensor-parallel ranks); across hosts, a stage per host (docs/multihost.md)")
     s.add_argument("--device", choices=["cpu", "cuda", "auto"])
     s.add_argument("--insecure-admin", action="store_true",
                    help="serve beyond loopback without an admin key (anyone reaching the port may load "

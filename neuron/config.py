@@ -46,6 +46,7 @@ class ModelEntry:
     model: str = "SmolLM2-135M-Instruct"
     id: str = ""
     tensor_parallel: int = 1
+    pipeline_parallel: int = 1  # stages of layers, each tensor_parallel ranks (docs/multihost.md)
     device: str = "auto"
     devices: list[int] = field(default_factory=list)
     dtype: str = "auto"
@@ -252,8 +253,8 @@ def _apply_env(cfg: Config, env: dict[str, str]) -> None:
 
 def validate(cfg: Config) -> None:
     for i, m in enumerate(cfg.models):
-        if m.tensor_parallel < 1:
-            raise ConfigError(f"models[{i}].tensor_parallel must be at least 1")
+        if m.tensor_parallel < 1 or m.pipeline_parallel < 1:
+            raise ConfigError(f"models[{i}].tensor_parallel and pipeline_parallel must be at least 1")
         if m.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"models[{i}].device must be auto, cpu or cuda")
         if m.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -316,10 +317,10 @@ def validate_cluster(cfg: Config) -> None:
         raise ConfigError("cluster: master_port must be a TCP port and join_timeout_s positive")
     if len(cfg.models) != 1:
         raise ConfigError("cluster: a group of nodes serves exactly one model ([[models]] holds one entry)")
-    world = cfg.models[0].tensor_parallel
+    world = cfg.models[0].tensor_parallel * cfg.models[0].pipeline_parallel
     if world % c.nnodes:
-        raise ConfigError(f"cluster: tensor_parallel {world} does not split over {c.nnodes} nodes (each node runs "
-                          "tensor_parallel / nnodes ranks)")
+        raise ConfigError(f"cluster: tensor_parallel x pipeline_parallel = {world} ranks do not split over {c.nnodes} "
+                          "nodes (each node runs world / nnodes ranks)")
 
 
 def engine_sizes(engine: EngineConfig, entry: ModelEntry, on_gpu: bool) -> tuple[int, int, int]:

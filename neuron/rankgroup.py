@@ -84,12 +84,14 @@ class RankGroup:
     def __init__(self, *, model_id: str, devices: list[str], timeouts: TimeoutConfig, runtime_dir: Path,
                  ctx: zmq.asyncio.Context, tap: TapMirror | None = None, allow_faults: bool = False,
                  on_failure: Callable[["RankGroup", str], None] | None = None,
-                 curve: "CurveGate | None" = None, remote: Remote | None = None) -> None:
+                 curve: "CurveGate | None" = None, remote: Remote | None = None, pipeline: int = 1) -> None:
         self.model_id = model_id
         self.devices = devices  # this host's ranks (0 .. len-1); the rest run on other nodes
         self.remote = remote
         self.world = remote.world if remote else len(devices)
         self.remote_paths: dict[int, list[str]] = {}
+        # The rank that samples and answers steps: tensor rank 0 of the last pipeline stage.
+        self.sampler = self.world - self.world // pipeline
         self.timeouts = timeouts
         self.epoch = next(_epochs)
         self.ctx = ctx
@@ -190,13 +192,13 @@ class RankGroup:
 
     async def send_step(self, step_id: int, seqs: list[p.StepSeq],
                         forget_images: list[bytes] | None = None) -> Callable[[], Awaitable[p.StepResult]]:
-        """Broadcast one step and return how to wait for its result (rank 0 answers with tokens,
-        the others only with errors). The caller may send the next step before waiting."""
+        """Broadcast one step and return how to wait for its result (the sampling rank answers
+        with tokens, the others only with errors). The caller may send the next step before waiting."""
         tokens = sum(len(s.tokens) for s in seqs)
         # A step may queue behind one other on the ranks (overlapped steps): its deadline covers both.
         deadline = 2 * (self.timeouts.step_base_s + self.timeouts.step_per_token_s * tokens)
         cid = next(_ids)
-        call = self._open(cid, {0})
+        call = self._open(cid, {self.sampler})
         frame = p.encode(p.Step(id=cid, epoch=self.epoch, step_id=step_id, seqs=seqs,
                                 forget_images=forget_images or []))
         for rank in range(self.world):
@@ -204,9 +206,9 @@ class RankGroup:
 
         async def result() -> p.StepResult:
             replies = await self._await(cid, call, deadline, f"step {step_id}")
-            reply = replies[0]
+            reply = replies[self.sampler]
             if not isinstance(reply, p.StepResult):
-                raise GroupFailed(f"rank 0 answered a step with {type(reply).__name__}")
+                raise GroupFailed(f"rank {self.sampler} answered a step with {type(reply).__name__}")
             return reply
 
         return result

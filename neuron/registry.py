@@ -82,6 +82,7 @@ class ModelHandle:
             "id": self.id, "status": self.status, "error": self.error, "format": self.spec.files.format,
             "family": self.spec.config.family, "capabilities": ["text"] + (["vision"] if self.spec.config.vision else []),
             "image_encodes": stats.image_encodes, "image_reuses": stats.image_reuses, "devices": self.devices, "tensor_parallel": self.entry.tensor_parallel,
+            "pipeline_parallel": self.entry.pipeline_parallel,
             "dtype": self.dtype, "max_model_len": self.max_len, "max_slots": self.entry.max_slots,
             "weight_format": self.weight_format, "packing": self.packing,
             "shard_bytes": self.shard_bytes, "load_seconds": round(self.load_seconds, 3),
@@ -181,11 +182,11 @@ class Registry:
         t0 = time.monotonic()
         spec = await asyncio.to_thread(load_spec, entry.model, model_id=model_id,
                                        hf_cache=self.cfg.runtime.hf_cache or None)
-        nodes = self.cfg.cluster.nnodes
+        nodes, world = self.cfg.cluster.nnodes, entry.tensor_parallel * entry.pipeline_parallel
         try:
-            if entry.tensor_parallel % nodes:
-                raise ValueError(f"tensor_parallel {entry.tensor_parallel} does not split over {nodes} nodes")
-            devices = choose_devices(entry.device, entry.tensor_parallel // nodes, entry.devices)
+            if world % nodes:
+                raise ValueError(f"{world} ranks (tensor_parallel x pipeline_parallel) do not split over {nodes} nodes")
+            devices = choose_devices(entry.device, world // nodes, entry.devices)
         except ValueError as exc:
             raise LoadError(str(exc)) from None
         max_len = min(entry.max_model_len, spec.context_length)
@@ -199,9 +200,13 @@ class Registry:
                                  f"{model_id}|{spec.files.paths}|{entry.dtype}|{entry.tensor_parallel}|{entry.quantize}"
                                  f"|{entry.state_dtype}" if entry.prefix_caching else None,
                                  entry.state_snapshot_interval, 4 * spec.config.hidden_size)))
+        family = families.family(spec.config.family)
         try:  # packed weights split their input columns on whole quant groups
-            families.family(spec.config.family).check_split(spec.config, entry.tensor_parallel,
-                                                            QUANT_GROUP if handle.packed else 1)
+            family.check_split(spec.config, entry.tensor_parallel, QUANT_GROUP if handle.packed else 1)
+            if entry.pipeline_parallel > 1 and not getattr(family, "PIPELINE", False):
+                raise ShardingError(f"the {spec.config.family} family has no pipeline-parallel split yet")
+            if entry.pipeline_parallel > spec.config.num_layers:
+                raise ShardingError(f"{entry.pipeline_parallel} pipeline stages for {spec.config.num_layers} layers")
         except ShardingError as exc:
             raise LoadError(f"model {model_id!r} cannot be split: {exc}") from None
         if self.on_finish is not None:
@@ -236,11 +241,12 @@ class Registry:
             from .cluster.fingerprint import model_fingerprint
 
             fingerprint = await asyncio.to_thread(model_fingerprint, handle.spec)
-            remote = Remote(self.cluster, self.group_key, handle.entry.model, fingerprint, handle.entry.tensor_parallel)
+            remote = Remote(self.cluster, self.group_key, handle.entry.model, fingerprint,
+                            handle.entry.tensor_parallel * handle.entry.pipeline_parallel)
         group = RankGroup(model_id=handle.id, devices=handle.devices, timeouts=self.cfg.timeouts,
                           runtime_dir=self.runtime, ctx=self.ctx, tap=self.tap,
                           allow_faults=self.cfg.debug.fault_injection, on_failure=self._on_group_failure,
-                          curve=self.curve, remote=remote)
+                          curve=self.curve, remote=remote, pipeline=handle.entry.pipeline_parallel)
         spec, entry, z = handle.spec, handle.entry, handle.engine.sizing
         handle.loading = group
         progress = asyncio.create_task(self._log_progress(handle, group))
@@ -257,7 +263,7 @@ class Registry:
                 memory_fraction=entry.gpu_memory_utilization, max_step_tokens=z.max_batch_tokens + entry.max_slots,
                 cuda_graphs=entry.cuda_graphs, quant=entry.quantize or None, state_dtype=entry.state_dtype,
                 state_snapshots=entry.state_snapshots if z.cache_key is not None else 0,
-                checkpoint_quant=spec.checkpoint_quant))
+                checkpoint_quant=spec.checkpoint_quant, pipeline=entry.pipeline_parallel))
         except BaseException:
             await group.close_after_failure()
             raise

@@ -96,6 +96,8 @@ def apply_flags(cfg: Config, args: argparse.Namespace) -> Config:
     for entry in cfg.models:
         if args.tensor_parallel is not None:
             entry.tensor_parallel = args.tensor_parallel
+        if getattr(args, "pipeline_parallel", None) is not None:
+            entry.pipeline_parallel = args.pipeline_parallel
         if args.device:
             entry.device = args.device
         if getattr(args, "quantize", None) is not None:

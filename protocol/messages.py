@@ -189,6 +189,8 @@ class LoadShard(Frame, tag="load_shard"):
     # running sequence; -1: by memory (neuron.runner.sizing.state_snapshots).
     state_snapshots: int = 0
     checkpoint_quant: CheckpointQuant | None = None
+    # Pipeline stages the group's ranks form (neuron.models.stages): world / pipeline ranks a stage.
+    pipeline: int = 1
 
 
 class Step(Frame, tag="step"):

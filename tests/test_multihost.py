@@ -104,14 +104,16 @@ def key(tmp_path_factory) -> Path:
 class Group:
     """A head here and node 1 in its namespace, serving the default model at TP=2."""
 
-    def __init__(self, tmp: Path, hosts: netns.Hosts, key: Path, config: str = CLUSTER_CONF) -> None:
+    def __init__(self, tmp: Path, hosts: netns.Hosts, key: Path, config: str = CLUSTER_CONF, tp: int = 2,
+                 pp: int = 1) -> None:
         self.tmp, self.hosts, self.key, self.config = tmp, hosts, key, config
+        self.layout = ["--tensor-parallel", str(tp), "--pipeline-parallel", str(pp)]
         self.port = free_port()
         self.head = None
         self.node = None
 
     def flags(self, node_rank: int, key: Path | None = None) -> list[str]:
-        return ["--tensor-parallel", "2", "--nnodes", "2", "--node-rank", str(node_rank),
+        return [*self.layout, "--nnodes", "2", "--node-rank", str(node_rank),
                 "--master-addr", self.hosts.head, "--master-port", str(self.port),
                 "--group-key", str(key or self.key)]
 
@@ -256,6 +258,30 @@ def test_a_killed_head_leaves_no_rank_alive_and_a_new_head_is_joined(group, refe
     assert group.node.poll() is None, "the node supervisor keeps running for the next head"
     group.head = start_server(group.tmp, config=group.config, args=group.flags(0))
     assert greedy(group.head, PROMPTS[1]) == reference[1]
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 2), (2, 2)])
+def test_pipeline_stages_on_two_hosts_answer_as_one_rank(server_tmp, hosts, key, tp1, tp, pp):
+    """A stage a host: PP=2 (a rank each) and TP=2 x PP=2 (a stage's two ranks on each host)
+    against TP=1 on one host, one request at a time and 8 at once."""
+    reference = [greedy(tp1, q) for q in PROMPTS]
+    g = Group(server_tmp, hosts, key, tp=tp, pp=pp).start()
+    try:
+        assert [greedy(g.head, q) for q in PROMPTS] == reference
+        results: dict[int, list[int]] = {}
+
+        def one(i: int) -> None:
+            results[i] = greedy(g.head, PROMPTS[i % len(PROMPTS)])
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert [results[i] for i in range(8)] == [reference[i % len(PROMPTS)] for i in range(8)]
+        assert len(g.head.rank_pids()) == tp and len(g.node_ranks()) == tp
+    finally:
+        g.stop()
 
 
 def test_a_node_with_other_files_is_named_when_the_load_is_refused(server_tmp, hosts, key):

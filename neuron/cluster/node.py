@@ -57,7 +57,7 @@ class NodeSupervisor:
         self.cfg, self.key = cfg, key
         self.node_rank = cfg.cluster.node_rank
         entry = cfg.models[0]
-        self.local = entry.tensor_parallel // cfg.cluster.nnodes
+        self.local = entry.tensor_parallel * entry.pipeline_parallel // cfg.cluster.nnodes
         self.devices = choose_devices(entry.device, self.local, entry.devices)
         self.deadline_s = cfg.timeouts.heartbeat_timeout_s
         self.ctx = zmq.asyncio.Context()

@@ -29,8 +29,11 @@ def unique_bytes(tensors: list[torch.Tensor]) -> int:
 
 
 class Collectives:
-    def __init__(self, world: int) -> None:
-        self.world = world
+    """The collectives of one tensor-parallel group: every rank of the process group, or (with
+    pipeline stages) the ranks of one stage, ``group``, whose tensor rank 0 is global ``root``."""
+
+    def __init__(self, world: int, group=None, root: int = 0) -> None:
+        self.world, self.group, self.root = world, group, root
         self._peer: tuple[torch.Tensor, str] | None = None  # (symmetric buffer, group name)
 
     def use_peer_memory(self, numel: int, dtype: torch.dtype, device: torch.device) -> str:
@@ -40,6 +43,8 @@ class Collectives:
         collective: every rank calls it, and all of them choose the same. Returns the choice."""
         if self.world == 1 or device.type != "cuda":
             return "none needed"
+        if self.group is not None:  # pipeline stages run eagerly: no graph replays these
+            return "NCCL (pipeline stages)"
         why = ""
         try:
             import torch.distributed._symmetric_memory as symm_mem
@@ -67,13 +72,13 @@ class Collectives:
             if peer is not None and x.is_cuda and x.dtype == peer[0].dtype and x.numel() <= peer[0].numel():
                 return torch.ops.symm_mem.one_shot_all_reduce_copy(peer[0][: x.numel()].view_as(x), x.contiguous(),
                                                                   "sum", peer[1])
-            dist.all_reduce(x)
+            dist.all_reduce(x, group=self.group)
         return x
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
-        """Rank 0's ``x`` on every rank (in place)."""
+        """Tensor rank 0's ``x`` on every rank of the group (in place)."""
         if self.world > 1:
-            dist.broadcast(x, src=0)
+            dist.broadcast(x, src=self.root, group=self.group)
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
@@ -81,7 +86,7 @@ class Collectives:
         if self.world == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(self.world)]
-        dist.all_gather(parts, x.contiguous())
+        dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
 
 

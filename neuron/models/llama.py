@@ -16,6 +16,7 @@ from .layers import Collectives, WeightSource, rope_tables, unique_bytes
 from .tp_linear import AnyLinear, ConcatLinear, column_parallel, row_parallel
 from .vocab import VocabParallel
 from .moe import SparseMoe
+from .stages import Stage
 from .ops import RopeTables, Rotary, TorchOps
 from .sharding import ShardPlan, sparse_layer
 
@@ -113,12 +114,17 @@ class CausalLM:
     step runs (attention kernels, fused ops, CUDA graphs) belong to the rank's runner."""
 
     def __init__(self, cfg: ModelConfig, plan: ShardPlan, src: WeightSource, *, dtype: torch.dtype,
-                 device: torch.device, max_len: int) -> None:
+                 device: torch.device, max_len: int, stage: Stage | None = None) -> None:
         self.cfg, self.plan, self.dtype, self.device = cfg, plan, dtype, device
-        self.comm = Collectives(plan.world)
+        # A pipeline stage holds its layers, the embedding where it starts the model and the head
+        # where it ends it; its forward takes and returns the residual stream between stages.
+        self.stage = stage
+        self.comm = Collectives(plan.world, stage.group if stage else None, stage.root() if stage else 0)
         self.ops = TorchOps()
-        self.vocab = VocabParallel(cfg, plan, src, "model", dtype, device, self.comm)
-        self.layers = [DecoderLayer(cfg, plan, src, i, dtype, device) for i in range(cfg.num_layers)]
+        ends = stage is None or stage.first or stage.last
+        self.vocab = VocabParallel(cfg, plan, src, "model", dtype, device, self.comm) if ends else None
+        indices = stage.layers if stage is not None else range(cfg.num_layers)
+        self.layers = [DecoderLayer(cfg, plan, src, i, dtype, device) for i in indices]
         self.norm = src.get("model.norm.weight").to(device, dtype)
         divisors = src.get("rope_freqs") if src.has("rope_freqs") else None
         self.rope = rope_tables(cfg, max_len, device, dtype, divisors)
@@ -128,14 +134,14 @@ class CausalLM:
     @property
     def capturable(self) -> bool:
         """A sparse MoE block's per-expert loop has data-dependent shapes: only its grouped kernel
-        (dense experts on a GPU) can be captured in a CUDA graph."""
-        return all(layer.mlp.grouped for layer in self.layers if isinstance(layer.mlp, SparseMoe))
+        (dense experts on a GPU) can be captured in a CUDA graph. Pipeline stages run eagerly."""
+        return self.stage is None and all(layer.mlp.grouped for layer in self.layers if isinstance(layer.mlp, SparseMoe))
 
     def state_specs(self) -> list[LayerState]:
         return [KvState(self.attention_shape.n_kv, self.attention_shape.head_dim)] * len(self.layers)
 
     def linears(self) -> tuple[list[AnyLinear], list[str]]:
-        found: list[AnyLinear] = self.vocab.linears()
+        found: list[AnyLinear] = self.vocab.linears() if self.vocab is not None else []
         dense_experts = []
         for layer in self.layers:
             found += [layer.attn.qkv, layer.attn.o]
@@ -149,7 +155,7 @@ class CausalLM:
         return parts, dense_experts
 
     def tunable(self) -> list[tuple[object, str]]:
-        out: list[tuple[object, str]] = [(self.vocab, "lm_head")]
+        out: list[tuple[object, str]] = [(self.vocab, "lm_head")] if self.vocab is not None else []
         for layer in self.layers:
             out += [(layer.attn, "qkv"), (layer.attn, "o")]
             if isinstance(layer.mlp, Mlp):
@@ -157,21 +163,26 @@ class CausalLM:
         return out
 
     def weight_bytes(self) -> int:
-        return unique_bytes([t for lin in self.vocab.linears() for t in lin.tensors()] + [self.norm]
+        vocab = self.vocab.linears() if self.vocab is not None else []
+        return unique_bytes([t for lin in vocab for t in lin.tensors()] + [self.norm]
                             + [t for layer in self.layers for t in layer.tensors()])
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, attend: AttentionFn,
-                rows: torch.Tensor | None) -> torch.Tensor:
+                rows: torch.Tensor | None, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Run the step's flattened tokens (``ids``, ``positions`` [T]); return full-vocabulary
-        logits (float32) of the token rows ``rows`` (all rows when None), identical on every rank."""
+        logits (float32) of the token rows ``rows`` (all rows when None), identical on every rank.
+        A pipeline stage after the first starts from the previous stage's residual stream
+        ``hidden`` [T, hidden]; a stage before the last returns its own, of every row."""
         ops, eps = self.ops, self.cfg.rms_norm_eps
-        residual = self.vocab.embed_tokens(ids)
+        residual = self.vocab.embed_tokens(ids) if hidden is None else hidden
         h = ops.rms_norm(residual, self.layers[0].attn_norm, eps)
         for i, layer in enumerate(self.layers):
             h = self.comm.all_reduce(layer.attn(h, i, positions, self.rope, attend))
             h, residual = ops.add_rms_norm(h, residual, layer.mlp_norm, eps)
             h = self.comm.all_reduce(layer.mlp(h, ops))
+            if i + 1 == len(self.layers) and self.stage is not None and not self.stage.last:
+                return h + residual
             following = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.norm
             h, residual = ops.add_rms_norm(h, residual, following, eps)
         return self.vocab.logits(h if rows is None else h[rows])

@@ -16,6 +16,7 @@ from neuron.models.interface import Model
 from neuron.models.tp_linear import describe_packing, packed_kernel_for
 from neuron.models.quant import GROUP, SCHEMES
 from neuron.models.sharding import ShardingError
+from neuron.models.stages import Stage, stage_layers
 from neuron.runner.runner import ModelRunner, PendingStep, RunnerConfig, StepRejected
 
 from .deferred import Deferred
@@ -152,9 +153,12 @@ class DeviceWorker:
         if family is None:
             raise RankFailure("bad_request", f"no model family serves {msg.config.family!r}")
         self.loaded_bytes = 0
+        world, rank, kwargs = self.world, self.rank, {}
+        if msg.pipeline > 1:
+            world, rank, kwargs["stage"] = self._stage(msg, family)
         try:
-            self.model = family.build(msg.config, self.world, self.rank, _Counted(src, self), dtype=dtype,
-                                      device=self.device, max_len=msg.max_len, block=GROUP if packed else 1)
+            self.model = family.build(msg.config, world, rank, _Counted(src, self), dtype=dtype, device=self.device,
+                                      max_len=msg.max_len, block=GROUP if packed else 1, **kwargs)
         except ShardingError as exc:
             raise RankFailure("bad_request", str(exc)) from None
         del src
@@ -172,6 +176,22 @@ class DeviceWorker:
                         bytes=self.model.weight_bytes(), kv_bytes=runner.kv.nbytes, kv_blocks=runner.kv_blocks,
                         graphs=sorted(runner.graphs), packing=packing, state_slots=runner.states.slots,
                         state_bytes=runner.states.nbytes, state_snapshots=runner.state_snapshots)
+
+    def _stage(self, msg: p.LoadShard, family) -> tuple[int, int, Stage]:
+        """This rank's pipeline stage: its tensor-parallel group (every rank creates every
+        stage's group, in order, as torch.distributed asks), its layers."""
+        stages = msg.pipeline
+        if not getattr(family, "PIPELINE", False):
+            raise RankFailure("bad_request", f"the {msg.config.family} family has no pipeline-parallel split")
+        if self.world % stages or not 0 < stages <= msg.config.num_layers:
+            raise RankFailure("bad_request", f"{self.world} ranks do not form {stages} pipeline stages of "
+                                             f"{msg.config.num_layers} layers")
+        tensor = self.world // stages
+        groups = [dist.new_group(list(range(s * tensor, (s + 1) * tensor))) for s in range(stages)] \
+            if tensor > 1 else [None] * stages
+        index = self.rank // tensor
+        stage = Stage(index, stages, tensor, stage_layers(msg.config.num_layers, stages, index), groups[index])
+        return tensor, self.rank % tensor, stage
 
     def _warm_up(self) -> None:
         """One prompt chunk and one decode through every layer, so the first request does not pay

@@ -90,6 +90,10 @@ class PendingStep:
 class ModelRunner:
     def __init__(self, model: Model, cfg: RunnerConfig, rank: int) -> None:
         self.model, self.cfg, self.rank = model, cfg, rank
+        # Pipeline stages: a stage's steps start from the previous stage's residual stream and
+        # hand theirs to the next; the last stage's tensor rank 0 samples.
+        self.stage = getattr(model, "stage", None)
+        self.samples = rank == (self.stage.sampler if self.stage is not None else 0)
         self.device = model.device
         self.cuda = self.device.type == "cuda"
         self.vocab = model.cfg.vocab_size
@@ -155,7 +159,7 @@ class ModelRunner:
 
     # ----------------------------------------------------------------------------- a step
     def step(self, msg: p.Step) -> PendingStep | None:
-        """Launch one step; rank 0 returns what to wait for, the others None."""
+        """Launch one step; the sampling rank returns what to wait for, the others None."""
         t0 = time.perf_counter()
         gap = None
         if self.cuda:
@@ -170,23 +174,29 @@ class ModelRunner:
         rows_slots = [seqs[i].slot for i in sampled]
         every_token_sampled = bucket and len(sampled) == len(seqs)  # then token rows are sampled rows
         slot_rows = slot_t if every_token_sampled else upload(rows_slots, torch.int64, self.device)
-        if self.rank == 0 and self.sampler.penalised([s.slot for s in seqs]):
+        if self.samples and self.sampler.penalised([s.slot for s in seqs]):
             self.sampler.feed(slot_t, ids, positions)
         if not sampled:
             tokens, logprobs = torch.zeros(0, dtype=torch.int64, device=self.device), None
-        elif self.rank == 0:
+        elif self.samples:
             last = [seqs[i].start_pos + len(seqs[i].tokens) - 1 for i in sampled]
             tokens, logprobs = self.sampler.sample(logits, rows_slots, slot_rows, last,
                                                    [seqs[i].allowed for i in sampled],
                                                    argmax if every_token_sampled else None)
         else:
             tokens, logprobs = torch.empty(len(sampled), dtype=torch.int64, device=self.device), None
-        if sampled and self.model.comm.world > 1:
-            # Every rank feeds the next step's device tokens into its embedding: they must be rank 0's.
-            self.model.comm.broadcast(tokens)
-            if self.rank != 0:
+        if sampled and self.stage is not None and self.stage.count > 1:
+            # Every rank resolves the next step's device tokens: they must be the sampler's.
+            import torch.distributed as dist
+
+            dist.broadcast(tokens, src=self.stage.sampler)
+            if not self.samples:
                 self.sampler.last_token[slot_rows] = tokens
-        if self.rank != 0:
+        elif sampled and self.model.comm.world > 1:
+            self.model.comm.broadcast(tokens)
+            if not self.samples:
+                self.sampler.last_token[slot_rows] = tokens
+        if not self.samples:
             return None
         want = [self.sampler.params[s].logprobs for s in rows_slots]
         ready = None
@@ -211,7 +221,7 @@ class ModelRunner:
         for s in seqs:
             if s.sampling is not None:
                 self.sampler.start(s.slot, s.sampling)
-                if s.context and self.rank == 0 and self.sampler.penalised([s.slot]):
+                if s.context and self.samples and self.sampler.penalised([s.slot]):
                     n = len(s.context)
                     at = upload([[s.slot] * n, s.context, list(range(n))], torch.int64, self.device)
                     self.sampler.feed(at[0], at[1], at[2])
@@ -313,7 +323,25 @@ class ModelRunner:
         # A step that samples nothing (a prompt chunk that is not the last) still computes one row.
         rows = upload(list(range(T)) if every_position else [ends[i] for i in sampled] or [T - 1], torch.int64,
                       self.device)
-        return ids_t, pos_t, slot_t, self.model.forward(ids_t, pos_t, self.attention, rows)
+        if self.stage is None or self.stage.count == 1:
+            return ids_t, pos_t, slot_t, self.model.forward(ids_t, pos_t, self.attention, rows)
+        return ids_t, pos_t, slot_t, self._stage_forward(ids_t, pos_t, rows)
+
+    def _stage_forward(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
+        """This stage's layers over the step: from the previous stage's residual stream (from
+        the rank of the same tensor rank there), to the next stage's; the last stage's logits."""
+        import torch.distributed as dist
+
+        st, t = self.stage, self.rank % self.stage.tensor
+        hidden = None
+        if not st.first:
+            hidden = torch.empty(len(ids), self.model.cfg.hidden_size, dtype=self.model.dtype, device=self.device)
+            dist.recv(hidden, src=st.peer(-1, t))
+        out = self.model.forward(ids, positions, self.attention, rows, hidden)
+        if st.last:
+            return out
+        dist.send(out.contiguous(), dst=st.peer(1, t))
+        return None
 
     def resolve(self, ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Device tokens (-1) become the slot's last draw, still on the device."""

@@ -84,8 +84,14 @@ def check_split(cfg: ModelConfig, world: int, block: int = 1) -> None:
     check_plan(cfg, world, block)
 
 
-def build(cfg: ModelConfig, world: int, rank: int, src, *, dtype, device, max_len: int, block: int = 1):
+# Its layers split into pipeline stages (``build``'s ``stage``).
+PIPELINE = True
+
+
+def build(cfg: ModelConfig, world: int, rank: int, src, *, dtype, device, max_len: int, block: int = 1,
+          stage=None):
     from ..llama import CausalLM
     from ..sharding import plan_shard
 
-    return CausalLM(cfg, plan_shard(cfg, world, rank, block), src, dtype=dtype, device=device, max_len=max_len)
+    return CausalLM(cfg, plan_shard(cfg, world, rank, block), src, dtype=dtype, device=device, max_len=max_len,
+                    stage=stage)
