@@ -199,7 +199,8 @@ class Registry:
                                  # the K/V of a prefix depends on the weights and how they are computed
                                  f"{model_id}|{spec.files.paths}|{entry.dtype}|{entry.tensor_parallel}|{entry.quantize}"
                                  f"|{entry.state_dtype}" if entry.prefix_caching else None,
-                                 entry.state_snapshot_interval, 4 * spec.config.hidden_size)))
+                                 entry.state_snapshot_interval, 4 * spec.config.hidden_size,
+                                 entry.pipeline_parallel)))
         family = families.family(spec.config.family)
         try:  # packed weights split their input columns on whole quant groups
             family.check_split(spec.config, entry.tensor_parallel, QUANT_GROUP if handle.packed else 1)

@@ -263,6 +263,21 @@ def test_two_gpus_over_nccl_match_the_cpu(tmp_path, checkpoint):
 
 
 @pytest.mark.skipif(_gpus() < 2, reason="needs two NVIDIA GPUs")
+def test_pipeline_stages_on_two_gpus_match_the_cpu(tmp_path, checkpoint):
+    """PP=2 over NCCL (a stage a GPU: its residual stream and the sampled tokens sent point to
+    point) gives the CPU's greedy tokens, one request at a time and all at once."""
+    cpu = greedy_tokens(tmp_path, checkpoint, ["--device", "cpu"])
+    args = ["--device", "cuda", "--pipeline-parallel", "2"]
+    assert greedy_tokens(tmp_path, checkpoint, args) == cpu
+    config = f'[[models]]\nmodel = "{checkpoint}"\nid = "ckpt"\ndtype = "float32"\nmax_model_len = 256\nmax_slots = 8\n'
+    server = start_server(tmp_path, config=config, args=args)
+    try:
+        assert concurrent_greedy(server, PROMPTS * 2, tokens=32) == cpu * 2
+    finally:
+        assert server.stop() == 0
+
+
+@pytest.mark.skipif(_gpus() < 2, reason="needs two NVIDIA GPUs")
 def test_killing_a_rank_while_its_peer_waits_in_an_nccl_all_reduce_recovers_the_group(tmp_path):
     import os
     import signal

@@ -60,6 +60,9 @@ class Sizing:
     cache_key: str | None = None  # the prefix cache's key (what the K/V depends on); None: no cache
     snapshot_interval: int = 512  # tokens between a prompt's state snapshots (models with recurrent state)
     image_token_bytes: int = 0  # a bound on an image token's embedding bytes on a rank
+    # Pipeline stages: the running sequences form this many groups, planned in turn, so each
+    # stage works on another group's step (micro-batches) instead of waiting for the next token.
+    pipeline: int = 1
 
 
 class Engine:
@@ -73,7 +76,8 @@ class Engine:
         self._snapshots = 0
         self._cache_counts = (0, 0)  # prefix-cache queries and hits of the caches before this one
         # Steps in flight: the next is sent before the last one's reply is in (overlapped steps).
-        self.depth = sizing.steps_in_flight
+        self.depth = max(sizing.steps_in_flight, sizing.pipeline)
+        self._group = 0  # the micro-batch group planned next (pipeline stages)
         self.inflight: deque[tuple[list[Planned], asyncio.Future]] = deque()
         self.group: RankGroup | None = None
         self.accepting = True
@@ -190,12 +194,26 @@ class Engine:
             if self.sched.idle:
                 self._idle.set()
 
+    def _next_plan(self) -> list:
+        """The next step's plan: every running sequence, or with pipeline stages the next group
+        of them that has anything to run."""
+        groups = self.sizing.pipeline
+        if groups == 1:
+            return self.sched.schedule()
+        for i in range(groups):
+            g = (self._group + i) % groups
+            plan = self.sched.schedule(g, groups)
+            if plan:
+                self._group = (g + 1) % groups
+                return plan
+        return []
+
     async def _iterate(self, group: RankGroup) -> None:
         t0 = time.perf_counter()
         self._housekeeping()
         try:
             while len(self.inflight) < self.depth:
-                plan = self.sched.schedule()
+                plan = self._next_plan()
                 if not plan:
                     break
                 self._step_ids += 1

@@ -208,13 +208,15 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # ----------------------------------------------------------------------------- planning
-    def schedule(self) -> list[Planned]:
+    def schedule(self, group: int = 0, groups: int = 1) -> list[Planned]:
         """The next step. Its plan is already counted in each request (computed, pending,
-        blocks): the step after it can be planned before this one's reply arrives."""
+        blocks): the step after it can be planned before this one's reply arrives. With
+        ``groups`` (pipeline stages' micro-batches), only the running requests of ``group``
+        (by slot)."""
         budget = self.max_batch_tokens
         plan: list[Planned] = []
         for req in list(self.running):  # decodes are never held back by the budget
-            if req.slot < 0 or not self._may_decode(req):  # slot -1: preempted in this loop
+            if req.slot < 0 or req.slot % groups != group or not self._may_decode(req):  # -1: preempted here
                 continue
             if not self._room_for(req, req.computed + 1):
                 continue
@@ -227,7 +229,7 @@ class Scheduler:
         for req in self.running:
             if budget <= 0:
                 break
-            if req.pending or req.computed >= len(req.prompt) + len(req.output):
+            if req.slot % groups != group or req.pending or req.computed >= len(req.prompt) + len(req.output):
                 continue
             known = req.prompt + req.output
             n = min(len(known) - req.computed, chunk, budget)

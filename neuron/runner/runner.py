@@ -126,6 +126,10 @@ class ModelRunner:
         self.attention = PagedAttention(self.kv, self.tables, shape, self.triton, cfg.max_seqs + 1, self.cpu_kernels,
                                         model.ops.int8_rows if self.triton else 0, self.states)
         self.sampler = DeviceSampler(cfg.max_seqs + 1, self.vocab, self.device)
+        self.stage_tokens = None
+        if self.stage is not None and self.stage.count > 1:
+            from .pipeline import StageTokens
+            self.stage_tokens = StageTokens(self.stage, rank, self.sampler.last_token)
         self.step_graphs = StepGraphs(self)
         self.images = RankImages(model, self.device) if getattr(model, "vision", None) is not None else None
         self._last_end: torch.cuda.Event | None = None
@@ -168,6 +172,8 @@ class ModelRunner:
             gap = (self._last_end, begin) if self._last_end is not None else None
         seqs = msg.seqs
         sampled = [i for i, s in enumerate(seqs) if s.sample]
+        if self.stage_tokens is not None:
+            self.stage_tokens.before_step([s.slot for s in seqs if s.tokens and s.tokens[0] < 0])
         bucket, ids, positions, slot_t, logits, argmax = self._forward(seqs, sampled)
         if self.images is not None:  # after the step's own images: it may drop one it just encoded
             self.images.forget(msg.forget_images)
@@ -185,13 +191,8 @@ class ModelRunner:
                                                    argmax if every_token_sampled else None)
         else:
             tokens, logprobs = torch.empty(len(sampled), dtype=torch.int64, device=self.device), None
-        if sampled and self.stage is not None and self.stage.count > 1:
-            # Every rank resolves the next step's device tokens: they must be the sampler's.
-            import torch.distributed as dist
-
-            dist.broadcast(tokens, src=self.stage.sampler)
-            if not self.samples:
-                self.sampler.last_token[slot_rows] = tokens
+        if sampled and self.stage_tokens is not None:
+            self.stage_tokens.after_step(tokens, slot_rows, rows_slots)
         elif sampled and self.model.comm.world > 1:
             self.model.comm.broadcast(tokens)
             if not self.samples:
