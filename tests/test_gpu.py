@@ -69,7 +69,7 @@ def concurrent_greedy(server, prompts: list[list[int]], tokens: int = 24) -> lis
         return list(pool.map(one, prompts))
 
 
-def graph_and_eager(tmp, checkpoint, tp: int) -> None:
+def graph_and_eager(tmp, checkpoint, tp: int, pp: int = 1) -> None:
     """The decode graphs give the eager path's greedy tokens, alone and in batches of 3 and 6
     (between the buckets 2/4 and 4/8) and 8 (a bucket's own size)."""
     batches = [[p] for p in PROMPTS] + [PROMPTS, PROMPTS * 2, (PROMPTS * 3)[:8]]
@@ -77,7 +77,8 @@ def graph_and_eager(tmp, checkpoint, tp: int) -> None:
     for graphs in (True, False):
         config = (f'[[models]]\nmodel = "{checkpoint}"\nid = "ckpt"\ndtype = "float32"\nmax_model_len = 256\n'
                   f'max_slots = 8\ncuda_graphs = {str(graphs).lower()}\n')
-        server = start_server(tmp, config=config, args=["--device", "cuda", "--tensor-parallel", str(tp)])
+        server = start_server(tmp, config=config, args=["--device", "cuda", "--tensor-parallel", str(tp),
+                                                        "--pipeline-parallel", str(pp)])
         try:
             info = httpx.get(f"{server.url}/models", timeout=10).json()["models"][0]
             assert info["cuda_graphs"] == ([1, 2, 4, 8] if graphs else [])
@@ -260,6 +261,11 @@ def test_one_gpu_matches_the_cpu(tmp_path, checkpoint):
 def test_two_gpus_over_nccl_match_the_cpu(tmp_path, checkpoint):
     cpu = greedy_tokens(tmp_path, checkpoint, ["--device", "cpu"])
     assert greedy_tokens(tmp_path, checkpoint, ["--device", "cuda", "--tensor-parallel", "2"]) == cpu
+
+
+@pytest.mark.skipif(_gpus() < 2, reason="needs two NVIDIA GPUs")
+def test_decode_graphs_give_the_eager_tokens_in_two_pipeline_stages(tmp_path, qwen3_checkpoint):
+    graph_and_eager(tmp_path, qwen3_checkpoint, 1, pp=2)
 
 
 @pytest.mark.skipif(_gpus() < 2, reason="needs two NVIDIA GPUs")

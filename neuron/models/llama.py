@@ -134,8 +134,8 @@ class CausalLM:
     @property
     def capturable(self) -> bool:
         """A sparse MoE block's per-expert loop has data-dependent shapes: only its grouped kernel
-        (dense experts on a GPU) can be captured in a CUDA graph. Pipeline stages run eagerly."""
-        return self.stage is None and all(layer.mlp.grouped for layer in self.layers if isinstance(layer.mlp, SparseMoe))
+        (dense experts on a GPU) can be captured in a CUDA graph."""
+        return all(layer.mlp.grouped for layer in self.layers if isinstance(layer.mlp, SparseMoe))
 
     def state_specs(self) -> list[LayerState]:
         return [KvState(self.attention_shape.n_kv, self.attention_shape.head_dim)] * len(self.layers)

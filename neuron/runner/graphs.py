@@ -37,6 +37,9 @@ class StepGraphs:
         self.decode: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.prefill: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, None]] = {}
         self.graph_in: torch.Tensor | None = None
+        # A pipeline stage after the first: the previous stage's residual stream, received into
+        # this static buffer before a replay (the sends and receives stay outside the graphs).
+        self.hidden_in: torch.Tensor | None = None
 
     def clear(self) -> None:
         self.decode.clear()
@@ -61,7 +64,19 @@ class StepGraphs:
             packed[6, i] = s.state
         self.graph_in.copy_(staged, non_blocking=True)
         graph, ids, logits, argmax = self.decode[bucket]
+        stage = self.runner.stage
+        if stage is None:
+            graph.replay()
+            return ids[:B], self.graph_in[1, :B], self.graph_in[2, :B], logits[:B], argmax[:B]
+        import torch.distributed as dist
+
+        t = self.runner.rank % stage.tensor
+        if not stage.first:
+            dist.recv(self.hidden_in[:bucket], src=stage.peer(-1, t))
         graph.replay()
+        if not stage.last:  # ``logits`` is this stage's residual stream
+            dist.send(logits, dst=stage.peer(1, t))
+            return ids[:B], self.graph_in[1, :B], self.graph_in[2, :B], None, None
         return ids[:B], self.graph_in[1, :B], self.graph_in[2, :B], logits[:B], argmax[:B]
 
     def _staging(self) -> torch.Tensor:
@@ -90,7 +105,13 @@ class StepGraphs:
             store_index=None, decode_rows=None, decode_slots=slots, decode_ctx=None,
             decode_max_ctx=r.cfg.max_len, decode_splits=decode_splits(n, heads, r.cfg.max_len, r.sm_count),
             state_spans=StateSpans([], self.graph_in[4:7, :n], 1) if r.states.slots else None)
-        logits = r.model.forward(ids, pos, r.attention, None)
+        if r.stage is None:
+            logits = r.model.forward(ids, pos, r.attention, None)
+        else:
+            hidden = None if r.stage.first else self.hidden_in[:n]
+            logits = r.model.forward(ids, pos, r.attention, None, hidden)
+            if not r.stage.last:
+                return ids, logits, None
         return ids, logits, greedy_tokens(logits, slots, self.graph_in[3, :n], r.sampler.last_token)
 
     # ----------------------------------------------------------------------------- prefill
@@ -211,7 +232,11 @@ class StepGraphs:
         for staged in self._staged:
             staged[4:7] = self.graph_in[4:7].cpu()
         self._stage = 0
-        self._capture_prefill(self._capture_each(sizes, self._decode_forward, self.decode, None))
+        if r.stage is not None and not r.stage.first:
+            self.hidden_in = torch.zeros(sizes[-1], r.model.cfg.hidden_size, dtype=r.model.dtype, device=r.device)
+        pool = self._capture_each(sizes, self._decode_forward, self.decode, None)
+        if r.stage is None:  # pipeline stages run their prompt steps eagerly
+            self._capture_prefill(pool)
         torch.cuda.synchronize(r.device)
         log.info("rank %d: captured %d decode graphs (batch %s) and %d prefill graphs (tokens %s) in %.1fs",
                  r.rank, len(sizes), ",".join(map(str, sizes)), len(self.prefill),

@@ -18,7 +18,7 @@ class StageTokens:
     def __init__(self, stage: Stage, rank: int, last_token: torch.Tensor) -> None:
         self.stage, self.rank, self.last_token = stage, rank, last_token
         self.sends: list[tuple[dist.Work, torch.Tensor]] = []
-        self.expected: deque[tuple[int, torch.Tensor]] = deque()  # (message number, slot rows)
+        self.expected: deque[tuple[int, list[int]]] = deque()  # (message number, its slots)
         self.message_of: dict[int, int] = {}  # slot -> the message number of its last draw
         self.posted = self.received = 0
 
@@ -26,15 +26,18 @@ class StageTokens:
     def receives(self) -> bool:
         return self.stage.first and self.rank != self.stage.sampler
 
-    def after_step(self, tokens: torch.Tensor, slot_rows: torch.Tensor, slots: list[int]) -> None:
-        """A step drew ``tokens`` for ``slots`` (rows ``slot_rows`` of the sampler's tables)."""
+    def after_step(self, tokens: torch.Tensor, slots: list[int]) -> None:
+        """A step drew ``tokens`` for ``slots``."""
         if self.rank == self.stage.sampler:
             self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
+            # A copy: a decode graph's tokens live in its output buffer, which the next replay
+            # overwrites while the send may still be reading it.
+            tokens = tokens.clone()
             for dst in range(self.stage.tensor):  # the first stage's ranks are 0 .. tensor-1
                 self.sends.append((dist.isend(tokens, dst), tokens))
         elif self.receives:
             self.posted += 1
-            self.expected.append((self.posted, slot_rows))
+            self.expected.append((self.posted, slots))
             for slot in slots:
                 self.message_of[slot] = self.posted
 
@@ -44,8 +47,8 @@ class StageTokens:
             return
         need = max((self.message_of.get(s, 0) for s in device_slots), default=0)
         while self.received < need:
-            number, rows = self.expected.popleft()
-            got = torch.empty(len(rows), dtype=torch.int64, device=self.last_token.device)
+            number, slots = self.expected.popleft()
+            got = torch.empty(len(slots), dtype=torch.int64, device=self.last_token.device)
             dist.recv(got, src=self.stage.sampler)
-            self.last_token[rows] = got
+            self.last_token[torch.tensor(slots, device=got.device)] = got
             self.received = number

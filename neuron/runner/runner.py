@@ -192,7 +192,7 @@ class ModelRunner:
         else:
             tokens, logprobs = torch.empty(len(sampled), dtype=torch.int64, device=self.device), None
         if sampled and self.stage_tokens is not None:
-            self.stage_tokens.after_step(tokens, slot_rows, rows_slots)
+            self.stage_tokens.after_step(tokens, rows_slots)
         elif sampled and self.model.comm.world > 1:
             self.model.comm.broadcast(tokens)
             if not self.samples:
@@ -241,7 +241,7 @@ class ModelRunner:
                 return (0, *self.step_graphs.replay_prefill(seqs, sampled, tokens), None)
             return (0, *self._eager(seqs, sampled, every_position), None)
         ids, positions, slot_t, logits, argmax = self.step_graphs.replay(seqs, bucket)
-        if len(sampled) < len(seqs):
+        if logits is not None and len(sampled) < len(seqs):
             logits = logits[upload(sampled, torch.int64, self.device)]
         return bucket, ids, positions, slot_t, logits, argmax
 
