@@ -4,6 +4,7 @@ and the CURVE gate that admits only the rank keys the leader handed out."""
 from __future__ import annotations
 
 import os
+import socket
 import time
 
 import msgspec
@@ -55,3 +56,9 @@ class CurveGate:
 
     def stop(self) -> None:
         self.auth.stop()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

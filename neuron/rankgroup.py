@@ -13,7 +13,6 @@ import itertools
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -28,11 +27,10 @@ import protocol as p
 from protocol.sockets import CURVE_ENV, bind_router, identity_rank, ipc_endpoint, rank_identity
 
 from .config import TimeoutConfig
-from .leader_sockets import CurveGate, TapMirror
+from .leader_sockets import CurveGate, TapMirror, free_port
 
 if TYPE_CHECKING:
-    from .cluster.head import ClusterHead
-    from .cluster.keys import GroupKey
+    from .cluster.head import Remote
 
 log = logging.getLogger("neuron.group")
 
@@ -62,29 +60,11 @@ class _Call:
     replies: dict[int, p.Reply] = field(default_factory=dict)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Remote:
-    """The ranks of a group that run on other nodes: node i runs ranks i*local .. (i+1)*local-1,
-    started by its supervisor when the head's directory orders them."""
-
-    head: "ClusterHead"
-    key: "GroupKey"
-    model: str  # the model reference each node resolves for itself
-    fingerprint: str  # of the head's files; every node's must equal it
-    world: int
-
-
 class RankGroup:
     def __init__(self, *, model_id: str, devices: list[str], timeouts: TimeoutConfig, runtime_dir: Path,
                  ctx: zmq.asyncio.Context, tap: TapMirror | None = None, allow_faults: bool = False,
                  on_failure: Callable[["RankGroup", str], None] | None = None,
-                 curve: "CurveGate | None" = None, remote: Remote | None = None, pipeline: int = 1) -> None:
+                 curve: "CurveGate | None" = None, remote: "Remote | None" = None, pipeline: int = 1) -> None:
         self.model_id = model_id
         self.devices = devices  # this host's ranks (0 .. len-1); the rest run on other nodes
         self.remote = remote
@@ -138,17 +118,11 @@ class RankGroup:
 
             for name, value in collective_env(self.host).items():
                 env.setdefault(name, value)
-            from .cluster.head import JoinFailed
-
-            r = self.remote
-            try:
-                self.remote_paths = await r.head.join(self.epoch, r.model, r.fingerprint, self.endpoint, self.world,
-                                                      len(self.devices), self.fail)
-            except JoinFailed as exc:
-                self.fail(str(exc))
-                raise GroupFailed(str(exc)) from None
+            r = self.remote  # its JoinFailed is a GroupFailed
+            self.remote_paths = await r.head.join(self.epoch, r.model, r.fingerprint, self.endpoint, self.world,
+                                                  len(self.devices), self.fail)
         if backend == "gloo":
-            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.world)))
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // len(self.devices))))
         else:  # a GPU rank's host work is launches: idle OpenMP threads would only spin beside it
             env.setdefault("OMP_NUM_THREADS", "4")
         for rank, device in enumerate(self.devices):
@@ -160,7 +134,8 @@ class RankGroup:
             self.procs.append(proc)
             self.pids.append(proc.pid)
             self._tasks.append(asyncio.create_task(self._watch_exit(rank, proc)))
-        log.info("%s: spawned %d rank(s) (epoch %d, pids %s)", self.model_id, self.world, self.epoch, self.pids)
+        log.info("%s: spawned %d rank(s) of %d here (epoch %d, pids %s)", self.model_id, len(self.devices), self.world,
+                 self.epoch, self.pids)
         await self._wait_for(self._all_connected(), self.timeouts.spawn_s, "ranks to connect")
         self._tasks.append(asyncio.create_task(self._watchdog()))
         pongs = await self.broadcast(lambda i: p.Ping(id=i, epoch=self.epoch), self.timeouts.control_s)

@@ -12,7 +12,6 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 import zmq.asyncio
@@ -26,87 +25,17 @@ from .engine.engine import Engine, Sizing
 from .engine.request import FinishEvent, GenRequest
 from .errors import ApiError
 from .loader.errors import LoadError
-from .loader.spec import ModelSpec, load_spec, model_id_for
+from .loader.spec import load_spec, model_id_for
 from .models import families
 from .models.sharding import ShardingError
 
-QUANT_GROUP = 32  # models.quant.GROUP, without importing torch in the leader
 from .leader_sockets import CurveGate, TapMirror
-from .rankgroup import GroupFailed, RankError, RankGroup, Remote
+from .model_handle import ModelHandle
+from .rankgroup import GroupFailed, RankError, RankGroup
+
+QUANT_GROUP = 32  # models.quant.GROUP, without importing torch in the leader
 
 log = logging.getLogger("neuron.registry")
-
-
-@dataclass
-class ModelHandle:
-    id: str
-    entry: ModelEntry
-    spec: ModelSpec
-    devices: list[str]
-    dtype: str
-    max_len: int
-    engine: Engine
-    status: str = "loading"
-    group: RankGroup | None = None
-    error: str | None = None
-    shard_bytes: list[int] = field(default_factory=list)
-    kv_bytes: list[int] = field(default_factory=list)
-    state_bytes: list[int] = field(default_factory=list)  # per rank: the recurrent layers' state slots
-    loading: RankGroup | None = None  # the group being loaded, while it is
-    graphs: list[int] = field(default_factory=list)
-    packing: str = ""  # rank 0's account of how its projections are stored
-    load_seconds: float = 0.0
-    recoveries: int = 0
-
-    @property
-    def packed(self) -> bool:
-        """Quantized weights stay packed: on the CPU (the GPU has no packed kernel yet)."""
-        return self.devices[0] == "cpu" and bool(self.entry.quantize or self.spec.quantized)
-
-    @property
-    def weight_format(self) -> str:
-        """What the shard holds: "gguf:Q4_1+Q8_0", "q8_0 (in situ from safetensors:bf16)"."""
-        fmt = self.spec.weight_format
-        if self.entry.quantize and self.spec.quantized:
-            fmt = f"{fmt} (kept; any float projection {self.entry.quantize} in situ)"
-        elif self.entry.quantize:
-            fmt = f"{self.entry.quantize} (in situ from {fmt})"
-        if (self.entry.quantize or self.spec.quantized) and not self.packed:
-            fmt += f", dequantized to {self.dtype}"
-        return fmt
-
-    def describe(self) -> dict:
-        stats = self.engine.stats()
-        z = self.engine.sizing
-        return {
-            "id": self.id, "status": self.status, "error": self.error, "format": self.spec.files.format,
-            "family": self.spec.config.family, "capabilities": ["text"] + (["vision"] if self.spec.config.vision else []),
-            "image_encodes": stats.image_encodes, "image_reuses": stats.image_reuses, "devices": self.devices, "tensor_parallel": self.entry.tensor_parallel,
-            "pipeline_parallel": self.entry.pipeline_parallel,
-            "dtype": self.dtype, "max_model_len": self.max_len, "max_slots": self.entry.max_slots,
-            "weight_format": self.weight_format, "packing": self.packing,
-            "shard_bytes": self.shard_bytes, "load_seconds": round(self.load_seconds, 3),
-            "recoveries": self.recoveries,
-            "pids": self.group.pids if self.group else [], "epoch": self.group.epoch if self.group else None,
-            "running": stats.running, "waiting": stats.waiting, "slots_used": stats.slots_used,
-            "dropped_frames": self.group.dropped if self.group else 0,
-            "load_progress_bytes": sum(self.loading.loaded_bytes.values()) if self.loading else None,
-            "steps": stats.steps, "kv_blocks": stats.kv_blocks, "block_size": self.entry.block_size, "kv_usage": round(stats.kv_usage, 4),
-            "kv_bytes": self.kv_bytes, "cuda_graphs": self.graphs, "preemptions": stats.preemptions,
-            "max_batch_tokens": z.max_batch_tokens, "prefill_chunk": z.prefill_chunk,
-            "prefill_chunk_decoding": z.prefill_chunk_decoding, "steps_in_flight": z.steps_in_flight,
-            "prefix_caching": z.cache_key is not None and (not stats.state_slots or stats.state_snapshots > 0),
-            "layer_types": _counted(self.spec.config.layer_types or ["attention"] * self.spec.config.num_layers),
-            "state_slots": stats.state_slots, "state_slots_used": stats.state_slots_used,
-            "state_snapshots": stats.state_snapshots, "state_snapshots_used": stats.state_snapshots_used,
-            "state_restores": stats.state_restores, "state_dtype": self.entry.state_dtype if stats.state_slots else None,
-            "state_bytes": self.state_bytes,
-            "prefix_cache_hits": stats.prefix_cache_hits,
-            "prefix_cache_queries": stats.prefix_cache_queries,
-            "leader_ms_per_step": round(stats.leader_ms_per_step, 4), "step_ms": round(stats.step_ms, 3),
-            "rank_host_ms_per_step": round(stats.rank_host_ms_per_step, 4),
-            "device_idle_ms_per_step": round(stats.device_idle_ms_per_step, 4),
-        }
 
 
 class Registry:
@@ -240,6 +169,7 @@ class Registry:
         remote = None
         if self.cluster is not None:
             from .cluster.fingerprint import model_fingerprint
+            from .cluster.head import Remote
 
             fingerprint = await asyncio.to_thread(model_fingerprint, handle.spec)
             remote = Remote(self.cluster, self.group_key, handle.entry.model, fingerprint,
@@ -416,8 +346,3 @@ class Registry:
             self.runtime.rmdir()
         except OSError:
             pass
-
-
-def _counted(kinds: list[str]) -> dict[str, int]:
-    """How many layers of each kind, in the order they first come."""
-    return {kind: kinds.count(kind) for kind in dict.fromkeys(kinds)}

@@ -76,7 +76,7 @@ def test_cluster_settings_come_from_flags_over_torchrun_variables_over_the_file(
     args = build_parser().parse_args(["serve", "--master-addr", "10.0.0.7", "--node-rank", "0"])
     cfg = apply_flags(cfg, args)
     assert (cfg.cluster.node_rank, cfg.cluster.master_addr, cfg.cluster.master_port) == (0, "10.0.0.7", 2345)
-    with pytest.raises(ConfigError, match="does not split over 2 nodes"):
+    with pytest.raises(ConfigError, match="3 ranks do not split over 2 nodes"):
         load_config(conf, env={"NNODES": "2", "NEURON_MODELS__0__TENSOR_PARALLEL": "3"})
     with pytest.raises(ConfigError, match="group_key"):
         load_config(None, env={"NNODES": "2", "MASTER_ADDR": "10.0.0.1"})

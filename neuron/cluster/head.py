@@ -24,6 +24,7 @@ import zmq.asyncio
 from protocol import cluster as c
 
 from ..config import ClusterConfig
+from ..rankgroup import GroupFailed
 from .fingerprint import VERSION
 from .keys import GroupKey
 
@@ -32,7 +33,7 @@ log = logging.getLogger("neuron.cluster")
 ORDERS_EVERY_S = 0.5
 
 
-class JoinFailed(Exception):
+class JoinFailed(GroupFailed):
     """The other nodes could not be gathered or do not match the head; the message says which."""
 
 
@@ -222,3 +223,15 @@ class ClusterHead:
         for task in self._tasks:
             task.cancel()
         self.sock.close(0)
+
+
+@dataclass
+class Remote:
+    """The ranks of a group that run on other nodes: node i runs ranks i*local .. (i+1)*local-1,
+    started by its supervisor when the head's directory orders them."""
+
+    head: "ClusterHead"
+    key: "GroupKey"
+    model: str  # the model reference each node resolves for itself
+    fingerprint: str  # of the head's files; every node's must equal it
+    world: int

@@ -15,7 +15,7 @@ from neuron.engine.detokenizer import Detokenizer
 from neuron.engine.request import GenRequest, ImageInput, TokenConstraint
 from neuron.engine.stops import StopMatcher
 from neuron.errors import ApiError
-from neuron.registry import ModelHandle
+from neuron.model_handle import ModelHandle
 from protocol import Sampling
 
 from neuron.server.schemas import SamplingFields

@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from neuron.errors import ApiError
-from neuron.registry import ModelHandle
+from neuron.model_handle import ModelHandle
 
 from neuron.server.openai.prompts import chat_prompt, completion_prompts
 from neuron.server.openai.requests import decode_json, read_body, read_json
