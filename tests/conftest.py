@@ -148,6 +148,21 @@ def chat(server: Server, content: str, **extra) -> httpx.Response:
     return httpx.post(f"{server.base}/chat/completions", json=body, timeout=120)
 
 
+def greedy_ids(server: Server, prompt: str, max_tokens: int = 32) -> list[int]:
+    """The default model's greedy token ids for a one-message chat."""
+    r = chat(server, prompt, max_tokens=max_tokens, return_token_ids=True)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+def concurrent_greedy_ids(server: Server, prompts: list[str], max_tokens: int = 32) -> list[list[int]]:
+    """``greedy_ids`` of every prompt, all requests in flight at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda q: greedy_ids(server, q, max_tokens), prompts))
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Tiny matrices: a second OpenMP thread only adds wake-up latency on a busy 2-core box."""

@@ -12,14 +12,14 @@ import signal
 import stat
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from conftest import DEFAULT_MODEL, ROOT, SMALL, alive, chat, children_of, free_port, start_server
+from conftest import (DEFAULT_MODEL, ROOT, SMALL, alive, children_of, concurrent_greedy_ids, free_port,
+                      greedy_ids, start_server)
 from devtools import netns
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about rain.", "List three fruits.",
@@ -35,9 +35,11 @@ join_timeout_s = 90
 
 
 def greedy(server, prompt: str) -> list[int]:
-    r = chat(server, prompt, max_tokens=24, return_token_ids=True)
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["token_ids"]
+    return greedy_ids(server, prompt, 24)
+
+
+def eight_at_once(server) -> list[list[int]]:
+    return concurrent_greedy_ids(server, [PROMPTS[i % len(PROMPTS)] for i in range(8)], 24)
 
 
 # ------------------------------------------------------------------------------------ settings
@@ -186,17 +188,7 @@ def group(server_tmp, hosts, key):
 
 def test_tp2_across_two_hosts_answers_as_tp2_on_one_host(group, reference):
     assert [greedy(group.head, q) for q in PROMPTS] == reference
-    results: dict[int, list[int]] = {}
-
-    def one(i: int) -> None:
-        results[i] = greedy(group.head, PROMPTS[i % len(PROMPTS)])
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert [results[i] for i in range(8)] == [reference[i % len(PROMPTS)] for i in range(8)]
+    assert eight_at_once(group.head) == [reference[i % len(PROMPTS)] for i in range(8)]
     h = group.health()
     assert h["cluster"]["nodes"]["1"]["status"] == "ready" and h["cluster"]["missing"] == []
     info = httpx.get(f"{group.head.url}/models", timeout=10).json()["models"][0]
@@ -268,17 +260,7 @@ def test_pipeline_stages_on_two_hosts_answer_as_one_rank(server_tmp, hosts, key,
     g = Group(server_tmp, hosts, key, tp=tp, pp=pp).start()
     try:
         assert [greedy(g.head, q) for q in PROMPTS] == reference
-        results: dict[int, list[int]] = {}
-
-        def one(i: int) -> None:
-            results[i] = greedy(g.head, PROMPTS[i % len(PROMPTS)])
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert [results[i] for i in range(8)] == [reference[i % len(PROMPTS)] for i in range(8)]
+        assert eight_at_once(g.head) == [reference[i % len(PROMPTS)] for i in range(8)]
         assert len(g.head.rank_pids()) == tp and len(g.node_ranks()) == tp
     finally:
         g.stop()

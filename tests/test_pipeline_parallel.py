@@ -4,35 +4,21 @@ TP=1, one request at a time and 8 at once; each stage holds only its layers' wei
 
 from __future__ import annotations
 
-import threading
-
 import httpx
 import pytest
 
-from conftest import SMALL, chat, start_server
+from conftest import SMALL, concurrent_greedy_ids, greedy_ids, start_server
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about rain.", "List three fruits.",
            "Explain gravity in one sentence."]
 
 
 def greedy(server, prompt: str) -> list[int]:
-    r = chat(server, prompt, max_tokens=24, return_token_ids=True)
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["token_ids"]
+    return greedy_ids(server, prompt, 24)
 
 
 def concurrently(server, n: int = 8) -> list[list[int]]:
-    results: dict[int, list[int]] = {}
-
-    def one(i: int) -> None:
-        results[i] = greedy(server, PROMPTS[i % len(PROMPTS)])
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return [results[i] for i in range(n)]
+    return concurrent_greedy_ids(server, [PROMPTS[i % len(PROMPTS)] for i in range(n)], 24)
 
 
 @pytest.fixture(scope="module")

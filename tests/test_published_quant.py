@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from conftest import start_server
 from devtools.checkpoints import make_checkpoint
 from devtools.parity import ParityJob, run_parity
+from devtools.shapes import pack_words as pack
 from neuron.loader.published import unpack_along_columns, unpack_along_rows, unpack_awq
 from neuron.loader.spec import load_spec
 
@@ -86,19 +87,6 @@ def act_order(K: int, group: int, seed: int) -> torch.Tensor:
     g_idx = torch.empty(K, dtype=torch.int32)
     g_idx[order] = (torch.arange(K) // group).to(torch.int32)
     return g_idx
-
-
-def pack(values: torch.Tensor, bits: int, dim: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
-    """int32 words of ``values`` packed along ``dim``: ``32 / bits`` values a word, value i of a
-    word at bits ``bits * i`` (in ``order``: value ``order[i]`` there, AutoAWQ's)."""
-    per = 32 // bits
-    v = values.movedim(dim, -1)
-    v = v.reshape(*v.shape[:-1], -1, per).to(torch.int64)
-    if order is not None:
-        v = v[..., list(order)]
-    word = (v << (bits * torch.arange(per))).sum(-1)
-    word = torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)
-    return word.movedim(-1, dim).contiguous()
 
 
 def fp8_quantize(w: torch.Tensor, block: list[int] | None, scale_dtype: torch.dtype, per_row: bool):

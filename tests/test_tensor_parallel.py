@@ -6,16 +6,14 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from conftest import DEFAULT_MODEL, SMALL, chat, start_server
+from conftest import SMALL, greedy_ids, start_server
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about rain.", "List three fruits.",
            "Explain gravity in one sentence."]
 
 
 def greedy(server, prompt: str) -> list[int]:
-    r = chat(server, prompt, max_tokens=32, return_token_ids=True)
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["token_ids"]
+    return greedy_ids(server, prompt, 32)
 
 
 def describe(server) -> dict:
