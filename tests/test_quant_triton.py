@@ -107,5 +107,39 @@ def test_the_triton_kernel_computes_each_gguf_type_as_the_file_dequantizes_it():
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="no NVIDIA GPU visible")
 def test_the_compiled_kernels_on_a_gpu():
     check(run_check("cuda", "bfloat16,float16", interpret=False), 2)
+    assert all(r["same"] for r in run_kernel_check(COARSE, "cuda", interpret=False))
+
+
+COARSE = r"""
+import json, sys, torch
+from neuron.kernels import packed as tk
+device = sys.argv[1]
+g = torch.Generator().manual_seed(3)
+out = []
+for bits, per in ((4, 4), (8, 2)):  # groups of 128 and of 64 columns
+    N, K = 96, 512
+    u = torch.randint(0, 256, (N, K * bits // 8), generator=g, dtype=torch.uint8)
+    s = (torch.rand(N, K // 32 // per, generator=g) * 0.01).half().float()
+    m = -s * torch.randint(0, 2 ** bits, s.shape, generator=g).float()
+    fine = tk.pair_scales(s.repeat_interleave(per, 1), m.repeat_interleave(per, 1))
+    coarse = tk.coarsen_scales(fine)
+    u, fine, coarse = u.to(device), fine.to(device), coarse.to(device)
+    row = dict(bits=bits, shape=list(coarse.shape), kept=tk.coarsen_scales(fine[:, 1:]).shape == fine[:, 1:].shape)
+    row["dequant"] = torch.equal(tk.dequantize(u, coarse, bits, torch.float16), tk.dequantize(u, fine, bits, torch.float16))
+    same = row["dequant"]
+    for rows in (1, 9, 65):  # the decode kernel, the tensor-core kernel, unpacked for torch
+        x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).to(device, torch.float16)
+        same = same and torch.equal(tk.qlinear(x, u, coarse, bits), tk.qlinear(x, u, fine, bits))
+    row["same"] = bool(same) and row["shape"] == [N, K // 32 // per, 2] and row["kept"]
+    out.append(row)
+print(json.dumps(out))
+"""
+
+
+def test_scales_kept_per_128_columns_give_the_same_products_as_per_32():
+    """AWQ and GPTQ releases scale 128 columns a pair: on the GPU the pairs are kept that way
+    (``coarsen_scales``), and every kernel reads them to the same products, bit for bit."""
+    results = run_kernel_check(COARSE, "cpu", interpret=True)
+    assert len(results) == 2 and all(r["same"] for r in results), results
 
 

@@ -11,13 +11,13 @@ from .fused import rms_norm, rope_store, silu_mul
 from .int8_rows import int8_rows_buffers, quantize_rows, reference_quantized_rows
 from .launch import pdl, pdl_args, pdl_by_default
 from .moe import sparse_moe
-from .packed import GEMV_ROWS, dequantize, pair_scales, qlinear, reference_qlinear
+from .packed import GEMV_ROWS, coarsen_scales, dequantize, pair_scales, qlinear, reference_qlinear
 from .sampling import ARGMAX_CHUNK, greedy_tokens, resolve_tokens
 
 __all__ = [
     "ARGMAX_CHUNK", "GEMV_CONFIGS", "GEMV_ROWS", "MERGE_PARTS", "causal_conv", "conv_snapshots", "decode_splits", "delta_rule", "delta_rule_chunked",
     "delta_rule_recurrent", "dequantize", "gated_rms_norm", "gemv", "greedy_tokens",
-    "int8_rows_buffers", "paged_decode", "paged_prefill", "pair_scales", "pdl", "pdl_args", "pdl_by_default", "qlinear",
+    "int8_rows_buffers", "paged_decode", "paged_prefill", "pair_scales", "coarsen_scales", "pdl", "pdl_args", "pdl_by_default", "qlinear",
     "quantizable", "quantize_rows", "reference_qlinear", "reference_quantized_rows", "resolve_tokens", "rms_norm",
     "rope_store", "silu_mul", "sparse_moe",
 ]

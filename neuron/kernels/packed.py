@@ -85,9 +85,12 @@ def _unpair(word):
 @triton.jit
 def _group_scales(sm_ptr, n, g, ok, NS, GS: tl.constexpr, EVEN: tl.constexpr, POLICY: tl.constexpr):
     """The scales and mins [rows, groups] (float32) of the first and the second half of groups
-    ``g`` of rows ``n``: one pair per group of 32, or per 16 for the K-quants, each pair one word
-    of ``sm_ptr``."""
-    at = sm_ptr + n[:, None] * NS + g[None, :] * (32 // GS)
+    ``g`` of rows ``n``: one pair per group of 32, or per 16 for the K-quants, or per 64 or 128
+    (``coarsen_scales``), each pair one word of ``sm_ptr``."""
+    if GS <= 32:
+        at = sm_ptr + n[:, None] * NS + g[None, :] * (32 // GS)
+    else:
+        at = sm_ptr + n[:, None] * NS + g[None, :] // (GS // 32)
     s_lo, m_lo = _unpair(_load(at, ok, EVEN, POLICY))
     if GS == 16:
         s_hi, m_hi = _unpair(_load(at + 1, ok, EVEN, POLICY))
@@ -356,6 +359,20 @@ def pair_scales(s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return torch.stack([s.to(dtype), m.to(dtype)], dim=-1).contiguous()
 
 
+def coarsen_scales(sm: torch.Tensor) -> torch.Tensor:
+    """``pair_scales``' pairs [N, K/32, 2] as one pair per 128 (or 64) columns where every row's
+    pairs repeat that way (the AWQ and GPTQ releases' groups of 128, kept per 32 by the reader):
+    a float32 pair is 8 bytes, a quarter bit a weight at 32 columns a pair."""
+    if sm.shape[-1] != 2 or sm.shape[1] == 0:
+        return sm
+    for f in (4, 2):
+        if sm.shape[1] % f == 0:
+            runs = sm.reshape(sm.shape[0], -1, f, 2)
+            if bool((runs == runs[:, :, :1]).all()):
+                return runs[:, :, 0].contiguous()
+    return sm
+
+
 def _scale_words(sm: torch.Tensor) -> torch.Tensor:
     """``pair_scales``' pairs as one word each, [N, NS]: int32 (two float16), int64 (two float32)."""
     assert sm.dtype in (torch.float16, torch.float32) and sm.shape[-1] == 2 and sm.is_contiguous()
@@ -379,7 +396,7 @@ def qlinear(x: torch.Tensor, u: torch.Tensor, sm: torch.Tensor, bits: int,
     words = _scale_words(sm)
     NS = words.shape[1]
     gs = K // NS
-    assert bits in (4, 8) and K % 32 == 0 and gs in (16, 32) and u.shape[1] * 8 == K * bits
+    assert bits in (4, 8) and K % 32 == 0 and gs in (16, 32, 64, 128) and K % gs == 0 and u.shape[1] * 8 == K * bits
     x = x.contiguous()
     if M > GEMV_ROWS and out_dtype not in (None, x.dtype):
         return qlinear(x, u, sm, bits, int8_rows, gemv_configs).to(out_dtype)

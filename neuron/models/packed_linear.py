@@ -53,10 +53,10 @@ class PackedLinear:
             self.d = self.dm = torch.empty(0, 0, dtype=torch.float16)
         if self.device.type == "cuda":  # the Triton kernels take each group's scale and offset side
             # by side (pair_scales), in float16, or float32 for the K-quants (exact)
-            from neuron.kernels.gpu import pair_scales
+            from neuron.kernels.gpu import coarsen_scales, pair_scales
 
             scales = [torch.from_numpy(t if q.sup is not None else t.astype(np.float16)) for t in (q.s, q.m)]
-            self.sm = pair_scales(*scales).to(self.device)
+            self.sm = coarsen_scales(pair_scales(*scales)).to(self.device)
             self.s, self.m = self.sm[..., 0], self.sm[..., 1]
             self.d = self.dm = torch.empty(0, 0, dtype=torch.float16, device=self.device)
             self.u = self.u.to(self.device)
