@@ -25,3 +25,7 @@ def _type_for(status: int) -> str:
     if status >= 500:
         return "server_error" if status == 500 else "service_unavailable"
     return "invalid_request_error"
+
+
+class GroupFailed(Exception):
+    """A model's rank group can no longer serve; it must be respawned."""

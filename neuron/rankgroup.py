@@ -27,6 +27,7 @@ import protocol as p
 from protocol.sockets import CURVE_ENV, bind_router, identity_rank, ipc_endpoint, rank_identity
 
 from .config import TimeoutConfig
+from .errors import GroupFailed
 from .leader_sockets import CurveGate, TapMirror, free_port
 
 if TYPE_CHECKING:
@@ -39,10 +40,6 @@ WATCHDOG_LATE_S = 0.5
 
 _epochs = itertools.count(1)
 _ids = itertools.count(1)
-
-
-class GroupFailed(Exception):
-    """The group can no longer serve; it must be respawned."""
 
 
 class RankError(Exception):

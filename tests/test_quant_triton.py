@@ -28,6 +28,7 @@ from neuron.models.quant import decode_blocks
 from neuron.kernels import packed as tk
 from neuron.kernels.int8_rows import reference_quantized_rows
 from neuron.kernels.packed import qlinear, reference_qlinear
+from neuron.kernels.packed_scales import pair_scales
 from devtools.checkpoints import random_quant_blocks
 device = sys.argv[1]
 dtypes = [getattr(torch, d) for d in sys.argv[2].split(",")]
@@ -43,7 +44,7 @@ for name in ("Q4_1", "Q8_0", "Q4_K", "Q6_K"):
     u = torch.from_numpy(q.u)
     u = (pack_nibbles(u) if bits == 4 else u).to(device)
     dt = torch.float32 if name.endswith("_K") else torch.float16  # as PackedLinear keeps them
-    sm = tk.pair_scales(torch.from_numpy(q.s).to(dt), torch.from_numpy(q.m).to(dt)).to(device)
+    sm = pair_scales(torch.from_numpy(q.s).to(dt), torch.from_numpy(q.m).to(dt)).to(device)
     file = torch.from_numpy(gguf.quants.dequantize(raw, qt)).to(device)
     for dtype in dtypes:
         for rows in (1, 2, 3, 8, 9, 40, 65):  # BLOCK_M 1, 2, 4 (row 3 masked), 8; the tensor-core
@@ -113,6 +114,7 @@ def test_the_compiled_kernels_on_a_gpu():
 COARSE = r"""
 import json, sys, torch
 from neuron.kernels import packed as tk
+from neuron.kernels.packed_scales import coarsen_scales, pair_scales
 device = sys.argv[1]
 g = torch.Generator().manual_seed(3)
 out = []
@@ -121,10 +123,10 @@ for bits, per in ((4, 4), (8, 2)):  # groups of 128 and of 64 columns
     u = torch.randint(0, 256, (N, K * bits // 8), generator=g, dtype=torch.uint8)
     s = (torch.rand(N, K // 32 // per, generator=g) * 0.01).half().float()
     m = -s * torch.randint(0, 2 ** bits, s.shape, generator=g).float()
-    fine = tk.pair_scales(s.repeat_interleave(per, 1), m.repeat_interleave(per, 1))
-    coarse = tk.coarsen_scales(fine)
+    fine = pair_scales(s.repeat_interleave(per, 1), m.repeat_interleave(per, 1))
+    coarse = coarsen_scales(fine)
     u, fine, coarse = u.to(device), fine.to(device), coarse.to(device)
-    row = dict(bits=bits, shape=list(coarse.shape), kept=tk.coarsen_scales(fine[:, 1:]).shape == fine[:, 1:].shape)
+    row = dict(bits=bits, shape=list(coarse.shape), kept=coarsen_scales(fine[:, 1:]).shape == fine[:, 1:].shape)
     row["dequant"] = torch.equal(tk.dequantize(u, coarse, bits, torch.float16), tk.dequantize(u, fine, bits, torch.float16))
     same = row["dequant"]
     for rows in (1, 9, 65):  # the decode kernel, the tensor-core kernel, unpacked for torch

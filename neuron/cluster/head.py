@@ -24,7 +24,7 @@ import zmq.asyncio
 from protocol import cluster as c
 
 from ..config import ClusterConfig
-from ..rankgroup import GroupFailed
+from ..errors import GroupFailed
 from .fingerprint import VERSION
 from .keys import GroupKey
 

@@ -11,7 +11,8 @@ from .fused import rms_norm, rope_store, silu_mul
 from .int8_rows import int8_rows_buffers, quantize_rows, reference_quantized_rows
 from .launch import pdl, pdl_args, pdl_by_default
 from .moe import sparse_moe
-from .packed import GEMV_ROWS, coarsen_scales, dequantize, pair_scales, qlinear, reference_qlinear
+from .packed import GEMV_ROWS, dequantize, qlinear, reference_qlinear
+from .packed_scales import coarsen_scales, pair_scales
 from .sampling import ARGMAX_CHUNK, greedy_tokens, resolve_tokens
 
 __all__ = [

@@ -39,6 +39,7 @@ import triton.language as tl
 
 from .int8_rows import quantize_rows
 from .launch import INTERPRETED, TL_DTYPES, grid_sync, multiprocessors, pdl_args
+from .packed_scales import scale_words
 
 @triton.jit
 def _load(at, ok, EVEN: tl.constexpr, POLICY: tl.constexpr):
@@ -351,34 +352,6 @@ GATHER_CONFIG = (1, 512, 4)  # the same for a few rows by id (dequantize(ids=...
 DEQUANT_BYTES = 256 << 20
 
 
-def pair_scales(s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """The kernels' scales: ``s`` and ``m`` [N, K/32] (or [N, K/16]) side by side, [N, K/32, 2],
-    in float16, or float32 (which keeps the K-quants' scales exact). A kernel reads the pair of a
-    group as one word: one load where there were two."""
-    dtype = torch.float16 if s.dtype == m.dtype == torch.float16 else torch.float32
-    return torch.stack([s.to(dtype), m.to(dtype)], dim=-1).contiguous()
-
-
-def coarsen_scales(sm: torch.Tensor) -> torch.Tensor:
-    """``pair_scales``' pairs [N, K/32, 2] as one pair per 128 (or 64) columns where every row's
-    pairs repeat that way (the AWQ and GPTQ releases' groups of 128, kept per 32 by the reader):
-    a float32 pair is 8 bytes, a quarter bit a weight at 32 columns a pair."""
-    if sm.shape[-1] != 2 or sm.shape[1] == 0:
-        return sm
-    for f in (4, 2):
-        if sm.shape[1] % f == 0:
-            runs = sm.reshape(sm.shape[0], -1, f, 2)
-            if bool((runs == runs[:, :, :1]).all()):
-                return runs[:, :, 0].contiguous()
-    return sm
-
-
-def _scale_words(sm: torch.Tensor) -> torch.Tensor:
-    """``pair_scales``' pairs as one word each, [N, NS]: int32 (two float16), int64 (two float32)."""
-    assert sm.dtype in (torch.float16, torch.float32) and sm.shape[-1] == 2 and sm.is_contiguous()
-    return sm.view(torch.int32 if sm.dtype == torch.float16 else torch.int64).view(sm.shape[:2])
-
-
 def qlinear(x: torch.Tensor, u: torch.Tensor, sm: torch.Tensor, bits: int,
             int8_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
             gemv_configs: dict[int, tuple[int, int, int]] | None = None,
@@ -393,7 +366,7 @@ def qlinear(x: torch.Tensor, u: torch.Tensor, sm: torch.Tensor, bits: int,
     measured for this weight (``runner/linear.tune_packed``), else ``GEMV_CONFIG``'s."""
     M, K = x.shape
     N = u.shape[0]
-    words = _scale_words(sm)
+    words = scale_words(sm)
     NS = words.shape[1]
     gs = K // NS
     assert bits in (4, 8) and K % 32 == 0 and gs in (16, 32, 64, 128) and K % gs == 0 and u.shape[1] * 8 == K * bits
@@ -463,7 +436,7 @@ def dequantize(u: torch.Tensor, sm: torch.Tensor, bits: int, dtype: torch.dtype,
     rows = N if ids is None else ids.shape[0]
     w = torch.empty((rows, K), device=u.device, dtype=dtype)
     block_n, block_k, warps = DEQUANT_CONFIG if ids is None else GATHER_CONFIG
-    words = _scale_words(sm)
+    words = scale_words(sm)
     _dequant_kernel[(triton.cdiv(rows, block_n), triton.cdiv(K, block_k))](  # no ids: a pointer never read
         u, words, w if ids is None else ids, w, rows, N, K, words.shape[1], u.stride(0), BITS=bits,
         GS=K // words.shape[1], BLOCK_N=block_n, BLOCK_K=block_k, GATHER=ids is not None, num_warps=warps,
