@@ -86,6 +86,55 @@ def test_cluster_settings_come_from_flags_over_torchrun_variables_over_the_file(
         load_config(None, env={"NNODES": "2", "NODE_RANK": "2"})
 
 
+def test_the_heads_directory_drops_oversized_and_malformed_frames_and_takes_a_hello(tmp_path):
+    """A node's socket (with the key) sending a 2 MiB frame, then garbage, then a hello: the head
+    keeps serving its socket and takes only the hello."""
+    import asyncio
+
+    import zmq.asyncio
+
+    from neuron.cluster.fingerprint import VERSION
+    from neuron.cluster.head import ClusterHead, node_identity
+    from neuron.cluster.keys import read_key, write_key
+    from neuron.config import ClusterConfig
+    from neuron.leader_sockets import CurveGate
+    from protocol import cluster as c
+
+    async def run() -> tuple[list[int], list[int], list[int]]:
+        key = read_key(write_key(tmp_path / "k"))
+        ctx = zmq.asyncio.Context()
+        gate = CurveGate(ctx)
+        gate.allow(key.client_public)
+        port = free_port()
+        head = ClusterHead(ClusterConfig(nnodes=2, master_addr="127.0.0.1", master_port=port, group_key="k"),
+                           key, ctx, deadline_s=3.0)
+        node = ctx.socket(zmq.DEALER)
+        node.setsockopt(zmq.IDENTITY, node_identity(1))
+        node.curve_serverkey, node.curve_publickey, node.curve_secretkey = key.client
+        node.connect(f"tcp://127.0.0.1:{port}")
+        try:
+            await node.send(b"x" * (2 << 20))
+            await asyncio.sleep(0.5)
+            after_big = list(head.nodes)
+            await node.send(b"\xc1garbage")
+            await asyncio.sleep(0.3)
+            after_garbage = list(head.nodes)
+            await node.send(c.encode(c.NodeHello(node_rank=1, version=VERSION, local_ranks=1)))
+            for _ in range(50):
+                if head.nodes:
+                    break
+                await asyncio.sleep(0.1)
+            return after_big, after_garbage, list(head.nodes)
+        finally:
+            node.close(0)
+            head.close()
+            gate.stop()
+            ctx.destroy(0)
+
+    after_big, after_garbage, after_hello = asyncio.run(run())
+    assert after_big == [] and after_garbage == [] and after_hello == [1]
+
+
 # ------------------------------------------------------------------------------------ namespaces
 @pytest.fixture(scope="module")
 def hosts():

@@ -31,6 +31,7 @@ from .keys import GroupKey
 log = logging.getLogger("neuron.cluster")
 
 ORDERS_EVERY_S = 0.5
+MAX_FRAME_BYTES = 1 << 20
 
 
 class JoinFailed(GroupFailed):
@@ -45,6 +46,8 @@ def keep_alive(sock: zmq.Socket, deadline_s: float) -> None:
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(deadline_s * 1000))
     sock.setsockopt(zmq.HEARTBEAT_TTL, int(deadline_s * 1000))
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+    # Hellos and orders are a few KB: a frame past this is dropped with its connection, unread.
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
 
 
 def node_identity(node_rank: int) -> bytes:
