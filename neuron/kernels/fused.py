@@ -1,6 +1,7 @@
-"""The small fused ops of the GPU step (Triton): RMS norm with the residual add, q/k norm + RoPE
-with the KV store, SiLU·mul; each may also write its output's int8 rows for a packed product.
-Checked against neuron/models/ops.py."""
+"""The small fused ops of the GPU step (Triton): RMS norm with the residual add (and the
+tensor-parallel sum before it, over peer memory), q/k norm + RoPE with the KV store, SiLU·mul;
+each may also write its output's int8 rows for a packed product. Checked against
+neuron/models/ops.py."""
 
 from __future__ import annotations
 
@@ -17,15 +18,17 @@ from .launch import grid_sync, pdl_args, pow2
 
 
 @triton.jit
-def _rms_norm_kernel(X, R, W, Out, RNew, Q, D, S, stride_x, stride_r, stride_o, eps,
-                     N: tl.constexpr, N_PAD: tl.constexpr, ADD: tl.constexpr, QUANT: tl.constexpr,
-                     PDL: tl.constexpr):
+def _rms_norm_kernel(X, R, W, Out, RNew, Q, D, S, Peers, Gens, rank, flags_at, slot_rows, stride_x, stride_r,
+                     stride_o, eps, N: tl.constexpr, N_PAD: tl.constexpr, ADD: tl.constexpr, QUANT: tl.constexpr,
+                     WORLD: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0)
     i = tl.arange(0, N_PAD)
     mask = i < N
     w = tl.load(W + i, mask=mask, other=0.0)  # a weight: no kernel writes it
     grid_sync(PDL)
     x = tl.load(X + row * stride_x + i, mask=mask, other=0.0)
+    if WORLD > 1:  # x is this rank's part: the sum over the ranks first
+        x = _peer_sum(x, X.dtype.element_ty, row, i, mask, Peers, Gens, rank, flags_at, slot_rows, N, WORLD)
     if ADD:
         x = (x.to(tl.float32) + tl.load(R + row * stride_r + i, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
         tl.store(RNew + row * stride_r + i, x, mask=mask)
@@ -39,6 +42,39 @@ def _rms_norm_kernel(X, R, W, Out, RNew, Q, D, S, stride_x, stride_r, stride_o, 
                          D + row * (N // 32), S + row * (N // 16))
 
 
+@triton.jit
+def _peer_sum(x, dtype, row, i, mask, Peers, Gens, rank, flags_at, slot_rows, N: tl.constexpr, WORLD: tl.constexpr):
+    """Row ``row`` of x summed over the ranks through their GPUs' peer memory (NVLink), in rank
+    order, so that every rank gets the same bits. ``Peers`` holds each rank's symmetric buffer:
+    two slots of rows, then a flag per (row, rank). A row's program has a generation ``g``
+    (``Gens``, this rank's memory), the count of its earlier sums, the same on every rank since
+    every rank runs the same steps: it writes its part into slot ``g % 2`` of its own buffer,
+    raises its flag in every rank's buffer to ``g + 1``, waits until every rank's flag in its own
+    buffer is past ``g``, and reads the parts. A rank can write that slot again only at ``g + 2``,
+    after every rank has raised its flag for ``g + 1``, which each does after it has read ``g``."""
+    g = tl.load(Gens + row)
+    at = ((g % 2) * slot_rows + row) * N
+    mine = tl.load(Peers + rank)
+    tl.store(tl.multiple_of(mine.to(tl.pointer_type(dtype)), 16) + at + i, x, mask=mask)
+    tl.debug_barrier()  # every thread's part is written before the flag says so
+    for p in tl.static_range(WORLD):
+        flag = (tl.load(Peers + p) + flags_at).to(tl.pointer_type(tl.int64)) + row * WORLD + rank
+        tl.atomic_xchg(flag, g + 1, sem="release", scope="sys")
+    flags = (mine + flags_at).to(tl.pointer_type(tl.int64)) + row * WORLD
+    for p in tl.static_range(WORLD):
+        flag = flags + p
+        seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+        while seen <= g:
+            seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+    tl.debug_barrier()
+    acc = tl.zeros((x.shape[0],), dtype=tl.float32)
+    for p in tl.static_range(WORLD):
+        part = tl.multiple_of(tl.load(Peers + p).to(tl.pointer_type(dtype)), 16) + at + i
+        acc += tl.load(part, mask=mask, other=0.0, cache_modifier=".cv").to(tl.float32)
+    tl.store(Gens + row, g + 1)
+    return acc.to(dtype)
+
+
 def _int8_rows(out: torch.Tensor, quantize: bool) -> tuple[torch.Tensor, ...]:
     """The buffers of ``out``'s int8 form, attached to it as ``out.int8_rows`` (which a packed
     projection reads in place of quantizing ``out`` itself); ``out`` thrice when not wanted."""
@@ -49,18 +85,30 @@ def _int8_rows(out: torch.Tensor, quantize: bool) -> tuple[torch.Tensor, ...]:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             quantize: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+             quantize: bool = False, peers=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """norm(x) or, with ``residual``, (norm(residual + x), residual + x) — the sum written into
     ``residual`` in place. Rows of x [T, N] must be contiguous. ``quantize`` (N a multiple of 32):
-    the output's int8 form too (``_int8_rows``)."""
+    the output's int8 form too (``_int8_rows``). ``peers`` (a ``models.layers.PeerRows`` of at
+    least T rows of N): x is this rank's part of a tensor-parallel sum, taken first over the
+    GPUs' peer memory; every rank of the group must make the same calls."""
     T, N = x.shape
     out = torch.empty_like(x)
     add = residual is not None
     r = residual if add else x
-    _rms_norm_kernel[(T,)](x, r, weight, out, r, *_int8_rows(out, quantize), x.stride(0), r.stride(0),
-                           out.stride(0), eps, N=N, N_PAD=pow2(N), ADD=add, QUANT=quantize,
+    world = 1 if peers is None else peers.world
+    p = peers if peers is not None else _NO_PEERS
+    _rms_norm_kernel[(T,)](x, r, weight, out, r, *_int8_rows(out, quantize), p.ptrs if peers is not None else x,
+                           p.gens if peers is not None else x, p.rank, p.flags_at, p.rows, x.stride(0), r.stride(0),
+                           out.stride(0), eps, N=N, N_PAD=pow2(N), ADD=add, QUANT=quantize, WORLD=world,
                            num_warps=8 if N >= 2048 else 4, **pdl_args(x.device))
     return out, residual
+
+
+class _NoPeers:
+    rank = flags_at = rows = 0
+
+
+_NO_PEERS = _NoPeers()
 
 
 # ---------------------------------------------------------------------------------------------

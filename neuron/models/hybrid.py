@@ -218,15 +218,15 @@ class HybridLM:
                 h[images.rows] = images.embeds.to(h.dtype)
             rope, rope_at = images.rope, images.rope_index
         kv_layer = state_layer = 0
-        for layer in self.layers:
-            x = ops.rms_norm(h, layer.attn_norm, eps)
+        x = ops.rms_norm(h, self.layers[0].attn_norm, eps)
+        for i, layer in enumerate(self.layers):
             if layer.kind == "full_attention":
                 y = layer.mixer(x, kv_layer, rope_at, rope, attend)
                 kv_layer += 1
             else:
                 y = layer.mixer(x, attend.states.layer(state_layer), attend.meta.state_spans, ops)
                 state_layer += 1
-            x, h = ops.add_rms_norm(self.comm.all_reduce(y), h, layer.mlp_norm, eps)
-            h = h + self.comm.all_reduce(layer.mlp(x, ops))
-        h = ops.rms_norm(h, self.norm, eps)
-        return self.vocab.logits(h if rows is None else h[rows])
+            x, h = ops.reduce_add_rms_norm(y, h, layer.mlp_norm, eps, self.comm)
+            following = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.norm
+            x, h = ops.reduce_add_rms_norm(layer.mlp(x, ops), h, following, eps, self.comm)
+        return self.vocab.logits(x if rows is None else x[rows])

@@ -4,6 +4,7 @@ names the one collective it needs. At world 1 the collectives are no-ops."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -28,6 +29,29 @@ def unique_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
+@dataclass
+class PeerRows:
+    """A symmetric buffer for sums of up to ``rows`` rows of ``n`` that a kernel takes over the
+    GPUs' peer memory, fused with the norm after it (``kernels.fused.rms_norm``): ``ptrs`` each
+    rank's buffer address, two slots of rows and then a flag per (row, rank), which start at 0;
+    ``gens`` this rank's count of sums per row. Counts and flags are int64: at some 70 sums a
+    step and a thousand steps a second, int32 would wrap within a day."""
+
+    ptrs: torch.Tensor
+    gens: torch.Tensor
+    rank: int
+    world: int
+    rows: int
+    n: int
+    dtype: torch.dtype
+    flags_at: int  # bytes from a buffer's start to its flags
+    buffer: torch.Tensor  # keeps the memory
+
+    def takes(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
+        return (x.dim() == 2 and x.shape[0] <= self.rows and x.shape[1] == self.n and x.dtype == self.dtype
+                and x.is_contiguous() and residual.is_contiguous())
+
+
 class Collectives:
     """The collectives of one tensor-parallel group: every rank of the process group, or (with
     pipeline stages) the ranks of one stage, ``group``, whose tensor rank 0 is global ``root``."""
@@ -35,11 +59,13 @@ class Collectives:
     def __init__(self, world: int, group=None, root: int = 0) -> None:
         self.world, self.group, self.root = world, group, root
         self._peer: tuple[torch.Tensor, str] | None = None  # (symmetric buffer, group name)
+        self.peers: PeerRows | None = None
 
-    def use_peer_memory(self, numel: int, dtype: torch.dtype, device: torch.device) -> str:
-        """All-reduces of up to ``numel`` elements of ``dtype`` (the steps a CUDA graph runs) go
-        through torch's one-shot all-reduce over the GPUs' peer memory (NVLink) instead of NCCL,
-        whose latency for a decode step's small tensors is several times the transfer. A
+    def use_peer_memory(self, rows: int, n: int, dtype: torch.dtype, device: torch.device, ops) -> str:
+        """Sums of up to ``rows`` rows of ``n`` of ``dtype`` (the steps a CUDA graph runs) go over
+        the GPUs' peer memory (NVLink) instead of NCCL, whose latency for a decode step's small
+        tensors is several times the transfer: where a norm follows, in the norm's kernel
+        (``ops.reduce_add_rms_norm``), elsewhere through torch's one-shot all-reduce. A
         collective: every rank calls it, and all of them choose the same. Returns the choice."""
         if self.world == 1 or device.type != "cuda":
             return "none needed"
@@ -49,21 +75,50 @@ class Collectives:
         try:
             import torch.distributed._symmetric_memory as symm_mem
 
-            buf = symm_mem.empty(numel, dtype=dtype, device=device)
+            rank, name = dist.get_rank(), dist.group.WORLD.group_name
+            buf = symm_mem.empty(rows * n, dtype=dtype, device=device)
             symm_mem.rendezvous(buf, dist.group.WORLD)
-            name = dist.group.WORLD.group_name
-            probe = torch.full((4, 8), float(dist.get_rank() + 1), dtype=dtype, device=device)
-            got = torch.ops.symm_mem.one_shot_all_reduce_copy(buf[: probe.numel()].view_as(probe), probe, "sum", name)
-            ok = bool((got == self.world * (self.world + 1) // 2).all())
-            why = "" if ok else "its sum was wrong"
+            flags_at = 2 * rows * n * dtype.itemsize
+            rows_buf = symm_mem.empty(flags_at + rows * self.world * 8, dtype=torch.uint8, device=device)
+            handle = symm_mem.rendezvous(rows_buf, dist.group.WORLD)
+            # buffer_ptrs may be the starts of the pooled allocations that hold the tensors
+            offset = rows_buf.data_ptr() - handle.buffer_ptrs[rank]
+            if not 0 <= offset <= handle.buffer_size - rows_buf.numel():
+                raise RuntimeError(f"the buffer is not where its handle says ({offset})")
+            rows_buf.zero_()
+            torch.cuda.synchronize(device)
+            dist.barrier()  # every rank's flags are 0 before any rank raises one
+            peers = PeerRows(torch.tensor([b + offset for b in handle.buffer_ptrs], dtype=torch.int64, device=device),
+                             torch.zeros(rows, dtype=torch.int64, device=device), rank, self.world, rows, n, dtype,
+                             flags_at, rows_buf)
+            why = self._probe(buf, name, peers, ops, device)
         except Exception as exc:  # no peer access, no symmetric memory in this build, ...
             why = f"{type(exc).__name__}: {exc}"[:200]
         agreed = torch.tensor([0 if why else 1], device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         if not agreed.item():
             return f"NCCL (peer memory unavailable: {why or 'on another rank'})"
-        self._peer = (buf, name)
-        return "peer memory (one-shot)"
+        self._peer, self.peers = (buf, name), peers
+        return "peer memory (one-shot; fused with the norms)"
+
+    def _probe(self, buf: torch.Tensor, name: str, peers: PeerRows, ops, device: torch.device) -> str:
+        """Why the peer-memory sums are wrong here ("" when right): each kind, a few times."""
+        total = self.world * (self.world + 1) // 2
+        mine = float(dist.get_rank() + 1)
+        probe = torch.full((4, 8), mine, dtype=buf.dtype, device=device)
+        got = torch.ops.symm_mem.one_shot_all_reduce_copy(buf[: probe.numel()].view_as(probe), probe, "sum", name)
+        if not bool((got == total).all()):
+            return "its one-shot sum was wrong"
+        weight = torch.ones(peers.n, dtype=peers.dtype, device=device)
+        grid = torch.arange(peers.rows, device=device)[:, None] * 7 + torch.arange(peers.n, device=device)
+        for rows in (1, peers.rows, 3, 2, 1, peers.rows):  # small integers: sums exact in any dtype
+            part = (grid[:rows] + rows) % 5
+            residual = torch.ones(rows, peers.n, dtype=peers.dtype, device=device)
+            x = (part * mine).to(peers.dtype)
+            _, residual = ops.reduce_add_rms_norm(x, residual, weight, 1e-6, self, peers)
+            if not bool((residual == part * total + 1).all()):
+                return "its sum in the norm was wrong"
+        return ""
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks (the result may be a new tensor: use the return value)."""

@@ -178,11 +178,11 @@ class CausalLM:
         residual = self.vocab.embed_tokens(ids) if hidden is None else hidden
         h = ops.rms_norm(residual, self.layers[0].attn_norm, eps)
         for i, layer in enumerate(self.layers):
-            h = self.comm.all_reduce(layer.attn(h, i, positions, self.rope, attend))
-            h, residual = ops.add_rms_norm(h, residual, layer.mlp_norm, eps)
-            h = self.comm.all_reduce(layer.mlp(h, ops))
+            h, residual = ops.reduce_add_rms_norm(layer.attn(h, i, positions, self.rope, attend), residual,
+                                                  layer.mlp_norm, eps, self.comm)
+            h = layer.mlp(h, ops)
             if i + 1 == len(self.layers) and self.stage is not None and not self.stage.last:
-                return h + residual
+                return self.comm.all_reduce(h) + residual
             following = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.norm
-            h, residual = ops.add_rms_norm(h, residual, following, eps)
+            h, residual = ops.reduce_add_rms_norm(h, residual, following, eps, self.comm)
         return self.vocab.logits(h if rows is None else h[rows])

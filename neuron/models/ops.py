@@ -74,6 +74,12 @@ class TorchOps:
         residual = residual + x
         return rms_norm(residual, weight, eps), residual
 
+    def reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                            comm, peers=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``add_rms_norm`` of x summed over the tensor-parallel ranks (``comm``, a
+        ``layers.Collectives``; ``peers``: its ``PeerRows`` where they are not set yet)."""
+        return self.add_rms_norm(comm.all_reduce(x), residual, weight, eps)
+
     def qk_norm_rope(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rope: RopeTables,
                      q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,6 +37,14 @@ class TritonOps(TorchOps):
         out, residual = self.kernels.rms_norm(x, weight, eps, residual, quantize=self._quantize(x, x.shape[1]))
         return out, residual
 
+    def reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                            comm, peers=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sum over the ranks in the norm's kernel where the rows fit the peer buffer."""
+        peers = peers if peers is not None else comm.peers
+        if peers is None or not peers.takes(x, residual) or residual.shape != x.shape:
+            return super().reduce_add_rms_norm(x, residual, weight, eps, comm)
+        return self.kernels.rms_norm(x, weight, eps, residual, quantize=self._quantize(x, x.shape[1]), peers=peers)
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if gate_up.dim() != 2 or gate_up.stride(1) != 1:
             return self.fallback.silu_mul(gate_up)

@@ -138,7 +138,7 @@ class ModelRunner:
             self._out = 0
         if self.cuda and model.comm.world > 1:
             rows = max(graph_sizes(cfg.max_seqs) + list(PREFILL_GRAPH_TOKENS))
-            how = model.comm.use_peer_memory(rows * model.cfg.hidden_size, model.dtype, self.device)
+            how = model.comm.use_peer_memory(rows, model.cfg.hidden_size, model.dtype, self.device, model.ops)
             log.info("rank %d: all-reduces of up to %d rows: %s", rank, rows, how)
         if self.cuda and cfg.cuda_graphs and model.capturable and self.triton:
             from .linear import tune, tune_fp8, tune_packed
