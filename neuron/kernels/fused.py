@@ -95,20 +95,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     out = torch.empty_like(x)
     add = residual is not None
     r = residual if add else x
-    world = 1 if peers is None else peers.world
-    p = peers if peers is not None else _NO_PEERS
-    _rms_norm_kernel[(T,)](x, r, weight, out, r, *_int8_rows(out, quantize), p.ptrs if peers is not None else x,
-                           p.gens if peers is not None else x, p.rank, p.flags_at, p.rows, x.stride(0), r.stride(0),
-                           out.stride(0), eps, N=N, N_PAD=pow2(N), ADD=add, QUANT=quantize, WORLD=world,
-                           num_warps=8 if N >= 2048 else 4, **pdl_args(x.device))
+    peer = (x, x, 0, 0, 0) if peers is None else (peers.ptrs, peers.gens, peers.rank, peers.flags_at, peers.rows)
+    _rms_norm_kernel[(T,)](x, r, weight, out, r, *_int8_rows(out, quantize), *peer, x.stride(0), r.stride(0),
+                           out.stride(0), eps, N=N, N_PAD=pow2(N), ADD=add, QUANT=quantize,
+                           WORLD=1 if peers is None else peers.world, num_warps=8 if N >= 2048 else 4,
+                           **pdl_args(x.device))
     return out, residual
-
-
-class _NoPeers:
-    rank = flags_at = rows = 0
-
-
-_NO_PEERS = _NoPeers()
 
 
 # ---------------------------------------------------------------------------------------------
