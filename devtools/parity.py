@@ -1,6 +1,7 @@
 """Running our model code the way a rank does, outside the server, for parity checks against HF
 transformers: last-position logits and greedy tokens of a few prompts, at TP=1 in this process or
-at TP>1 in real processes joined by gloo (one process per rank, as the server runs them).
+at TP>1 in real processes joined by gloo, or NCCL on GPUs (one process per rank, as the server
+runs them).
 
     jobs = [ParityJob("qwen3", fmt="safetensors", paths=[...], config=cfg, prompts=[[1, 2, 3]], new_tokens=8)]
     results = run_parity(jobs, world=2)   # one ParityResult per job, from rank 0 (+ every rank's bytes)
@@ -171,7 +172,7 @@ def run_teacher_forced(runner: Any, job: ParityJob, greedy: list[list[int]]) -> 
 
 def run_parity(jobs: list[ParityJob], world: int = 1, timeout: float = 300.0) -> list[ParityResult]:
     """Every job at tensor-parallel ``world``: in this process at 1, else in ``world`` spawned
-    processes joined by a gloo group; the results are rank 0's, with every rank's weight bytes."""
+    processes joined by a gloo group (NCCL where every job is on the GPU); the results are rank 0's, with every rank's weight bytes."""
     if world == 1:
         results = []
         for job in jobs:
@@ -205,7 +206,11 @@ def _rank_main(rank: int, world: int, port: int, jobs: list[ParityJob], out_dir:
     import torch.distributed as dist
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=rank)
+    cuda = all(job.device == "cuda" for job in jobs)  # NCCL between GPUs, as the daemon's ranks
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=world,
+                            rank=rank)
     try:
         results = []
         for job in jobs:

@@ -247,6 +247,41 @@ def test_publisher_quantized_checkpoints_on_a_gpu_agree_with_their_dequantized_w
 
 
 @pytest.mark.skipif(_gpus() < 2, reason="needs two NVIDIA GPUs")
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", ["fp8-block128", "fp8-rows"])
+def test_publisher_fp8_checkpoints_at_tp2_over_nccl_agree_with_their_dequantized_weights(tmp_path, name):
+    """FP8 checkpoints split across two GPUs (each rank its blocks of values and their scales,
+    the products on the FP8 tensor cores, the sums over NCCL or peer memory): teacher-forced top-1
+    agreement with the same checkpoint dequantized to bfloat16 at TP=2 within 3 points of that
+    agreement at TP=1 (a wrong split of the scales leaves next to none), each rank holding half."""
+    from test_published_quant import FORMATS, write_quantized
+    from test_quant import NEW_TOKENS, PROMPTS
+
+    from devtools.checkpoints import make_checkpoint
+    from devtools.parity import ParityJob, run_parity
+    from neuron.loader.spec import load_spec
+
+    d = write_quantized(make_checkpoint("qwen3", tmp_path / "qwen3", seed=31), tmp_path / name, *FORMATS[name])
+    spec = load_spec(str(d))
+
+    def job(**kw):
+        return ParityJob(name, "safetensors", [str(d / "model.safetensors")], spec.config, PROMPTS, NEW_TOKENS,
+                         dtype="bfloat16", max_len=128, device="cuda", checkpoint_quant=spec.checkpoint_quant, **kw)
+
+    (first,) = run_parity([job(dense=True)])
+    seqs = [p + g for p, g in zip(PROMPTS, first.greedy)]
+    agree, held = {}, {}
+    for world in (1, 2):
+        dense, served = run_parity([job(dense=True, score=seqs), job(score=seqs)], world=world)
+        pairs = [(a, b) for x, y in zip(dense.argmax, served.argmax) for a, b in zip(x, y)]
+        agree[world] = sum(a == b for a, b in pairs) / len(pairs)
+        held[world] = served.weight_bytes
+    print(f"{name}: top-1 against the dequantized model {agree}, bytes per rank {held}")
+    assert agree[1] > 0.5 and agree[2] >= agree[1] - 0.03, name
+    assert all(abs(b - held[1][0] / 2) < 0.1 * held[1][0] for b in held[2]), held
+
+
+@pytest.mark.skipif(_gpus() < 2, reason="needs two NVIDIA GPUs")
 def test_decode_graphs_give_the_eager_tokens_at_tp2_over_nccl(tmp_path, qwen3_checkpoint):
     graph_and_eager(tmp_path, qwen3_checkpoint, 2)
 
