@@ -47,6 +47,22 @@ class PeerRows:
     flags_at: int  # bytes from a buffer's start to its flags
     buffer: torch.Tensor  # keeps the memory
 
+    @staticmethod
+    def nbytes(rows: int, n: int, dtype: torch.dtype, world: int) -> int:
+        """The bytes of one rank's buffer."""
+        return 2 * rows * n * dtype.itemsize + rows * world * 8
+
+    @classmethod
+    def over(cls, bases: list[int], buffer: torch.Tensor, rank: int, world: int, rows: int, n: int,
+             dtype: torch.dtype) -> PeerRows:
+        """Sums over every rank's buffer, ``bases`` their addresses as this process maps them,
+        ``buffer`` this rank's (``nbytes`` of uint8), which it clears: every rank must have
+        cleared its own before any rank sums."""
+        buffer.zero_()
+        ptrs = torch.tensor(bases, dtype=torch.int64, device=buffer.device)
+        gens = torch.zeros(rows, dtype=torch.int64, device=buffer.device)
+        return cls(ptrs, gens, rank, world, rows, n, dtype, 2 * rows * n * dtype.itemsize, buffer)
+
     def takes(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
         return (x.dim() == 2 and x.shape[0] <= self.rows and x.shape[1] == self.n and x.dtype == self.dtype
                 and x.is_contiguous() and residual.is_contiguous())
@@ -78,19 +94,15 @@ class Collectives:
             rank, name = dist.get_rank(), dist.group.WORLD.group_name
             buf = symm_mem.empty(rows * n, dtype=dtype, device=device)
             symm_mem.rendezvous(buf, dist.group.WORLD)
-            flags_at = 2 * rows * n * dtype.itemsize
-            rows_buf = symm_mem.empty(flags_at + rows * self.world * 8, dtype=torch.uint8, device=device)
+            rows_buf = symm_mem.empty(PeerRows.nbytes(rows, n, dtype, self.world), dtype=torch.uint8, device=device)
             handle = symm_mem.rendezvous(rows_buf, dist.group.WORLD)
             # buffer_ptrs may be the starts of the pooled allocations that hold the tensors
             offset = rows_buf.data_ptr() - handle.buffer_ptrs[rank]
             if not 0 <= offset <= handle.buffer_size - rows_buf.numel():
                 raise RuntimeError(f"the buffer is not where its handle says ({offset})")
-            rows_buf.zero_()
+            peers = PeerRows.over([b + offset for b in handle.buffer_ptrs], rows_buf, rank, self.world, rows, n, dtype)
             torch.cuda.synchronize(device)
-            dist.barrier()  # every rank's flags are 0 before any rank raises one
-            peers = PeerRows(torch.tensor([b + offset for b in handle.buffer_ptrs], dtype=torch.int64, device=device),
-                             torch.zeros(rows, dtype=torch.int64, device=device), rank, self.world, rows, n, dtype,
-                             flags_at, rows_buf)
+            dist.barrier()  # every rank's buffer is clear before any rank sums
             why = self._probe(buf, name, peers, ops, device)
         except Exception as exc:  # no peer access, no symmetric memory in this build, ...
             why = f"{type(exc).__name__}: {exc}"[:200]
