@@ -254,6 +254,7 @@ def test_publisher_fp8_checkpoints_at_tp2_over_nccl_agree_with_their_dequantized
     the products on the FP8 tensor cores, the sums over NCCL or peer memory): teacher-forced top-1
     agreement with the same checkpoint dequantized to bfloat16 at TP=2 within 3 points of that
     agreement at TP=1 (a wrong split of the scales leaves next to none), each rank holding half."""
+    import torch
     from test_published_quant import FORMATS, write_quantized
     from test_quant import NEW_TOKENS, PROMPTS
 
@@ -268,8 +269,8 @@ def test_publisher_fp8_checkpoints_at_tp2_over_nccl_agree_with_their_dequantized
         return ParityJob(name, "safetensors", [str(d / "model.safetensors")], spec.config, PROMPTS, NEW_TOKENS,
                          dtype="bfloat16", max_len=128, device="cuda", checkpoint_quant=spec.checkpoint_quant, **kw)
 
-    (first,) = run_parity([job(dense=True)])
-    seqs = [p + g for p, g in zip(PROMPTS, first.greedy)]
+    gen = torch.Generator().manual_seed(41)  # teacher-forced continuations, the same at both sizes
+    seqs = [p + torch.randint(0, 509, (NEW_TOKENS,), generator=gen).tolist() for p in PROMPTS]
     agree, held = {}, {}
     for world in (1, 2):
         dense, served = run_parity([job(dense=True, score=seqs), job(score=seqs)], world=world)
