@@ -172,7 +172,8 @@ def run_teacher_forced(runner: Any, job: ParityJob, greedy: list[list[int]]) -> 
 
 def run_parity(jobs: list[ParityJob], world: int = 1, timeout: float = 300.0) -> list[ParityResult]:
     """Every job at tensor-parallel ``world``: in this process at 1, else in ``world`` spawned
-    processes joined by a gloo group (NCCL where every job is on the GPU); the results are rank 0's, with every rank's weight bytes."""
+    processes joined by a gloo group (NCCL where every job is on the GPU); the results are rank
+    0's, with every rank's weight bytes."""
     if world == 1:
         results = []
         for job in jobs:
