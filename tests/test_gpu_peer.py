@@ -1,7 +1,8 @@
 """The tensor-parallel sum over the GPUs' peer memory, fused with the norm after it
 (``kernels.fused.rms_norm`` with ``peers``), against NCCL's all-reduce and the torch norm: on
 two GPUs, eagerly and replayed in CUDA graphs, rows of every count interleaved, so that each
-row's generation count and its two buffer slots are exercised as the decode steps use them."""
+row's generation count and its three buffer slots are exercised as the decode steps use them, with
+parts that hold -0.0 (the buffers' mark of an unwritten element)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,8 @@ def _rank(rank: int, port: int, results) -> None:
     gen = torch.Generator(device=device).manual_seed(1234 + rank)
     for i, t in enumerate([1, 3, 64, 17, 1, 1, 2, 64, 5] * 12):
         x = torch.randn(t, n, device=device, generator=gen).to(dtype)
+        if i % 3 == 0:  # -0.0 marks an unwritten element in the peer buffers: a part may hold it
+            x[:, i % 5::5] = -0.0
         residual = torch.randn(t, n, device=device, generator=torch.Generator(device=device).manual_seed(i)).to(dtype)
         before = residual.clone()
         out, new = ops.reduce_add_rms_norm(x, residual, weight, 1e-6, comm)

@@ -18,9 +18,9 @@ from .launch import grid_sync, pdl_args, pow2
 
 
 @triton.jit
-def _rms_norm_kernel(X, R, W, Out, RNew, Q, D, S, Peers, Gens, rank, flags_at, slot_rows, stride_x, stride_r,
+def _rms_norm_kernel(X, R, W, Out, RNew, Q, D, S, Peers, Gens, rank, slot_rows, stride_x, stride_r,
                      stride_o, eps, N: tl.constexpr, N_PAD: tl.constexpr, ADD: tl.constexpr, QUANT: tl.constexpr,
-                     WORLD: tl.constexpr, PDL: tl.constexpr):
+                     WORLD: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0)
     i = tl.arange(0, N_PAD)
     mask = i < N
@@ -28,7 +28,7 @@ def _rms_norm_kernel(X, R, W, Out, RNew, Q, D, S, Peers, Gens, rank, flags_at, s
     grid_sync(PDL)
     x = tl.load(X + row * stride_x + i, mask=mask, other=0.0)
     if WORLD > 1:  # x is this rank's part: the sum over the ranks first
-        x = _peer_sum(x, X.dtype.element_ty, row, i, mask, Peers, Gens, rank, flags_at, slot_rows, N, WORLD)
+        x = _peer_sum(x, X.dtype.element_ty, BITS, row, i, mask, Peers, Gens, rank, slot_rows, N, WORLD)
     if ADD:
         x = (x.to(tl.float32) + tl.load(R + row * stride_r + i, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
         tl.store(RNew + row * stride_r + i, x, mask=mask)
@@ -43,36 +43,39 @@ def _rms_norm_kernel(X, R, W, Out, RNew, Q, D, S, Peers, Gens, rank, flags_at, s
 
 
 @triton.jit
-def _peer_sum(x, dtype, row, i, mask, Peers, Gens, rank, flags_at, slot_rows, N: tl.constexpr, WORLD: tl.constexpr):
+def _peer_sum(x, dtype, bits, row, i, mask, Peers, Gens, rank, slot_rows, N: tl.constexpr, WORLD: tl.constexpr):
     """Row ``row`` of x summed over the ranks through their GPUs' peer memory (NVLink), in rank
-    order, so that every rank gets the same bits. ``Peers`` holds each rank's symmetric buffer:
-    two slots of rows, then a flag per (row, rank). A row's program has a generation ``g``
-    (``Gens``, this rank's memory), the count of its earlier sums, the same on every rank since
-    every rank runs the same steps: it writes its part into slot ``g % 2`` of its own buffer,
-    raises its flag in every rank's buffer to ``g + 1``, waits until every rank's flag in its own
-    buffer is past ``g``, and reads the parts. A rank can write that slot again only at ``g + 2``,
-    after every rank has raised its flag for ``g + 1``, which each does after it has read ``g``."""
+    order, so that every rank gets the same bits. ``Peers`` holds each rank's symmetric buffer of
+    three slots of rows, each row a part per rank, every element -0.0 while unwritten. A row's
+    program has a generation ``g`` (``Gens``, this rank's memory), the count of its earlier sums,
+    the same on every rank since every rank runs the same steps. It stores its part (-0.0 made
+    +0.0) into slot ``g % 3`` of every rank's buffer, then waits until no element of its own
+    buffer's parts is -0.0 and adds them: the data is its own flag, so a sum costs one one-way
+    trip over NVLink and no fence. It clears slot ``(g + 2) % 3``, which held ``g - 1``: every
+    rank's part of that arrived before this rank finished ``g - 1``, and no rank writes it again
+    before ``g + 2``, which needs this rank's part of ``g + 1``, stored by a later kernel."""
     g = tl.load(Gens + row)
-    at = ((g % 2) * slot_rows + row) * N
-    mine = tl.load(Peers + rank)
-    tl.store(tl.multiple_of(mine.to(tl.pointer_type(dtype)), 16) + at + i, x, mask=mask)
-    tl.debug_barrier()  # every thread's part is written before the flag says so
+    unset: tl.constexpr = -(1 << (dtype.primitive_bitwidth - 1))  # -0.0's bits
+    x = tl.where(x.to(bits, bitcast=True) == unset, tl.zeros_like(x), x)
+    here = ((g % 3) * slot_rows + row) * WORLD * N
     for p in tl.static_range(WORLD):
-        flag = (tl.load(Peers + p) + flags_at).to(tl.pointer_type(tl.int64)) + row * WORLD + rank
-        tl.atomic_xchg(flag, g + 1, sem="release", scope="sys")
-    flags = (mine + flags_at).to(tl.pointer_type(tl.int64)) + row * WORLD
-    for p in tl.static_range(WORLD):
-        flag = flags + p
-        seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
-        while seen <= g:
-            seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
-    tl.debug_barrier()
+        peer = tl.multiple_of(tl.load(Peers + p).to(tl.pointer_type(dtype)), 16)
+        tl.store(peer + here + rank * N + i, x, mask=mask)
+    mine = tl.multiple_of(tl.load(Peers + rank).to(tl.pointer_type(dtype)), 16)
     acc = tl.zeros((x.shape[0],), dtype=tl.float32)
     for p in tl.static_range(WORLD):
-        part = tl.multiple_of(tl.load(Peers + p).to(tl.pointer_type(dtype)), 16) + at + i
-        acc += tl.load(part, mask=mask, other=0.0, cache_modifier=".cv").to(tl.float32)
+        part = tl.load(mine + here + p * N + i, mask=mask, other=0.0, volatile=True)
+        while tl.sum(((part.to(bits, bitcast=True) == unset) & mask).to(tl.int32), 0) > 0:
+            part = tl.load(mine + here + p * N + i, mask=mask, other=0.0, volatile=True)
+        acc += part.to(tl.float32)
+    done = (((g + 2) % 3) * slot_rows + row) * WORLD * N
+    for p in tl.static_range(WORLD):
+        tl.store(mine + done + p * N + i, tl.full(x.shape, unset, bits).to(dtype, bitcast=True), mask=mask)
     tl.store(Gens + row, g + 1)
     return acc.to(dtype)
+
+
+_BITS = {2: tl.int16, 4: tl.int32}  # the integers that hold a float's bits, by its bytes
 
 
 def _int8_rows(out: torch.Tensor, quantize: bool) -> tuple[torch.Tensor, ...]:
@@ -95,11 +98,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     out = torch.empty_like(x)
     add = residual is not None
     r = residual if add else x
-    peer = (x, x, 0, 0, 0) if peers is None else (peers.ptrs, peers.gens, peers.rank, peers.flags_at, peers.rows)
+    peer = (x, x, 0, 0) if peers is None else (peers.ptrs, peers.gens, peers.rank, peers.rows)
     _rms_norm_kernel[(T,)](x, r, weight, out, r, *_int8_rows(out, quantize), *peer, x.stride(0), r.stride(0),
                            out.stride(0), eps, N=N, N_PAD=pow2(N), ADD=add, QUANT=quantize,
-                           WORLD=1 if peers is None else peers.world, num_warps=8 if N >= 2048 else 4,
-                           **pdl_args(x.device))
+                           WORLD=1 if peers is None else peers.world, BITS=_BITS[x.element_size()],
+                           num_warps=8 if N >= 2048 else 4, **pdl_args(x.device))
     return out, residual
 
 

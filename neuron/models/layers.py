@@ -33,9 +33,9 @@ def unique_bytes(tensors: list[torch.Tensor]) -> int:
 class PeerRows:
     """A symmetric buffer for sums of up to ``rows`` rows of ``n`` that a kernel takes over the
     GPUs' peer memory, fused with the norm after it (``kernels.fused.rms_norm``): ``ptrs`` each
-    rank's buffer address, two slots of rows and then a flag per (row, rank), which start at 0;
-    ``gens`` this rank's count of sums per row. Counts and flags are int64: at some 70 sums a
-    step and a thousand steps a second, int32 would wrap within a day."""
+    rank's buffer address, three slots of rows of a part per rank, every element -0.0 while
+    unwritten; ``gens`` this rank's count of sums per row (int64: at some 70 sums a step and a
+    thousand steps a second, int32 would wrap within a day)."""
 
     ptrs: torch.Tensor
     gens: torch.Tensor
@@ -44,13 +44,12 @@ class PeerRows:
     rows: int
     n: int
     dtype: torch.dtype
-    flags_at: int  # bytes from a buffer's start to its flags
     buffer: torch.Tensor  # keeps the memory
 
     @staticmethod
     def nbytes(rows: int, n: int, dtype: torch.dtype, world: int) -> int:
         """The bytes of one rank's buffer."""
-        return 2 * rows * n * dtype.itemsize + rows * world * 8
+        return 3 * rows * world * n * dtype.itemsize
 
     @classmethod
     def over(cls, bases: list[int], buffer: torch.Tensor, rank: int, world: int, rows: int, n: int,
@@ -58,10 +57,10 @@ class PeerRows:
         """Sums over every rank's buffer, ``bases`` their addresses as this process maps them,
         ``buffer`` this rank's (``nbytes`` of uint8), which it clears: every rank must have
         cleared its own before any rank sums."""
-        buffer.zero_()
+        buffer.view(dtype).fill_(-0.0)
         ptrs = torch.tensor(bases, dtype=torch.int64, device=buffer.device)
         gens = torch.zeros(rows, dtype=torch.int64, device=buffer.device)
-        return cls(ptrs, gens, rank, world, rows, n, dtype, 2 * rows * n * dtype.itemsize, buffer)
+        return cls(ptrs, gens, rank, world, rows, n, dtype, buffer)
 
     def takes(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
         return (x.dim() == 2 and x.shape[0] <= self.rows and x.shape[1] == self.n and x.dtype == self.dtype
