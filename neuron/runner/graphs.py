@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 
 import torch
 
@@ -33,13 +34,19 @@ def graph_sizes(max_seqs: int) -> list[int]:
 
 class StepGraphs:
     def __init__(self, runner) -> None:
-        self.runner = runner
+        # Weak: the runner holds these graphs, and a cycle would keep its KV cache and graphs
+        # after an unload until the garbage collector ran (NCCL's teardown waits for the graphs).
+        self._runner = weakref.ref(runner)
         self.decode: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.prefill: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, None]] = {}
         self.graph_in: torch.Tensor | None = None
         # A pipeline stage after the first: the previous stage's residual stream, received into
         # this static buffer before a replay (the sends and receives stay outside the graphs).
         self.hidden_in: torch.Tensor | None = None
+
+    @property
+    def runner(self):
+        return self._runner()
 
     def clear(self) -> None:
         self.decode.clear()
