@@ -9,8 +9,10 @@ runs them).
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
+import signal
 import socket
 import tempfile
 import time
@@ -21,6 +23,7 @@ from typing import Any
 from protocol import ModelConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
+TEARDOWN_S = 30.0  # from the last rank's results to every rank's exit
 
 
 @dataclass
@@ -188,13 +191,14 @@ def run_parity(jobs: list[ParityJob], world: int = 1, timeout: float = 300.0) ->
         port = _free_port()
         ctx = mp.start_processes(_rank_main, args=(world, port, jobs, tmp), nprocs=world, join=False,
                                  start_method="spawn")
-        deadline = time.monotonic() + timeout
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+        deadline, why = time.monotonic() + timeout, f"did not finish in {timeout}s"
+        while not ctx.join(timeout=1.0):
+            if all((Path(tmp) / f"rank{r}.pkl").exists() for r in range(world)) and "exit" not in why:
+                deadline = min(deadline, time.monotonic() + TEARDOWN_S)
+                why = f"wrote their results but did not exit within {TEARDOWN_S}s"
             if time.monotonic() > deadline:
-                for proc in ctx.processes:
-                    if proc.is_alive():
-                        proc.kill()
-                raise TimeoutError(f"TP={world} parity run did not finish in {timeout}s")
+                _stop(ctx.processes)
+                raise TimeoutError(f"TP={world} parity ranks {why} (their stacks are on stderr)")
         per_rank = [pickle.loads((Path(tmp) / f"rank{r}.pkl").read_bytes()) for r in range(world)]
     results = per_rank[0]
     for i, res in enumerate(results):
@@ -202,16 +206,30 @@ def run_parity(jobs: list[ParityJob], world: int = 1, timeout: float = 300.0) ->
     return results
 
 
+def _stop(procs: list[Any]) -> None:
+    """Kill the ranks still alive, each first made to print its threads' stacks."""
+    alive = [proc for proc in procs if proc.is_alive()]
+    for proc in alive:  # one at a time: their stacks would interleave
+        os.kill(proc.pid, signal.SIGUSR1)
+        time.sleep(0.5)
+    for proc in alive:
+        proc.kill()
+
+
 def _rank_main(rank: int, world: int, port: int, jobs: list[ParityJob], out_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # where it waits, when run_parity stops it
+
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     cuda = all(job.device == "cuda" for job in jobs)  # NCCL between GPUs, as the daemon's ranks
-    if cuda:
+    kwargs = {}
+    if cuda:  # the communicator bound to its GPU at once, as the daemon's ranks bind theirs
         torch.cuda.set_device(rank)
+        kwargs["device_id"] = torch.device("cuda", rank)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=world,
-                            rank=rank)
+                            rank=rank, **kwargs)
     try:
         results = []
         for job in jobs:
