@@ -52,6 +52,8 @@ def greedy_tokens(tmp, checkpoint, args) -> list[list[int]]:
         return out
     finally:
         assert server.stop() == 0
+        # every rank said bye when asked: none waited in NCCL's teardown (for graphs an unload left alive)
+        assert not [line for line in server.log().splitlines() if "not clean" in line or "did not exit" in line]
 
 
 def concurrent_greedy(server, prompts: list[list[int]], tokens: int = 24) -> list[list[int]]:
