@@ -191,10 +191,10 @@ def run_parity(jobs: list[ParityJob], world: int = 1, timeout: float = 300.0) ->
         port = _free_port()
         ctx = mp.start_processes(_rank_main, args=(world, port, jobs, tmp), nprocs=world, join=False,
                                  start_method="spawn")
-        deadline, why = time.monotonic() + timeout, f"did not finish in {timeout}s"
+        deadline, why, written = time.monotonic() + timeout, f"did not finish in {timeout}s", False
         while not ctx.join(timeout=1.0):
-            if all((Path(tmp) / f"rank{r}.pkl").exists() for r in range(world)) and "exit" not in why:
-                deadline = min(deadline, time.monotonic() + TEARDOWN_S)
+            if not written and all((Path(tmp) / f"rank{r}.pkl").exists() for r in range(world)):
+                written, deadline = True, min(deadline, time.monotonic() + TEARDOWN_S)
                 why = f"wrote their results but did not exit within {TEARDOWN_S}s"
             if time.monotonic() > deadline:
                 _stop(ctx.processes)
