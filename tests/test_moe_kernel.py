@@ -1,7 +1,8 @@
 """The kernels of sparse MoE blocks (neuron/kernels/moe.py), which CUDA graphs can hold, against
 the per-expert loop of neuron/models/moe.py, run by Triton's interpreter on the CPU: one token and
 a decode batch (a program per pair), a prompt's many tokens (the grouped product, both tilings),
-and a rank holding only some of the experts on each path."""
+and a rank holding only some of the experts on each path; the router's softmax and top-k in one
+kernel against torch's."""
 
 from __future__ import annotations
 
@@ -57,3 +58,23 @@ def test_pairs_are_sorted_by_expert_into_padded_blocks():
     # (+ padding: 6, the pair count); expert 2 pairs 0, 2, 5 (+ padding); expert 3 none
     assert pairs.tolist()[:8] == [1, 4, 3, 6, 0, 2, 5, 6]
     assert block_expert.tolist()[:4] == [0, 1, 2, 2] and all(e == -1 for e in block_expert.tolist()[4:])
+
+
+@pytest.mark.parametrize("tokens, experts, k, norm, dtype", [(1, 8, 2, True, torch.float32),
+                                                              (5, 60, 4, False, torch.float32),
+                                                              (3, 256, 8, True, torch.bfloat16),
+                                                              (64, 128, 8, False, torch.bfloat16),
+                                                              (2, 512, 10, True, torch.float32)])
+def test_the_router_kernel_equals_softmax_and_topk(tokens, experts, k, norm, dtype):
+    g = torch.Generator().manual_seed(tokens * 7 + experts)
+    logits = (torch.randn(tokens, experts, generator=g) * 3).to(dtype)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    want_w, _ = torch.topk(probs, k, dim=-1)
+    if norm:
+        want_w = want_w / want_w.sum(dim=-1, keepdim=True)
+    weights, chosen = K.route(logits, k, norm, dtype)
+    assert weights.dtype == dtype and chosen.dtype == torch.int64
+    assert all(len(set(row)) == k for row in chosen.tolist())
+    # the k largest, largest first (of equal logits, which bfloat16 has, either may come first)
+    assert torch.equal(probs.gather(1, chosen), torch.topk(probs, k, dim=-1).values)
+    assert torch.allclose(weights.float(), want_w.to(dtype).float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5)

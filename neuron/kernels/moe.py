@@ -123,6 +123,89 @@ def pair_products(x: torch.Tensor, w: torch.Tensor, chosen: torch.Tensor, first:
     return out
 
 
+@triton.jit
+def _weighted_down_kernel(H, W, Out, Chosen, Weights, stride_h, stride_we, stride_wn, stride_o, N, K, first, E,
+                          TOPK: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+    """Out[t, n] = sum_j Weights[t, j] sum_k H[t * TOPK + j, k] W[Chosen[t, j] - first, n, k] over
+    the token's choices whose expert is among the ``E`` held here (the others' rows of H are
+    never read: their gate/up products were not written)."""
+    t = tl.program_id(0)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nm = n < N
+    grid_sync(PDL)
+    out = tl.zeros((BN,), dtype=tl.float32)
+    for j in range(TOPK):
+        e = tl.load(Chosen + t * TOPK + j) - first
+        if (e >= 0) & (e < E):
+            acc = tl.zeros((BN, BK), dtype=tl.float32)
+            w = W + e * stride_we + n[:, None] * stride_wn
+            h = H + (t * TOPK + j) * stride_h
+            for k0 in range(0, K, BK):
+                k = k0 + tl.arange(0, BK)
+                km = k < K
+                wt = tl.load(w + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+                acc += wt.to(tl.float32) * tl.load(h + k, mask=km, other=0.0).to(tl.float32)[None, :]
+            out += tl.load(Weights + t * TOPK + j).to(tl.float32) * tl.sum(acc, 1)
+    tl.store(Out + t * stride_o + n, out.to(Out.dtype.element_ty), mask=nm)
+
+
+def weighted_down(h: torch.Tensor, down: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, first: int,
+                  per_row: int, dtype: torch.dtype) -> torch.Tensor:
+    """[T, N]: each token's ``per_row`` rows of ``h`` (its choices' SiLU·mul, ``chosen`` their
+    experts, flat) times their experts' ``down`` [E, N, K], weighted by ``weights`` and summed in
+    float32 in one kernel (a decode step's last expert launch)."""
+    N, K = down.shape[1], down.shape[2]
+    T = chosen.numel() // per_row
+    out = torch.empty(T, N, dtype=dtype, device=h.device)
+    BN = 8 if T * N <= 4096 else 16  # enough programs to cover the GPU at one token
+    _weighted_down_kernel[(T, triton.cdiv(N, BN))](
+        h, down, out, chosen, weights.contiguous(), h.stride(0), down.stride(0), down.stride(1), out.stride(0), N, K,
+        first, down.shape[0], TOPK=per_row, BN=BN, BK=256 if K >= 256 else 128, num_warps=4, num_stages=3,
+        **pdl_args(h.device))
+    return out
+
+
+@triton.jit
+def _route_kernel(Logits, Weights, Chosen, stride_l, E, TOPK: tl.constexpr, K_PAD: tl.constexpr,
+                  E_PAD: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+    """A token's router: the softmax of its logits in float32, its ``TOPK`` largest
+    probabilities (largest first; of equals, the lowest expert), renormalised to sum to 1 when
+    ``NORM``, written in ``Weights``' dtype with their experts."""
+    t = tl.program_id(0)
+    i = tl.arange(0, E_PAD)
+    m = i < E
+    grid_sync(PDL)
+    logit = tl.load(Logits + t * stride_l + i, mask=m, other=-float("inf")).to(tl.float32)
+    p = tl.where(m, tl.exp(logit - tl.max(logit, 0)), 0.0)
+    p = p / tl.sum(p, 0)
+    left = tl.where(m, p, -1.0)
+    slot = tl.arange(0, K_PAD)
+    vals = tl.zeros((K_PAD,), dtype=tl.float32)
+    idxs = tl.zeros((K_PAD,), dtype=tl.int64)
+    for j in tl.static_range(TOPK):
+        best = tl.max(left, 0)
+        at = tl.min(tl.where(left == best, i, E_PAD), 0)
+        vals = tl.where(slot == j, best, vals)
+        idxs = tl.where(slot == j, at.to(tl.int64), idxs)
+        left = tl.where(i == at, -2.0, left)
+    if NORM:
+        vals = vals / tl.sum(vals, 0)
+    tl.store(Weights + t * TOPK + slot, vals.to(Weights.dtype.element_ty), mask=slot < TOPK)
+    tl.store(Chosen + t * TOPK + slot, idxs, mask=slot < TOPK)
+
+
+def route(logits: torch.Tensor, k: int, norm: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """As ``topk(softmax(logits, float32), k)`` (renormalised when ``norm``), the weights in
+    ``dtype``: one launch in place of five."""
+    T, E = logits.shape
+    weights = torch.empty(T, k, dtype=dtype, device=logits.device)
+    chosen = torch.empty(T, k, dtype=torch.int64, device=logits.device)
+    _route_kernel[(T,)](logits, weights, chosen, logits.stride(0), E, TOPK=k, K_PAD=triton.next_power_of_2(k),
+                        E_PAD=triton.next_power_of_2(E), NORM=norm, num_warps=4 if E >= 512 else 1,
+                        **pdl_args(logits.device))
+    return weights, chosen
+
+
 def sparse_moe(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, first: int, gate_up: torch.Tensor,
                down: torch.Tensor, silu_mul) -> torch.Tensor:
     """sum_k weights[t, k] * down_e(silu_mul(gate_up_e(x_t))) over each token's chosen experts
@@ -131,15 +214,14 @@ def sparse_moe(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, fir
     step's fused SiLU·mul."""
     T, k = chosen.shape
     E = gate_up.shape[0]
-    local = chosen - first
-    here = (local >= 0) & (local < E)
     if T * k <= PAIRS_ALONE:
         flat = chosen.reshape(-1).contiguous()
         h = silu_mul(pair_products(x, gate_up, flat, first, k))
-        y = pair_products(h, down, flat, first, 1).view(T, k, -1)
-    else:
-        pairs, block_expert = sort_pairs(torch.where(here, local, E), E + 1, tiles(T * k)[0])  # E: elsewhere
-        block_expert = torch.where(block_expert == E, -1, block_expert)
-        h = silu_mul(grouped(x, gate_up, pairs, block_expert, T * k, k))
-        y = grouped(h, down, pairs, block_expert, T * k, 1).view(T, k, -1)
+        return weighted_down(h, down, flat, weights, first, k, x.dtype)
+    local = chosen - first
+    here = (local >= 0) & (local < E)
+    pairs, block_expert = sort_pairs(torch.where(here, local, E), E + 1, tiles(T * k)[0])  # E: elsewhere
+    block_expert = torch.where(block_expert == E, -1, block_expert)
+    h = silu_mul(grouped(x, gate_up, pairs, block_expert, T * k, k))
+    y = grouped(h, down, pairs, block_expert, T * k, 1).view(T, k, -1)
     return (torch.where(here[..., None], y, 0) * weights[..., None].to(y.dtype)).sum(1)

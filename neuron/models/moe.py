@@ -62,18 +62,19 @@ class SparseMoe:
         return not self.packed and self.gate_up.is_cuda and len(self.experts) > 0 and not self.grouped_failed
 
     def __call__(self, x: torch.Tensor, ops: object = None) -> torch.Tensor:
-        probs = F.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float)
-        weights, chosen = torch.topk(probs, self.cfg.num_experts_per_tok, dim=-1)
-        if self.cfg.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype)
+        logits, top = F.linear(x, self.router), self.cfg.num_experts_per_tok
         moe = getattr(ops, "sparse_moe", None)
         if moe is not None and self.grouped:
             try:
+                weights, chosen = ops.moe_route(logits, top, self.cfg.norm_topk_prob, x.dtype)
                 return moe(x, weights, chosen, self.experts.start, self.gate_up, self.down)
             except Exception as exc:  # noqa: BLE001 - a kernel this GPU's Triton cannot build
                 log.warning("the grouped MoE kernel failed (%s); experts run one by one, without CUDA graphs", exc)
                 self.grouped_failed = True
+        weights, chosen = torch.topk(F.softmax(logits, dim=-1, dtype=torch.float), top, dim=-1)
+        if self.cfg.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
         out = torch.zeros_like(x)
         for local, expert in enumerate(self.experts):
             token, k = torch.where(chosen == expert)

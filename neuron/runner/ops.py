@@ -50,6 +50,11 @@ class TritonOps(TorchOps):
             return self.fallback.silu_mul(gate_up)
         return self.kernels.silu_mul(gate_up, quantize=self._quantize(gate_up, gate_up.shape[1] // 2))
 
+    def moe_route(self, logits: torch.Tensor, k: int, norm: bool, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """A sparse MoE block's router after its product: softmax, top-k and renormalising in one
+        kernel (``kernels.moe.route``)."""
+        return self.kernels.moe_route(logits, k, norm, dtype)
+
     def sparse_moe(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, first: int,
                    gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
         """A sparse MoE block's experts in the grouped kernel (``kernels.moe``; dense experts)."""
