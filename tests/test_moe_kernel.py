@@ -17,15 +17,21 @@ pytest.importorskip("triton")
 from neuron.kernels import moe as K  # noqa: E402
 
 
-def reference(x, weights, chosen, first, gate_up, down):
-    E, I2, _ = gate_up.shape
+def mlp(gate_up, down, x):
+    g, u = (gate_up @ x).chunk(2)
+    return down @ (torch.nn.functional.silu(g) * u)
+
+
+def reference(x, weights, chosen, first, gate_up, down, shared=None):
+    E, k = gate_up.shape[0], chosen.shape[1]
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
-        for j in range(chosen.shape[1]):
+        for j in range(k):
             e = int(chosen[t, j]) - first
             if 0 <= e < E:
-                g, u = (gate_up[e] @ x[t]).split(I2 // 2)
-                out[t] += weights[t, j] * (down[e] @ (torch.nn.functional.silu(g) * u))
+                out[t] += weights[t, j] * mlp(gate_up[e], down[e], x[t])
+        if shared is not None:
+            out[t] += weights[t, k] * mlp(*shared, x[t])
     return out
 
 
@@ -34,10 +40,12 @@ def silu_mul(h):
     return torch.nn.functional.silu(g) * u
 
 
-@pytest.mark.parametrize("tokens, experts, k, first, held", [(1, 8, 2, 0, 8), (5, 8, 2, 0, 8), (70, 6, 3, 0, 6),
-                                                            (9, 8, 2, 3, 3), (40, 8, 2, 2, 4),
-                                                            (100, 8, 3, 2, 4)])
-def test_the_grouped_experts_equal_the_loop(tokens, experts, k, first, held):
+@pytest.mark.parametrize("tokens, experts, k, first, held, shared", [
+    (1, 8, 2, 0, 8, 0), (5, 8, 2, 0, 8, 0), (70, 6, 3, 0, 6, 0), (9, 8, 2, 3, 3, 0), (40, 8, 2, 2, 4, 0),
+    (100, 8, 3, 2, 4, 0), (1, 8, 2, 0, 8, 32), (3, 8, 2, 2, 4, 24), (2, 8, 2, 0, 8, 0.5), (70, 6, 3, 0, 6, 48)])
+def test_the_grouped_experts_equal_the_loop(tokens, experts, k, first, held, shared):
+    """``shared``: the width of a shared expert beside them (0.5: an empty share, as a rank
+    holding none of its columns), whose weight follows the chosen ones'."""
     assert (tokens * k <= K.PAIRS_ALONE) == (tokens < 50) and (tokens * k > 256) == (tokens == 100)
     g = torch.Generator().manual_seed(tokens * 10 + first)
     H, inter = 64, 32
@@ -46,8 +54,13 @@ def test_the_grouped_experts_equal_the_loop(tokens, experts, k, first, held):
     weights, chosen = torch.topk(probs, k, dim=-1)
     gate_up = torch.randn(held, 2 * inter, H, generator=g) * 0.1
     down = torch.randn(held, H, inter, generator=g) * 0.1
-    got = K.sparse_moe(x, weights, chosen, first, gate_up, down, silu_mul)
-    want = reference(x, weights, chosen, first, gate_up, down)
+    pair = None
+    if shared:
+        width = int(shared)
+        pair = (torch.randn(2 * width, H, generator=g) * 0.1, torch.randn(H, width, generator=g) * 0.1)
+        weights = torch.cat([weights, torch.rand(tokens, 1, generator=g)], 1)
+    got = K.sparse_moe(x, weights, chosen, first, gate_up, down, silu_mul, pair)
+    want = reference(x, weights, chosen, first, gate_up, down, pair)
     assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
 
 
@@ -60,20 +73,28 @@ def test_pairs_are_sorted_by_expert_into_padded_blocks():
     assert block_expert.tolist()[:4] == [0, 1, 2, 2] and all(e == -1 for e in block_expert.tolist()[4:])
 
 
-@pytest.mark.parametrize("tokens, experts, k, norm, dtype", [(1, 8, 2, True, torch.float32),
-                                                              (5, 60, 4, False, torch.float32),
-                                                              (3, 256, 8, True, torch.bfloat16),
-                                                              (64, 128, 8, False, torch.bfloat16),
-                                                              (2, 512, 10, True, torch.float32)])
-def test_the_router_kernel_equals_softmax_and_topk(tokens, experts, k, norm, dtype):
+@pytest.mark.parametrize("tokens, experts, k, norm, dtype, shared", [(1, 8, 2, True, torch.float32, False),
+                                                                      (5, 60, 4, False, torch.float32, True),
+                                                                      (3, 256, 8, True, torch.bfloat16, True),
+                                                                      (64, 128, 8, False, torch.bfloat16, False),
+                                                                      (2, 512, 10, True, torch.float32, False)])
+def test_the_router_kernel_equals_softmax_and_topk(tokens, experts, k, norm, dtype, shared):
+    """``shared``: the logits hold a shared expert's gate after the experts' (its sigmoid follows
+    the chosen experts' weights)."""
     g = torch.Generator().manual_seed(tokens * 7 + experts)
-    logits = (torch.randn(tokens, experts, generator=g) * 3).to(dtype)
+    logits = (torch.randn(tokens, experts + shared, generator=g) * 3).to(dtype)
+    if shared:
+        gate = torch.sigmoid(logits[:, experts:].float())
+        logits_all, logits = logits, logits[:, :experts]
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)
     want_w, _ = torch.topk(probs, k, dim=-1)
     if norm:
         want_w = want_w / want_w.sum(dim=-1, keepdim=True)
-    weights, chosen = K.route(logits, k, norm, dtype)
-    assert weights.dtype == dtype and chosen.dtype == torch.int64
+    weights, chosen = K.route(logits_all if shared else logits, k, norm, dtype, experts)
+    assert weights.dtype == dtype and chosen.dtype == torch.int64 and weights.shape == (tokens, k + shared)
+    if shared:
+        assert torch.allclose(weights[:, k:].float(), gate.to(dtype).float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+        weights = weights[:, :k]
     assert all(len(set(row)) == k for row in chosen.tolist())
     # the k largest, largest first (of equal logits, which bfloat16 has, either may come first)
     assert torch.equal(probs.gather(1, chosen), torch.topk(probs, k, dim=-1).values)

@@ -28,15 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import INTERPRETED, grid_sync, pdl_args, pow2
+from .launch import INTERPRETED, dot_precision, grid_sync, pdl_args, pow2
 
 CHUNK = 64
-
-
-def dot_precision(activations: torch.dtype) -> str:
-    """The chunked form's products on the tensor cores: tf32 for a 16-bit model (10 bits of
-    mantissa, more than its activations hold), full float32 for a float32 one."""
-    return "ieee" if INTERPRETED or activations == torch.float32 else "tf32"
 
 
 @triton.jit

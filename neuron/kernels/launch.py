@@ -70,5 +70,11 @@ def multiprocessors(device: torch.device) -> int:
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
+def dot_precision(activations: torch.dtype) -> str:
+    """``tl.dot``'s precision for float32 inputs: tf32 for a 16-bit model (10 bits of mantissa,
+    more than its activations hold), full float32 for a float32 one (Triton's default is tf32)."""
+    return "ieee" if INTERPRETED or activations == torch.float32 else "tf32"
+
+
 def pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, n))

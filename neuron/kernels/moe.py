@@ -1,8 +1,10 @@
 """Sparse mixture-of-experts on a GPU without data-dependent shapes, so a CUDA graph can hold it.
 
-- A step of few (token, expert) pairs (decodes): one program per pair and block of output
-  columns multiplies the pair's row by its expert's weights (``pair_products``). Only the chosen
-  experts are read, with nothing to sort; an expert two pairs chose is read twice.
+- A step of few (token, expert) pairs (decodes): one program per pair and block of columns
+  multiplies the pair's row by its expert's gate and up rows and writes their SiLU product, then
+  one program per token and block of output columns sums its pairs' down products, weighted
+  (``decode_experts``); a shared expert rides along in both. Only the chosen experts are read,
+  with nothing to sort; an expert two pairs chose is read twice.
 - A step of many: the pairs are sorted by expert into blocks of rows (an expert's last block
   padded), and one grouped product runs every block against its expert's weights, reading each
   chosen expert's weights once per block of its pairs (``grouped``).
@@ -12,10 +14,11 @@ Checked against the per-expert loop of neuron/models/moe.py. The tiles: scripts/
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .launch import grid_sync, pdl_args
+from .launch import dot_precision, grid_sync, pdl_args
 
 
 PAIRS_ALONE = 128  # at most this many pairs run one program per pair (scripts/bench-kernels)
@@ -52,7 +55,7 @@ def sort_pairs(chosen: torch.Tensor, experts: int, rows: int) -> tuple[torch.Ten
 @triton.jit
 def _grouped_kernel(X, W, Out, Pairs, BlockExpert, stride_x, stride_we, stride_wn, stride_o, N, K, P,
                     PER_ROW: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    PDL: tl.constexpr):
+                    PREC: tl.constexpr, PDL: tl.constexpr):
     """Out[pair, n] = sum_k X[row, k] W[expert, n, k] for the rows of one block of pairs and one
     block of N; ``row`` is the pair's token (``PER_ROW`` pairs share a token) or the pair itself
     (PER_ROW 1)."""
@@ -70,7 +73,7 @@ def _grouped_kernel(X, W, Out, Pairs, BlockExpert, stride_x, stride_we, stride_w
             k = k0 + tl.arange(0, BK)
             a = tl.load(X + row[:, None] * stride_x + k[None, :], mask=valid[:, None] & (k < K)[None, :], other=0.0)
             bt = tl.load(w + k[:, None], mask=(k < K)[:, None] & (n < N)[None, :], other=0.0)
-            acc += tl.dot(a, bt)
+            acc += tl.dot(a, bt, input_precision=PREC)
         tl.store(Out + pair[:, None] * stride_o + n[None, :], acc.to(Out.dtype.element_ty),
                  mask=valid[:, None] & (n < N)[None, :])
 
@@ -84,93 +87,125 @@ def grouped(x: torch.Tensor, w: torch.Tensor, pairs: torch.Tensor, block_expert:
     rows, BN, BK, warps, stages = tiles(P)
     _grouped_kernel[(block_expert.numel(), triton.cdiv(N, BN))](
         x, w, out, pairs, block_expert, x.stride(0), w.stride(0), w.stride(1), out.stride(0), N, K, P,
-        PER_ROW=per_row, BM=rows, BN=BN, BK=BK, num_warps=warps, num_stages=stages, **pdl_args(x.device))
+        PER_ROW=per_row, BM=rows, BN=BN, BK=BK, PREC=dot_precision(x.dtype), num_warps=warps, num_stages=stages,
+        **pdl_args(x.device))
     return out
 
 
 @triton.jit
-def _pair_kernel(X, W, Out, Chosen, stride_x, stride_we, stride_wn, stride_o, N, K, first, E,
-                 PER_ROW: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
-    """Out[pair, n] = sum_k X[row, k] W[expert - first, n, k] for one pair and block of N (nothing
-    for a pair whose expert is not among the ``E`` held here); ``row`` as in ``_grouped_kernel``."""
+def _silu_rows(w, x, n, nm, K, stride_wn, up, BK: tl.constexpr):
+    """silu(W[n] . x) * (W[up + n] . x) in float32 for the rows ``n`` of a gate/up pair."""
+    g = tl.zeros((n.shape[0], BK), dtype=tl.float32)
+    u = tl.zeros((n.shape[0], BK), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        m = nm[:, None] & (k < K)[None, :]
+        xk = tl.load(x + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
+        g += tl.load(w + n[:, None] * stride_wn + k[None, :], mask=m, other=0.0).to(tl.float32) * xk
+        u += tl.load(w + (up + n)[:, None] * stride_wn + k[None, :], mask=m, other=0.0).to(tl.float32) * xk
+    gs, us = tl.sum(g, 1), tl.sum(u, 1)
+    return gs * tl.sigmoid(gs) * us
+
+
+@triton.jit
+def _gate_up_kernel(X, W, H, Chosen, SW, HS, stride_x, stride_we, stride_wn, stride_h, stride_sw, stride_hs, I, IS,
+                    K, first, E, PK, PER_ROW: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+    """H[p, n] = silu(g) * u of pair ``p``'s row (its token's, ``p // PER_ROW``) and its expert's
+    gate rows ``n`` and up rows ``I + n`` of W [E, 2I, K] (nothing for a pair whose expert is not
+    among the ``E`` held here); the programs past the ``PK`` pairs do the same for each token and
+    the shared expert's SW [2 IS, K] into HS."""
     p = tl.program_id(0)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
-    nm = n < N
     grid_sync(PDL)
-    e = tl.load(Chosen + p) - first
-    if (e >= 0) & (e < E):
-        acc = tl.zeros((BN, BK), dtype=tl.float32)
-        w = W + e * stride_we + n[:, None] * stride_wn
-        x = X + (p // PER_ROW) * stride_x
-        for k0 in range(0, K, BK):
-            k = k0 + tl.arange(0, BK)
-            km = k < K
-            wt = tl.load(w + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-            acc += wt.to(tl.float32) * tl.load(x + k, mask=km, other=0.0).to(tl.float32)[None, :]
-        tl.store(Out + p * stride_o + n, tl.sum(acc, 1).to(Out.dtype.element_ty), mask=nm)
-
-
-def pair_products(x: torch.Tensor, w: torch.Tensor, chosen: torch.Tensor, first: int, per_row: int) -> torch.Tensor:
-    """[P, N] (P = chosen.numel()): each pair's row of ``x`` times its expert's ``w`` [E, N, K]
-    (experts ``first ..``); rows of pairs routed elsewhere are left unwritten."""
-    N, K = w.shape[1], w.shape[2]
-    P = chosen.numel()
-    out = torch.empty(P, N, dtype=x.dtype, device=x.device)
-    BN, BK = (16, 256) if K >= 256 else (32, 128)
-    _pair_kernel[(P, triton.cdiv(N, BN))](
-        x, w, out, chosen, x.stride(0), w.stride(0), w.stride(1), out.stride(0), N, K, first, w.shape[0],
-        PER_ROW=per_row, BN=BN, BK=BK, num_warps=4, num_stages=3, **pdl_args(x.device))
-    return out
+    if p < PK:
+        e = tl.load(Chosen + p) - first
+        if (e >= 0) & (e < E) & (tl.program_id(1) * BN < I):
+            h = _silu_rows(W + e * stride_we, X + (p // PER_ROW) * stride_x, n, n < I, K, stride_wn, I, BK)
+            tl.store(H + p * stride_h + n, h.to(H.dtype.element_ty), mask=n < I)
+    elif tl.program_id(1) * BN < IS:
+        t = p - PK
+        h = _silu_rows(SW, X + t * stride_x, n, n < IS, K, stride_sw, IS, BK)
+        tl.store(HS + t * stride_hs + n, h.to(HS.dtype.element_ty), mask=n < IS)
 
 
 @triton.jit
-def _weighted_down_kernel(H, W, Out, Chosen, Weights, stride_h, stride_we, stride_wn, stride_o, N, K, first, E,
-                          TOPK: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
-    """Out[t, n] = sum_j Weights[t, j] sum_k H[t * TOPK + j, k] W[Chosen[t, j] - first, n, k] over
-    the token's choices whose expert is among the ``E`` held here (the others' rows of H are
-    never read: their gate/up products were not written)."""
+def _weighted_down_kernel(H, W, Out, Chosen, Weights, HS, SD, stride_h, stride_we, stride_wn, stride_o, stride_w,
+                          stride_hs, stride_sd, N, K, KS, first, E, TOPK: tl.constexpr, SHARED: tl.constexpr,
+                          BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+    """Out[t, n] = sum_j Weights[t, j] (W[Chosen[t, j] - first, n] . H[t TOPK + j]) over the
+    token's choices whose expert is among the ``E`` held here (the others' rows of H are never
+    read: their gate/up products were not written), plus ``Weights[t, TOPK] (SD[n] . HS[t])``
+    for the shared expert when ``SHARED``. One loop over every (choice, block of K), each block
+    of H scaled by its weight, so the loads of all the choices pipeline."""
     t = tl.program_id(0)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     nm = n < N
     grid_sync(PDL)
-    out = tl.zeros((BN,), dtype=tl.float32)
-    for j in range(TOPK):
+    acc = tl.zeros((BN, BK), dtype=tl.float32)
+    blocks = tl.cdiv(K, BK)
+    for i in range(0, TOPK * blocks):
+        j = i // blocks
         e = tl.load(Chosen + t * TOPK + j) - first
-        if (e >= 0) & (e < E):
-            acc = tl.zeros((BN, BK), dtype=tl.float32)
-            w = W + e * stride_we + n[:, None] * stride_wn
-            h = H + (t * TOPK + j) * stride_h
-            for k0 in range(0, K, BK):
-                k = k0 + tl.arange(0, BK)
-                km = k < K
-                wt = tl.load(w + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-                acc += wt.to(tl.float32) * tl.load(h + k, mask=km, other=0.0).to(tl.float32)[None, :]
-            out += tl.load(Weights + t * TOPK + j).to(tl.float32) * tl.sum(acc, 1)
-    tl.store(Out + t * stride_o + n, out.to(Out.dtype.element_ty), mask=nm)
+        held = (e >= 0) & (e < E)
+        k = (i % blocks) * BK + tl.arange(0, BK)
+        km = k < tl.where(held, K, 0)  # a choice held elsewhere reads nothing
+        e = tl.where(held, e, 0)
+        h = tl.load(H + (t * TOPK + j) * stride_h + k, mask=km, other=0.0).to(tl.float32)
+        h = h * tl.load(Weights + t * stride_w + j).to(tl.float32)
+        wt = tl.load(W + e * stride_we + n[:, None] * stride_wn + k[None, :], mask=nm[:, None] & km[None, :],
+                     other=0.0)
+        acc += wt.to(tl.float32) * h[None, :]
+    if SHARED:
+        scale = tl.load(Weights + t * stride_w + TOPK).to(tl.float32)
+        for k0 in range(0, KS, BK):
+            k = k0 + tl.arange(0, BK)
+            km = k < KS
+            h = tl.load(HS + t * stride_hs + k, mask=km, other=0.0).to(tl.float32) * scale
+            wt = tl.load(SD + n[:, None] * stride_sd + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+            acc += wt.to(tl.float32) * h[None, :]
+    tl.store(Out + t * stride_o + n, tl.sum(acc, 1).to(Out.dtype.element_ty), mask=nm)
 
 
-def weighted_down(h: torch.Tensor, down: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, first: int,
-                  per_row: int, dtype: torch.dtype) -> torch.Tensor:
-    """[T, N]: each token's ``per_row`` rows of ``h`` (its choices' SiLU·mul, ``chosen`` their
-    experts, flat) times their experts' ``down`` [E, N, K], weighted by ``weights`` and summed in
-    float32 in one kernel (a decode step's last expert launch)."""
-    N, K = down.shape[1], down.shape[2]
-    T = chosen.numel() // per_row
-    out = torch.empty(T, N, dtype=dtype, device=h.device)
-    BN = 8 if T * N <= 4096 else 16  # enough programs to cover the GPU at one token
+# the decode kernels' (block of rows, block of K, warps, stages): scripts/bench-kernels
+DECODE = {"gate_up": (8, 256, 4, 3), "down": (8, 512, 4, 2)}
+
+
+def decode_experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, first: int, gate_up: torch.Tensor,
+                   down: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """[T, H]: each token's chosen experts (``chosen`` [T, k]; those among the ``E`` of
+    ``gate_up`` [E, 2I, H] and ``down`` [E, H, I], experts ``first ..``) and the ``shared``
+    expert's (gate/up [2 IS, H], down [H, IS]) SiLU MLPs of its row of ``x``, weighted by
+    ``weights`` [T, k (+ 1 for the shared)] and summed in float32: two launches, a program per
+    pair and block of columns, only the chosen experts read."""
+    T, k = chosen.shape
+    E, I2, K = gate_up.shape
+    flat = chosen.reshape(-1).contiguous()
+    sgu, sd = shared if shared is not None else (gate_up[0, :0], down[0, :, :0])
+    IS = sgu.shape[0] // 2
+    h = torch.empty(T * k, I2 // 2, dtype=x.dtype, device=x.device)
+    hs = torch.empty(T, IS, dtype=x.dtype, device=x.device)
+    BN, BK, warps, stages = DECODE["gate_up"]
+    _gate_up_kernel[(T * k + (T if shared is not None else 0), triton.cdiv(max(I2 // 2, IS), BN))](
+        x, gate_up, h, flat, sgu, hs, x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
+        max(sgu.stride(0), 1), hs.stride(0), I2 // 2, IS, K, first, E, T * k, PER_ROW=k, BN=BN, BK=BK,
+        num_warps=warps, num_stages=stages, **pdl_args(x.device))
+    N = down.shape[1]
+    out = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    BN, BK, warps, stages = DECODE["down"]
     _weighted_down_kernel[(T, triton.cdiv(N, BN))](
-        h, down, out, chosen, weights.contiguous(), h.stride(0), down.stride(0), down.stride(1), out.stride(0), N, K,
-        first, down.shape[0], TOPK=per_row, BN=BN, BK=256 if K >= 256 else 128, num_warps=4, num_stages=3,
-        **pdl_args(h.device))
+        h, down, out, flat, weights, hs, sd, h.stride(0), down.stride(0), down.stride(1), out.stride(0),
+        weights.stride(0), hs.stride(0), max(sd.stride(0), 1), N, down.shape[2], IS, first, E, TOPK=k,
+        SHARED=shared is not None, BN=BN, BK=BK, num_warps=warps, num_stages=stages, **pdl_args(x.device))
     return out
 
 
 @triton.jit
-def _route_kernel(Logits, Weights, Chosen, stride_l, E, TOPK: tl.constexpr, K_PAD: tl.constexpr,
-                  E_PAD: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
-    """A token's router: the softmax of its logits in float32, its ``TOPK`` largest
+def _route_kernel(Logits, Weights, Chosen, stride_l, stride_w, E, TOPK: tl.constexpr, K_PAD: tl.constexpr,
+                  E_PAD: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr):
+    """A token's router: the softmax of its first ``E`` logits in float32, its ``TOPK`` largest
     probabilities (largest first; of equals, the lowest expert), renormalised to sum to 1 when
-    ``NORM``, written in ``Weights``' dtype with their experts."""
+    ``NORM``, written in ``Weights``' dtype with their experts; when ``SHARED``, the sigmoid of
+    logit ``E`` (the shared expert's gate) after them."""
     t = tl.program_id(0)
     i = tl.arange(0, E_PAD)
     m = i < E
@@ -190,38 +225,48 @@ def _route_kernel(Logits, Weights, Chosen, stride_l, E, TOPK: tl.constexpr, K_PA
         left = tl.where(i == at, -2.0, left)
     if NORM:
         vals = vals / tl.sum(vals, 0)
-    tl.store(Weights + t * TOPK + slot, vals.to(Weights.dtype.element_ty), mask=slot < TOPK)
+    tl.store(Weights + t * stride_w + slot, vals.to(Weights.dtype.element_ty), mask=slot < TOPK)
     tl.store(Chosen + t * TOPK + slot, idxs, mask=slot < TOPK)
+    if SHARED:
+        gate = tl.sigmoid(tl.load(Logits + t * stride_l + E).to(tl.float32))
+        tl.store(Weights + t * stride_w + TOPK, gate.to(Weights.dtype.element_ty))
 
 
-def route(logits: torch.Tensor, k: int, norm: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """As ``topk(softmax(logits, float32), k)`` (renormalised when ``norm``), the weights in
-    ``dtype``: one launch in place of five."""
-    T, E = logits.shape
-    weights = torch.empty(T, k, dtype=dtype, device=logits.device)
+def route(logits: torch.Tensor, k: int, norm: bool, dtype: torch.dtype,
+          experts: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """As ``topk(softmax(logits[:, :experts], float32), k)`` (renormalised when ``norm``), the
+    weights in ``dtype``: one launch in place of five. A column past the ``experts`` is the shared
+    expert's gate: its sigmoid becomes the weights' column ``k``."""
+    T, cols = logits.shape
+    E = cols if experts is None else experts
+    assert cols in (E, E + 1) and logits.stride(1) == 1
+    weights = torch.empty(T, k + cols - E, dtype=dtype, device=logits.device)
     chosen = torch.empty(T, k, dtype=torch.int64, device=logits.device)
-    _route_kernel[(T,)](logits, weights, chosen, logits.stride(0), E, TOPK=k, K_PAD=triton.next_power_of_2(k),
-                        E_PAD=triton.next_power_of_2(E), NORM=norm, num_warps=4 if E >= 512 else 1,
-                        **pdl_args(logits.device))
+    _route_kernel[(T,)](logits, weights, chosen, logits.stride(0), weights.stride(0), E, TOPK=k,
+                        K_PAD=triton.next_power_of_2(k), E_PAD=triton.next_power_of_2(E), NORM=norm,
+                        SHARED=cols > E, num_warps=4 if E >= 512 else 1, **pdl_args(logits.device))
     return weights, chosen
 
 
 def sparse_moe(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, first: int, gate_up: torch.Tensor,
-               down: torch.Tensor, silu_mul) -> torch.Tensor:
+               down: torch.Tensor, silu_mul, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """sum_k weights[t, k] * down_e(silu_mul(gate_up_e(x_t))) over each token's chosen experts
     ``chosen`` [T, k] that this rank holds: ``gate_up`` [E, 2I, H] and ``down`` [E, H, I] are
     experts ``first .. first + E`` (a pair routed elsewhere adds nothing here); ``silu_mul`` the
-    step's fused SiLU·mul."""
+    step's fused SiLU·mul. With a ``shared`` expert (its gate/up and down), plus its MLP weighted
+    by ``weights[:, k]``."""
     T, k = chosen.shape
     E = gate_up.shape[0]
+    weights = weights.contiguous()
     if T * k <= PAIRS_ALONE:
-        flat = chosen.reshape(-1).contiguous()
-        h = silu_mul(pair_products(x, gate_up, flat, first, k))
-        return weighted_down(h, down, flat, weights, first, k, x.dtype)
+        return decode_experts(x, weights, chosen, first, gate_up, down, shared)
     local = chosen - first
     here = (local >= 0) & (local < E)
     pairs, block_expert = sort_pairs(torch.where(here, local, E), E + 1, tiles(T * k)[0])  # E: elsewhere
     block_expert = torch.where(block_expert == E, -1, block_expert)
     h = silu_mul(grouped(x, gate_up, pairs, block_expert, T * k, k))
     y = grouped(h, down, pairs, block_expert, T * k, 1).view(T, k, -1)
-    return (torch.where(here[..., None], y, 0) * weights[..., None].to(y.dtype)).sum(1)
+    out = (torch.where(here[..., None], y, 0) * weights[:, :k, None].to(y.dtype)).sum(1)
+    if shared is not None:
+        out = out + weights[:, k:] * F.linear(silu_mul(F.linear(x, shared[0])), shared[1])
+    return out

@@ -16,7 +16,6 @@ the kernels run as they are.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from protocol import ModelConfig
 
@@ -107,25 +106,22 @@ class GatedAttention:
 
 class SharedExpertMoe:
     """Sparse experts plus a shared expert whose output is scaled by ``sigmoid(x . w_gate)``; the
-    shared expert's columns are split like a dense MLP's (in whole ``block``s)."""
+    shared expert's columns are split like a dense MLP's (in whole ``block``s), its gate row rides
+    on the router."""
 
     def __init__(self, cfg: ModelConfig, plan: ShardPlan, src: WeightSource, prefix: str, dtype: torch.dtype,
                  device: torch.device, block: int = 1) -> None:
-        self.sparse = SparseMoe(cfg, plan, src, prefix, dtype, device)
         shared = int(cfg.extra.get("shared_expert_intermediate_size", 0))
+        gate = src.get(f"{prefix}.shared_expert_gate.weight") if shared else None
+        self.sparse = SparseMoe(cfg, plan, src, prefix, dtype, device, shared_gate=gate)
         part = split_blocks(shared, plan.world, plan.rank, block)
         self.shared = Mlp(src, f"{prefix}.shared_expert", part, dtype, device, plan.rank) if shared else None
-        self.shared_gate = src.get(f"{prefix}.shared_expert_gate.weight").to(device, dtype) if shared else None
 
     def tensors(self) -> list[torch.Tensor]:
-        shared = [*self.shared.tensors(), self.shared_gate] if self.shared is not None else []
-        return [*self.sparse.tensors(), *shared]
+        return [*self.sparse.tensors(), *(self.shared.tensors() if self.shared is not None else [])]
 
     def __call__(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
-        out = self.sparse(x, ops)
-        if self.shared is not None:
-            out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x, ops)
-        return out
+        return self.sparse(x, ops, self.shared)
 
 
 class HybridLayer:

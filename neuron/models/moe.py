@@ -4,6 +4,7 @@ replicated, so every rank routes identically and one all-reduce sums the experts
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -11,19 +12,27 @@ import torch.nn.functional as F
 from protocol import ModelConfig
 
 from .layers import WeightSource
+from .sharding import ShardPlan
+from .tp_linear import AnyLinear, Linear, column_parallel, packed_kernel_for, row_parallel
+
+if TYPE_CHECKING:
+    from .llama import Mlp
 
 log = logging.getLogger("neuron.moe")
-from .tp_linear import AnyLinear, column_parallel, packed_kernel_for, row_parallel
-from .sharding import ShardPlan
 
 
 class SparseMoe:
+    """``shared_gate``: a shared expert's gate row, kept as the router's last row (one product
+    gives both)."""
+
     def __init__(self, cfg: ModelConfig, plan: ShardPlan, src: WeightSource, prefix: str, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, shared_gate: torch.Tensor | None = None) -> None:
         self.cfg = cfg
         self.experts = plan.experts
         self.grouped_failed = False
-        self.router = src.get(f"{prefix}.gate.weight").to(device, dtype)
+        router = src.get(f"{prefix}.gate.weight")
+        self.router = (router if shared_gate is None else torch.cat([router, shared_gate.to(router.dtype)])).to(
+            device, dtype)
         inter = cfg.moe_intermediate_size
         self.inter = inter
         # packed experts (quantized groups or FP8): each one's gate/up and down as their linears
@@ -61,17 +70,22 @@ class SparseMoe:
         hold: the per-expert loop below cannot (its shapes follow the routing)."""
         return not self.packed and self.gate_up.is_cuda and len(self.experts) > 0 and not self.grouped_failed
 
-    def __call__(self, x: torch.Tensor, ops: object = None) -> torch.Tensor:
-        logits, top = F.linear(x, self.router), self.cfg.num_experts_per_tok
+    def __call__(self, x: torch.Tensor, ops: object = None, shared: Mlp | None = None) -> torch.Tensor:
+        """The experts' weighted sum for each row of ``x``, plus the ``shared`` expert's MLP
+        scaled by the sigmoid of its gate (the router's last logit) where there is one."""
+        logits, top, E = F.linear(x, self.router), self.cfg.num_experts_per_tok, self.cfg.num_experts
         moe = getattr(ops, "sparse_moe", None)
         if moe is not None and self.grouped:
             try:
-                weights, chosen = ops.moe_route(logits, top, self.cfg.norm_topk_prob, x.dtype)
-                return moe(x, weights, chosen, self.experts.start, self.gate_up, self.down)
+                fused = _plain(shared)
+                weights, chosen = ops.moe_route(logits if fused or shared is None else logits[:, :E], top,
+                                                self.cfg.norm_topk_prob, x.dtype, E)
+                out = moe(x, weights, chosen, self.experts.start, self.gate_up, self.down, fused)
+                return out if fused or shared is None else out + self.shared_part(logits, x, shared, ops)
             except Exception as exc:  # noqa: BLE001 - a kernel this GPU's Triton cannot build
                 log.warning("the grouped MoE kernel failed (%s); experts run one by one, without CUDA graphs", exc)
                 self.grouped_failed = True
-        weights, chosen = torch.topk(F.softmax(logits, dim=-1, dtype=torch.float), top, dim=-1)
+        weights, chosen = torch.topk(F.softmax(logits[:, :E], dim=-1, dtype=torch.float), top, dim=-1)
         if self.cfg.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype)
@@ -88,4 +102,15 @@ class SparseMoe:
             else:
                 h = F.linear(F.silu(F.linear(h, self.gate[local])) * F.linear(h, self.up[local]), self.down[local])
             out.index_add_(0, token, h * weights[token, k, None])
-        return out
+        return out if shared is None else out + self.shared_part(logits, x, shared, ops)
+
+    def shared_part(self, logits: torch.Tensor, x: torch.Tensor, shared: Mlp, ops: object) -> torch.Tensor:
+        return torch.sigmoid(logits[:, self.cfg.num_experts:]) * shared(x, ops)
+
+
+def _plain(shared: Mlp | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A shared expert's gate/up and down weights where both are plain dense matrices without a
+    bias (the decode kernels then run it beside the routed experts)."""
+    if shared is None or not all(isinstance(lin, Linear) and lin.bias is None for lin in (shared.gate_up, shared.down)):
+        return None
+    return shared.gate_up.weight, shared.down.weight

@@ -50,15 +50,18 @@ class TritonOps(TorchOps):
             return self.fallback.silu_mul(gate_up)
         return self.kernels.silu_mul(gate_up, quantize=self._quantize(gate_up, gate_up.shape[1] // 2))
 
-    def moe_route(self, logits: torch.Tensor, k: int, norm: bool, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    def moe_route(self, logits: torch.Tensor, k: int, norm: bool, dtype: torch.dtype,
+                  experts: int) -> tuple[torch.Tensor, ...]:
         """A sparse MoE block's router after its product: softmax, top-k and renormalising in one
-        kernel (``kernels.moe.route``)."""
-        return self.kernels.moe_route(logits, k, norm, dtype)
+        kernel, and a shared expert's gate after the ``experts`` (``kernels.moe.route``)."""
+        return self.kernels.moe_route(logits, k, norm, dtype, experts)
 
     def sparse_moe(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, first: int,
-                   gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-        """A sparse MoE block's experts in the grouped kernel (``kernels.moe``; dense experts)."""
-        return self.kernels.sparse_moe(x, weights, chosen, first, gate_up, down, self.silu_mul)
+                   gate_up: torch.Tensor, down: torch.Tensor,
+                   shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """A sparse MoE block's experts in the grouped kernel (``kernels.moe``; dense experts), and
+        a ``shared`` expert's gate/up and down weights where it runs with them."""
+        return self.kernels.sparse_moe(x, weights, chosen, first, gate_up, down, self.silu_mul, shared)
 
     def causal_conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: torch.Tensor,
                     spans: StateSpans) -> torch.Tensor:
