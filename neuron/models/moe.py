@@ -4,7 +4,7 @@ replicated, so every rank routes identically and one all-reduce sums the experts
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -15,10 +15,15 @@ from .layers import WeightSource
 from .sharding import ShardPlan
 from .tp_linear import AnyLinear, Linear, column_parallel, packed_kernel_for, row_parallel
 
-if TYPE_CHECKING:
-    from .llama import Mlp
-
 log = logging.getLogger("neuron.moe")
+
+
+class Mlp(Protocol):
+    """A shared expert: a SiLU MLP (``llama.Mlp``)."""
+    gate_up: AnyLinear
+    down: AnyLinear
+
+    def __call__(self, x: torch.Tensor, ops: object) -> torch.Tensor: ...
 
 
 class SparseMoe:
