@@ -93,7 +93,8 @@ def test_the_router_kernel_equals_softmax_and_topk(tokens, experts, k, norm, dty
     weights, chosen = K.route(logits_all if shared else logits, k, norm, dtype, experts)
     assert weights.dtype == dtype and chosen.dtype == torch.int64 and weights.shape == (tokens, k + shared)
     if shared:
-        assert torch.allclose(weights[:, k:].float(), gate.to(dtype).float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+        rtol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+        assert torch.allclose(weights[:, k:].float(), gate.to(dtype).float(), rtol=rtol)
         weights = weights[:, :k]
     assert all(len(set(row)) == k for row in chosen.tolist())
     # the k largest, largest first (of equal logits, which bfloat16 has, either may come first)
