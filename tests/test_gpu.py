@@ -254,10 +254,10 @@ def test_publisher_quantized_checkpoints_on_a_gpu_agree_with_their_dequantized_w
 def test_publisher_fp8_checkpoints_at_tp2_over_nccl_agree_with_their_dequantized_weights(tmp_path, name):
     """FP8 checkpoints split across two GPUs (each rank its blocks of values and their scales,
     the products on the FP8 tensor cores, the sums over NCCL or peer memory): teacher-forced top-1
-    agreement with the same checkpoint dequantized to bfloat16 above 75% at both sizes and within
-    8 points of each other (a wrong split of the scales leaves next to none; on these flat logits
-    the sums' order alone moves it: 0.845 and 0.884 at TP=1 and 2 for one format, 0.890 and 0.856
-    for the other, in one run on two H100s), each rank holding half."""
+    agreement with the same checkpoint dequantized to bfloat16 at TP=2 within 3 points of that
+    agreement at TP=1 (a wrong split of the scales leaves next to none), each rank holding half.
+    It also prints how far the dequantized model at TP=2 agrees with itself at TP=1: what the
+    sums' order alone moves on these flat logits."""
     import torch
     from test_published_quant import FORMATS, write_quantized
     from test_quant import NEW_TOKENS, PROMPTS
@@ -275,6 +275,7 @@ def test_publisher_fp8_checkpoints_at_tp2_over_nccl_agree_with_their_dequantized
 
     gen = torch.Generator().manual_seed(41)  # teacher-forced continuations, the same at both sizes
     seqs = [p + torch.randint(0, 509, (NEW_TOKENS,), generator=gen).tolist() for p in PROMPTS]
+
     def top1(a, b):
         pairs = [(p, q) for x, y in zip(a.argmax, b.argmax) for p, q in zip(x, y)]
         return sum(p == q for p, q in pairs) / len(pairs)
@@ -286,7 +287,7 @@ def test_publisher_fp8_checkpoints_at_tp2_over_nccl_agree_with_their_dequantized
         held[world] = served.weight_bytes
     print(f"{name}: top-1 against the dequantized model {agree}, bytes per rank {held}; "
           f"the dequantized model's at TP=2 against its own at TP=1 {top1(dense[1], dense[2]):.4f}")
-    assert min(agree.values()) > 0.75 and abs(agree[2] - agree[1]) <= 0.08, name
+    assert agree[1] > 0.5 and agree[2] >= agree[1] - 0.03, name
     assert all(abs(b - held[1][0] / 2) < 0.1 * held[1][0] for b in held[2]), held
 
 
