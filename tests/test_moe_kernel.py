@@ -64,6 +64,20 @@ def test_the_grouped_experts_equal_the_loop(tokens, experts, k, first, held, sha
     assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
 
 
+@pytest.mark.parametrize("tokens", [2, 70])
+def test_a_shared_gate_column_is_ignored_without_its_expert(tokens):
+    """The router writes the shared expert's gate after the chosen weights even where that expert
+    runs outside the kernels (packed, or with a bias): both paths then read only the first k."""
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 64, generator=g)
+    weights, chosen = torch.topk(torch.rand(tokens, 8, generator=g), 3, dim=-1)
+    gate_up, down = torch.randn(8, 64, 64, generator=g) * 0.1, torch.randn(8, 64, 32, generator=g) * 0.1
+    gated = torch.cat([weights, torch.full((tokens, 1), 100.0)], 1)
+    got = K.sparse_moe(x, gated, chosen, 0, gate_up, down, silu_mul)
+    want = reference(x, weights, chosen, 0, gate_up, down)
+    assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+
+
 def test_pairs_are_sorted_by_expert_into_padded_blocks():
     chosen = torch.tensor([[2, 0], [2, 1], [0, 2]])
     pairs, block_expert = K.sort_pairs(chosen, 4, 2)

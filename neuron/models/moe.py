@@ -18,7 +18,7 @@ from .tp_linear import AnyLinear, Linear, column_parallel, packed_kernel_for, ro
 log = logging.getLogger("neuron.moe")
 
 
-class Mlp(Protocol):
+class SharedMlp(Protocol):
     """A shared expert: a SiLU MLP (``llama.Mlp``)."""
     gate_up: AnyLinear
     down: AnyLinear
@@ -75,7 +75,7 @@ class SparseMoe:
         hold: the per-expert loop below cannot (its shapes follow the routing)."""
         return not self.packed and self.gate_up.is_cuda and len(self.experts) > 0 and not self.grouped_failed
 
-    def __call__(self, x: torch.Tensor, ops: object = None, shared: Mlp | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ops: object = None, shared: SharedMlp | None = None) -> torch.Tensor:
         """The experts' weighted sum for each row of ``x``, plus the ``shared`` expert's MLP
         scaled by the sigmoid of its gate (the router's last logit) where there is one."""
         logits, top, E = F.linear(x, self.router), self.cfg.num_experts_per_tok, self.cfg.num_experts
@@ -83,10 +83,9 @@ class SparseMoe:
         if moe is not None and self.grouped:
             try:
                 fused = _plain(shared)
-                weights, chosen = ops.moe_route(logits if fused or shared is None else logits[:, :E], top,
-                                                self.cfg.norm_topk_prob, x.dtype, E)
+                weights, chosen = ops.moe_route(logits, top, self.cfg.norm_topk_prob, x.dtype, E)
                 out = moe(x, weights, chosen, self.experts.start, self.gate_up, self.down, fused)
-                return out if fused or shared is None else out + self.shared_part(logits, x, shared, ops)
+                return out if fused is not None or shared is None else out + self.shared_part(logits, x, shared, ops)
             except Exception as exc:  # noqa: BLE001 - a kernel this GPU's Triton cannot build
                 log.warning("the grouped MoE kernel failed (%s); experts run one by one, without CUDA graphs", exc)
                 self.grouped_failed = True
@@ -109,11 +108,11 @@ class SparseMoe:
             out.index_add_(0, token, h * weights[token, k, None])
         return out if shared is None else out + self.shared_part(logits, x, shared, ops)
 
-    def shared_part(self, logits: torch.Tensor, x: torch.Tensor, shared: Mlp, ops: object) -> torch.Tensor:
+    def shared_part(self, logits: torch.Tensor, x: torch.Tensor, shared: SharedMlp, ops: object) -> torch.Tensor:
         return torch.sigmoid(logits[:, self.cfg.num_experts:]) * shared(x, ops)
 
 
-def _plain(shared: Mlp | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _plain(shared: SharedMlp | None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A shared expert's gate/up and down weights where both are plain dense matrices without a
     bias (the decode kernels then run it beside the routed experts)."""
     if shared is None or not all(isinstance(lin, Linear) and lin.bias is None for lin in (shared.gate_up, shared.down)):
