@@ -43,6 +43,7 @@ class ParityJob:
     device: str = "cpu"  # cuda: one GPU per rank (rank r on cuda:r)
     forced: list[list[int]] = field(default_factory=list)  # per prompt: tokens fed one decode step each
     checkpoint_quant: Any = None  # protocol.CheckpointQuant: the publisher quantized the checkpoint
+    keep_scored: bool = False  # also return the logits at every position of the ``score`` sequences
 
 
 @dataclass
@@ -54,6 +55,7 @@ class ParityResult:
     weight_bytes: list[int] = field(default_factory=list)  # one per rank
     argmax: list[list[int]] = field(default_factory=list)  # per ``score`` sequence: the argmax at every position
     forced_argmax: list[list[int]] = field(default_factory=list)  # per prompt: the argmax before each forced token
+    scored: list[Any] = field(default_factory=list)  # with ``keep_scored``: per sequence, float32 [positions, vocab]
 
 
 class DenseView:
@@ -159,18 +161,29 @@ def _decode(runner: Any, seqs: list[Any], steps: int, forced: list[list[int]] | 
     return tokens
 
 
-def run_teacher_forced(runner: Any, job: ParityJob, greedy: list[list[int]]) -> list[list[int]]:
+def run_teacher_forced(runner: Any, job: ParityJob, greedy: list[list[int]]) -> tuple[list[list[int]], list[Any]]:
     """The argmax after every position of each ``job.score`` sequence (or prompt + ``greedy``),
-    one prefill each."""
+    one prefill each, and with ``job.keep_scored`` the logits themselves (on the CPU)."""
     from protocol import Sampling, StepSeq
 
-    out = []
+    out, kept = [], []
     seqs = job.score or ([p + g for p, g in zip(job.prompts, greedy)] if job.score_greedy else [])
     for seq in seqs:
         step = StepSeq(slot=0, tokens=list(seq), start_pos=0, sample=True, sampling=Sampling(temperature=0.0),
                        blocks=list(range(-(-len(seq) // runner.bs))), state=_state(runner, 0))
-        out.append(runner.forward_logits([step], every_position=True).argmax(dim=-1).tolist())
-    return out
+        logits = runner.forward_logits([step], every_position=True)
+        out.append(logits.argmax(dim=-1).tolist())
+        if job.keep_scored:
+            kept.append(logits.float().cpu())
+    return out, kept
+
+
+def run_job(job: ParityJob, runner: Any, seconds: float) -> ParityResult:
+    """``job`` on a built model: every part of its result."""
+    logits, greedy = run_model(runner, job)
+    argmax, scored = run_teacher_forced(runner, job, greedy)
+    return ParityResult(job.name, logits, greedy, seconds, [runner.model.weight_bytes()], argmax,
+                        run_forced_decode(runner, job), scored)
 
 
 def run_parity(jobs: list[ParityJob], world: int = 1, timeout: float = 300.0) -> list[ParityResult]:
@@ -180,10 +193,7 @@ def run_parity(jobs: list[ParityJob], world: int = 1, timeout: float = 300.0) ->
     if world == 1:
         results = []
         for job in jobs:
-            runner, seconds = build(job)
-            logits, greedy = run_model(runner, job)
-            results.append(ParityResult(job.name, logits, greedy, seconds, [runner.model.weight_bytes()],
-                                        run_teacher_forced(runner, job, greedy), run_forced_decode(runner, job)))
+            results.append(run_job(job, *build(job)))
         return results
     import torch.multiprocessing as mp
 
@@ -234,9 +244,7 @@ def _rank_main(rank: int, world: int, port: int, jobs: list[ParityJob], out_dir:
         results = []
         for job in jobs:
             runner, seconds = build(job, world, rank)
-            logits, greedy = run_model(runner, job)
-            results.append(ParityResult(job.name, logits, greedy, seconds, [runner.model.weight_bytes()],
-                                        run_teacher_forced(runner, job, greedy), run_forced_decode(runner, job)))
+            results.append(run_job(job, runner, seconds))
             del runner
         (Path(out_dir) / f"rank{rank}.pkl").write_bytes(pickle.dumps(results))
     finally:

@@ -253,11 +253,18 @@ def test_publisher_quantized_checkpoints_on_a_gpu_agree_with_their_dequantized_w
 @pytest.mark.parametrize("name", ["fp8-block128", "fp8-rows"])
 def test_publisher_fp8_checkpoints_at_tp2_over_nccl_agree_with_their_dequantized_weights(tmp_path, name):
     """FP8 checkpoints split across two GPUs (each rank its blocks of values and their scales,
-    the products on the FP8 tensor cores, the sums over NCCL or peer memory): teacher-forced top-1
-    agreement with the same checkpoint dequantized to bfloat16 at TP=2 within 3 points of that
-    agreement at TP=1 (a wrong split of the scales leaves next to none), each rank holding half.
-    It also prints how far the dequantized model at TP=2 agrees with itself at TP=1: what the
-    sums' order alone moves on these flat logits."""
+    the products on the FP8 tensor cores, the sums over NCCL or peer memory), each rank holding
+    half: teacher-forced, the served logits at TP=2 differ from those of the same checkpoint
+    dequantized to bfloat16 at TP=1, and from the dequantized model at TP=2, by at most 1.15x
+    the served model's difference at TP=1 (RMS over every position and token, against the
+    logits' spread); top-1 agrees on >= 75% of positions at both sizes. The reference at TP=1
+    matters: the dequantized model at TP=2 reads its scales through the same split, so a wrong
+    split of the scales moves it with the served one (0.40 RMS from TP=1 where the bf16 sums'
+    order alone moves it 0.011). Not top-1 against top-1: x quantized to e4m3 at every product
+    makes these flat logits chaotic (an ulp upstream flips a rounding downstream), so the served
+    model at TP=2 agrees on top-1 with itself at TP=1 on only ~88% of positions, and its
+    agreement with the dequantized model moves 3-4 points either way from seed to seed while
+    the RMS differences stay within 3% of each other (the figures are in docs/gpu.md)."""
     import torch
     from test_published_quant import FORMATS, write_quantized
     from test_quant import NEW_TOKENS, PROMPTS
@@ -271,7 +278,8 @@ def test_publisher_fp8_checkpoints_at_tp2_over_nccl_agree_with_their_dequantized
 
     def job(**kw):
         return ParityJob(name, "safetensors", [str(d / "model.safetensors")], spec.config, PROMPTS, NEW_TOKENS,
-                         dtype="bfloat16", max_len=128, device="cuda", checkpoint_quant=spec.checkpoint_quant, **kw)
+                         dtype="bfloat16", max_len=128, device="cuda", checkpoint_quant=spec.checkpoint_quant,
+                         keep_scored=True, **kw)
 
     gen = torch.Generator().manual_seed(41)  # teacher-forced continuations, the same at both sizes
     seqs = [p + torch.randint(0, 509, (NEW_TOKENS,), generator=gen).tolist() for p in PROMPTS]
@@ -280,14 +288,20 @@ def test_publisher_fp8_checkpoints_at_tp2_over_nccl_agree_with_their_dequantized
         pairs = [(p, q) for x, y in zip(a.argmax, b.argmax) for p, q in zip(x, y)]
         return sum(p == q for p, q in pairs) / len(pairs)
 
-    agree, held, dense = {}, {}, {}
+    def rms(a, b):
+        x, y = torch.cat(a.scored), torch.cat(b.scored)
+        return ((x - y).pow(2).mean() / (y - y.mean(-1, keepdim=True)).pow(2).mean()).sqrt().item()
+
+    agree, err, served, dense = {}, {}, {}, {}
     for world in (1, 2):
-        dense[world], served = run_parity([job(dense=True, score=seqs), job(score=seqs)], world=world)
-        agree[world] = top1(dense[world], served)
-        held[world] = served.weight_bytes
-    print(f"{name}: top-1 against the dequantized model {agree}, bytes per rank {held}; "
-          f"the dequantized model's at TP=2 against its own at TP=1 {top1(dense[1], dense[2]):.4f}")
-    assert agree[1] > 0.5 and agree[2] >= agree[1] - 0.03, name
+        dense[world], served[world] = run_parity([job(dense=True, score=seqs), job(score=seqs)], world=world)
+        agree[world], err[world] = top1(dense[world], served[world]), rms(served[world], dense[world])
+    across = rms(served[2], dense[1])
+    held = {world: r.weight_bytes for world, r in served.items()}
+    print(f"{name}: against the dequantized model of its size, top-1 {agree}, RMS difference {err}; served at TP=2 "
+          f"against the dequantized model at TP=1 {across:.4f}; bytes per rank {held}; the dequantized model at "
+          f"TP=2 against itself at TP=1: top-1 {top1(dense[1], dense[2]):.4f}, RMS {rms(dense[2], dense[1]):.4f}")
+    assert min(agree.values()) >= 0.75 and max(err[2], across) <= 1.15 * err[1], name
     assert all(abs(b - held[1][0] / 2) < 0.1 * held[1][0] for b in held[2]), held
 
 
