@@ -241,7 +241,8 @@ def reference_fp8_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, g: 
     """``fp8_linear`` in torch, float32: the tests' definition of what the kernels compute."""
     M, K = x.shape
     xv = x.float().reshape(M, K // block_k, block_k)
-    d = xv.abs().amax(-1).clamp_min(TINY) / E4M3_MAX
+    amax = xv.abs().amax(-1).clamp_min(TINY)
+    d = amax / torch.full_like(amax, E4M3_MAX)  # on CUDA, ``/ E4M3_MAX`` multiplies by its reciprocal
     xq = (xv * (1.0 / d)[..., None]).to(torch.float8_e4m3fn).float().reshape(M, K)
     y = torch.zeros((M, w.shape[0]), dtype=torch.float32, device=x.device)
     for b in range(K // block_k):
