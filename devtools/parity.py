@@ -58,6 +58,22 @@ class ParityResult:
     scored: list[Any] = field(default_factory=list)  # with ``keep_scored``: per sequence, float32 [positions, vocab]
 
 
+def top1(a: ParityResult, b: ParityResult) -> float:
+    """The share of teacher-forced positions where ``a`` and ``b`` (the same ``score`` sequences)
+    pick the same argmax."""
+    pairs = [(p, q) for x, y in zip(a.argmax, b.argmax) for p, q in zip(x, y)]
+    return sum(p == q for p, q in pairs) / len(pairs)
+
+
+def scored_rms(a: ParityResult, b: ParityResult) -> float:
+    """The RMS difference of ``a``'s and ``b``'s teacher-forced logits (``keep_scored``) over every
+    position and token, against the spread of ``b``'s logits about each position's mean."""
+    import torch
+
+    x, y = torch.cat(a.scored), torch.cat(b.scored)
+    return ((x - y).pow(2).mean() / (y - y.mean(-1, keepdim=True)).pow(2).mean()).sqrt().item()
+
+
 class DenseView:
     """A weight source that offers only floats: the model it builds holds every weight dense."""
 

@@ -125,7 +125,7 @@ def test_packed_weights_on_a_gpu_agree_with_their_dequantized_weights(tmp_path):
 
     from neuron.kernels import packed as tk
     from devtools.checkpoints import make_checkpoint, write_random_kquant_gguf
-    from devtools.parity import ParityJob, run_parity
+    from devtools.parity import ParityJob, run_parity, top1
 
     models = {}
     for family in ("llama", "qwen3"):
@@ -144,7 +144,7 @@ def test_packed_weights_on_a_gpu_agree_with_their_dequantized_weights(tmp_path):
         want = refs[name]
         r = run_parity([job(name, fmt, paths, quant, score=[p + g for p, g in zip(PROMPTS, want.greedy)])])[0]
         positions = sum(len(s) for s in want.argmax)
-        agree = sum(a == b for x, y in zip(want.argmax, r.argmax) for a, b in zip(x, y)) / positions
+        agree = top1(want, r)
         same = sum(a == b for a, b in zip(want.greedy, r.greedy)) / len(want.greedy)
         print(f"{name}: top-1 {agree:.4f} of {positions}, greedy identical {same:.2f}, bytes {r.weight_bytes}")
         assert agree >= 0.99 and same >= 0.9, name
@@ -160,14 +160,15 @@ def test_packed_weights_on_a_gpu_agree_with_their_dequantized_weights(tmp_path):
     worse = []
     for name, (fmt, paths, quant) in models.items():
         want = refs[name].greedy
-        top1 = {}
+        forced = {}
         for what, kw in (("packed", dict(quant=quant)), ("bf16 dense", dict(quant=quant, dense=True))):
             r = run_parity([job(name, fmt, paths, prompts=few, forced=want, **kw)])[0]
-            top1[what] = sum(a == b for x, y in zip(want, r.forced_argmax) for a, b in zip(x, y)) / sum(map(len, want))
+            hits = sum(a == b for x, y in zip(want, r.forced_argmax) for a, b in zip(x, y))
+            forced[what] = hits / sum(map(len, want))
             same = sum(a == b for a, b in zip(want, r.greedy)) / len(want)
-            print(f"{name}, {what}, {len(few)} decode streams against float32: top-1 {top1[what]:.4f}, "
+            print(f"{name}, {what}, {len(few)} decode streams against float32: top-1 {forced[what]:.4f}, "
                   f"greedy identical {same:.2f}")
-        if top1["packed"] < top1["bf16 dense"] - 0.03:
+        if forced["packed"] < forced["bf16 dense"] - 0.03:
             worse.append(name)
     assert not worse
 
@@ -188,7 +189,7 @@ def test_publisher_quantized_checkpoints_on_a_gpu_agree_with_their_dequantized_w
     from test_quant import NEW_TOKENS, PROMPTS
 
     from devtools.checkpoints import make_checkpoint
-    from devtools.parity import ParityJob, run_parity
+    from devtools.parity import ParityJob, run_parity, top1
     from neuron.kernels.fp8 import reference_fp8_linear
     from neuron.loader.spec import load_spec
     from neuron.models.fp8 import Fp8Linear
@@ -229,7 +230,7 @@ def test_publisher_quantized_checkpoints_on_a_gpu_agree_with_their_dequantized_w
         (r,) = run_parity([job(score=[p + g for p, g in zip(PROMPTS, want.greedy)])])
     assert bool(products) == name.startswith("fp8"), name
     positions = sum(len(s) for s in want.argmax)
-    agree = sum(a == b for x, y in zip(want.argmax, r.argmax) for a, b in zip(x, y)) / positions
+    agree = top1(want, r)
     same = sum(a == b for a, b in zip(want.greedy, r.greedy)) / len(want.greedy)
     print(f"{name}: top-1 {agree:.4f} of {positions}, greedy identical {same:.2f}, bytes {r.weight_bytes}")
     if want is not dense:
@@ -239,10 +240,9 @@ def test_publisher_quantized_checkpoints_on_a_gpu_agree_with_their_dequantized_w
         # the definition's own agreement with the dequantized model, less 3 points (as the int8
         # decode activations are in the test above).
         (plain,) = run_parity([job(dense=True, score=[p + g for p, g in zip(PROMPTS, want.greedy)])])
-        top1 = sum(a == b for x, y in zip(r.argmax, plain.argmax) for a, b in zip(x, y)) / positions
-        own = sum(a == b for x, y in zip(want.argmax, plain.argmax) for a, b in zip(x, y)) / positions
-        print(f"{name}: against the dequantized model, top-1: served {top1:.4f}, the torch definition {own:.4f}")
-        assert top1 >= own - 0.03, name
+        served, own = top1(r, plain), top1(want, plain)
+        print(f"{name}: against the dequantized model, top-1: served {served:.4f}, the torch definition {own:.4f}")
+        assert served >= own - 0.03, name
     else:
         assert agree >= 0.99 and same >= 0.9, name
     assert r.weight_bytes[0] < dense.weight_bytes[0] * 0.8, name  # kept packed (bf16 dense: 2 B a weight)
@@ -270,7 +270,7 @@ def test_publisher_fp8_checkpoints_at_tp2_over_nccl_agree_with_their_dequantized
     from test_quant import NEW_TOKENS, PROMPTS
 
     from devtools.checkpoints import make_checkpoint
-    from devtools.parity import ParityJob, run_parity
+    from devtools.parity import ParityJob, run_parity, scored_rms, top1
     from neuron.loader.spec import load_spec
 
     d = write_quantized(make_checkpoint("qwen3", tmp_path / "qwen3", seed=31), tmp_path / name, *FORMATS[name])
@@ -284,23 +284,16 @@ def test_publisher_fp8_checkpoints_at_tp2_over_nccl_agree_with_their_dequantized
     gen = torch.Generator().manual_seed(41)  # teacher-forced continuations, the same at both sizes
     seqs = [p + torch.randint(0, 509, (NEW_TOKENS,), generator=gen).tolist() for p in PROMPTS]
 
-    def top1(a, b):
-        pairs = [(p, q) for x, y in zip(a.argmax, b.argmax) for p, q in zip(x, y)]
-        return sum(p == q for p, q in pairs) / len(pairs)
-
-    def rms(a, b):
-        x, y = torch.cat(a.scored), torch.cat(b.scored)
-        return ((x - y).pow(2).mean() / (y - y.mean(-1, keepdim=True)).pow(2).mean()).sqrt().item()
-
     agree, err, served, dense = {}, {}, {}, {}
     for world in (1, 2):
         dense[world], served[world] = run_parity([job(dense=True, score=seqs), job(score=seqs)], world=world)
-        agree[world], err[world] = top1(dense[world], served[world]), rms(served[world], dense[world])
-    across = rms(served[2], dense[1])
+        agree[world], err[world] = top1(dense[world], served[world]), scored_rms(served[world], dense[world])
+    across = scored_rms(served[2], dense[1])
     held = {world: r.weight_bytes for world, r in served.items()}
     print(f"{name}: against the dequantized model of its size, top-1 {agree}, RMS difference {err}; served at TP=2 "
           f"against the dequantized model at TP=1 {across:.4f}; bytes per rank {held}; the dequantized model at "
-          f"TP=2 against itself at TP=1: top-1 {top1(dense[1], dense[2]):.4f}, RMS {rms(dense[2], dense[1]):.4f}")
+          f"TP=2 against itself at TP=1: top-1 {top1(dense[1], dense[2]):.4f}, "
+          f"RMS {scored_rms(dense[2], dense[1]):.4f}")
     assert min(agree.values()) >= 0.75 and max(err[2], across) <= 1.15 * err[1], name
     assert all(abs(b - held[1][0] / 2) < 0.1 * held[1][0] for b in held[2]), held
 
