@@ -30,13 +30,15 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--node-rank", type=int, help="this node: 0 is the head (HTTP API); others only run ranks")
     c.add_argument("--master-addr", help="the head's address on the nodes' private network")
     c.add_argument("--master-port", type=int, help="the head's port for the nodes (default 29500)")
-    c.add_argument("--group-key", help="the group key file every node holds (`neuron keygen FILE`)")
+    c.add_argument("--group-key", help="the group key file (`neuron keygen FILE`: FILE on the head, FILE.node "
+                                      "on the other nodes)")
     s.set_defaults(run=_serve)
 
 
 def _keygen_parser(sub: argparse._SubParsersAction) -> None:
     k = sub.add_parser("keygen", help="write a new group key for serving one model across hosts")
-    k.add_argument("file", help="where to write it (mode 0600; an existing file is never overwritten)")
+    k.add_argument("file", help="where to write the head's key; the nodes' goes beside it as FILE.node "
+                                "(mode 0600; existing files are never overwritten)")
     k.set_defaults(run=_keygen)
 
 
@@ -44,14 +46,15 @@ def _keygen(args: argparse.Namespace) -> int:
     from .cluster.keys import write_key
 
     try:
-        path = write_key(args.file)
-    except FileExistsError:
-        print(f"neuron: {args.file} exists; not overwritten", file=sys.stderr)
+        head, node = write_key(args.file)
+    except FileExistsError as exc:
+        print(f"neuron: {exc.args[0] if exc.args else args.file} exists; not overwritten", file=sys.stderr)
         return 1
     except OSError as exc:
         print(f"neuron: cannot write {args.file}: {exc.strerror or exc}", file=sys.stderr)
         return 1
-    print(f"wrote the group key {path} (mode 0600): copy it to every node, pass it as --group-key")
+    print(f"wrote the group key {head} for the head and {node} for the other nodes (mode 0600): pass each "
+          "host its file as --group-key; the nodes' file cannot serve as the head")
     return 0
 
 

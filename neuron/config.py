@@ -39,6 +39,9 @@ class ServerConfig:
     cors_allow_methods: list[str] = field(default_factory=lambda: ["GET", "POST", "OPTIONS"])
     cors_allow_headers: list[str] = field(default_factory=lambda: ["authorization", "content-type", "x-request-id"])
     stored_responses: int = 256
+    # A request's own ``chat_template`` is a program its sender runs on the daemon: off unless
+    # the operator trusts every key holder (vLLM's --trust-request-chat-template).
+    allow_request_chat_template: bool = False
 
 
 @dataclass
@@ -75,6 +78,7 @@ class EngineConfig:
     max_queue_wait_s: float = 60.0
     steps_in_flight: int = 0
     image_embedding_cache_mb: float = 512.0  # a rank's kept image embeddings (models that see images)
+    image_pixels_per_request: int = 48 * 1024 * 1024  # what a request's images may decode to, together
 
 
 @dataclass
@@ -97,6 +101,14 @@ class GrammarConfig:
     compile_timeout_s: float = 10.0
     compile_memory_bytes: int = 4 * 1024 * 1024 * 1024
     compile_workers: int = 2
+
+
+@dataclass
+class TemplateConfig:
+    render_timeout_s: float = 5.0
+    render_memory_bytes: int = 1024 * 1024 * 1024
+    max_output_chars: int = 16 * 1024 * 1024
+    workers: int = 4
 
 
 @dataclass
@@ -144,6 +156,7 @@ class Config:
     engine: EngineConfig = field(default_factory=EngineConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
     grammar: GrammarConfig = field(default_factory=GrammarConfig)
+    templates: TemplateConfig = field(default_factory=TemplateConfig)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -201,7 +214,7 @@ def load_config(path: str | Path | None = None, env: dict[str, str] | None = Non
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path} is not valid TOML: {exc}") from None
     sections: dict[str, type] = {"server": ServerConfig, "engine": EngineConfig, "http": HttpConfig,
-                                 "grammar": GrammarConfig, "timeouts": TimeoutConfig,
+                                 "grammar": GrammarConfig, "templates": TemplateConfig, "timeouts": TimeoutConfig,
                                  "runtime": RuntimeConfig, "cluster": ClusterConfig, "debug": DebugConfig}
     unknown = set(data) - set(sections) - {"models"}
     if unknown:
@@ -294,12 +307,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError("runtime.transport must be ipc or tcp")
     if (cfg.engine.queue_size < 1 or cfg.engine.max_batch_tokens < 0 or cfg.engine.prefill_chunk < 0
             or cfg.engine.prefill_chunk_decoding < 0 or not 0 <= cfg.engine.steps_in_flight <= 8
-            or cfg.engine.image_embedding_cache_mb < 0):
+            or cfg.engine.image_embedding_cache_mb < 0 or cfg.engine.image_pixels_per_request < 1):
         raise ConfigError("engine sizes must be positive (0 for the device's default)")
-    for section in (cfg.http, cfg.grammar):
+    for name, section in (("http", cfg.http), ("grammar", cfg.grammar), ("templates", cfg.templates)):
         for f in dataclasses.fields(section):
             if getattr(section, f.name) <= 0:
-                raise ConfigError(f"{type(section).__name__[:-6].lower()}.{f.name} must be positive")
+                raise ConfigError(f"{name}.{f.name} must be positive")
     if cfg.http.max_inflight_body_bytes < cfg.server.max_body_bytes:
         raise ConfigError("http.max_inflight_body_bytes must be at least server.max_body_bytes")
 

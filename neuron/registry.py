@@ -19,13 +19,16 @@ import zmq.asyncio
 import protocol as p
 from protocol.sockets import runtime_dir
 
+from . import heap
 from .config import Config, ModelEntry, engine_sizes
 from .devices import choose_devices, default_dtype
 from .engine.engine import Engine, Sizing
 from .engine.request import FinishEvent, GenRequest
 from .errors import ApiError
-from .loader.errors import LoadError
-from .loader.spec import load_spec, model_id_for
+from .loader.chat_template import TemplateError
+from .loader.errors import BadModelConfig, LoadError
+from .loader.spec import ModelSpec, load_spec, model_id_for
+from .loader.template_worker import TemplateRenderer
 from .models import families
 from .models.sharding import ShardingError
 
@@ -39,9 +42,11 @@ log = logging.getLogger("neuron.registry")
 
 
 class Registry:
-    def __init__(self, cfg: Config, on_finish: Callable[[str, GenRequest, FinishEvent], None] | None = None) -> None:
+    def __init__(self, cfg: Config, on_finish: Callable[[str, GenRequest, FinishEvent], None] | None = None,
+                 templates: TemplateRenderer | None = None) -> None:
         self.cfg = cfg
         self.on_finish = on_finish
+        self.templates = templates
         self.ctx = zmq.asyncio.Context()
         self.runtime = runtime_dir(cfg.runtime.dir or None)
         self.tap = TapMirror(self.ctx, cfg.debug.tap) if cfg.debug.tap else None
@@ -52,7 +57,7 @@ class Registry:
             from .cluster.head import ClusterHead
             from .cluster.keys import read_key
 
-            self.group_key = read_key(cfg.cluster.group_key)
+            self.group_key = read_key(cfg.cluster.group_key, head=True)
             self.curve.allow(self.group_key.client_public)
             self.cluster = ClusterHead(cfg.cluster, self.group_key, self.ctx, cfg.timeouts.heartbeat_timeout_s)
         self.models: dict[str, ModelHandle] = {}
@@ -109,8 +114,14 @@ class Registry:
 
     async def _load(self, model_id: str, entry: ModelEntry) -> ModelHandle:
         t0 = time.monotonic()
-        spec = await asyncio.to_thread(load_spec, entry.model, model_id=model_id,
-                                       hf_cache=self.cfg.runtime.hf_cache or None)
+        try:
+            spec = await asyncio.to_thread(load_spec, entry.model, model_id=model_id,
+                                           hf_cache=self.cfg.runtime.hf_cache or None, roots=self.cfg.server.model_roots)
+            if self.templates is not None:
+                await asyncio.to_thread(self._probe_template, spec)
+        except LoadError:
+            await asyncio.to_thread(heap.trim)  # what reading the refused files took
+            raise
         nodes, world = self.cfg.cluster.nnodes, entry.tensor_parallel * entry.pipeline_parallel
         try:
             if world % nodes:
@@ -156,6 +167,15 @@ class Registry:
         log.info("%s loaded in %.2fs on %s (%s), weights %s, shard bytes %s (%s)", model_id, handle.load_seconds,
                  devices, handle.dtype, handle.weight_format, handle.shard_bytes, handle.packing)
         return handle
+
+    def _probe_template(self, spec: ModelSpec) -> None:
+        info = spec.tokenizer
+        assert self.templates is not None
+        try:
+            self.templates.probe(info.chat_template, info.bos_token,
+                                 info.token(info.eos_token_ids[0]) if info.eos_token_ids else None)
+        except TemplateError as exc:
+            raise BadModelConfig(f"model {spec.id!r}: {exc}") from None
 
     @staticmethod
     async def _log_progress(handle: ModelHandle, group: RankGroup, every_s: float = 5.0) -> None:

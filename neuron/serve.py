@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import uvicorn
 
@@ -29,6 +30,7 @@ BACKSTOP_S = 15.0
 # A repeat of the first signal this soon is the same signal delivered twice (`timeout` forwarding
 # it, or a kill to the process and to its group), not an operator asking to stop at once.
 SAME_SIGNAL_S = 1.0
+LEADER_THREADS = 64
 
 
 class NeuronServer(uvicorn.Server):
@@ -131,7 +133,23 @@ def admin_exposure(cfg: Config) -> str | None:
             f"([server] allow_insecure_admin = true).")
 
 
+def _head_key_refusal(cfg: Config) -> str | None:
+    """Why the head of a group cannot use its key file, or None."""
+    if cfg.cluster.nnodes < 2:
+        return None
+    from .cluster.keys import GroupKeyError, read_key
+
+    try:
+        read_key(cfg.cluster.group_key, head=True)
+    except GroupKeyError as exc:
+        return str(exc)
+    return None
+
+
 async def serve(cfg: Config) -> int:
+    # Prompts are planned on threads that mostly wait (on a template or grammar worker, or in a
+    # tokenizer outside the GIL): enough of them that a few slow requests hold no one else up.
+    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(LEADER_THREADS, thread_name_prefix="leader"))
     app = create_app(cfg)
     state = app.state.neuron
     # log_config=None: uvicorn's own lines go through our handler (text or JSON) like the rest.
@@ -155,7 +173,7 @@ def serve_main(args: argparse.Namespace) -> int:
 
         configure_logging(cfg.server.log_level, cfg.server.log_format)
         return run_node(cfg)
-    refused = admin_exposure(cfg)
+    refused = admin_exposure(cfg) or _head_key_refusal(cfg)
     if refused is not None:
         print(f"neuron: {refused}", file=sys.stderr)
         return 2

@@ -137,8 +137,10 @@ def tap_endpoint(server_tmp) -> str:
 
 @pytest.fixture(scope="session")
 def tp1(server_tmp, tap_endpoint):
-    """The default model at TP=1, with the tap on; shared by the API tests."""
-    server = start_server(server_tmp, config=SMALL + f'\n[debug]\ntap = "{tap_endpoint}"\n')
+    """The default model at TP=1, with the tap on and requests' own chat templates allowed;
+    shared by the API tests."""
+    server = start_server(server_tmp, config=SMALL + f'\n[debug]\ntap = "{tap_endpoint}"\n'
+                                                     '[server]\nallow_request_chat_template = true\n')
     yield server
     server.stop()
 
@@ -259,6 +261,7 @@ def tiny(server_tmp):
     model_dir = make_checkpoint("qwen3", server_tmp / "tiny-tools", seed=5, max_position_embeddings=1024)
     use_template(model_dir, HERMES_TOOLS)
     server = start_server(server_tmp, config=f'[[models]]\nmodel = "{model_dir}"\nid = "{TINY}"\n'
-                                             'max_model_len = 1024\nmax_slots = 8\n')
+                                             'max_model_len = 1024\nmax_slots = 8\n'
+                                             '[server]\nallow_request_chat_template = true\n')
     yield server
     server.stop()

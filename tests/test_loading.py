@@ -135,7 +135,8 @@ def test_repo_id_through_hf_hub_cache_then_hf_home(qwen3, llama, tmp_path, clean
 def test_a_gguf_repo_in_the_hf_cache(qwen3, tmp_path, clean_hf_env, no_network):
     fake_hf_cache(tmp_path / "cache", "acme/tiny-GGUF", qwen3, include=lambda n: n == "model-Q8_0.gguf")
     files = resolve_model("acme/tiny-GGUF", hf_cache=str(tmp_path / "cache"))
-    assert files.format == "gguf" and files.paths[0].name == "model-Q8_0.gguf"
+    # the weights are read at their real path: the cache's blob the snapshot's link leads to
+    assert files.format == "gguf" and files.paths[0].parent.name == "blobs"
 
 
 def test_a_repo_absent_from_every_cache_names_what_was_searched(tmp_path, clean_hf_env, monkeypatch, no_network):

@@ -43,24 +43,54 @@ def eight_at_once(server) -> list[list[int]]:
 
 
 # ------------------------------------------------------------------------------------ settings
-def test_keygen_writes_a_private_key_and_never_overwrites(tmp_path):
-    key = tmp_path / "group.key"
+def test_keygen_writes_private_keys_of_the_head_and_the_nodes_and_never_overwrites(tmp_path):
+    key, node_key = tmp_path / "group.key", tmp_path / "group.node.key"
     cmd = [sys.executable, "-m", "neuron.cli", "keygen", str(key)]
     first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert first.returncode == 0, first.stderr
-    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600 and stat.S_IMODE(node_key.stat().st_mode) == 0o600
     text = key.read_text()
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert again.returncode == 1 and "not overwritten" in again.stderr and key.read_text() == text
 
     from neuron.cluster.keys import GroupKeyError, read_key
 
-    k = read_key(key)
+    k = read_key(key, head=True)
     assert len({k.server_public, k.server_secret, k.client_public, k.client_secret}) == 4
+    # The nodes' file joins the group (the same client pair, the head's public key) but holds no
+    # server secret, so no node can pose as the head.
+    n = read_key(node_key, head=False)
+    assert n.client == k.client and n.server_secret == b"" and k.server_secret.decode() not in node_key.read_text()
+    with pytest.raises(GroupKeyError, match="node's group key"):
+        read_key(node_key, head=True)
+    with pytest.raises(GroupKeyError, match="node's group key"):
+        n.server
     bad = tmp_path / "bad.key"
     bad.write_text('server_public = "short"\n')
+    bad.chmod(0o600)
     with pytest.raises(GroupKeyError, match="server_public"):
-        read_key(bad)
+        read_key(bad, head=False)
+
+
+@pytest.mark.parametrize("mode", [0o640, 0o604, 0o660, 0o644])
+def test_a_key_file_open_to_others_is_refused_by_the_head_and_the_nodes(tmp_path, mode):
+    from neuron.cluster.keys import GroupKeyError, node_key_path, read_key, write_key
+
+    head, node = write_key(tmp_path / "group.key")
+    assert node == node_key_path(head)
+    for path, is_head in ((head, True), (node, False)):
+        path.chmod(mode)
+        with pytest.raises(GroupKeyError, match=f"open to others \\(mode {mode:o}\\).*chmod 600"):
+            read_key(path, head=is_head)
+    if mode != 0o640:
+        return
+    conf = tmp_path / "n.toml"
+    conf.write_text("")
+    for rank, path in ((0, head), (1, node)):
+        out = subprocess.run([sys.executable, "-m", "neuron.cli", "serve", "--config", str(conf), "--nnodes", "2",
+                              "--tensor-parallel", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1",
+                              "--group-key", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and "open to others" in out.stderr, out.stderr[-2000:]
 
 
 def test_cluster_settings_come_from_flags_over_torchrun_variables_over_the_file(tmp_path):
@@ -101,7 +131,7 @@ def test_the_heads_directory_drops_oversized_and_malformed_frames_and_takes_a_he
     from protocol import cluster as c
 
     async def run() -> tuple[list[int], list[int], list[int]]:
-        key = read_key(write_key(tmp_path / "k"))
+        key = read_key(write_key(tmp_path / "k")[0], head=True)
         ctx = zmq.asyncio.Context()
         gate = CurveGate(ctx)
         gate.allow(key.client_public)
@@ -149,7 +179,7 @@ def hosts():
 def key(tmp_path_factory) -> Path:
     from neuron.cluster.keys import write_key
 
-    return write_key(tmp_path_factory.mktemp("cluster") / "group.key")
+    return write_key(tmp_path_factory.mktemp("cluster") / "group.key")[0]
 
 
 class Group:
@@ -164,9 +194,11 @@ class Group:
         self.node = None
 
     def flags(self, node_rank: int, key: Path | None = None) -> list[str]:
+        from neuron.cluster.keys import node_key_path
+
+        key = key or (self.key if node_rank == 0 else node_key_path(self.key))
         return [*self.layout, "--nnodes", "2", "--node-rank", str(node_rank),
-                "--master-addr", self.hosts.head, "--master-port", str(self.port),
-                "--group-key", str(key or self.key)]
+                "--master-addr", self.hosts.head, "--master-port", str(self.port), "--group-key", str(key)]
 
     def start_node(self, key: Path | None = None, wrap: list[str] = ()) -> subprocess.Popen:
         conf = self.tmp / f"node-{self.port}.toml"
@@ -248,7 +280,7 @@ def test_tp2_across_two_hosts_answers_as_tp2_on_one_host(group, reference):
 def test_a_node_with_another_key_is_refused_and_reaches_nothing(group, server_tmp):
     from neuron.cluster.keys import write_key
 
-    other = write_key(server_tmp / f"other-{time.monotonic_ns()}.key")
+    other = write_key(server_tmp / f"other-{time.monotonic_ns()}.key")[1]
     intruder = group.start_node(key=other)
     assert intruder.wait(30) == 2
     logs = sorted(server_tmp.glob(f"node-{group.port}-*.log"), key=lambda p: p.stat().st_mtime)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from neuron.loader.errors import BadModelConfig, LoadError, ModelNotFound, UnsupportedModel
+from neuron.loader.errors import BadModelConfig, BadModelFile, LoadError, ModelNotFound, UnsupportedModel
 from neuron.loader.spec import load_spec
 from neuron.models.sharding import ShardingError, check_plan
 from devtools.checkpoints import make_checkpoint
@@ -90,9 +90,9 @@ def test_unsupported_gguf_architecture(tmp_path):
 def test_config_json_that_does_not_parse(good, tmp_path):
     d = copy(good, tmp_path / "m", without=("*.gguf",))
     (d / "config.json").write_text('{"model_type": "qwen3", "hidden_size": ')
-    refused(str(d), BadModelConfig, 422, "invalid_model_config", "config.json does not parse")
+    refused(str(d), BadModelFile, 422, "invalid_model", "config.json does not parse")
     (d / "config.json").write_text("[1, 2]")
-    refused(str(d), BadModelConfig, 422, "invalid_model_config", "config.json is not a JSON object")
+    refused(str(d), BadModelFile, 422, "invalid_model", "config.json is not a JSON object")
 
 
 def test_config_json_without_a_needed_value(good, tmp_path):
@@ -124,7 +124,7 @@ def test_a_shard_named_in_the_index_is_missing(sharded, tmp_path):
 def test_an_index_that_does_not_parse(sharded, tmp_path):
     d = copy(sharded, tmp_path / "m")
     (d / "model.safetensors.index.json").write_text("{not json")
-    refused(str(d), BadModelConfig, 422, "invalid_model_config", "model.safetensors.index.json does not parse")
+    refused(str(d), BadModelFile, 422, "invalid_model", "model.safetensors.index.json does not parse")
     (d / "model.safetensors.index.json").write_text('{"metadata": {}}')
     refused(str(d), BadModelConfig, 422, "invalid_model_config", "weight_map")
     (d / "model.safetensors.index.json").write_text('{"weight_map": {"a": "../../etc/passwd"}}')
@@ -136,16 +136,16 @@ def test_truncated_or_foreign_weight_files(good, tmp_path):
     weights = d / "model.safetensors"
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2])
-    refused(str(d), LoadError, 400, "invalid_model", "model.safetensors is truncated")
+    refused(str(d), BadModelFile, 422, "invalid_model", "model.safetensors is truncated")
     weights.write_bytes(b"PK\x03\x04 this is a zip file")
-    refused(str(d), LoadError, 400, "invalid_model", "model.safetensors is not a safetensors file")
+    refused(str(d), BadModelFile, 422, "invalid_model", "model.safetensors is not a safetensors file")
 
     gguf = tmp_path / "cut.gguf"
     raw = (good / "model-Q8_0.gguf").read_bytes()
     gguf.write_bytes(raw[: len(raw) - 1000])
-    refused(str(gguf), BadModelConfig, 422, "invalid_model_config", "cut.gguf", "truncated")
+    refused(str(gguf), BadModelFile, 422, "invalid_model", "cut.gguf", "truncated")
     gguf.write_bytes(b"not a gguf at all")
-    refused(str(gguf), BadModelConfig, 422, "invalid_model_config", "cut.gguf is not a readable GGUF file")
+    refused(str(gguf), BadModelFile, 422, "invalid_model", "cut.gguf is not a readable GGUF file")
 
 
 def test_missing_tokenizer(good, tmp_path):
@@ -187,9 +187,15 @@ def test_weights_that_do_not_match_the_config(good, tmp_path):
     save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
     refused(str(d), BadModelConfig, 422, "invalid_model_config", "does not match its config.json",
             "model.layers.2.mlp.up_proj.weight")
-    edit_json(d / "config.json", num_hidden_layers=6)  # more layers than the weights hold
-    err = refused(str(d), BadModelConfig, 422, "invalid_model_config", "model.layers.4.input_layernorm.weight")
+    for name in [n for n in tensors if n.startswith("model.layers.1.")]:
+        del tensors[name]
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    err = refused(str(d), BadModelConfig, 422, "invalid_model_config", "model.layers.1.input_layernorm.weight")
     assert "more" in err.message  # a long list is cut short, with a count
+    edit_json(d / "config.json", num_hidden_layers=6)  # more layers than the weights hold
+    refused(str(d), BadModelConfig, 422, "invalid_model_config", "config.json gives 6 layers; the weights hold 4")
+    edit_json(d / "config.json", num_hidden_layers=1_000_000)
+    refused(str(d), BadModelConfig, 422, "invalid_model_config", "num_layers = 1000000 is out of range")
 
 
 def test_gguf_tensors_that_do_not_match_its_metadata(good):

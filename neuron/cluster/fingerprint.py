@@ -16,8 +16,8 @@ from neuron import __version__
 VERSION = __version__
 
 
-def _tensors(path: Path) -> list[list]:
-    if path.suffix == ".gguf":
+def _tensors(path: Path, fmt: str) -> list[list]:
+    if fmt == "gguf":
         from neuron.loader.gguf_file import GgufFile
 
         gguf = GgufFile(path, read_tensors=False)
@@ -34,5 +34,5 @@ def model_fingerprint(spec) -> str:
     digest = hashlib.sha256(msgspec.msgpack.encode(spec.config))
     digest.update(msgspec.msgpack.encode(spec.checkpoint_quant))
     for path in spec.files.paths:
-        digest.update(json.dumps(_tensors(Path(path))).encode())
+        digest.update(json.dumps(_tensors(Path(path), spec.files.format)).encode())
     return digest.hexdigest()[:32]

@@ -163,7 +163,7 @@ class NodeSupervisor:
             from ..loader.spec import load_spec
 
             try:
-                spec = load_spec(model, hf_cache=self.cfg.runtime.hf_cache or None)
+                spec = load_spec(model, hf_cache=self.cfg.runtime.hf_cache or None, roots=self.cfg.server.model_roots)
                 return c.ModelFiles(model=model, fingerprint=model_fingerprint(spec),
                                     paths=[str(p) for p in spec.files.paths])
             except Exception as exc:  # told to the head, which names it when it refuses the load
@@ -228,7 +228,7 @@ def run_node(cfg: Config) -> int:
     from .keys import GroupKeyError
 
     try:
-        key = read_key(cfg.cluster.group_key)
+        key = read_key(cfg.cluster.group_key, head=False)
     except GroupKeyError as exc:
         print(f"neuron: {exc}", file=sys.stderr)
         return 2

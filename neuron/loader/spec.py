@@ -12,9 +12,10 @@ import msgspec
 
 from protocol import CheckpointQuant, ModelConfig
 
-from .errors import BadModelConfig, LoadError
-from .model_config import config_from_gguf, config_from_hf, missing_tensors, read_config_json, required_tensors
+from .errors import BadModelConfig, BadModelFile, LoadError
+from .model_config import check_counts, config_from_gguf, config_from_hf, missing_tensors, required_tensors
 from .prequantized import checkpoint_quant
+from .model_dir import read_bounded
 from .resolve import DEFAULT_MODEL, ModelFiles, resolve_model
 from .tokenizer import TokenizerInfo, tokenizer_from_gguf
 from .vision_config import missing as vision_missing, vision_settings
@@ -49,12 +50,24 @@ def model_id_for(ref: str) -> str:
     return ref.split("/")[-1] if ref.startswith(("/", ".", "~")) else ref
 
 
-def load_spec(ref: str, *, model_id: str | None = None, hf_cache: str | None = None) -> ModelSpec:
-    files = resolve_model(ref, hf_cache=hf_cache)
+def load_spec(ref: str, *, model_id: str | None = None, hf_cache: str | None = None,
+              roots: list[str] | tuple[str, ...] = ()) -> ModelSpec:
+    """``roots``: directories besides the model's own where its files may resolve."""
+    files = resolve_model(ref, hf_cache=hf_cache, roots=roots)
     mid = model_id or (DEFAULT_MODEL if ref.startswith(("HuggingFaceTB/", DEFAULT_MODEL)) else model_id_for(ref))
-    if files.format == "gguf":
-        return _gguf_spec(mid, files)
-    return _hf_spec(mid, files)
+    described = files.paths[0].name if files.format == "gguf" else "config.json"
+    try:
+        if files.format == "gguf":
+            return _gguf_spec(mid, files)
+        return _hf_spec(mid, files)
+    except LoadError:
+        raise
+    except RecursionError:
+        raise BadModelFile(f"model {mid!r}: {described} is nested too deeply") from None
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as exc:
+        # A value of the wrong type or range where the format has a number or a name.
+        raise BadModelConfig(f"model {mid!r}: {described} holds a malformed value "
+                             f"({type(exc).__name__}: {str(exc)[:200]})") from None
 
 
 def _gguf_spec(mid: str, files: ModelFiles) -> ModelSpec:
@@ -63,14 +76,20 @@ def _gguf_spec(mid: str, files: ModelFiles) -> ModelSpec:
     try:
         gguf = GgufFile(files.paths[0])  # also checks every tensor lies inside the file
     except GgufFormatError as exc:
-        raise BadModelConfig(f"{files.paths[0].name} is not a readable GGUF file: {exc}") from None
+        raise BadModelFile(f"{files.paths[0].name} is not a readable GGUF file: {exc}") from None
     fields = gguf.fields
     names = set(gguf.tensors)
     tokens = fields.get("tokenizer.ggml.tokens") or []
     config = config_from_gguf(fields, names, len(tokens))
+    check_counts(config, names, f"{files.paths[0].name}'s metadata")
     arch = str(fields.get("general.architecture", ""))
     _refuse_missing(mid, missing_gguf_tensors(required_tensors(config), names, arch), "GGUF metadata")
-    tk = tokenizer_from_gguf(fields)
+    try:
+        tk = tokenizer_from_gguf(fields)
+    except LoadError:
+        raise
+    except Exception as exc:  # the tokenizers library raises plain Exception for a vocabulary it refuses
+        raise BadModelFile(f"{files.paths[0].name}: its tokenizer cannot be built: {str(exc)[:200]}") from None
     eos = [int(fields[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in fields]
     bos_id = fields.get("tokenizer.ggml.bos_token_id")
     info = TokenizerInfo(
@@ -99,26 +118,36 @@ def _gguf_format(gguf: Any, quantized_only: bool = False) -> str:
 def _hf_spec(mid: str, files: ModelFiles) -> ModelSpec:
     from tokenizers import Tokenizer
 
-    d = files.directory
-    raw = read_config_json(d / "config.json")
+    d = files.dir
+    raw = d.read_json("config.json", required=True)
     dtypes = _safetensors_dtypes(files.paths)
     quant = checkpoint_quant(raw, dtypes)
     config = config_from_hf(raw)
     names = files.tensor_names
+    check_counts(config, names, "config.json")
     config = msgspec.structs.replace(config, vision=vision_settings(raw, d, names))
     if quant is not None:  # a packed linear X holds X.qweight, X.qzeros, X.scales for X.weight
         names = frozenset(names) | {n.removesuffix(".qweight") + ".weight" for n in names if n.endswith(".qweight")}
     _refuse_missing(mid, missing_tensors(config, names), "config.json")
-    if not (d / "tokenizer.json").is_file():
+    tokenizer_json = d.file("tokenizer.json")
+    if tokenizer_json is None:
         raise LoadError(f"model {mid!r} has no tokenizer.json")
-    tk = Tokenizer.from_file(str(d / "tokenizer.json"))
-    tk_cfg = _optional_json(d / "tokenizer_config.json")
-    gen = _optional_json(d / "generation_config.json")
+    try:
+        tk = Tokenizer.from_str(read_bounded(tokenizer_json, "tokenizer.json").decode("utf-8", errors="replace"))
+    except Exception as exc:  # the tokenizers library raises plain Exception for a file it cannot read
+        raise BadModelFile(f"tokenizer.json is not a tokenizer the tokenizers library reads: "
+                           f"{str(exc)[:200]}") from None
+    tk_cfg = d.read_json("tokenizer_config.json")
+    gen = d.read_json("generation_config.json")
     template = tk_cfg.get("chat_template")
     if isinstance(template, list):  # named templates: take the default one
-        template = next((t["template"] for t in template if t.get("name") == "default"), None)
-    if (d / "chat_template.jinja").is_file():
-        template = (d / "chat_template.jinja").read_text()
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    jinja = d.read_text("chat_template.jinja")
+    if jinja is not None:
+        template = jinja
+    if template is not None and not isinstance(template, str):
+        raise BadModelConfig("tokenizer_config.json's chat_template is not a string")
 
     def token_text(value: Any) -> str | None:
         return value.get("content") if isinstance(value, dict) else value
@@ -172,13 +201,3 @@ def _refuse_missing(mid: str, missing: list[str], described_by: str) -> None:
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise BadModelConfig(f"model {mid!r} does not match its {described_by}: its weights lack {shown}")
-
-
-def _optional_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise BadModelConfig(f"{path.name} does not parse: {exc}") from None
-    return data if isinstance(data, dict) else {}

@@ -6,25 +6,21 @@ text-only, and ``missing`` says what it lacks for the 400 an image gets."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 from .errors import BadModelConfig
+from .model_dir import ModelDir
 
 VISION_TYPES = ("qwen3_5", "qwen3_5_moe")
 TOWER_PREFIX = "model.visual."  # neuron.models.vision.TOWER_PREFIX (the loader has no torch)
 DEFAULT_SECTIONS = [11, 11, 10]  # transformers' Qwen3.5 text rotary default
 
 
-def vision_settings(raw: dict[str, Any], directory: Path, tensor_names) -> dict[str, Any]:
+def vision_settings(raw: dict[str, Any], directory: ModelDir, tensor_names) -> dict[str, Any]:
     """``ModelConfig.vision`` of a config.json (empty: the model takes no images)."""
     if missing(raw, directory, tensor_names):
         return {}
-    try:
-        processor = json.loads((directory / "preprocessor_config.json").read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadModelConfig(f"preprocessor_config.json does not parse: {exc}") from None
+    processor = directory.read_json("preprocessor_config.json")
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
     rope = text.get("rope_parameters") or {}
     sections = [int(x) for x in rope.get("mrope_section") or DEFAULT_SECTIONS]
@@ -38,12 +34,12 @@ def vision_settings(raw: dict[str, Any], directory: Path, tensor_names) -> dict[
     return {"config": vision, "processor": processor, "mrope_section": sections, **ids}
 
 
-def missing(raw: dict[str, Any], directory: Path, tensor_names) -> str:
+def missing(raw: dict[str, Any], directory: ModelDir, tensor_names) -> str:
     """What the checkpoint lacks to take images, in words ('' when nothing)."""
     if raw.get("model_type") not in VISION_TYPES or not isinstance(raw.get("vision_config"), dict):
         return "its architecture has no vision tower"
     if not any(name.startswith(TOWER_PREFIX) for name in tensor_names):
         return "its checkpoint holds no vision tower weights"
-    if not (directory / "preprocessor_config.json").is_file():
+    if directory.file("preprocessor_config.json") is None:
         return "its checkpoint has no preprocessor_config.json"
     return ""

@@ -69,7 +69,8 @@ class RankImages:
 
     def _encode(self, image: p.StepImage) -> torch.Tensor:
         try:
-            patches, grid = pixel_patches(open_image(image.data, decode=True), self.processing)
+            patches, grid = pixel_patches(open_image(image.data, decode=True, processing=self.processing),
+                                          self.processing)
         except ImageError as exc:
             raise StepRejected(f"image {image.key.hex()}: {exc}") from None
         if tuple(grid) != tuple(image.grid):

@@ -18,6 +18,7 @@ from neuron.engine.grammar_worker import GrammarCompiler
 from neuron.engine.request import FinishEvent, GenRequest
 from neuron.errors import ApiError
 from neuron.loader.errors import LoadError
+from neuron.loader.template_worker import TemplateRenderer
 from neuron.registry import Registry
 
 from neuron.server.body_budget import BodyBudget
@@ -41,8 +42,9 @@ def create_app(cfg: Config) -> Starlette:
         metrics.request_finished(model, req, fin, trace)
         log_finish(model, req, fin, trace)
 
-    state = AppState(cfg=cfg, registry=Registry(cfg, on_finish=on_finish), metrics=metrics,
-                     compiler=GrammarCompiler(cfg.grammar),
+    templates = TemplateRenderer(cfg.templates, cfg.server.allow_request_chat_template)
+    state = AppState(cfg=cfg, registry=Registry(cfg, on_finish=on_finish, templates=templates), metrics=metrics,
+                     compiler=GrammarCompiler(cfg.grammar), templates=templates,
                      body_budget=BodyBudget(cfg.http.max_inflight_body_bytes),
                      access=ModelAccess.from_config(cfg), responses=ResponseStore(cfg.server.stored_responses))
 
@@ -55,6 +57,7 @@ def create_app(cfg: Config) -> Starlette:
             task.cancel()
             await state.registry.shutdown()
             state.compiler.close()
+            templates.close()
 
     routes = [Route(r.path, r.endpoint, methods=[r.method]) for r in route_table()]
     app = Starlette(

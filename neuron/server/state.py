@@ -11,6 +11,7 @@ from starlette.requests import Request
 from neuron.config import Config
 from neuron.engine.grammar_worker import GrammarCompiler
 from neuron.errors import ApiError
+from neuron.loader.template_worker import TemplateRenderer
 from neuron.registry import Registry
 
 from neuron.server.body_budget import BodyBudget
@@ -25,6 +26,7 @@ class AppState:
     registry: Registry
     metrics: Metrics
     compiler: GrammarCompiler
+    templates: TemplateRenderer
     body_budget: BodyBudget
     access: ModelAccess = field(default_factory=ModelAccess)
     starting: bool = True

@@ -1,7 +1,13 @@
 """The images of a chat: each ``image_url`` part read (a ``data:`` URI decoded with Pillow, every
 pixel, so a corrupt file is a 400 now and never a failed step), hashed, and counted in image
 tokens; its place in the prompt marked for the chat template, and each marker's image-pad token
-then expanded to the image's count. Off the event loop, as the prompt is."""
+then expanded to the image's count. Off the event loop, as the prompt is.
+
+Decoding is what an image costs, here and again on the ranks, where it holds up every stream of
+the model. So before any pixel is decoded, from its header alone: an image may decode to no more
+than its model's processor keeps (``decode_allowance``; a large JPEG is decoded at a reduced
+scale instead), and a request's images together to no more than ``[engine]
+image_pixels_per_request``."""
 
 from __future__ import annotations
 
@@ -11,7 +17,8 @@ from typing import Any
 
 from neuron.engine.request import ImageInput
 from neuron.errors import ApiError
-from neuron.loader.images import ImageError, ImageProcessing, data_uri_bytes, open_image
+from neuron.loader.images import ImageError, ImageProcessing, data_uri_bytes, decode_allowance, open_image, \
+    source_size
 
 MAX_IMAGES = 16  # a request's images
 MAX_IMAGE_BYTES = 20 << 20  # one image's encoded bytes
@@ -20,9 +27,11 @@ MAX_IMAGE_BYTES = 20 << 20  # one image's encoded bytes
 class ImageReader:
     """A request's images, in the order their parts come."""
 
-    def __init__(self, vision: dict[str, Any], tokenizer, model: str, no_vision: str) -> None:
+    def __init__(self, vision: dict[str, Any], tokenizer, model: str, no_vision: str,
+                 pixels_per_request: int = 1 << 62) -> None:
         self.vision, self.model, self.no_vision = vision, model, no_vision
         self.images: list[ImageInput] = []
+        self.pixels_left = pixels_per_request
         if vision:
             self.processing = ImageProcessing.from_config(vision["processor"])
             self.marker = "".join(tokenizer.id_to_token(vision[k]) or "" for k in (
@@ -38,14 +47,26 @@ class ImageReader:
         url = part.image_url.get("url") if isinstance(part.image_url, dict) else part.image_url
         try:
             data = data_uri_bytes(url, MAX_IMAGE_BYTES)
-            image = open_image(data, decode=True)
-            width, height = image.size
+            image = open_image(data, processing=self.processing)  # the header, and a JPEG's decoding scale
+            self._budget(*image.size, f"{param}.image_url")
+            image = open_image(data, decode=True, processing=self.processing)
+            width, height = source_size(image)
             grid = self.processing.grid(height, width)
             tokens = self.processing.tokens(height, width)
         except ImageError as exc:
             raise ApiError(400, "invalid_image", str(exc), param=f"{param}.image_url") from None
         self.images.append(ImageInput(hashlib.blake2b(data, digest_size=16).digest(), data, grid, tokens))
         return self.marker
+
+    def _budget(self, width: int, height: int, param: str) -> None:
+        pixels, allowance = width * height, decode_allowance(self.processing)
+        if pixels > allowance:
+            raise ApiError(400, "invalid_image", f"an image of {width}x{height} pixels is larger than this model "
+                           f"keeps ({allowance} pixels): send it smaller", param=param)
+        if pixels > self.pixels_left:
+            raise ApiError(400, "invalid_image", "the request's images have more pixels than the "
+                           "[engine] image_pixels_per_request allowed: send fewer or smaller images", param=param)
+        self.pixels_left -= pixels
 
     def expand(self, ids: list[int]) -> tuple[list[int], list[ImageInput]]:
         """``ids`` with each image's pad token repeated to its count, and the images with their

@@ -9,6 +9,7 @@ from typing import Callable
 from neuron.engine.constraints import AfterMarker, AllOf, AllowedTokens, BannedSequences, Constraint
 from neuron.engine.grammar import Compiler, GrammarError, GrammarSpec, grammars_for
 from neuron.errors import ApiError
+from neuron.loader.template_worker import TemplateRenderer
 from neuron.registry import ModelHandle
 
 from neuron.server.openai.choices import Choice
@@ -77,11 +78,11 @@ def _compile(handle: ModelHandle, compiler: Compiler, spec: GrammarSpec, param: 
         raise _bad(f"{param}: {exc}", param) from None
 
 
-def plan_chat(body: ChatRequest, handle: ModelHandle, top: int | None,
-              compiler: Compiler) -> tuple[ChatPrompt, Callable[[], list[Choice]]]:
+def plan_chat(body: ChatRequest, handle: ModelHandle, top: int | None, compiler: Compiler,
+              templates: TemplateRenderer) -> tuple[ChatPrompt, Callable[[], list[Choice]]]:
     """The prompt, and what makes the n choices: a forced tool call or the requested output
     format as the grammar (not both), thinking and tool-call parsing per choice."""
-    plan = chat_prompt(body, handle)
+    plan = chat_prompt(body, handle, templates)
     settings = settings_of(body, handle, top, 1, plan.shown)
     grammar = None
     wanted = output_grammar(body)

@@ -10,7 +10,8 @@ from typing import Any
 
 from neuron.engine.request import ImageInput
 from neuron.errors import ApiError
-from neuron.loader.chat_template import TemplateError, render_chat
+from neuron.loader.chat_template import TemplateError
+from neuron.loader.template_worker import TemplateRenderer
 from neuron.loader.tokenizer import TokenizerInfo, encode_ids
 from neuron.registry import ModelHandle
 
@@ -89,21 +90,26 @@ def _call_for_template(call: dict[str, Any], param: str) -> dict[str, Any]:
     return {**call, "type": call.get("type", "function"), "function": {**fn, "arguments": args}}
 
 
-def _render(info: TokenizerInfo, template: str | None, messages: list[dict[str, Any]], *, tools: list | None,
-            documents: list | None, add_generation_prompt: bool, extra: dict[str, Any]) -> str:
+def _render(templates: TemplateRenderer, info: TokenizerInfo, template: str | None, from_client: bool,
+            messages: list[dict[str, Any]], *, tools: list | None, documents: list | None,
+            add_generation_prompt: bool, extra: dict[str, Any]) -> str:
     try:
-        return render_chat(template, messages, tools=tools, documents=documents,
-                           add_generation_prompt=add_generation_prompt, bos_token=info.bos_token,
-                           eos_token=info.token(info.eos_token_ids[0]) if info.eos_token_ids else None, extra=extra)
+        return templates.render(template, messages, tools=tools, documents=documents,
+                                add_generation_prompt=add_generation_prompt, bos_token=info.bos_token,
+                                eos_token=info.token(info.eos_token_ids[0]) if info.eos_token_ids else None,
+                                extra=extra, from_client=from_client)
     except TemplateError as exc:
-        raise ApiError(400, "invalid_request", str(exc), param="messages") from None
+        raise ApiError(400, "invalid_request", str(exc), param="chat_template" if from_client else "messages") \
+            from None
 
 
-def chat_prompt(body: ChatRequest, handle: ModelHandle) -> ChatPrompt:
+def chat_prompt(body: ChatRequest, handle: ModelHandle, templates: TemplateRenderer) -> ChatPrompt:
     info = handle.spec.tokenizer
     entry = handle.entry
-    template = body.chat_template if body.chat_template is not None else info.chat_template
-    reader = ImageReader(handle.spec.config.vision, info.tokenizer, body.model, handle.spec.no_vision)
+    from_client = body.chat_template is not None
+    template = body.chat_template if from_client else info.chat_template
+    reader = ImageReader(handle.spec.config.vision, info.tokenizer, body.model, handle.spec.no_vision,
+                         handle.engine.cfg.image_pixels_per_request)
     messages = chat_messages(body, reader)
     extra = dict(body.chat_template_kwargs or {})
     for name, value in (("reasoning_effort", body.reasoning_effort), ("documents", body.documents)):
@@ -122,7 +128,7 @@ def chat_prompt(body: ChatRequest, handle: ModelHandle) -> ChatPrompt:
     _check(tools is None or tool_setting != "none", "tools", "tool calling is turned off for this model")
 
     def render(msgs: list[dict[str, Any]], with_tools: list | None) -> str:
-        return _render(info, template, msgs, tools=with_tools, documents=body.documents,
+        return _render(templates, info, template, from_client, msgs, tools=with_tools, documents=body.documents,
                        add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
                        extra=extra)
 

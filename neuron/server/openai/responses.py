@@ -363,7 +363,7 @@ async def create_response(request: Request) -> Response:
             history = list(found[0])
         try:
             chat, conversation = as_chat(body, history)
-            _, build = await asyncio.to_thread(plan_chat, chat, handle, None, state.compiler)
+            _, build = await asyncio.to_thread(plan_chat, chat, handle, None, state.compiler, state.templates)
         except ApiError as exc:
             exc.param = _our_name(exc.param)
             raise

@@ -47,7 +47,8 @@ async def chat_completions(request: Request) -> Response:
         top = (body.top_logprobs or 0) if body.logprobs else None
         _check_common(body, top, "top_logprobs")
         # Templating, tokenizing and compiling grammars take a while: off the event loop.
-        plan, build = await asyncio.to_thread(plan_chat, body, handle, top, state.compiler)
+        async with state.templates.lane(body.chat_template is not None):
+            plan, build = await asyncio.to_thread(plan_chat, body, handle, top, state.compiler, state.templates)
     choices = build()  # GenRequests belong to the event loop
     view = ChatView(model=handle.id, tokenizer=handle.spec.tokenizer.tokenizer, top_logprobs=top,
                     return_token_ids=bool(body.return_token_ids), tokens_as_ids=bool(body.return_tokens_as_token_ids),

@@ -57,7 +57,7 @@ async def tokenize(request: Request) -> Response:
                                chat_template_kwargs=body.chat_template_kwargs,
                                add_generation_prompt=body.add_generation_prompt,
                                add_special_tokens=bool(body.add_special_tokens))
-            ids = (await asyncio.to_thread(chat_prompt, chat, handle)).prompt.ids
+            ids = (await asyncio.to_thread(chat_prompt, chat, handle, state.templates)).prompt.ids
         else:
             _check_prompt(body.prompt)
             text = CompletionRequest(model=handle.id, prompt=body.prompt or "",
