@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -167,3 +168,25 @@ def test_health_answers_within_a_second_while_16_clients_post_the_largest_body(l
     while (rss_after := _rss_mb(limited.proc.pid)) >= rss_before + 400 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert rss_after < rss_before + 400, (rss_before, rss_after)
+
+
+SMALL_BEHIND_BIG_S = 5.0  # the report's 100-byte chat waited 40 s; here 0.4-0.6 s (alone ~0.2 s)
+
+
+def test_a_small_request_is_not_kept_waiting_behind_big_bodies_being_tokenized(limited):
+    """Twelve 3.5 MB /tokenize bodies take the big lane of the body budget (four at a time); a
+    100-byte chat sent after them takes the small lane and is answered meanwhile."""
+    text = ("Tokenize every word of this sentence, please. " * 80_000)[: 3_500_000]
+    big = {"model": DEFAULT_MODEL, "prompt": text}
+    with ThreadPoolExecutor(12) as pool:
+        bigs = [pool.submit(httpx.post, f"{limited.url}/tokenize", json=big, timeout=300) for _ in range(12)]
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        r = httpx.post(f"{limited.base}/chat/completions", timeout=120, json={
+            "model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        took = time.monotonic() - t0
+        unfinished = sum(not f.done() for f in bigs)
+        statuses = [f.result().status_code for f in bigs]
+    assert r.status_code == 200 and took < SMALL_BEHIND_BIG_S, (took, r.text[:200])
+    assert unfinished > 0, "the big bodies were all done before the small one came: nothing was measured"
+    assert statuses == [200] * 12

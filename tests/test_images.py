@@ -95,6 +95,26 @@ def test_corrupt_unsupported_huge_and_elongated_images_are_refused():
         ImageProcessing().tokens(2, 1000)
 
 
+def test_a_large_jpeg_is_decoded_at_a_reduced_scale_to_the_same_grid_and_nearly_the_same_pixels():
+    """A JPEG four times the size the processor keeps decodes at 1/2 or 1/4 scale (a sixteenth of
+    the pixels or less), never below the size it is resized to: the same grid and token count as
+    a full decode, pixel values within a few grey levels (a smooth image, as photos are)."""
+    p = ImageProcessing.from_config(QWEN35)
+    y, x = np.mgrid[0:1600, 0:2400]
+    smooth = np.stack([(x / 10) % 256, (y / 7) % 256, ((x + y) / 13) % 256], -1).astype(np.uint8)
+    data = encoded(Image.fromarray(smooth), "JPEG")
+    full, reduced = open_image(data, decode=True), open_image(data, decode=True, processing=p)
+    h, w = p.resized(1600, 2400)
+    assert full.size == (2400, 1600) and reduced.size[0] * reduced.size[1] <= 2400 * 1600 // 4
+    assert reduced.size[0] >= w and reduced.size[1] >= h
+    want, want_grid = pixel_patches(full, p)
+    got, grid = pixel_patches(reduced, p)
+    assert grid == want_grid and got.shape == want.shape
+    assert np.abs(got - want).mean() < 4 / 127.5, np.abs(got - want).mean()  # values in [-1, 1]
+    png = encoded(Image.fromarray(smooth), "PNG")  # no reduced decoding for other formats
+    assert open_image(png, processing=p).size == (2400, 1600)
+
+
 def test_an_image_sent_to_the_server_is_refused_as_vision_unsupported_never_dropped(tp1):
     """A text model (the default one): an image part in a chat (the official client's shape) or a
     Responses input is a 400 vision_unsupported naming the part, and the server answers the next

@@ -160,12 +160,17 @@ def open_image(data: bytes, max_side: int = 16384, decode: bool = False, max_pix
         h, w = processing.resized(height, width)
         image.draft("RGB", (w, h))  # never below (w, h): the resize to it stays a downscale
     if decode:
-        try:
-            image.seek(0)
-            image.load()
-        except (OSError, ValueError, SyntaxError) as exc:
-            raise ImageError(f"the {image.format} image is truncated or corrupt ({exc})") from None
+        decode_pixels(image)
     return image
+
+
+def decode_pixels(image) -> None:
+    """Read every pixel of ``image`` (from ``open_image``): a truncated or corrupt file fails here."""
+    try:
+        image.seek(0)
+        image.load()
+    except (OSError, ValueError, SyntaxError) as exc:
+        raise ImageError(f"the {image.format} image is truncated or corrupt ({exc})") from None
 
 
 def source_size(image) -> tuple[int, int]:

@@ -45,8 +45,11 @@ def model_id_for(ref: str) -> str:
     if ref.endswith(".gguf"):
         return Path(ref).stem
     path = Path(ref)
-    if path.is_dir():
-        return path.resolve().name
+    try:
+        if path.is_dir():
+            return path.resolve().name
+    except (OSError, ValueError, RuntimeError):  # a name too long, a NUL byte, a link loop
+        pass
     return ref.split("/")[-1] if ref.startswith(("/", ".", "~")) else ref
 
 

@@ -17,8 +17,8 @@ from typing import Any
 
 from neuron.engine.request import ImageInput
 from neuron.errors import ApiError
-from neuron.loader.images import ImageError, ImageProcessing, data_uri_bytes, decode_allowance, open_image, \
-    source_size
+from neuron.loader.images import (ImageError, ImageProcessing, data_uri_bytes, decode_allowance, decode_pixels,
+                                  open_image, source_size)
 
 MAX_IMAGES = 16  # a request's images
 MAX_IMAGE_BYTES = 20 << 20  # one image's encoded bytes
@@ -32,6 +32,7 @@ class ImageReader:
         self.vision, self.model, self.no_vision = vision, model, no_vision
         self.images: list[ImageInput] = []
         self.pixels_left = pixels_per_request
+        self._undecoded: list[tuple[Any, str]] = []  # (image, param): decoded once all are counted
         if vision:
             self.processing = ImageProcessing.from_config(vision["processor"])
             self.marker = "".join(tokenizer.id_to_token(vision[k]) or "" for k in (
@@ -49,14 +50,23 @@ class ImageReader:
             data = data_uri_bytes(url, MAX_IMAGE_BYTES)
             image = open_image(data, processing=self.processing)  # the header, and a JPEG's decoding scale
             self._budget(*image.size, f"{param}.image_url")
-            image = open_image(data, decode=True, processing=self.processing)
             width, height = source_size(image)
             grid = self.processing.grid(height, width)
             tokens = self.processing.tokens(height, width)
         except ImageError as exc:
             raise ApiError(400, "invalid_image", str(exc), param=f"{param}.image_url") from None
         self.images.append(ImageInput(hashlib.blake2b(data, digest_size=16).digest(), data, grid, tokens))
+        self._undecoded.append((image, f"{param}.image_url"))
         return self.marker
+
+    def decode(self) -> None:
+        """Every pixel of every image read, now that all of them are within the budget."""
+        for image, param in self._undecoded:
+            try:
+                decode_pixels(image)
+            except ImageError as exc:
+                raise ApiError(400, "invalid_image", str(exc), param=param) from None
+        self._undecoded.clear()
 
     def _budget(self, width: int, height: int, param: str) -> None:
         pixels, allowance = width * height, decode_allowance(self.processing)
@@ -73,6 +83,7 @@ class ImageReader:
         offsets; exactly one pad token per image, or the template lost or added one."""
         if not self.vision:
             return ids, []
+        self.decode()
         pad = int(self.vision["image_token_id"])
         at = [i for i, t in enumerate(ids) if t == pad]
         if len(at) != len(self.images):

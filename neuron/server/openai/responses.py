@@ -6,7 +6,6 @@ the response object (whole) through one state machine."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -347,7 +346,7 @@ async def create_response(request: Request) -> Response:
     state: AppState = request.app.state.neuron
     require_key(request, state, admin=False)
     data = await read_body(request, state.cfg.server.max_body_bytes)
-    async with state.body_budget.hold(len(data)):
+    async with state.body_budget.hold(len(data)) as run:
         body = decode_json(data, ResponsesRequest)
         handle = serving(state, body.model)
         for name, (fine, why) in REFUSED.items():
@@ -363,7 +362,7 @@ async def create_response(request: Request) -> Response:
             history = list(found[0])
         try:
             chat, conversation = as_chat(body, history)
-            _, build = await asyncio.to_thread(plan_chat, chat, handle, None, state.compiler, state.templates)
+            _, build = await run(plan_chat, chat, handle, None, state.compiler, state.templates)
         except ApiError as exc:
             exc.param = _our_name(exc.param)
             raise

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import asyncio
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -38,7 +37,7 @@ async def chat_completions(request: Request) -> Response:
     state: AppState = request.app.state.neuron
     require_key(request, state, admin=False)
     data = await read_body(request, state.cfg.server.max_body_bytes)
-    async with state.body_budget.hold(len(data)):
+    async with state.body_budget.hold(len(data)) as run:
         body = decode_json(data, ChatRequest)
         handle = serving(state, body.model)
         refuse_unsupported(body)
@@ -48,7 +47,7 @@ async def chat_completions(request: Request) -> Response:
         _check_common(body, top, "top_logprobs")
         # Templating, tokenizing and compiling grammars take a while: off the event loop.
         async with state.templates.lane(body.chat_template is not None):
-            plan, build = await asyncio.to_thread(plan_chat, body, handle, top, state.compiler, state.templates)
+            plan, build = await run(plan_chat, body, handle, top, state.compiler, state.templates)
     choices = build()  # GenRequests belong to the event loop
     view = ChatView(model=handle.id, tokenizer=handle.spec.tokenizer.tokenizer, top_logprobs=top,
                     return_token_ids=bool(body.return_token_ids), tokens_as_ids=bool(body.return_tokens_as_token_ids),
@@ -61,7 +60,7 @@ async def completions(request: Request) -> Response:
     state: AppState = request.app.state.neuron
     require_key(request, state, admin=False)
     data = await read_body(request, state.cfg.server.max_body_bytes)
-    async with state.body_budget.hold(len(data)):
+    async with state.body_budget.hold(len(data)) as run:
         body = decode_json(data, CompletionRequest)
         handle = serving(state, body.model)
         refuse_unsupported(body)
@@ -69,7 +68,7 @@ async def completions(request: Request) -> Response:
         _check_common(body, top, "logprobs")
         if body.echo and top is not None:
             raise _bad("echo with logprobs needs prompt logprobs, which are not supported", "echo")
-        build = await asyncio.to_thread(plan_completion, body, handle, top, state.compiler)
+        build = await run(plan_completion, body, handle, top, state.compiler)
     choices = build()
     view = CompletionView(model=handle.id, tokenizer=handle.spec.tokenizer.tokenizer, top_logprobs=top,
                           return_token_ids=bool(body.return_token_ids),

@@ -43,7 +43,7 @@ async def tokenize(request: Request) -> Response:
     state: AppState = request.app.state.neuron
     require_key(request, state, admin=False)
     data = await read_body(request, state.cfg.server.max_body_bytes)
-    async with state.body_budget.hold(len(data)):
+    async with state.body_budget.hold(len(data)) as run:
         body = decode_json(data, TokenizeRequest)
         handle = _model(state, body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -57,12 +57,12 @@ async def tokenize(request: Request) -> Response:
                                chat_template_kwargs=body.chat_template_kwargs,
                                add_generation_prompt=body.add_generation_prompt,
                                add_special_tokens=bool(body.add_special_tokens))
-            ids = (await asyncio.to_thread(chat_prompt, chat, handle, state.templates)).prompt.ids
+            ids = (await run(chat_prompt, chat, handle, state.templates)).prompt.ids
         else:
             _check_prompt(body.prompt)
             text = CompletionRequest(model=handle.id, prompt=body.prompt or "",
                                      add_special_tokens=body.add_special_tokens is not False)
-            ids = (await asyncio.to_thread(completion_prompts, text, handle))[0].ids
+            ids = (await run(completion_prompts, text, handle))[0].ids
     tk = handle.spec.tokenizer.tokenizer
     strs = [tk.id_to_token(i) for i in ids] if body.return_token_strs else None
     return _json(TokenizeResponse(count=len(ids), max_model_len=handle.max_len, tokens=ids, token_strs=strs))
