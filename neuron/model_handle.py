@@ -31,6 +31,7 @@ class ModelHandle:
     packing: str = ""  # rank 0's account of how its projections are stored
     load_seconds: float = 0.0
     recoveries: int = 0
+    cpu_isa: str | None = None  # the CPU kernels' level the ranks run ("none": no kernels); None on GPUs
 
     @property
     def packed(self) -> bool:
@@ -58,7 +59,7 @@ class ModelHandle:
             "image_encodes": stats.image_encodes, "image_reuses": stats.image_reuses, "devices": self.devices, "tensor_parallel": self.entry.tensor_parallel,
             "pipeline_parallel": self.entry.pipeline_parallel,
             "dtype": self.dtype, "max_model_len": self.max_len, "max_slots": self.entry.max_slots,
-            "weight_format": self.weight_format, "packing": self.packing,
+            "weight_format": self.weight_format, "packing": self.packing, "cpu_isa": self.cpu_isa,
             "shard_bytes": self.shard_bytes, "load_seconds": round(self.load_seconds, 3),
             "recoveries": self.recoveries,
             "pids": self.group.pids if self.group else [], "epoch": self.group.epoch if self.group else None,

@@ -23,6 +23,7 @@ from . import heap
 from .config import Config, ModelEntry, engine_sizes
 from .devices import choose_devices, default_dtype
 from .engine.engine import Engine, Sizing
+from .kernels import isa
 from .engine.request import FinishEvent, GenRequest
 from .errors import ApiError
 from .loader.chat_template import TemplateError
@@ -127,6 +128,8 @@ class Registry:
             if world % nodes:
                 raise ValueError(f"{world} ranks (tensor_parallel x pipeline_parallel) do not split over {nodes} nodes")
             devices = choose_devices(entry.device, world // nodes, entry.devices)
+            if devices[0] == "cpu":
+                isa.choose()  # NEURON_CPU_ISA naming a level this CPU lacks: refused here, by name
         except ValueError as exc:
             raise LoadError(str(exc)) from None
         max_len = min(entry.max_model_len, spec.context_length)
@@ -164,8 +167,9 @@ class Registry:
             raise
         handle.status = "loaded"
         handle.load_seconds = time.monotonic() - t0
-        log.info("%s loaded in %.2fs on %s (%s), weights %s, shard bytes %s (%s)", model_id, handle.load_seconds,
-                 devices, handle.dtype, handle.weight_format, handle.shard_bytes, handle.packing)
+        log.info("%s loaded in %.2fs on %s (%s), weights %s, shard bytes %s (%s)%s", model_id, handle.load_seconds,
+                 devices, handle.dtype, handle.weight_format, handle.shard_bytes, handle.packing,
+                 f", CPU kernels {handle.cpu_isa}" if handle.cpu_isa else "")
         return handle
 
     def _probe_template(self, spec: ModelSpec) -> None:
@@ -223,6 +227,7 @@ class Registry:
             handle.loading = None
         handle.shard_bytes = [oks[r].bytes for r in range(group.world)]
         handle.packing = oks[0].packing
+        handle.cpu_isa = oks[0].cpu_isa or None
         handle.kv_bytes = [oks[r].kv_bytes for r in range(group.world)]
         handle.state_bytes = [oks[r].state_bytes for r in range(group.world)]
         handle.graphs = oks[0].graphs

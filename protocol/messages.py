@@ -250,6 +250,7 @@ class LoadOk(Frame, tag="load_ok"):
     state_slots: int = 0  # per-sequence state slots of the model's recurrent layers (0: it has none)
     state_bytes: int = 0
     state_snapshots: int = 0  # of the state slots, those for snapshots (the rest: one per running sequence)
+    cpu_isa: str = ""  # the CPU kernels' instruction-set level ("avx2", ...), "none" without them; "" on a GPU
 
 
 class StepResult(Frame, tag="step_result"):

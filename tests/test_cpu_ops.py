@@ -1,32 +1,32 @@
-"""The CPU step's fused C++ ops (neuron/kernels/csrc/cpu_ops.cpp) against their torch references,
-on the shapes the model gives them: q a strided view of qkv, grouped and ungrouped KV heads
-(an uneven tensor-parallel split), sequences scattered over the paged cache."""
+"""The CPU step's fused C++ ops (neuron/kernels/csrc/ops.h), at every instruction-set level this
+machine runs, against their torch references, on the shapes the model gives them: q a strided
+view of qkv, grouped and ungrouped KV heads (an uneven tensor-parallel split), sequences scattered
+over the paged cache."""
 
 from __future__ import annotations
-
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from attention_reference import reference_decode, rope_case
-from conftest import ROOT
-from neuron.kernels.cpu import KernelUnavailable, cpu_kernels
+from neuron.kernels.cpu import KernelUnavailable, load_level
+from neuron.kernels.isa import runnable
 from neuron.models.ops import TorchOps
-
-try:
-    C = cpu_kernels()
-except KernelUnavailable as exc:  # no compiler here: the CPU runs the torch ops (checked elsewhere)
-    pytest.skip(str(exc), allow_module_level=True)
 
 OPS = TorchOps()
 
 
+@pytest.fixture(params=[level.name for level in runnable()])
+def C(request):
+    try:
+        return load_level(request.param)
+    except KernelUnavailable as exc:  # not built (no compiler at install): the torch ops run instead
+        pytest.skip(str(exc))
+
+
 @pytest.mark.parametrize("n_q,n_kv,hd,bs,uniform", [(9, 3, 64, 16, True), (8, 2, 16, 16, True),
                                                     (5, 2, 16, 16, False), (4, 4, 24, 8, True)])
-def test_paged_decode_attends_each_sequence_over_its_own_blocks(n_q, n_kv, hd, bs, uniform):
+def test_paged_decode_attends_each_sequence_over_its_own_blocks(C, n_q, n_kv, hd, bs, uniform):
     g = torch.Generator().manual_seed(n_q * 100 + hd)
     blocks, max_blocks = 60, 12
     kc = torch.randn(blocks, bs, n_kv, hd, generator=g)
@@ -42,7 +42,7 @@ def test_paged_decode_attends_each_sequence_over_its_own_blocks(n_q, n_kv, hd, b
     assert (out.double() - reference_decode(q, kc, vc, tables, slots, ctx, kv_of_q, scale)).abs().max() < 1e-5
 
 
-def test_paged_decode_refuses_a_table_entry_outside_the_cache():
+def test_paged_decode_refuses_a_table_entry_outside_the_cache(C):
     kc = torch.zeros(4, 16, 1, 16)
     tables = torch.tensor([[0, 9]], dtype=torch.int32)
     with pytest.raises(RuntimeError, match="out of range"):
@@ -51,7 +51,7 @@ def test_paged_decode_refuses_a_table_entry_outside_the_cache():
 
 
 @pytest.mark.parametrize("rows", [3, 300])  # few rows run serially, many in parallel
-def test_fused_norms_and_silu_match_the_reference(rows):
+def test_fused_norms_and_silu_match_the_reference(C, rows):
     g = torch.Generator().manual_seed(rows)
     x, r, w = torch.randn(rows, 576, generator=g), torch.randn(rows, 576, generator=g), torch.randn(576, generator=g)
     assert (C.rms_norm(x, w, 1e-5) - OPS.rms_norm(x, w, 1e-5)).abs().max() < 1e-5
@@ -60,29 +60,15 @@ def test_fused_norms_and_silu_match_the_reference(rows):
     assert got_r.data_ptr() == r.data_ptr() and (got_r - ref_r).abs().max() < 1e-6
     assert (out - ref).abs().max() < 1e-5
     gu = torch.randn(rows, 2 * 1536, generator=g)
-    assert (C.silu_mul(gu) - OPS.silu_mul(gu)).abs().max() < 1e-6
+    ref = OPS.silu_mul(gu)
+    assert ((C.silu_mul(gu) - ref).abs() / ref.abs().clamp_min(1)).max() < 1e-6
 
 
 @pytest.mark.parametrize("norm", [False, True])
-def test_rope_store_rotates_queries_in_place_and_puts_keys_and_values_in_their_cache_rows(norm):
+def test_rope_store_rotates_queries_in_place_and_puts_keys_and_values_in_their_cache_rows(C, norm):
     c = rope_case(norm)
     got, (kc, vc) = c.qkv.clone(), c.caches()
     C.rope_store(got, c.n_q, c.n_kv, c.pos, c.cos, c.sin, c.qn, c.kn, 1e-6, kc, vc, c.rows)
     c.check(got, kc, vc)
     with pytest.raises(RuntimeError, match="out of range"):
         C.rope_store(got, c.n_q, c.n_kv, torch.tensor([0, 5, 99]), c.cos, c.sin, c.qn, c.kn, 1e-6, kc, vc, c.rows)
-
-
-def test_a_build_lock_left_by_a_killed_build_does_not_stop_the_next():
-    """torch waits for ever on its build lock; one left by a process killed mid-build (a daemon
-    stopped during its first start) must not hang every later start."""
-    from torch.utils.cpp_extension import _get_build_directory
-
-    from neuron.kernels.cpu import NAME
-
-    lock = Path(_get_build_directory(NAME, verbose=False)) / "lock"
-    lock.touch()
-    code = "from neuron.kernels.cpu import cpu_kernels; print(cpu_kernels().paged_decode.__name__)"
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0 and "paged_decode" in out.stdout, out.stderr
-    assert not lock.exists()

@@ -1,7 +1,9 @@
-"""The shipped package: a wheel built from the repo holds neuron (with its kernels' C++ sources),
-the protocol and the ``neuron`` command, and none of the test tooling; installed alone into a fresh
-virtual environment (its dependencies taken from this one's site-packages), ``neuron serve`` serves
-the default model from a directory outside the repo."""
+"""The shipped package: a wheel built from the repo holds neuron (with its CPU kernels built for
+every instruction-set level of this machine's architecture, and their C++ sources), the protocol
+and the ``neuron`` command, and none of the test tooling; installed alone into a fresh virtual
+environment (its dependencies taken from this one's site-packages), ``neuron serve`` serves the
+default model from a directory outside the repo, on the kernels of this CPU's level, compiling
+nothing."""
 
 from __future__ import annotations
 
@@ -30,7 +32,11 @@ def test_the_wheel_has_no_test_tooling_and_serves_the_default_model(tmp_path):
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"neuron", "protocol"}, tops
     assert not [n for n in names if "devtools" in n or n.startswith("tests/") or "/tools/" in n]
-    assert {"neuron/kernels/csrc/qlinear_cpu.cpp", "neuron/kernels/csrc/cpu_ops.cpp"} <= set(names)
+    from neuron.kernels.isa import choose, levels_for, module_name
+
+    assert {"neuron/kernels/csrc/module.cpp", "neuron/kernels/csrc/qlinear.h"} <= set(names)
+    built = {n.split("/")[-1].split(".")[0] for n in names if n.startswith("neuron/kernels/_cpu_")}
+    assert built == {module_name(level.name) for level in levels_for()}, built
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "neuron = neuron.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
@@ -50,10 +56,7 @@ def test_the_wheel_has_no_test_tooling_and_serves_the_default_model(tmp_path):
 
     port = free_port()
     log = open(tmp_path / "serve.log", "wb")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "NEURON_FAMILIES")}
-    # Its CPU kernels build from the installed sources into a cache of their own: sharing the
-    # suite's would make ninja rebuild there twice (the sources' paths differ).
-    env["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "torch_extensions")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "NEURON_FAMILIES", "NEURON_CPU_ISA")}
     # What the ``neuron`` console script runs (pip --target leaves scripts out of the venv's bin).
     proc = subprocess.Popen([str(py), "-m", "neuron.cli", "serve", "--port", str(port)], cwd=tmp_path, stdout=log,
                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -72,6 +75,8 @@ def test_the_wheel_has_no_test_tooling_and_serves_the_default_model(tmp_path):
             "model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"]
+        models = httpx.get(f"{url}/models", timeout=10).json()["models"]
+        assert models[0]["cpu_isa"] == choose().name, models[0]
     finally:
         proc.terminate()
         proc.wait(60)

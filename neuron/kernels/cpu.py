@@ -1,52 +1,198 @@
-"""The CPU kernels: packed-weight matrix products (``csrc/qlinear_cpu.cpp``) and the step's fused
-small ops (``csrc/cpu_ops.cpp``), one extension built for this machine's
-instruction set the first time a rank needs them (torch's C++ extension builder: a C++ compiler
-and ninja) and cached by torch under ``TORCH_EXTENSIONS_DIR`` (default ~/.cache/torch_extensions)."""
+"""The CPU kernels: packed-weight matrix products and the step's fused small ops (``csrc/``),
+built at install time once per instruction-set level (``isa.py``, ``setup.py``); the level this
+CPU runs best, or ``NEURON_CPU_ISA``, is imported once per process. Nothing is compiled here.
+
+The modules take their operands' addresses; these wrappers check the tensors first (dtype,
+layout, shapes: what the C++ would otherwise read past) and pass them on. A packed weight's
+tensors are checked once, when it is bound (``PackedKernel``); a product then checks only ``x``.
+"""
 
 from __future__ import annotations
 
-import fcntl
 import functools
+import importlib
 import logging
-import time
-from pathlib import Path
 from typing import Any
+
+import torch
+
+from . import isa
 
 log = logging.getLogger("neuron.kernels")
 
-NAME = "neuron_cpu"
-SOURCES = [Path(__file__).parent / "csrc" / "qlinear_cpu.cpp", Path(__file__).parent / "csrc" / "cpu_ops.cpp"]
-
 
 class KernelUnavailable(RuntimeError):
-    """The CPU kernels could not be built here."""
+    """The CPU kernels are not there (not built: no compiler at install time) or cannot run."""
 
 
-def cpu_kernels() -> Any:
-    """The built module (``q4_linear``, ``q8_linear``; ``rms_norm``, ``add_rms_norm``, ``silu_mul``,
-    ``rope_store``, ``paged_decode``), or KernelUnavailable (tried once)."""
-    result = _build()
-    if isinstance(result, KernelUnavailable):
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise RuntimeError(message)
+
+
+def _f32(t: torch.Tensor, name: str) -> None:
+    _check(t.dtype == torch.float32 and t.is_cpu, f"{name} must be a float32 CPU tensor")
+
+
+class PackedKernel:
+    """``y = x W^T`` for one packed W (``models.packed_linear``): u uint8 [N, K * bits / 8];
+    s, m float16 [N, ns] (d, dm empty), or int8 [N, ns] with d, dm float16 [N, nd]; ns = K/32 or
+    K/16."""
+
+    def __init__(self, mod: Any, bits: int, u: torch.Tensor, s: torch.Tensor, m: torch.Tensor, d: torch.Tensor,
+                 dm: torch.Tensor) -> None:
+        N = u.shape[0]
+        K = u.shape[1] * 8 // bits
+        sup = d.numel() > 0
+        _check(u.dtype == torch.uint8 and u.is_contiguous() and u.dim() == 2 and K % 32 == 0, "u does not match x")
+        _check(s.dtype == (torch.int8 if sup else torch.float16) and m.dtype == s.dtype and s.dim() == 2
+               and s.shape[0] == N and m.shape == s.shape and s.is_contiguous() and m.is_contiguous(),
+               "scales do not match u")
+        ns = s.shape[1]
+        _check(ns in (K // 32, K // 16), "a scale per 32 or per 16 values")
+        nd = 0
+        if sup:
+            _check(d.dtype == torch.float16 and dm.shape == d.shape and d.dim() == 2 and d.shape[0] == N
+                   and ns % d.shape[1] == 0 and d.is_contiguous() and dm.is_contiguous(),
+                   "super-block scales do not match")
+            nd = d.shape[1]
+        self.mod, self.bits, self.n, self.k = mod, bits, N, K
+        self.keep = (u, s, m, d, dm)  # the addresses below stay theirs
+        self.args = (u.data_ptr(), s.data_ptr(), m.data_ptr(), d.data_ptr() if sup else 0, dm.data_ptr() if sup else 0)
+        self.ns, self.nd = ns, nd
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        M, K = x.shape
+        _check(x.dtype == torch.float32 and K == self.k and x.is_cpu, "x must be float32 [M, K] on the CPU")
+        if not x.is_contiguous():
+            x = x.contiguous()
+        y = torch.empty(M, self.n, dtype=torch.float32)
+        self.mod.qlinear(self.bits, x.data_ptr(), *self.args, y.data_ptr(), M, self.k, self.n, self.ns, self.nd,
+                         torch.get_num_threads())
+        return y
+
+
+class CpuKernels:
+    """One level's module behind the tensor interface the model, the runner and the tests call."""
+
+    def __init__(self, mod: Any) -> None:
+        self.mod = mod
+        self.isa: str = mod.ISA
+
+    def packed(self, bits: int, u, s, m, d, dm) -> PackedKernel:
+        return PackedKernel(self.mod, bits, u, s, m, d, dm)
+
+    def q4_linear(self, x, u, s, m, d, dm) -> torch.Tensor:
+        return PackedKernel(self.mod, 4, u, s, m, d, dm)(x)
+
+    def q8_linear(self, x, u, s, m, d, dm) -> torch.Tensor:
+        return PackedKernel(self.mod, 8, u, s, m, d, dm)(x)
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        _f32(x, "x")
+        _check(x.dim() == 2 and x.stride(1) == 1 and w.is_contiguous() and w.dtype == torch.float32
+               and w.numel() == x.shape[1], "x [T, H], w [H]")
+        T, H = x.shape
+        out = torch.empty(T, H, dtype=torch.float32)
+        self.mod.rms_norm(x.data_ptr(), x.stride(0), w.data_ptr(), out.data_ptr(), T, H, float(eps),
+                          torch.get_num_threads())
+        return out
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        _f32(x, "x")
+        _f32(residual, "residual")
+        _check(x.dim() == 2 and x.is_contiguous() and residual.is_contiguous() and residual.shape == x.shape
+               and w.is_contiguous() and w.dtype == torch.float32 and w.numel() == x.shape[1],
+               "x and residual [T, H] contiguous, w [H]")
+        T, H = x.shape
+        out = torch.empty(T, H, dtype=torch.float32)
+        self.mod.add_rms_norm(x.data_ptr(), residual.data_ptr(), w.data_ptr(), out.data_ptr(), T, H, float(eps),
+                              torch.get_num_threads())
+        return out, residual
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        _f32(gate_up, "gate_up")
+        _check(gate_up.dim() == 2 and gate_up.stride(1) == 1 and gate_up.shape[1] % 2 == 0, "gate_up [T, 2I]")
+        T, I = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(T, I, dtype=torch.float32)
+        self.mod.silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), T, I, torch.get_num_threads())
+        return out
+
+    def rope_store(self, qkv: torch.Tensor, n_q: int, n_kv: int, positions: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor) -> None:
+        for t, name in ((qkv, "qkv"), (k_cache, "k_cache"), (v_cache, "v_cache"), (cos, "cos"), (sin, "sin")):
+            _f32(t, name)
+        _check(qkv.dim() == 3 and qkv.stride(2) == 1 and qkv.stride(1) == qkv.shape[2]
+               and qkv.shape[1] == n_q + 2 * n_kv, "qkv [T, n_q + 2 n_kv, hd], heads contiguous")
+        T, hd = qkv.shape[0], qkv.shape[2]
+        _check(hd % 2 == 0 and cos.is_contiguous() and sin.is_contiguous() and cos.dim() == 2 and cos.shape[1] == hd
+               and sin.shape == cos.shape and positions.dtype == torch.int64 and index.dtype == torch.int64
+               and positions.numel() == T and index.numel() == T and positions.is_contiguous()
+               and index.is_contiguous(), "positions and index int64 [T], cos/sin [L, hd]")
+        _check(k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[-1] == hd
+               and k_cache.shape[-2] == n_kv and v_cache.shape == k_cache.shape, "caches [..., n_kv, hd] contiguous")
+        norm = q_norm is not None and k_norm is not None
+        if norm:
+            for t, name in ((q_norm, "q_norm"), (k_norm, "k_norm")):
+                _f32(t, name)
+                _check(t.is_contiguous() and t.numel() == hd, f"{name} [hd]")
+        self.mod.rope_store(qkv.data_ptr(), T, qkv.stride(0), n_q, n_kv, hd, positions.data_ptr(), cos.data_ptr(),
+                            sin.data_ptr(), cos.shape[0], q_norm.data_ptr() if norm else 0,
+                            k_norm.data_ptr() if norm else 0, float(eps), k_cache.data_ptr(), v_cache.data_ptr(),
+                            k_cache.numel() // (n_kv * hd), index.data_ptr(), torch.get_num_threads())
+
+    def paged_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                     slots: torch.Tensor, ctx: torch.Tensor, kv_of_q: torch.Tensor, scale: float) -> torch.Tensor:
+        _f32(q, "q")
+        _check(q.dim() == 3 and q.stride(2) == 1, "q [B, n_q, hd]")
+        _check(k_cache.dim() == 4 and k_cache.is_contiguous() and v_cache.is_contiguous()
+               and v_cache.shape == k_cache.shape and k_cache.dtype == torch.float32
+               and v_cache.dtype == torch.float32, "caches [blocks, block_size, n_kv, hd] float32 contiguous")
+        _check(tables.dtype == torch.int32 and tables.is_contiguous() and tables.dim() == 2,
+               "tables int32 [rows, max_blocks]")
+        _check(slots.dtype == torch.int64 and ctx.dtype == torch.int64 and kv_of_q.dtype == torch.int32
+               and slots.is_contiguous() and ctx.is_contiguous() and kv_of_q.is_contiguous(),
+               "slots, ctx int64 [B], kv_of_q int32 [n_q]")
+        B, n_q, hd = q.shape
+        blocks, bs, n_kv = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
+        _check(k_cache.shape[3] == hd and kv_of_q.numel() == n_q and slots.numel() == B and ctx.numel() == B,
+               "shapes do not match")
+        out = torch.empty(B, n_q, hd, dtype=torch.float32)
+        self.mod.paged_decode(q.data_ptr(), B, n_q, hd, q.stride(0), q.stride(1), k_cache.data_ptr(),
+                              v_cache.data_ptr(), blocks, bs, n_kv, tables.data_ptr(), tables.shape[0], tables.shape[1],
+                              slots.data_ptr(), ctx.data_ptr(), kv_of_q.data_ptr(), float(scale), out.data_ptr(),
+                              torch.get_num_threads())
+        return out
+
+
+def load_level(name: str) -> CpuKernels:
+    """The kernels of level ``name`` (for tests of every level the machine runs)."""
+    try:
+        return CpuKernels(importlib.import_module(f"neuron.kernels.{isa.module_name(name)}"))
+    except ImportError as exc:
+        raise KernelUnavailable(f"the {name} CPU kernels are not built ({exc}): reinstall neuron "
+                                f"(./scripts/setup) with a C++ compiler") from None
+
+
+def cpu_kernels() -> CpuKernels:
+    """The kernels of the level this CPU runs, or KernelUnavailable (looked up once)."""
+    result = _chosen()
+    if isinstance(result, Exception):
         raise result
     return result
 
 
 @functools.cache
-def _build() -> Any:
-    from torch.utils.cpp_extension import _get_build_directory, load
-
-    t0 = time.perf_counter()
+def _chosen() -> CpuKernels | Exception:
     try:
-        build = Path(_get_build_directory(NAME, verbose=False))
-        # torch's own build lock is a plain file: one left by a process killed while it built
-        # would make every later build wait for ever. Builds take this flock first (the kernel
-        # drops it when its holder dies), so a torch lock found under it is a dead build's.
-        with open(build / "neuron.flock", "w") as held:
-            fcntl.flock(held, fcntl.LOCK_EX)
-            (build / "lock").unlink(missing_ok=True)
-            mod = load(name=NAME, sources=[str(s) for s in SOURCES],
-                       extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as exc:  # no compiler, no ninja, an assembler without AVX-512, ...
-        return KernelUnavailable(f"the packed-weight CPU kernels could not be built: {exc}")
-    log.info("packed-weight CPU kernels ready in %.1fs", time.perf_counter() - t0)
-    return mod
+        level = isa.choose()
+    except isa.IsaError as exc:
+        return exc
+    try:
+        kernels = load_level(level.name)
+    except KernelUnavailable as exc:
+        return exc
+    log.info("CPU kernels: %s (%d float32 lanes)", kernels.isa, kernels.mod.LANES)
+    return kernels

@@ -62,11 +62,12 @@ class PackedLinear:
             self.u = self.u.to(self.device)
             self._kernel = None
             self.gemv_configs: dict[int, tuple[int, int, int]] = {}  # measured at load: runner/linear.py
+            self._plain = False
             return
         from neuron.kernels.cpu import cpu_kernels
 
-        kernels = cpu_kernels()
-        self._kernel = kernels.q4_linear if self.bits == 4 else kernels.q8_linear
+        self._kernel = cpu_kernels().packed(self.bits, self.u, self.s, self.m, self.d, self.dm)
+        self._plain = self.perm is None and self.bias is None
 
     @property
     def out_features(self) -> int:
@@ -79,6 +80,8 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """``x W^T + b`` in ``x``'s dtype, or its values in ``out_dtype``."""
+        if self._plain and x.ndim == 2 and out_dtype is None and x.dtype == torch.float32 and x.is_cpu:
+            return self._kernel(x)  # a decode step's usual case: a few microseconds of views saved
         shape = x.shape
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
@@ -90,7 +93,7 @@ class PackedLinear:
             if self.bias is not None:
                 y = y + self.bias
             return y.view(*shape[:-1], self.n)
-        y = self._kernel(x.reshape(-1, self.k).float(), self.u, self.s, self.m, self.d, self.dm)
+        y = self._kernel(x.reshape(-1, self.k).float())
         if x.dtype != torch.float32:
             y = y.to(x.dtype)
         if out_dtype is not None:

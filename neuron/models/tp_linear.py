@@ -17,6 +17,8 @@ quantization) and a packed kernel runs on this device in this activation dtype; 
 
 from __future__ import annotations
 
+import functools
+
 import logging
 from typing import Protocol
 
@@ -95,9 +97,14 @@ def packed_kernel_for(device: torch.device, dtype: torch.dtype) -> bool:
     try:
         cpu_kernels()
     except KernelUnavailable as exc:
-        log.warning("%s; quantized weights are dequantized instead", exc)
+        _warn_once(f"{exc}; quantized weights are dequantized instead")
         return False
     return True
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    log.warning("%s", message)
 
 
 def column_parallel(src: Source, parts: list[tuple[str, range | None]], *, dtype: torch.dtype,

@@ -170,12 +170,14 @@ class DeviceWorker:
         self._warm_up()
         runner = self.runner
         packing = describe_packing(self.model)
-        log.info("rank %d loaded %s shard in %.2fs: %d weight bytes, %d KV blocks of %d; %s", self.rank, msg.model,
-                 time.perf_counter() - t0, self.model.weight_bytes(), runner.kv_blocks, msg.block_size, packing)
+        cpu_isa = _cpu_isa() if self.device.type == "cpu" else ""
+        log.info("rank %d loaded %s shard in %.2fs: %d weight bytes, %d KV blocks of %d; %s; CPU kernels %s", self.rank,
+                 msg.model, time.perf_counter() - t0, self.model.weight_bytes(), runner.kv_blocks, msg.block_size,
+                 packing, cpu_isa or "-")
         return p.LoadOk(id=msg.id, epoch=msg.epoch, kv_capacity=runner.kv_blocks * msg.block_size,
                         bytes=self.model.weight_bytes(), kv_bytes=runner.kv.nbytes, kv_blocks=runner.kv_blocks,
                         graphs=sorted(runner.graphs), packing=packing, state_slots=runner.states.slots,
-                        state_bytes=runner.states.nbytes, state_snapshots=runner.state_snapshots)
+                        state_bytes=runner.states.nbytes, state_snapshots=runner.state_snapshots, cpu_isa=cpu_isa)
 
     def _stage(self, msg: p.LoadShard, family) -> tuple[int, int, Stage]:
         """This rank's pipeline stage: its tensor-parallel group (every rank creates every
@@ -258,3 +260,13 @@ class DeviceWorker:
                 dist.destroy_process_group()
             except Exception:  # a peer may already be gone
                 pass
+
+
+def _cpu_isa() -> str:
+    """The level of the CPU kernels this rank runs, "none" where they are not built."""
+    from neuron.kernels.cpu import KernelUnavailable, cpu_kernels
+
+    try:
+        return cpu_kernels().isa
+    except KernelUnavailable:
+        return "none"

@@ -1,0 +1,212 @@
+// The CPython binding of one instruction-set level of the CPU kernels (qlinear.h, ops.h): each
+// function takes the addresses and sizes of its operands as integers (neuron/kernels/cpu.py
+// checks the tensors and passes them) and runs without the GIL, as torch's own ops do, so a rank's
+// socket loop answers pings and sends heartbeats while its device thread is inside a kernel.
+// Built once per level by neuron/kernels/build.py as neuron.kernels._cpu_<level>; no torch here.
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "ops.h"
+#include "qlinear.h"
+
+#ifndef NEURON_MODULE
+#error "NEURON_MODULE (the module's name) must be defined"
+#endif
+#define NEURON_CAT2(a, b) a##b
+#define NEURON_CAT(a, b) NEURON_CAT2(a, b)
+#define NEURON_STR2(a) #a
+#define NEURON_STR(a) NEURON_STR2(a)
+
+namespace {
+
+// The arguments as integers and floats, in order; false (with a Python error set) if one is not.
+struct Args {
+  PyObject* const* a;
+  Py_ssize_t n;
+  bool ok = true;
+
+  bool count(Py_ssize_t want, const char* name) {
+    if (n != want) {
+      PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, not %zd", name, want, n);
+      ok = false;
+    }
+    return ok;
+  }
+  int64_t i(Py_ssize_t k) {
+    const long long v = PyLong_AsLongLong(a[k]);
+    if (v == -1 && PyErr_Occurred()) ok = false;
+    return static_cast<int64_t>(v);
+  }
+  template <typename T>
+  T* p(Py_ssize_t k) {
+    return reinterpret_cast<T*>(static_cast<uintptr_t>(i(k)));
+  }
+  double f(Py_ssize_t k) {
+    const double v = PyFloat_AsDouble(a[k]);
+    if (v == -1.0 && PyErr_Occurred()) ok = false;
+    return v;
+  }
+};
+
+PyObject* done(const char* error) {
+  if (error != nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, error);
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+// qlinear(bits, x, u, s, m, d, dm, y, M, K, N, ns, nd, threads): d == 0 for float16 s, m.
+PyObject* qlinear(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  Args a{args, n};
+  if (!a.count(14, "qlinear")) return nullptr;
+  const int64_t bits = a.i(0);
+  kernels::Scales scales;
+  const float* x = a.p<const float>(1);
+  const uint8_t* u = a.p<const uint8_t>(2);
+  float* y = a.p<float>(7);
+  const int64_t M = a.i(8), K = a.i(9), N = a.i(10);
+  scales.ns = a.i(11);
+  scales.nd = a.i(12);
+  const int threads = static_cast<int>(a.i(13));
+  if (scales.nd > 0) {
+    scales.sc = a.p<const int8_t>(3);
+    scales.mn = a.p<const int8_t>(4);
+    scales.d = a.p<const uint16_t>(5);
+    scales.dm = a.p<const uint16_t>(6);
+  } else {
+    scales.s16 = a.p<const uint16_t>(3);
+    scales.m16 = a.p<const uint16_t>(4);
+  }
+  if (!a.ok) return nullptr;
+  if ((bits != 4 && bits != 8) || K % kernels::G || (scales.ns != K / 32 && scales.ns != K / 16) ||
+      (scales.nd > 0 && scales.ns % scales.nd))
+    return done("qlinear: bits, K and the scale counts do not fit together");
+  Py_BEGIN_ALLOW_THREADS
+  if (bits == 4) {
+    kernels::qlinear<4>(x, u, scales, y, M, K, N, threads);
+  } else {
+    kernels::qlinear<8>(x, u, scales, y, M, K, N, threads);
+  }
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+// rms_norm(x, sx, w, out, T, H, eps, threads)
+PyObject* rms_norm(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  Args a{args, n};
+  if (!a.count(8, "rms_norm")) return nullptr;
+  const float* x = a.p<const float>(0);
+  const int64_t sx = a.i(1);
+  const float* w = a.p<const float>(2);
+  float* out = a.p<float>(3);
+  const int64_t T = a.i(4), H = a.i(5);
+  const double eps = a.f(6);
+  const int threads = static_cast<int>(a.i(7));
+  if (!a.ok) return nullptr;
+  Py_BEGIN_ALLOW_THREADS
+  kernels::rms_norm(x, sx, w, out, T, H, eps, threads);
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+// add_rms_norm(x, residual, w, out, T, H, eps, threads)
+PyObject* add_rms_norm(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  Args a{args, n};
+  if (!a.count(8, "add_rms_norm")) return nullptr;
+  const float* x = a.p<const float>(0);
+  float* residual = a.p<float>(1);
+  const float* w = a.p<const float>(2);
+  float* out = a.p<float>(3);
+  const int64_t T = a.i(4), H = a.i(5);
+  const double eps = a.f(6);
+  const int threads = static_cast<int>(a.i(7));
+  if (!a.ok) return nullptr;
+  Py_BEGIN_ALLOW_THREADS
+  kernels::add_rms_norm(x, residual, w, out, T, H, eps, threads);
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+// silu_mul(gate_up, s, out, T, I, threads)
+PyObject* silu_mul(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  Args a{args, n};
+  if (!a.count(6, "silu_mul")) return nullptr;
+  const float* gu = a.p<const float>(0);
+  const int64_t s = a.i(1);
+  float* out = a.p<float>(2);
+  const int64_t T = a.i(3), I = a.i(4);
+  const int threads = static_cast<int>(a.i(5));
+  if (!a.ok) return nullptr;
+  Py_BEGIN_ALLOW_THREADS
+  kernels::silu_mul(gu, s, out, T, I, threads);
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+// rope_store(qkv, T, sq, n_q, n_kv, hd, positions, cos, sin, L, q_norm, k_norm, eps, k_cache,
+//            v_cache, rows_in_cache, index, threads)
+PyObject* rope_store(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  Args a{args, n};
+  if (!a.count(18, "rope_store")) return nullptr;
+  kernels::RopeStore r{a.p<float>(0), a.i(1), a.i(2), a.i(3), a.i(4), a.i(5), a.p<const int64_t>(6),
+                       a.p<const float>(7), a.p<const float>(8), a.i(9), a.p<const float>(10),
+                       a.p<const float>(11), a.f(12), a.p<float>(13), a.p<float>(14), a.i(15),
+                       a.p<const int64_t>(16)};
+  const int threads = static_cast<int>(a.i(17));
+  if (!a.ok) return nullptr;
+  const char* error;
+  Py_BEGIN_ALLOW_THREADS
+  error = kernels::rope_store(r, threads);
+  Py_END_ALLOW_THREADS
+  return done(error);
+}
+
+// paged_decode(q, B, n_q, hd, sb, sh, k_cache, v_cache, blocks, bs, n_kv, tables, table_rows,
+//              max_blocks, slots, ctx, kv_of_q, scale, out, threads)
+PyObject* paged_decode(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  Args a{args, n};
+  if (!a.count(20, "paged_decode")) return nullptr;
+  kernels::PagedDecode d{a.p<const float>(0), a.i(1), a.i(2), a.i(3), a.i(4), a.i(5), a.p<const float>(6),
+                         a.p<const float>(7), a.i(8), a.i(9), a.i(10), a.p<const int32_t>(11), a.i(12), a.i(13),
+                         a.p<const int64_t>(14), a.p<const int64_t>(15), a.p<const int32_t>(16), a.f(17),
+                         a.p<float>(18)};
+  const int threads = static_cast<int>(a.i(19));
+  if (!a.ok) return nullptr;
+  const char* error;
+  Py_BEGIN_ALLOW_THREADS
+  error = kernels::paged_decode(d, threads);
+  Py_END_ALLOW_THREADS
+  return done(error);
+}
+
+PyMethodDef methods[] = {
+    {"qlinear", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(qlinear)), METH_FASTCALL,
+     "y = x W^T, W packed in groups of 32"},
+    {"rms_norm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rms_norm)), METH_FASTCALL,
+     "RMS norm of x [T, H] times w"},
+    {"add_rms_norm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(add_rms_norm)), METH_FASTCALL,
+     "residual += x, then its RMS norm"},
+    {"silu_mul", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(silu_mul)), METH_FASTCALL,
+     "silu(gate) * up of [T, 2I]"},
+    {"rope_store", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rope_store)), METH_FASTCALL,
+     "q/k norm and RoPE; q in place, k and v into the paged cache"},
+    {"paged_decode", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(paged_decode)), METH_FASTCALL,
+     "one query token per sequence over the paged KV cache"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, NEURON_STR(NEURON_MODULE), "neuron's CPU kernels, one ISA level", -1,
+                      methods, nullptr, nullptr, nullptr, nullptr};
+
+}  // namespace
+
+PyMODINIT_FUNC NEURON_CAT(PyInit_, NEURON_MODULE)(void) {
+  PyObject* m = PyModule_Create(&module);
+  if (m == nullptr) return nullptr;
+  if (PyModule_AddStringConstant(m, "ISA", simd::NAME) < 0 || PyModule_AddIntConstant(m, "LANES", simd::W) < 0) {
+    Py_DECREF(m);
+    return nullptr;
+  }
+  return m;
+}

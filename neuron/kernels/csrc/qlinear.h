@@ -1,0 +1,217 @@
+// y = x W^T for weights kept packed in groups of 32 along the input dimension, float32
+// activations and accumulation: w = s * u + m per group of 32, or per half-group of 16 (the
+// K-quants with 16-element sub-blocks).
+//
+//   u, 4-bit: 16 bytes a group, byte j holds u[j] (low nibble) and u[j + 16] (high nibble), the
+//             order of GGUF's Q4_0/Q4_1 blocks; 8-bit: one byte each.
+//   s, m:     float16 per scale group, as GGUF files hold them; or, for the K-quants, int8 per
+//             scale group times a float16 per super-block (s = d * sc, m = dm * mn), which is
+//             exactly how those files build them (float16 x 6-bit fits a float32 exactly).
+//
+// One row of x (a decode): sum_k w[n,k] x[k] = sum_g s_g (u_g . x_g) + sum_g m_g xsum_g, so the
+// integers meet x unscaled, one FMA a group applies its scale, and the offsets meet the per-group
+// sums of x at the end; two rows of W go together, so each load of x feeds both. Several rows
+// of x (up to 8): each group of W is dequantized once into registers and multiplied into every
+// row, so a batch of M rows reads the weights ceil(M / 8) times. Rows of W are split over the
+// threads. The arithmetic is float32 throughout: the result is the dequantized product's, up to
+// the order of the sums.
+
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "parallel.h"
+#include "simd.h"
+
+namespace kernels {
+
+using namespace simd;
+constexpr int G = 32;
+
+// One row's scales and offsets as float32.
+struct Scales {
+  const uint16_t* s16 = nullptr;  // plain: float16 [N, ns]
+  const uint16_t* m16 = nullptr;
+  const int8_t* sc = nullptr;  // super: int8 [N, ns] times float16 [N, nd]
+  const int8_t* mn = nullptr;
+  const uint16_t* d = nullptr;
+  const uint16_t* dm = nullptr;
+  int64_t ns = 0, nd = 0;
+
+  void row(int64_t n, float* sbuf, float* mbuf) const {
+    if (s16 != nullptr) {
+      const uint16_t* sn = s16 + n * ns;
+      const uint16_t* mn_ = m16 + n * ns;
+      int64_t i = 0;
+      for (; i + W <= ns; i += W) {
+        store(sbuf + i, halves(sn + i));
+        store(mbuf + i, halves(mn_ + i));
+      }
+      for (; i < ns; ++i) {
+        sbuf[i] = half_to_float(sn[i]);
+        mbuf[i] = half_to_float(mn_[i]);
+      }
+      return;
+    }
+    const int64_t per = ns / nd;
+    const int8_t* scn = sc + n * ns;
+    const int8_t* mnn = mn + n * ns;
+    for (int64_t j = 0; j < nd; ++j) {
+      const float dj = half_to_float(d[n * nd + j]), dmj = half_to_float(dm[n * nd + j]);
+      for (int64_t i = j * per; i < (j + 1) * per; ++i) {
+        sbuf[i] = dj * static_cast<float>(scn[i]);
+        mbuf[i] = dmj * static_cast<float>(mnn[i]);
+      }
+    }
+  }
+};
+
+template <int BITS>
+inline void unpack(const uint8_t* p, V* w) {
+  if constexpr (BITS == 4) {
+    group4(p, w);
+  } else {
+    group8(p, w);
+  }
+}
+
+// The scale group of vector v of group g.
+template <bool HALF>
+constexpr int64_t scale_of(int64_t g, int v) {
+  return HALF ? 2 * g + (v * W >= 16 ? 1 : 0) : g;
+}
+
+// sum_j m_j xsum_j over a row's ns scale groups.
+inline float offsets(const float* m, const float* xs, int64_t ns) { return dot(m, xs, ns); }
+
+// One row of x against rows n0..n1 of W, two rows of W at a time.
+template <int BITS, bool HALF>
+void one_row(const float* x, const float* xsum, int64_t K, const uint8_t* u, const Scales& scales, float* y,
+             int64_t n0, int64_t n1, float* sbuf) {
+  constexpr int BYTES = BITS * G / 8;
+  const int64_t groups = K / G, ns = scales.ns;
+  float *s0 = sbuf, *m0 = sbuf + ns, *s1 = sbuf + 2 * ns, *m1 = sbuf + 3 * ns;
+  int64_t n = n0;
+  for (; n + 1 < n1; n += 2) {
+    const uint8_t* u0 = u + n * groups * BYTES;
+    const uint8_t* u1 = u0 + groups * BYTES;
+    scales.row(n, s0, m0);
+    scales.row(n + 1, s1, m1);
+    V acc0[2] = {zero(), zero()}, acc1[2] = {zero(), zero()};
+    for (int64_t g = 0; g < groups; ++g) {
+      V w0[NV], w1[NV], xv[NV];
+      unpack<BITS>(u0 + g * BYTES, w0);
+      unpack<BITS>(u1 + g * BYTES, w1);
+      for (int v = 0; v < NV; ++v) xv[v] = load(x + g * G + v * W);
+      if constexpr (HALF) {
+        for (int v = 0; v < NV; ++v) {
+          const int64_t i = scale_of<true>(g, v);
+          acc0[v & 1] = fma(mul(w0[v], xv[v]), set1(s0[i]), acc0[v & 1]);
+          acc1[v & 1] = fma(mul(w1[v], xv[v]), set1(s1[i]), acc1[v & 1]);
+        }
+      } else {
+        V d0 = mul(w0[0], xv[0]), d1 = mul(w1[0], xv[0]);
+        for (int v = 1; v < NV; ++v) {
+          d0 = fma(w0[v], xv[v], d0);
+          d1 = fma(w1[v], xv[v], d1);
+        }
+        acc0[g & 1] = fma(d0, set1(s0[g]), acc0[g & 1]);
+        acc1[g & 1] = fma(d1, set1(s1[g]), acc1[g & 1]);
+      }
+    }
+    y[n] = sum(add(acc0[0], acc0[1])) + offsets(m0, xsum, ns);
+    y[n + 1] = sum(add(acc1[0], acc1[1])) + offsets(m1, xsum, ns);
+  }
+  for (; n < n1; ++n) {
+    const uint8_t* un = u + n * groups * BYTES;
+    scales.row(n, s0, m0);
+    V acc[2] = {zero(), zero()};
+    for (int64_t g = 0; g < groups; ++g) {
+      V w[NV];
+      unpack<BITS>(un + g * BYTES, w);
+      for (int v = 0; v < NV; ++v) {
+        const V prod = mul(w[v], load(x + g * G + v * W));
+        acc[v & 1] = fma(prod, set1(s0[scale_of<HALF>(g, v)]), acc[v & 1]);
+      }
+    }
+    y[n] = sum(add(acc[0], acc[1])) + offsets(m0, xsum, ns);
+  }
+}
+
+// MT rows of x (2..8) against rows n0..n1 of W: each group dequantized once, into every row.
+template <int BITS, bool HALF, int MT>
+void many_rows(const float* x, int64_t K, const uint8_t* u, const Scales& scales, float* y, int64_t N,
+               int64_t n0, int64_t n1, float* sbuf) {
+  constexpr int BYTES = BITS * G / 8;
+  const int64_t groups = K / G, ns = scales.ns;
+  float *s0 = sbuf, *m0 = sbuf + ns;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* un = u + n * groups * BYTES;
+    scales.row(n, s0, m0);
+    V acc[MT];
+    for (int t = 0; t < MT; ++t) acc[t] = zero();
+    for (int64_t g = 0; g < groups; ++g) {
+      V w[NV];
+      unpack<BITS>(un + g * BYTES, w);
+      for (int v = 0; v < NV; ++v) {
+        const int64_t i = scale_of<HALF>(g, v);
+        const V wv = fma(w[v], set1(s0[i]), set1(m0[i]));
+        for (int t = 0; t < MT; ++t) acc[t] = fma(wv, load(x + t * K + g * G + v * W), acc[t]);
+      }
+    }
+    for (int t = 0; t < MT; ++t) y[t * N + n] = sum(acc[t]);
+  }
+}
+
+template <int BITS, bool HALF>
+void run(const float* xp, const uint8_t* up, const Scales& scales, float* yp, int64_t M, int64_t K, int64_t N,
+         int threads) {
+  constexpr int GS = HALF ? G / 2 : G;  // values per scale
+  const int64_t ns = K / GS;
+  std::vector<float> xsum(M == 1 ? ns : 0);  // per-group sums of x, for the offsets of one row
+  if (M == 1)
+    for (int64_t j = 0; j < ns; ++j) {
+      float a = 0;
+      for (int k = 0; k < GS; ++k) a += xp[j * GS + k];
+      xsum[j] = a;
+    }
+  const int64_t grain = std::max<int64_t>(16, 4096 / std::max<int64_t>(K / 64, 1));
+  parallel_for(N, grain, threads, [&](int64_t n0, int64_t n1) {
+    std::vector<float> sbuf(4 * ns + 4 * W);  // scales and offsets of two rows
+    if (M == 1) {
+      one_row<BITS, HALF>(xp, xsum.data(), K, up, scales, yp, n0, n1, sbuf.data());
+      return;
+    }
+    for (int64_t r = 0; r < M; r += 8) {
+      const float* xr = xp + r * K;
+      float* yr = yp + r * N;
+      switch (std::min<int64_t>(8, M - r)) {
+        case 1: many_rows<BITS, HALF, 1>(xr, K, up, scales, yr, N, n0, n1, sbuf.data()); break;
+        case 2: many_rows<BITS, HALF, 2>(xr, K, up, scales, yr, N, n0, n1, sbuf.data()); break;
+        case 3: many_rows<BITS, HALF, 3>(xr, K, up, scales, yr, N, n0, n1, sbuf.data()); break;
+        case 4: many_rows<BITS, HALF, 4>(xr, K, up, scales, yr, N, n0, n1, sbuf.data()); break;
+        case 5: many_rows<BITS, HALF, 5>(xr, K, up, scales, yr, N, n0, n1, sbuf.data()); break;
+        case 6: many_rows<BITS, HALF, 6>(xr, K, up, scales, yr, N, n0, n1, sbuf.data()); break;
+        case 7: many_rows<BITS, HALF, 7>(xr, K, up, scales, yr, N, n0, n1, sbuf.data()); break;
+        default: many_rows<BITS, HALF, 8>(xr, K, up, scales, yr, N, n0, n1, sbuf.data()); break;
+      }
+    }
+  });
+}
+
+// The whole product: y [M, N] = x [M, K] W^T. ns = K / 32, or K / 16 (a scale per half-group).
+template <int BITS>
+void qlinear(const float* x, const uint8_t* u, const Scales& scales, float* y, int64_t M, int64_t K, int64_t N,
+             int threads) {
+  const bool half = scales.ns == 2 * (K / G);
+  if (half) {
+    run<BITS, true>(x, u, scales, y, M, K, N, threads);
+  } else {
+    run<BITS, false>(x, u, scales, y, M, K, N, threads);
+  }
+}
+
+}  // namespace kernels

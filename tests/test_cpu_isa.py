@@ -1,0 +1,186 @@
+"""The CPU kernels at every instruction-set level: built at install time (a first start compiles
+nothing), each level this machine runs computing every GGUF type as the file dequantizes it, the
+plain C++ check of the kernels' arithmetic natively and (for Arm NEON, which this machine cannot
+run) under qemu-user, and ``NEURON_CPU_ISA`` forcing a level or refused by name where the CPU
+lacks it, with the level shown in ``GET /models`` and the load log."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import gguf
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from conftest import DEFAULT_MODEL, ROOT, SMALL, start_server
+from neuron.kernels import isa
+from neuron.kernels.cpu import KernelUnavailable, load_level
+from neuron.models.packed_linear import PackedLinear
+from neuron.models.quant import decode_blocks
+from test_quant import raw_tensor
+
+RUNNABLE = [level.name for level in isa.runnable()]
+CSRC = ROOT / "neuron" / "kernels" / "csrc"
+CHECK = ROOT / "tests" / "csrc" / "kernel_check.cpp"
+
+
+def level_kernels(name: str):
+    try:
+        return load_level(name)
+    except KernelUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+# ---------------------------------------------------------------------------- built at install
+def test_every_level_of_this_architecture_is_built_and_a_first_start_compiles_nothing(server_tmp):
+    built = [lv.name for lv in isa.levels_for() if importlib.util.find_spec(f"neuron.kernels.{isa.module_name(lv.name)}")]
+    assert built == [lv.name for lv in isa.levels_for()], built
+    assert RUNNABLE and RUNNABLE[-1] == "portable" and isa.choose().name == RUNNABLE[0]
+    # A start with an empty home (no cache of any build to find) and no compiler on the PATH:
+    # the kernels are the installed ones.
+    home = server_tmp / "empty-home"
+    home.mkdir(exist_ok=True)
+    bare = server_tmp / "no-compiler-bin"
+    bare.mkdir(exist_ok=True)
+    env = {"HOME": str(home), "PATH": str(bare), "TORCH_EXTENSIONS_DIR": str(home / "ext")}
+    t0 = time.monotonic()
+    server = start_server(server_tmp, config=SMALL, env=env)
+    try:
+        took = time.monotonic() - t0
+        models = httpx.get(f"{server.url}/models", timeout=10).json()["models"]
+        assert models[0]["cpu_isa"] == RUNNABLE[0], models[0]
+        assert f"CPU kernels {RUNNABLE[0]}" in server.log()
+        assert not (home / "ext").exists() and took < 60, took
+    finally:
+        server.stop()
+
+
+# ----------------------------------------------------------------------- every level, every type
+TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K")
+
+
+@pytest.mark.parametrize("level", RUNNABLE)
+@pytest.mark.parametrize("name", TYPES)
+def test_each_level_computes_each_gguf_type_as_the_file_dequantizes_it(level, name):
+    """1 to 64 rows of x (a decode, a batch of decodes, a prompt chunk), against the float32
+    product of the weight gguf-py's own dequantization gives, on a matrix of an odd row count."""
+    C = level_kernels(level)
+    N, K = 83, 512
+    raw = raw_tensor(name, (N, K), np.random.default_rng(7))
+    q = decode_blocks(raw, gguf.GGMLQuantizationType[name])
+    lin = PackedLinear(q, None)
+    kernel = C.packed(lin.bits, lin.u, lin.s, lin.m, lin.d, lin.dm)
+    w = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[name])).double()
+    for rows in (1, 2, 5, 8, 9, 31, 64):
+        x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
+        want = x.double() @ w.t()
+        got = kernel(x)
+        assert got.shape == (rows, N) and got.dtype == torch.float32
+        assert float((got.double() - want).abs().max()) <= 3e-6 * float(want.abs().max()), (level, name, rows)
+
+
+def test_a_product_refuses_what_does_not_fit_its_weight():
+    C = level_kernels(RUNNABLE[0])
+    q = decode_blocks(raw_tensor("Q4_1", (8, 64), np.random.default_rng(1)), gguf.GGMLQuantizationType.Q4_1)
+    lin = PackedLinear(q, None)
+    kernel = C.packed(4, lin.u, lin.s, lin.m, lin.d, lin.dm)
+    for bad in (torch.zeros(2, 32), torch.zeros(2, 64, dtype=torch.float64)):
+        with pytest.raises(RuntimeError, match="x must be float32"):
+            kernel(bad)
+    with pytest.raises(RuntimeError, match="scales do not match u"):
+        C.packed(4, lin.u, lin.s[:4], lin.m, lin.d, lin.dm)
+
+
+# ------------------------------------------------------------------- the C++ check of each level
+def _check(cmd: list[str], run: list[str]) -> str:
+    build = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-3000:]
+    out = subprocess.run(run, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    return out.stdout
+
+
+@pytest.mark.parametrize("level", RUNNABLE)
+def test_the_kernels_arithmetic_checks_out_in_plain_cpp_at_each_level(level, tmp_path):
+    if shutil.which("g++") is None:
+        pytest.skip("no C++ compiler here")
+    lv = next(x for x in isa.LEVELS if x.name == level)
+    exe = tmp_path / f"check-{level}"
+    out = _check(["g++", *isa.COMMON_FLAGS, *lv.flags, f"-DNEURON_ISA_{level.upper()}", f"-I{CSRC}", str(CHECK),
+                  "-o", str(exe)], [str(exe)])
+    assert out.startswith(f"ok {level} ") and int(out.split()[2]) > 150, out
+
+
+@pytest.mark.parametrize("level", ["neon", "portable"])
+def test_the_arm_levels_check_out_under_emulation(level, tmp_path):
+    """This machine cannot run Arm code: Debian's aarch64 cross compiler builds the check,
+    qemu-user runs it. That shows the NEON source right; its speed cannot be measured here."""
+    if platform_machine() == "aarch64":
+        pytest.skip("an Arm machine runs its levels natively (the test above)")
+    cxx, qemu = shutil.which("aarch64-linux-gnu-g++"), shutil.which("qemu-aarch64") or shutil.which(
+        "qemu-aarch64-static")
+    if cxx is None or qemu is None:
+        pytest.skip("needs Debian's g++-aarch64-linux-gnu and qemu-user (apt-get install g++-aarch64-linux-gnu "
+                    "qemu-user)")
+    lv = next(x for x in isa.LEVELS if x.name == level)
+    exe = tmp_path / f"check-arm-{level}"
+    out = _check([cxx, *isa.COMMON_FLAGS, *lv.flags, "-static", f"-DNEURON_ISA_{level.upper()}", f"-I{CSRC}",
+                  str(CHECK), "-o", str(exe)], [qemu, str(exe)])
+    assert out.startswith(f"ok {level} ") and int(out.split()[2]) > 150, out
+
+
+def platform_machine() -> str:
+    import platform
+
+    return platform.machine()
+
+
+# ----------------------------------------------------------------------------- NEURON_CPU_ISA
+X86 = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma", "f16c", "sse2"}
+
+
+def test_the_best_level_the_cpu_reports_is_chosen_and_a_forced_one_is_refused_by_name_where_it_cannot_run():
+    assert isa.choose(X86, "", "x86_64").name == "avx512"
+    assert isa.choose({"avx2", "fma", "f16c"}, "", "x86_64").name == "avx2"
+    assert isa.choose({"avx2", "fma"}, "", "x86_64").name == "portable"  # no F16C: no AVX2 level
+    assert isa.choose({"fp", "asimd"}, "", "aarch64").name == "neon"
+    assert isa.choose(set(), "", "riscv64").name == "portable"
+    assert isa.choose(X86, "avx2", "x86_64").name == "avx2"
+    assert isa.choose(X86, "PORTABLE", "x86_64").name == "portable"
+    with pytest.raises(isa.IsaError, match="NEURON_CPU_ISA=avx512: this CPU lacks avx512f, avx512bw"):
+        isa.choose({"avx2", "fma", "f16c"}, "avx512", "x86_64")
+    with pytest.raises(isa.IsaError, match="its levels are avx512, avx2, portable"):
+        isa.choose(X86, "neon", "x86_64")
+    with pytest.raises(isa.IsaError, match="'sse9' is not a level"):
+        isa.choose(X86, "sse9", "x86_64")
+    assert isa.cpu_features("processor: 0\nflags\t\t: fpu avx2 fma f16c\n") == {"fpu", "avx2", "fma", "f16c"}
+    assert isa.cpu_features("Features\t: fp asimd evtstrm asimddp\n") == {"fp", "asimd", "evtstrm", "asimddp"}
+
+
+def test_a_forced_level_serves_and_is_shown_and_one_the_cpu_lacks_stops_the_daemon_naming_it(server_tmp):
+    forced = RUNNABLE[-2] if len(RUNNABLE) > 1 else RUNNABLE[0]  # the second best: not what it would choose
+    server = start_server(server_tmp, config=SMALL, env={"NEURON_CPU_ISA": forced})
+    try:
+        models = httpx.get(f"{server.url}/models", timeout=10).json()["models"]
+        assert models[0]["cpu_isa"] == forced
+        r = httpx.post(f"{server.base}/chat/completions", timeout=60, json={
+            "model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+        assert r.status_code == 200, r.text
+    finally:
+        server.stop()
+    wrong = next(lv.name for lv in isa.LEVELS if lv.name not in RUNNABLE)  # another architecture's, or more
+    server = start_server(server_tmp, config=SMALL, env={"NEURON_CPU_ISA": wrong}, healthy=False)
+    assert server.proc.wait(120) != 0
+    assert f"NEURON_CPU_ISA={wrong}" in server.log(), server.log()[-2000:]
+    code = "from neuron.kernels.cpu import cpu_kernels; cpu_kernels()"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "NEURON_CPU_ISA": wrong})
+    assert out.returncode != 0 and f"NEURON_CPU_ISA={wrong}" in out.stderr
