@@ -8,6 +8,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from conftest import DEFAULT_MODEL, SMALL, alive, start_server
 
@@ -37,6 +38,7 @@ def _consistent(server) -> list[str]:
         time.sleep(0.2)
 
 
+@pytest.mark.timeout(900)  # 24 rounds of rank starts: 88 s on a 2-core machine, minutes on a busy one
 def test_interleaved_load_and_unload_of_one_id_never_orphan_a_rank(server_tmp):
     server = start_server(server_tmp, config=SMALL)
     rng = random.Random(7)
