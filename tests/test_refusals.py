@@ -196,6 +196,11 @@ def test_weights_that_do_not_match_the_config(good, tmp_path):
     refused(str(d), BadModelConfig, 422, "invalid_model_config", "config.json gives 6 layers; the weights hold 4")
     edit_json(d / "config.json", num_hidden_layers=1_000_000)
     refused(str(d), BadModelConfig, 422, "invalid_model_config", "num_layers = 1000000 is out of range")
+    edit_json(d / "config.json", num_hidden_layers=4, vocab_size=5_000_000)
+    refused(str(d), BadModelConfig, 422, "invalid_model_config", "vocab_size = 5000000 is out of range")
+    vocab = json.loads((good / "config.json").read_text())["vocab_size"]
+    edit_json(d / "config.json", vocab_size=vocab + 64)
+    refused(str(d), BadModelConfig, 422, "invalid_model_config", f"a vocabulary of {vocab + 64}", "token embedding is")
 
 
 def test_gguf_tensors_that_do_not_match_its_metadata(good):

@@ -24,9 +24,12 @@ COUNT_LIMITS = {"num_layers": 4096, "hidden_size": 1 << 17, "vocab_size": 1 << 2
 _LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|blk)\.(\d{1,9})\.")
 
 
-def check_counts(cfg: ModelConfig, tensor_names, described_by: str) -> None:
-    """Every count in range, and no more layers than the weights hold: a config that claims a
-    million layers is refused here, not after a million layers' tensor names were listed."""
+def check_counts(cfg: ModelConfig, tensor_names, described_by: str,
+                 embedding: tuple[int, ...] | None = None) -> None:
+    """Every count in range, no more layers than the weights hold, and the token embedding
+    (``embedding``: its shape, where the files hold one) of vocab_size x hidden_size: a config that
+    claims a million layers is refused here, not after a million layers' tensor names were
+    listed."""
     for name, limit in COUNT_LIMITS.items():
         value = getattr(cfg, name)
         if not 0 <= value <= limit:
@@ -37,6 +40,9 @@ def check_counts(cfg: ModelConfig, tensor_names, described_by: str) -> None:
     present = max((int(m.group(1)) for n in tensor_names if (m := _LAYER_INDEX.search(n))), default=-1) + 1
     if cfg.num_layers > present:
         raise BadModelConfig(f"{described_by} gives {cfg.num_layers} layers; the weights hold {present}")
+    if embedding is not None and tuple(embedding) != (cfg.vocab_size, cfg.hidden_size):
+        raise BadModelConfig(f"{described_by} gives a vocabulary of {cfg.vocab_size} and a hidden size of "
+                             f"{cfg.hidden_size}; the token embedding is {' x '.join(map(str, embedding))}")
     if len(cfg.layer_types) not in (0, cfg.num_layers):
         raise BadModelConfig(f"{described_by} gives {len(cfg.layer_types)} layer types for {cfg.num_layers} layers")
 

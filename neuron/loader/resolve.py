@@ -22,6 +22,7 @@ class ModelFiles:
     dir: ModelDir  # where its other files are read (each checked)
     paths: tuple[Path, ...]  # the weights' real paths, checked
     tensor_names: frozenset[str] = frozenset()  # safetensors: every tensor the files hold
+    embedding: tuple[int, ...] | None = None  # safetensors: the shape of the token embedding
 
     @property
     def directory(self) -> Path:
@@ -116,10 +117,12 @@ def _from_directory(d: ModelDir, ref: str) -> ModelFiles:
             if missing:
                 named = f" (named in its {INDEX})" if d.file(INDEX) is not None else ""
                 raise ModelNotFound(f"model {ref!r} is missing {', '.join(f.name for f in missing)}{named}")
-            names: set[str] = set()
+            shapes: dict[str, tuple[int, ...]] = {}
             for f in files:
-                names |= check_safetensors_header(f)
-            return ModelFiles("safetensors", d, tuple(files), frozenset(names))
+                shapes |= check_safetensors_header(f)
+            embedding = next((s for n, s in shapes.items() if n.endswith("embed_tokens.weight")
+                              and not n.startswith("mtp.")), None)
+            return ModelFiles("safetensors", d, tuple(files), frozenset(shapes), embedding)
     ggufs = sorted(directory.glob("*.gguf"))
     if len(ggufs) == 1:
         return ModelFiles("gguf", d, (d.inside(ggufs[0]),))

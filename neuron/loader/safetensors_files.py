@@ -61,10 +61,10 @@ def _check_entry(name: str, info, data_bytes: int, file: str) -> None:
                            f"({begin}..{end} for {elements} {dtype} values in {data_bytes} bytes of data)")
 
 
-def check_safetensors_header(path: Path) -> set[str]:
+def check_safetensors_header(path: Path) -> dict[str, tuple[int, ...]]:
     """Refuse a file that cannot be a safetensors file (truncated, empty, another format, a
     header whose entries do not describe its data) before any rank tries to map it: 8 bytes of
-    header length, then that much JSON. Returns the names of the tensors it holds."""
+    header length, then that much JSON. Returns the shapes of the tensors it holds, by name."""
     try:
         size = path.stat().st_size
         with path.open("rb") as f:
@@ -88,4 +88,4 @@ def check_safetensors_header(path: Path) -> set[str]:
     for name, info in header.items():
         if name != "__metadata__":
             _check_entry(name, info, data_bytes, path.name)
-    return {k for k in header if k != "__metadata__"}
+    return {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}

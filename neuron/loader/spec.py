@@ -84,7 +84,8 @@ def _gguf_spec(mid: str, files: ModelFiles) -> ModelSpec:
     names = set(gguf.tensors)
     tokens = fields.get("tokenizer.ggml.tokens") or []
     config = config_from_gguf(fields, names, len(tokens))
-    check_counts(config, names, f"{files.paths[0].name}'s metadata")
+    embedding = gguf.tensors.get("token_embd.weight")
+    check_counts(config, names, f"{files.paths[0].name}'s metadata", embedding.shape if embedding else None)
     arch = str(fields.get("general.architecture", ""))
     _refuse_missing(mid, missing_gguf_tensors(required_tensors(config), names, arch), "GGUF metadata")
     try:
@@ -127,7 +128,7 @@ def _hf_spec(mid: str, files: ModelFiles) -> ModelSpec:
     quant = checkpoint_quant(raw, dtypes)
     config = config_from_hf(raw)
     names = files.tensor_names
-    check_counts(config, names, "config.json")
+    check_counts(config, names, "config.json", files.embedding)
     config = msgspec.structs.replace(config, vision=vision_settings(raw, d, names))
     if quant is not None:  # a packed linear X holds X.qweight, X.qzeros, X.scales for X.weight
         names = frozenset(names) | {n.removesuffix(".qweight") + ".weight" for n in names if n.endswith(".qweight")}
