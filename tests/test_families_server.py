@@ -208,7 +208,7 @@ def broken_models(root: Path, good: Path) -> dict[str, Path]:
 
 REFUSALS = {  # case: (status, code, words the message must contain)
     "unsupported": (422, "unsupported_model", ["'mistral'", "llama", "qwen3", "qwen3_moe"]),
-    "bad_json": (422, "invalid_model_config", ["config.json", "does not parse"]),
+    "bad_json": (422, "invalid_model", ["config.json", "does not parse"]),
     "no_weights": (404, "model_not_found", ["no .safetensors weights"]),
     "missing_shard": (404, "model_not_found", ["model-00002-of-00003.safetensors", "index"]),
     "too_many_ranks": (400, "invalid_model", ["tensor_parallel=9", "8 attention heads"]),
