@@ -264,6 +264,8 @@ int main() {
     check_qlinear(4, false, false, 1, 1, 32, threads);
     check_qlinear(4, false, true, 9, 130, 544, threads);
     check_qlinear(8, true, true, 5, 130, 512, threads);
+    check_qlinear(4, false, false, 9, 37, 1536, threads);  // rows of x past the L1: two rows of W at a time
+    check_qlinear(8, true, true, 8, 37, 1536, threads);
     check_norms(3, 576, threads);
     check_norms(300, 40, threads);
     for (bool norm : {false, true}) {

@@ -47,6 +47,7 @@ inline float half_to_float(uint16_t h) {
 #if defined(NEURON_ISA_AVX512)
 constexpr const char* NAME = "avx512";
 constexpr int W = 16;
+constexpr int REGISTERS = 32;
 using V = __m512;
 inline V load(const float* p) { return _mm512_loadu_ps(p); }
 inline void store(float* p, V v) { _mm512_storeu_ps(p, v); }
@@ -63,6 +64,7 @@ inline V round(V v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT |
 inline V pow2(V n) { return _mm512_scalef_ps(set1(1.0f), n); }  // 2^n, n integral
 inline V select_ge0(V x, V a, V b) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, zero(), _CMP_GE_OQ), b, a); }
 inline V halves(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline float half(uint16_t h) { return _cvtsh_ss(h); }
 // The 32 integers of a group as floats: 4-bit, 16 bytes (byte j: element j low, j + 16 high);
 // 8-bit, 32 bytes.
 inline void group4(const uint8_t* p, V* out) {
@@ -80,6 +82,7 @@ inline void group8(const uint8_t* p, V* out) {
 #elif defined(NEURON_ISA_AVX2)
 constexpr const char* NAME = "avx2";
 constexpr int W = 8;
+constexpr int REGISTERS = 16;
 using V = __m256;
 inline V load(const float* p) { return _mm256_loadu_ps(p); }
 inline void store(float* p, V v) { _mm256_storeu_ps(p, v); }
@@ -103,6 +106,7 @@ inline V pow2(V n) {
 }
 inline V select_ge0(V x, V a, V b) { return _mm256_blendv_ps(b, a, _mm256_cmp_ps(x, zero(), _CMP_GE_OQ)); }
 inline V halves(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline float half(uint16_t h) { return _cvtsh_ss(h); }
 inline void group4(const uint8_t* p, V* out) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   const __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(15));
@@ -120,6 +124,7 @@ inline void group8(const uint8_t* p, V* out) {
 #elif defined(NEURON_ISA_NEON)
 constexpr const char* NAME = "neon";
 constexpr int W = 4;
+constexpr int REGISTERS = 32;
 using V = float32x4_t;
 inline V load(const float* p) { return vld1q_f32(p); }
 inline void store(float* p, V v) { vst1q_f32(p, v); }
@@ -138,6 +143,7 @@ inline V pow2(V n) {
 }
 inline V select_ge0(V x, V a, V b) { return vbslq_f32(vcgeq_f32(x, zero()), a, b); }
 inline V halves(const uint16_t* p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))); }
+inline float half(uint16_t h) { return vgetq_lane_f32(vcvt_f32_f16(vreinterpret_f16_u16(vdup_n_u16(h))), 0); }
 inline void widen(uint8x16_t b, V* out) {  // 16 bytes -> 4 vectors
   const uint16x8_t lo = vmovl_u8(vget_low_u8(b)), hi = vmovl_u8(vget_high_u8(b));
   out[0] = vcvtq_f32_u32(vmovl_u16(vget_low_u16(lo)));
@@ -158,6 +164,7 @@ inline void group8(const uint8_t* p, V* out) {
 #else  // portable: the compiler's own vectors
 constexpr const char* NAME = "portable";
 constexpr int W = 8;
+constexpr int REGISTERS = 16;
 typedef float V __attribute__((vector_size(32)));
 typedef int32_t Vi __attribute__((vector_size(32)));
 inline V load(const float* p) { V v; std::memcpy(&v, p, sizeof v); return v; }
@@ -192,6 +199,7 @@ inline V halves(const uint16_t* p) {
   for (int i = 0; i < W; ++i) v[i] = half_to_float(p[i]);
   return v;
 }
+inline float half(uint16_t h) { return half_to_float(h); }
 inline void group4(const uint8_t* p, V* out) {
   for (int i = 0; i < 16; ++i) {
     out[i / W][i % W] = static_cast<float>(p[i] & 15);
