@@ -7,7 +7,6 @@ way llama.cpp's convert_hf_to_gguf.py lays them out (``gguf_writer``)."""
 from __future__ import annotations
 
 import copy
-import re
 from pathlib import Path
 from typing import Any
 

@@ -93,12 +93,14 @@ PyObject* qlinear(PyObject*, PyObject* const* args, Py_ssize_t n) {
   Py_RETURN_NONE;
 }
 
-// rms_norm(x, sx, w, out, T, H, eps, threads)
-PyObject* rms_norm(PyObject*, PyObject* const* args, Py_ssize_t n) {
+// rms_norm(x, sx, w, out, T, H, eps, threads), x's rows sx apart; add_rms_norm(x, residual, w,
+// out, T, H, eps, threads), residual += x first.
+template <bool ADD>
+PyObject* norm(PyObject*, PyObject* const* args, Py_ssize_t n) {
   Args a{args, n};
-  if (!a.count(8, "rms_norm")) return nullptr;
+  if (!a.count(8, ADD ? "add_rms_norm" : "rms_norm")) return nullptr;
   const float* x = a.p<const float>(0);
-  const int64_t sx = a.i(1);
+  const int64_t second = a.i(1);  // sx, or the residual's address
   const float* w = a.p<const float>(2);
   float* out = a.p<float>(3);
   const int64_t T = a.i(4), H = a.i(5);
@@ -106,25 +108,11 @@ PyObject* rms_norm(PyObject*, PyObject* const* args, Py_ssize_t n) {
   const int threads = static_cast<int>(a.i(7));
   if (!a.ok) return nullptr;
   Py_BEGIN_ALLOW_THREADS
-  kernels::rms_norm(x, sx, w, out, T, H, eps, threads);
-  Py_END_ALLOW_THREADS
-  Py_RETURN_NONE;
-}
-
-// add_rms_norm(x, residual, w, out, T, H, eps, threads)
-PyObject* add_rms_norm(PyObject*, PyObject* const* args, Py_ssize_t n) {
-  Args a{args, n};
-  if (!a.count(8, "add_rms_norm")) return nullptr;
-  const float* x = a.p<const float>(0);
-  float* residual = a.p<float>(1);
-  const float* w = a.p<const float>(2);
-  float* out = a.p<float>(3);
-  const int64_t T = a.i(4), H = a.i(5);
-  const double eps = a.f(6);
-  const int threads = static_cast<int>(a.i(7));
-  if (!a.ok) return nullptr;
-  Py_BEGIN_ALLOW_THREADS
-  kernels::add_rms_norm(x, residual, w, out, T, H, eps, threads);
+  if constexpr (ADD) {
+    kernels::add_rms_norm(x, reinterpret_cast<float*>(static_cast<uintptr_t>(second)), w, out, T, H, eps, threads);
+  } else {
+    kernels::rms_norm(x, second, w, out, T, H, eps, threads);
+  }
   Py_END_ALLOW_THREADS
   Py_RETURN_NONE;
 }
@@ -184,9 +172,9 @@ PyObject* paged_decode(PyObject*, PyObject* const* args, Py_ssize_t n) {
 PyMethodDef methods[] = {
     {"qlinear", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(qlinear)), METH_FASTCALL,
      "y = x W^T, W packed in groups of 32"},
-    {"rms_norm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rms_norm)), METH_FASTCALL,
+    {"rms_norm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(norm<false>)), METH_FASTCALL,
      "RMS norm of x [T, H] times w"},
-    {"add_rms_norm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(add_rms_norm)), METH_FASTCALL,
+    {"add_rms_norm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(norm<true>)), METH_FASTCALL,
      "residual += x, then its RMS norm"},
     {"silu_mul", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(silu_mul)), METH_FASTCALL,
      "silu(gate) * up of [T, 2I]"},
