@@ -40,23 +40,27 @@ def level_kernels(name: str):
 
 # ---------------------------------------------------------------------------- built at install
 def test_every_level_of_this_architecture_is_built_and_a_first_start_compiles_nothing(server_tmp):
+    """Every level importable; then a start with an empty home (no cache of any build to find),
+    no compiler on the PATH and ``NEURON_CPU_ISA`` forcing the second-best level: it serves, on
+    that level, named in ``GET /models`` and the load log."""
     built = [lv.name for lv in isa.levels_for() if importlib.util.find_spec(f"neuron.kernels.{isa.module_name(lv.name)}")]
     assert built == [lv.name for lv in isa.levels_for()], built
     assert RUNNABLE and RUNNABLE[-1] == "portable" and isa.choose().name == RUNNABLE[0]
-    # A start with an empty home (no cache of any build to find) and no compiler on the PATH:
-    # the kernels are the installed ones.
-    home = server_tmp / "empty-home"
+    forced = RUNNABLE[-2] if len(RUNNABLE) > 1 else RUNNABLE[0]  # not what it would choose
+    home, bare = server_tmp / "empty-home", server_tmp / "no-compiler-bin"
     home.mkdir(exist_ok=True)
-    bare = server_tmp / "no-compiler-bin"
     bare.mkdir(exist_ok=True)
-    env = {"HOME": str(home), "PATH": str(bare), "TORCH_EXTENSIONS_DIR": str(home / "ext")}
+    env = {"HOME": str(home), "PATH": str(bare), "TORCH_EXTENSIONS_DIR": str(home / "ext"), "NEURON_CPU_ISA": forced}
     t0 = time.monotonic()
     server = start_server(server_tmp, config=SMALL, env=env)
     try:
         took = time.monotonic() - t0
         models = httpx.get(f"{server.url}/models", timeout=10).json()["models"]
-        assert models[0]["cpu_isa"] == RUNNABLE[0], models[0]
-        assert f"CPU kernels {RUNNABLE[0]}" in server.log()
+        assert models[0]["cpu_isa"] == forced, models[0]
+        assert f"CPU kernels {forced}" in server.log()
+        r = httpx.post(f"{server.base}/chat/completions", timeout=60, json={
+            "model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+        assert r.status_code == 200, r.text
         assert not (home / "ext").exists() and took < 60, took
     finally:
         server.stop()
@@ -164,17 +168,7 @@ def test_the_best_level_the_cpu_reports_is_chosen_and_a_forced_one_is_refused_by
     assert isa.cpu_features("Features\t: fp asimd evtstrm asimddp\n") == {"fp", "asimd", "evtstrm", "asimddp"}
 
 
-def test_a_forced_level_serves_and_is_shown_and_one_the_cpu_lacks_stops_the_daemon_naming_it(server_tmp):
-    forced = RUNNABLE[-2] if len(RUNNABLE) > 1 else RUNNABLE[0]  # the second best: not what it would choose
-    server = start_server(server_tmp, config=SMALL, env={"NEURON_CPU_ISA": forced})
-    try:
-        models = httpx.get(f"{server.url}/models", timeout=10).json()["models"]
-        assert models[0]["cpu_isa"] == forced
-        r = httpx.post(f"{server.base}/chat/completions", timeout=60, json={
-            "model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
-        assert r.status_code == 200, r.text
-    finally:
-        server.stop()
+def test_a_level_the_cpu_lacks_stops_the_daemon_naming_it(server_tmp):
     wrong = next(lv.name for lv in isa.LEVELS if lv.name not in RUNNABLE)  # another architecture's, or more
     server = start_server(server_tmp, config=SMALL, env={"NEURON_CPU_ISA": wrong}, healthy=False)
     assert server.proc.wait(120) != 0

@@ -28,7 +28,7 @@ from neuron.loader.spec import load_spec
 SEED = 20261127
 SETTINGS = dict(database=None, deadline=None, phases=[Phase.explicit, Phase.generate],
                 suppress_health_check=list(HealthCheck), print_blob=False)
-N = 400  # examples per kind of file
+N = 250  # examples per kind of file
 MAX_S = 1.0
 
 DEEP = 100_000
