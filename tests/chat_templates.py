@@ -1,5 +1,6 @@
 """Chat templates written into random test checkpoints: a Qwen3-style one with tools (Hermes
-``<tool_call>`` syntax), tool results and a thinking switch."""
+``<tool_call>`` syntax), tool results and a thinking switch; and the same with the thinking opened
+in the prompt unless switched off (as Qwen3.5's and the Qwen3 thinking releases' templates do)."""
 
 HERMES_TOOLS = (
     "{%- if tools %}"
@@ -36,6 +37,12 @@ HERMES_TOOLS = (
     "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
     "{%- endif %}"
 )
+
+THINKING_TOOLS = HERMES_TOOLS.replace(
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}",
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- else %}{{- '<think>\\n' }}{%- endif %}")
+assert THINKING_TOOLS != HERMES_TOOLS
 
 
 def use_template(model_dir, template: str) -> None:

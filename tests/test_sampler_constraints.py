@@ -86,3 +86,29 @@ def test_a_decode_graphs_argmax_is_the_greedy_draw_unless_the_logits_are_changed
     sampler.last_token[:] = -1
     tokens, _ = sampler.sample(logits, [0, 1], torch.tensor([0, 1]), [7, 7], [mask_of({30}), None], argmax)
     assert tokens[0] == 30 and sampler.last_token[:2].tolist() == tokens.tolist()
+
+
+def test_a_thinking_budget_forces_the_end_marker_once_spent():
+    from neuron.engine.constraints import ThinkingBudget
+
+    words = {1: b"<think>", 2: b"a", 3: b"b", 4: b"</", 5: b"think>", 6: b"ok", 7: b"\xff</think>", 8: b" "}
+
+    def run(budget: int, thinking: bool | None, tokens: list[int]) -> list[tuple[int, bytes | None]]:
+        c = ThinkingBudget(budget, b"<think>", b"</think>", [4, 5], V, words.__getitem__, thinking)
+        seen = []
+        for t in tokens:
+            seen.append((t, c.allowed()))
+            c.accept(t)
+        return seen + [(-1, c.allowed())]
+
+    forced = {t: mask_of({t}) for t in (4, 5)}
+    # Opened by the prompt: two tokens of thinking, then "</" and "think>" forced, then free.
+    assert run(2, True, [2, 3, 4, 5, 6]) == [(2, None), (3, None), (4, forced[4]), (5, forced[5]), (6, None),
+                                             (-1, None)]
+    # Opened by the output (after a space): its budget counts from there.
+    assert [m for _, m in run(1, None, [8, 1, 2, 4, 5])] == [None, None, None, forced[4], forced[5], None]
+    # The model closes its thinking itself (a special token too): nothing is forced.
+    assert all(m is None for _, m in run(3, True, [2, 7, 2, 2, 2]))
+    assert all(m is None for _, m in run(2, None, [2, 3, 3, 3]))  # it answered without thinking
+    assert all(m is None for _, m in run(0, False, [2, 3]))  # the template closed the thinking
+    assert run(0, True, [4, 5, 6])[0][1] == forced[4]  # a budget of 0: no thinking at all

@@ -89,6 +89,10 @@ SENT = {
                   {"model": DEFAULT_MODEL, "messages": CONVERSATION, "add_generation_prompt": False,
                    "add_special_tokens": True, "chat_template_kwargs": {}}],
     "/detokenize": [{"model": DEFAULT_MODEL, "tokens": [1, 2]}],
+    "/v1/messages": [{"model": DEFAULT_MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}],
+                      "system": [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
+                      "thinking": {"type": "disabled"}, "stream": True, "metadata": {"user_id": "u"}}],
+    "/v1/messages/count_tokens": [{"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "Hi"}]}],
     "/models/load": [{"model": "/nonexistent/model"},
                      {"model": DEFAULT_MODEL, "tensor_parallel": 2, "max_model_len": 128, "max_slots": 2},
                      {"model": "tiny-llama", "id": "x", "dtype": "float32", "device": "cpu", "devices": [0]}],
@@ -103,6 +107,8 @@ MALFORMED = {
     "/v1/completions": [{"model": 7, "prompt": "Hi"}, {"model": DEFAULT_MODEL, "prompt": {"a": 1}}],
     "/tokenize": [{"prompt": 5}],
     "/detokenize": [{"tokens": ["a"]}],
+    "/v1/messages": [{"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "Hi"}]},
+                     {"model": DEFAULT_MODEL, "max_tokens": 4, "messages": [], "max_token": 4}],
     "/models/load": [{"model": DEFAULT_MODEL, "tensor_parallell": 2}, {"model": DEFAULT_MODEL, "devices": "0"}],
     "/models/unload": [{}],
 }
@@ -143,7 +149,7 @@ def test_openapi_documents_exactly_the_routes_the_app_serves(ops, spec):
             (method, path, r.text)
     assert spec["openapi"].startswith("3.1")
     assert spec["paths"]["/models/load"]["post"]["security"] == [{"admin": []}]
-    assert spec["paths"]["/v1/models"]["get"]["security"] == [{"api": []}]
+    assert spec["paths"]["/v1/models"]["get"]["security"] == [{"api": []}, {"api_key": []}]
     assert "security" not in spec["paths"]["/health"]["get"]
 
 

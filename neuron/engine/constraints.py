@@ -1,6 +1,6 @@
 """Token constraints besides grammars: a fixed set of allowed tokens (``allowed_token_ids``),
 banned words (``bad_words``), a constraint that starts after a marker (structured output after a
-reasoning model's thinking), and several at once. Each is a ``TokenConstraint``: the engine asks
+reasoning model's thinking), a budget of thinking tokens, and several at once. Each is a ``TokenConstraint``: the engine asks
 ``allowed`` before a sampling step and reports the drawn token with ``accept``."""
 
 from __future__ import annotations
@@ -78,6 +78,57 @@ class AfterMarker:
     @property
     def closed_early(self) -> bool:
         return bool(getattr(self.inner, "closed_early", False))
+
+
+class ThinkingBudget:
+    """At most ``budget`` tokens of thinking: once they are spent, the end marker's tokens are
+    forced one by one and the answer follows (vLLM's ``thinking_token_budget``, Anthropic's
+    ``budget_tokens``). ``thinking`` says where the prompt left the model: inside its thinking
+    (True), outside (False: nothing to bound), or None: whether the output opens with the start
+    marker will say."""
+
+    def __init__(self, budget: int, start: bytes, end: bytes, end_ids: list[int], vocab: int,
+                 token_bytes: Callable[[int], bytes], thinking: bool | None) -> None:
+        self.budget = budget
+        self.start, self.end, self.end_ids = start, end, end_ids
+        self.vocab = vocab
+        self.token_bytes = token_bytes
+        self.state = {True: "thinking", False: "done", None: "start"}[thinking]
+        self.spent = 0
+        self.tail = b""
+        self.forcing: list[int] = []
+        self._check_spent()
+
+    def allowed(self) -> bytes | None:
+        return pack([self.forcing[0]], self.vocab).tobytes() if self.forcing else None
+
+    def accept(self, token: int) -> None:
+        if self.state == "done":
+            return
+        if self.forcing:
+            self.forcing.pop(0)
+            if not self.forcing:
+                self.state = "done"
+            return
+        # llguidance spells a special token as 0xFF + its text; 0xFF is never in UTF-8 text.
+        self.tail = (self.tail + self.token_bytes(token).replace(b"\xff", b""))[-(len(self.end) + 64):]
+        if self.state == "start":
+            opened = self.tail.lstrip()
+            if opened.startswith(self.start):
+                self.state, self.tail = "thinking", opened[len(self.start):]
+            elif not self.start.startswith(opened):
+                self.state = "done"
+            self._check_spent()
+            return
+        self.spent += 1
+        if self.end in self.tail:
+            self.state = "done"
+        else:
+            self._check_spent()
+
+    def _check_spent(self) -> None:
+        if self.state == "thinking" and self.spent >= self.budget:
+            self.forcing = list(self.end_ids)
 
 
 class AllOf:

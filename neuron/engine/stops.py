@@ -17,6 +17,7 @@ class StopMatcher:
         self.include = include
         self.armed = armed
         self.held = ""
+        self.hit: str | None = None  # the stop string that ended the text (Anthropic's stop_sequence)
 
     def push(self, text: str) -> tuple[str, bool]:
         """Returns (text safe to emit, whether a stop string was hit)."""
@@ -30,6 +31,7 @@ class StopMatcher:
         if hits:
             at, stop = min(hits)
             self.held = ""
+            self.hit = stop
             return buf[: at + len(stop)] if self.include else buf[:at], True
         keep = 0
         for s in self.stops:

@@ -19,15 +19,18 @@ def build_openapi(routes: list) -> dict[str, Any]:
     response, streams)."""
     kinds: list[type] = [ErrorEnvelope]
     for route in routes:
-        kinds += [k for k in (route.body, route.response) if k is not None and k not in kinds]
+        kinds += [k for k in (route.body, route.response, route.error) if k is not None and k not in kinds]
     refs, components = msgspec.json.schema_components(kinds, ref_template=REF)
     ref = dict(zip(kinds, refs))
-    error = {"description": "Error (the OpenAI envelope)", "content": {"application/json": {"schema": ref[ErrorEnvelope]}}}
     paths: dict[str, dict[str, Any]] = {}
     for route in routes:
         ok: dict[str, Any] = {"application/json": {"schema": ref[route.response] if route.response else {"type": "object"}}}
         if route.streams:
-            ok["text/event-stream"] = {"schema": {"type": "string", "description": "data: <chunk> lines, then data: [DONE]"}}
+            events = "data: <chunk> lines, then data: [DONE]" if route.error is ErrorEnvelope else \
+                "event: <name> and data: <event> lines"
+            ok["text/event-stream"] = {"schema": {"type": "string", "description": events}}
+        envelope = "the OpenAI envelope" if route.error is ErrorEnvelope else "the Anthropic envelope"
+        error = {"description": f"Error ({envelope})", "content": {"application/json": {"schema": ref[route.error]}}}
         op: dict[str, Any] = {
             "operationId": f"{route.method.lower()}{route.path.replace('/', '_').replace('.', '_')}",
             "summary": route.summary, "tags": [route.tag],
@@ -37,16 +40,21 @@ def build_openapi(routes: list) -> dict[str, Any]:
         }
         if route.body is not None:
             op["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref[route.body]}}}
-        if route.auth is not None:
+        if route.auth == "api":
+            op["security"] = [{"api": []}, {"api_key": []}]
+        elif route.auth is not None:
             op["security"] = [{route.auth: []}]
         paths.setdefault(route.path, {})[route.method.lower()] = op
     return {
         "openapi": "3.1.0",
         "info": {"title": "neuron", "version": neuron.__version__,
-                 "description": "OpenAI-compatible inference API and operations routes of the neuron daemon"},
+                 "description": "OpenAI- and Anthropic-compatible inference API and operations routes of "
+                                "the neuron daemon"},
         "paths": paths,
         "components": {"schemas": components, "securitySchemes": {
             "api": {"type": "http", "scheme": "bearer", "description": "[server] api_key, when set"},
+            "api_key": {"type": "apiKey", "in": "header", "name": "x-api-key",
+                        "description": "[server] api_key, as Anthropic's clients send it"},
             "admin": {"type": "http", "scheme": "bearer", "description": "[server] admin_api_key (else api_key)"},
         }},
     }

@@ -13,11 +13,15 @@ from starlette.responses import Response
 
 from neuron.server import openapi
 from neuron.server.admin import routes as admin_routes
+from neuron.server.messages import routes as messages_routes
+from neuron.server.messages.errors import AnthropicError
+from neuron.server.messages.request import CountTokensRequest, MessagesRequest
 from neuron.server.openai import routes as openai_routes
 from neuron.server.openai import responses
 from neuron.server.openai import tokenize as tokenize_routes
-from neuron.server.schemas import (ChatRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, FaultRequest,
-                      LoadRequest, TokenizeRequest, TokenizeResponse, UnloadRequest)
+from neuron.server.schemas import (ChatRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
+                                   ErrorEnvelope, FaultRequest, LoadRequest, TokenizeRequest, TokenizeResponse,
+                                   UnloadRequest)
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 
@@ -33,6 +37,7 @@ class ApiRoute:
     body: type | None = None  # the Struct the body is decoded into
     response: type | None = None  # the Struct of a 200 answer, where it has one
     streams: bool = False  # may answer text/event-stream
+    error: type = ErrorEnvelope  # the Struct of its errors
 
 
 ROUTES: list[ApiRoute] = [
@@ -44,6 +49,12 @@ ROUTES: list[ApiRoute] = [
     ApiRoute("POST", "/v1/responses", responses.create_response, "Responses API (SSE events with stream)",
              "openai", "api", responses.ResponsesRequest, streams=True),
     ApiRoute("GET", "/v1/responses/{response_id}", responses.get_response, "A stored response", "openai", "api"),
+    ApiRoute("POST", "/v1/messages", messages_routes.create_message,
+             "Anthropic Messages API (Anthropic's SSE events with stream)", "anthropic", "api", MessagesRequest,
+             streams=True, error=AnthropicError),
+    ApiRoute("POST", "/v1/messages/count_tokens", messages_routes.count_tokens,
+             "The prompt tokens of a Messages API request", "anthropic", "api", CountTokensRequest,
+             messages_routes.CountTokensResponse, error=AnthropicError),
     ApiRoute("POST", "/tokenize", tokenize_routes.tokenize, "Prompt or conversation to token ids", "tokens",
              "api", TokenizeRequest, TokenizeResponse),
     ApiRoute("POST", "/detokenize", tokenize_routes.detokenize, "Token ids to text", "tokens", "api",

@@ -37,13 +37,14 @@ class AppState:
 
 
 def require_key(request: Request, state: AppState, *, admin: bool) -> None:
-    """Bearer-key check in constant time. Admin routes take the admin key (or, when none is
+    """Key check in constant time (``Authorization: Bearer`` or ``x-api-key``). Admin routes take the admin key (or, when none is
     set, the inference key); with no key configured the route is open."""
     server = state.cfg.server
     key = (server.admin_api_key or server.api_key) if admin else server.api_key
     if not key:
         return
-    header = request.headers.get("authorization", "")
-    scheme, _, given = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer":  # Anthropic's clients send the key as x-api-key
+        given = request.headers.get("x-api-key", "")
+    if not given or not hmac.compare_digest(given.strip().encode(), key.encode()):
         raise ApiError(401, "invalid_api_key", "missing or invalid API key")

@@ -32,13 +32,13 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "max_repetition_pattern_size": (lambda v: v == 0, "repetition detection is not supported"),
     "min_repetition_pattern_size": (lambda v: v == 0, "repetition detection is not supported"),
     "repetition_min_count": (lambda v: v == 0, "repetition detection is not supported"),
-    "thinking_token_budget": (lambda v: v is None or v == -1, "a thinking token budget is not supported"),
     "mm_processor_kwargs": (_absent, "multimodal input is not supported"),
     "media_io_kwargs": (_absent, "multimodal input is not supported"),
 }
 REFUSED_IN_COMPLETIONS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "suffix": (lambda v: not v, "suffix (fill-in-the-middle) is not supported"),
     "prompt_embeds": (_absent, "prompt embeddings are not supported"),
+    "thinking_token_budget": (lambda v: v is None or v == -1, "a text completion has no chat template to think in"),
 }
 GRAMMAR_BACKENDS = (None, "auto", "guidance", "llguidance")
 

@@ -27,6 +27,7 @@ from neuron.server.openai.views import Folded, Usage, View
 log = logging.getLogger("neuron.server")
 T = TypeVar("T")
 KEEPALIVE_S = 1.0
+KEEPALIVE = b": keep-alive\n\n"  # an SSE comment
 
 
 def _unavailable(fin: FinishEvent) -> ApiError:
@@ -99,6 +100,9 @@ class StreamView(Protocol):
 
     def body(self, folded: list[Folded], choices: list[Choice]) -> dict[str, Any]: ...
 
+    def keepalive(self) -> bytes:
+        """What a stream sends after a second without an event."""
+
 
 @dataclass
 class Chunks:
@@ -130,6 +134,9 @@ class Chunks:
 
     def body(self, folded: list[Folded], choices: list[Choice]) -> dict[str, Any]:
         return self.view.whole(folded, usage(choices))
+
+    def keepalive(self) -> bytes:
+        return KEEPALIVE
 
 
 async def respond(request: Request, state: AppState, handle: ModelHandle, choices: list[Choice], view: StreamView,
@@ -192,7 +199,7 @@ async def _sse(handle: ModelHandle, choices: list[Choice], view: StreamView) -> 
                 async with asyncio.timeout(KEEPALIVE_S):
                     item = await events.next()
             except TimeoutError:
-                yield b": keep-alive\n\n"
+                yield view.keepalive()
                 continue
             if item is None:
                 break

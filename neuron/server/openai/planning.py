@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from neuron.engine.constraints import AfterMarker, AllOf, AllowedTokens, BannedSequences, Constraint
+from neuron.engine.constraints import AfterMarker, AllOf, AllowedTokens, BannedSequences, Constraint, ThinkingBudget
 from neuron.engine.grammar import Compiler, GrammarError, GrammarSpec, grammars_for
 from neuron.errors import ApiError
 from neuron.loader.template_worker import TemplateRenderer
@@ -27,9 +27,11 @@ def _bad(message: str, param: str) -> ApiError:
 
 
 def _constraint_factory(body: SamplingFields, handle: ModelHandle, grammar: tuple[str, str] | None,
-                        after: str | None) -> Callable[[int], Constraint | None] | None:
+                        after: str | None, thinking: Callable[[], Constraint] | None = None
+                        ) -> Callable[[int], Constraint | None] | None:
     """Makes each sequence's constraint from its token budget: the grammar (compiled once here),
-    ``allowed_token_ids`` and ``bad_words``; the grammar waits for ``after`` when given."""
+    ``allowed_token_ids``, ``bad_words`` and the thinking budget; the grammar waits for ``after``
+    when given."""
     info = handle.spec.tokenizer
     vocab = handle.spec.config.vocab_size
     grammars = grammars_for(info.tokenizer, vocab, info.eos_token_ids) if grammar is not None else None
@@ -37,7 +39,7 @@ def _constraint_factory(body: SamplingFields, handle: ModelHandle, grammar: tupl
     if allowed is not None and (not allowed or not all(0 <= t < vocab for t in allowed)):
         raise _bad(f"allowed_token_ids must be a non-empty list of ids in [0, {vocab})", "allowed_token_ids")
     banned = _bad_word_sequences(body, handle)
-    if grammars is None and allowed is None and not banned:
+    if grammars is None and allowed is None and not banned and thinking is None:
         return None
 
     def make(budget: int) -> Constraint | None:
@@ -52,9 +54,33 @@ def _constraint_factory(body: SamplingFields, handle: ModelHandle, grammar: tupl
             parts.append(AllowedTokens(allowed, vocab))
         if banned:
             parts.append(BannedSequences(banned, vocab))
+        if thinking is not None:
+            parts.append(thinking())
         return parts[0] if len(parts) == 1 else AllOf(parts)
 
     return make
+
+
+def _thinking_budget(body: ChatRequest, handle: ModelHandle, plan: ChatPrompt) -> Callable[[], Constraint] | None:
+    """``thinking_token_budget``: what bounds each sequence's thinking, or None (no budget, or
+    the template closed the thinking in the prompt)."""
+    budget = body.thinking_token_budget
+    if budget is None or budget == -1:
+        return None
+    if budget < 0:
+        raise _bad("thinking_token_budget must be -1 (no budget) or at least 0", "thinking_token_budget")
+    markers = plan.markers
+    if markers is None:
+        raise _bad("thinking_token_budget: this model's chat template has no thinking markers",
+                   "thinking_token_budget")
+    if plan.thinking is False:
+        return None
+    info = handle.spec.tokenizer
+    vocab = handle.spec.config.vocab_size
+    decode = grammars_for(info.tokenizer, vocab, info.eos_token_ids).tokenizer.decode_bytes
+    end_ids = info.tokenizer.encode(markers.end, add_special_tokens=False).ids
+    start, end, thinking = markers.start.encode(), markers.end.encode(), plan.thinking
+    return lambda: ThinkingBudget(budget, start, end, end_ids, vocab, lambda t: decode([t]), thinking)
 
 
 def _bad_word_sequences(body: SamplingFields, handle: ModelHandle) -> list[list[int]]:
@@ -100,7 +126,7 @@ def plan_chat(body: ChatRequest, handle: ModelHandle, top: int | None, compiler:
         grammar = _compile(handle, compiler, *wanted)
     # A thinking model thinks first: the grammar starts after its thinking.
     after = plan.markers.end if plan.markers is not None and plan.thinking else None
-    make_constraint = _constraint_factory(body, handle, grammar, after)
+    make_constraint = _constraint_factory(body, handle, grammar, after, _thinking_budget(body, handle, plan))
     ids = truncate(body, handle, plan.prompt.ids)
     images = plan.prompt.images
     if images and len(ids) != len(plan.prompt.ids):

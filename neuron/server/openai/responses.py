@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 from neuron.errors import ApiError
 
 from neuron.server.openai.choices import Choice, Delta
-from neuron.server.openai.generation import respond, usage
+from neuron.server.openai.generation import KEEPALIVE, respond, usage
 from neuron.server.openai.routes import serving
 from neuron.server.openai.planning import plan_chat
 from neuron.server.openai.prompts import IMAGE_PARTS
@@ -26,7 +26,7 @@ from neuron.server.openai.requests import decode_json, read_body
 from neuron.server.openai.response_store import ResponseStore
 from neuron.server.schemas import ChatRequest
 from neuron.server.state import AppState, require_key
-from neuron.parsing.tool_calls import CallArgs, CallStart
+from neuron.parsing.tool_calls import CallStart
 from neuron.server.openai.views import Folded
 
 
@@ -227,13 +227,11 @@ class ResponseView:
         kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
         return [self._event(kind, response=final)]
 
+    def keepalive(self) -> bytes:
+        return KEEPALIVE
+
     def body(self, folded: list[Folded], choices: list[Choice]) -> dict[str, Any]:
-        f = folded[0]
-        delta = Delta(0, content=f.content, reasoning=f.reasoning, reason=f.reason)
-        for i, call in enumerate(f.calls):
-            delta.calls += [CallStart(i, call["id"], call["function"]["name"]),
-                            CallArgs(i, call["function"]["arguments"])]
-        self.frames(delta, choices)
+        self.frames(folded[0].as_delta(), choices)
         return self.finish(choices)
 
     # the machine

@@ -54,6 +54,14 @@ class Folded:
         if delta.reason is not None:
             self.reason = delta.reason
 
+    def as_delta(self, index: int = 0) -> Delta:
+        """Everything as one delta: a whole answer run through a streaming view's machine."""
+        delta = Delta(index, content=self.content, reasoning=self.reasoning, reason=self.reason)
+        for i, call in enumerate(self.calls):
+            delta.calls += [CallStart(i, call["id"], call["function"]["name"]),
+                            CallArgs(i, call["function"]["arguments"])]
+        return delta
+
 
 @dataclass
 class View:

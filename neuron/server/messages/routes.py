@@ -1,0 +1,81 @@
+"""``POST /v1/messages`` and ``POST /v1/messages/count_tokens``: Anthropic's Messages API over the
+chat machinery. The body becomes a chat request (``request``), is planned as a chat is, runs on
+the engine, and its deltas become Anthropic's events or message (``view``). ``x-api-key`` is
+taken as well as a bearer key; ``anthropic-version``, ``anthropic-beta`` and ``?beta=true`` are
+accepted as Anthropic's clients send them."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from neuron.errors import ApiError
+
+from neuron.server.messages.errors import in_anthropic_envelope
+from neuron.server.messages.request import CountTokensRequest, MessagesRequest, Translation, our_name, translate
+from neuron.server.messages.view import MessageView
+from neuron.server.openai.generation import respond
+from neuron.server.openai.planning import plan_chat
+from neuron.server.openai.prompts import chat_prompt
+from neuron.server.openai.requests import decode_json, read_body
+from neuron.server.openai.routes import serving
+from neuron.server.state import AppState, require_key
+
+_TRANSLATION = "neuron.messages.translation"
+
+
+class CountTokensResponse(msgspec.Struct):
+    input_tokens: int
+
+
+def _rename(request: Request, exc: ApiError) -> None:
+    translation: Translation | None = request.scope.get(_TRANSLATION)
+    if translation is not None and exc.param is not None:
+        exc.param = our_name(exc.param, translation.origin)
+
+
+def _decode(data: bytes, kind: type):
+    try:
+        return decode_json(data, kind)
+    except ApiError as exc:
+        if "unknown field `" in exc.message:  # msgspec: "Object contains unknown field `x`"
+            exc.param = exc.message.split("unknown field `", 1)[1].split("`", 1)[0]
+            exc.message = f"{exc.param}: Extra inputs are not permitted"
+        raise
+
+
+@asynccontextmanager
+async def _translated(request: Request, kind: type) -> AsyncIterator[tuple]:
+    """Within the body budget: the state, the body, its model, its chat translation, and the
+    runner of work off the event loop."""
+    state: AppState = request.app.state.neuron
+    require_key(request, state, admin=False)
+    data = await read_body(request, state.cfg.server.max_body_bytes)
+    async with state.body_budget.hold(len(data)) as run:
+        body = _decode(data, kind)
+        handle = serving(state, body.model)
+        translation = await run(translate, body, handle)
+        request.scope[_TRANSLATION] = translation
+        yield state, body, handle, translation, run
+
+
+async def _create_message(request: Request) -> Response:
+    async with _translated(request, MessagesRequest) as (state, body, handle, translation, run):
+        _, build = await run(plan_chat, translation.chat, handle, None, state.compiler, state.templates)
+    choices = build()
+    view = MessageView(handle.id, translation.show_thinking)
+    return await respond(request, state, handle, choices, view, bool(body.stream), translation.chat.user)
+
+
+async def _count_tokens(request: Request) -> Response:
+    async with _translated(request, CountTokensRequest) as (state, _, handle, translation, run):
+        plan = await run(chat_prompt, translation.chat, handle, state.templates)
+    return JSONResponse({"input_tokens": len(plan.prompt.ids)})
+
+
+create_message = in_anthropic_envelope(_create_message, _rename)
+count_tokens = in_anthropic_envelope(_count_tokens, _rename)
