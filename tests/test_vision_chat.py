@@ -284,6 +284,21 @@ def test_what_an_image_cannot_be_is_a_4xx_naming_it_and_the_server_stays_healthy
         assert r.status_code == 200, r.text
         want = served(server, chat("Look: ", [png], " What is it?"), max_tokens=4)["usage"]["prompt_tokens"]
         assert r.json()["usage"]["input_tokens"] == want
+        # So does the Messages API, its image a base64 block (and inside a tool's result, the same image).
+        block = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                             "data": base64.b64encode(png).decode()}}
+        r = httpx.post(f"{server.url}/v1/messages", timeout=60, json={
+            "model": "vis", "max_tokens": 4, "temperature": 0, "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "Look: "}, block,
+                                             {"type": "text", "text": " What is it?"}]}]})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["input_tokens"] + r.json()["usage"]["cache_read_input_tokens"] == want
+        r = httpx.post(f"{server.url}/v1/messages", timeout=60, json={
+            "model": "vis", "max_tokens": 2, "messages": [
+                {"role": "user", "content": "Show me."},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "shot", "input": {}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [block]}]}]})
+        assert r.status_code == 200, r.text
         ok = client.chat.completions.create(model="vis", messages=chat("Look: ", [png], "?"), max_tokens=4)
         assert ok.usage.completion_tokens == 4
         # A step that fails on the rank (here out of memory before the tower ran): what it was to
