@@ -58,6 +58,47 @@ def _keygen(args: argparse.Namespace) -> int:
     return 0
 
 
+def _keys_parser(sub: argparse._SubParsersAction) -> None:
+    k = sub.add_parser("keys", help="named API keys ([server] api_keys_file)")
+    ksub = k.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
+    add = ksub.add_parser("add", help="make a key for NAME: its hash is appended to the keys file, the key "
+                                      "is printed once")
+    add.add_argument("name", help="the key's name: the principal its requests are counted and shared under")
+    add.add_argument("--file", help="the keys file (default: [server] api_keys_file of --config / $NEURON_CONFIG)")
+    add.add_argument("--config", help="TOML file whose [server] api_keys_file to use")
+    add.add_argument("--max-running", type=int, help="its running requests per model at most")
+    add.add_argument("--max-waiting", type=int, help="its waiting requests per model at most (beyond: 429)")
+    add.add_argument("--weight", type=float, help="its share against the other keys' (default 1)")
+    add.set_defaults(run=_keys_add)
+
+
+def _keys_add(args: argparse.Namespace) -> int:
+    import os
+
+    from .config import ConfigError, load_config
+    from .server.keys import KeysFileError, add_key
+
+    path = args.file
+    if not path:
+        try:
+            path = load_config(args.config or os.environ.get("NEURON_CONFIG")).server.api_keys_file
+        except ConfigError as exc:
+            print(f"neuron: {exc}", file=sys.stderr)
+            return 2
+    if not path:
+        print("neuron: no keys file: pass --file, or set [server] api_keys_file", file=sys.stderr)
+        return 2
+    try:
+        key = add_key(path, args.name, args.max_running, args.max_waiting, args.weight)
+    except (KeysFileError, OSError) as exc:
+        print(f"neuron: {exc}", file=sys.stderr)
+        return 1
+    print(key)
+    print(f"added {args.name!r} to {path}; send SIGHUP to a running daemon to read it (the key is shown only "
+          "this once)", file=sys.stderr)
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     from .serve import serve_main  # uvicorn and the server only for this command
 
@@ -69,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _serve_parser(sub)
     _keygen_parser(sub)
+    _keys_parser(sub)
     commands.add_parsers(sub)
     chat.add_parser(sub)
     return ap

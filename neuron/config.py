@@ -42,6 +42,14 @@ class ServerConfig:
     # A request's own ``chat_template`` is a program its sender runs on the daemon: off unless
     # the operator trusts every key holder (vLLM's --trust-request-chat-template).
     allow_request_chat_template: bool = False
+    # Named keys: a TOML file of [[keys]] (name, key_sha256, max_running, max_waiting, weight),
+    # re-read on SIGHUP; each key's name is the principal of fair share (docs/operations.md).
+    api_keys_file: str = ""
+    key_max_running: int = 0  # a key's running requests per model at most, unless its entry says (0: no cap)
+    key_max_waiting: int = 0  # a key's waiting requests per model at most, unless its entry says (0: no cap)
+    # A header a trusted gateway in front sets to the account a request is for: its value is then
+    # the principal (after the key is checked). Empty: the key's name is.
+    principal_header: str = ""
 
 
 @dataclass

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 from .config import ModelEntry
 from .engine.engine import Engine
 from .loader.spec import ModelSpec
@@ -49,6 +51,12 @@ class ModelHandle:
         if (self.entry.quantize or self.spec.quantized) and not self.packed:
             fmt += f", dequantized to {self.dtype}"
         return fmt
+
+    def telemetry(self) -> list[dict]:
+        """Each rank's device, as its last heartbeat told."""
+        if self.group is None:
+            return []
+        return [{"rank": rank, **msgspec.structs.asdict(t)} for rank, t in sorted(self.group.telemetry.items())]
 
     def describe(self) -> dict:
         stats = self.engine.stats()

@@ -88,6 +88,7 @@ class RankGroup:
         self.last_seen: dict[int, float] = {}
         self.busy_step: dict[int, int] = {}
         self.loaded_bytes: dict[int, int] = {}  # per rank, from heartbeats: a load's progress
+        self.telemetry: dict[int, p.Telemetry] = {}  # per rank, from heartbeats: its device
         self.dropped = 0
         self.failure: str | None = None
         self._calls: dict[int, _Call] = {}
@@ -375,6 +376,8 @@ class RankGroup:
             self.last_seen[rank] = time.monotonic()
             self.busy_step[rank] = reply.busy_step
             self.loaded_bytes[rank] = reply.loaded_bytes
+            if reply.telemetry is not None:
+                self.telemetry[rank] = reply.telemetry
             self._hello.set()
             return
         self.last_seen[rank] = time.monotonic()

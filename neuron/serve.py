@@ -146,6 +146,19 @@ def _head_key_refusal(cfg: Config) -> str | None:
     return None
 
 
+def _keys_file_refusal(cfg: Config) -> str | None:
+    """Why the keys file cannot be used, or None."""
+    if not cfg.server.api_keys_file:
+        return None
+    from .server.keys import KeysFileError, read_keys_file
+
+    try:
+        read_keys_file(cfg.server.api_keys_file)
+    except KeysFileError as exc:
+        return str(exc)
+    return None
+
+
 async def serve(cfg: Config) -> int:
     # Prompts are planned on threads that mostly wait (on a template or grammar worker, or in a
     # tokenizer outside the GIL): enough of them that a few slow requests hold no one else up.
@@ -158,6 +171,8 @@ async def serve(cfg: Config) -> int:
                             http=limited_protocol(cfg.http), timeout_keep_alive=cfg.http.keep_alive_timeout_s)
     server = NeuronServer(config, state)
     state.on_startup_failure = server.fail_startup
+    if hasattr(signal, "SIGHUP"):  # the operator edited the keys file
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, state.keys.reload)
     await server.serve()
     return server.exit_code
 
@@ -173,7 +188,7 @@ def serve_main(args: argparse.Namespace) -> int:
 
         configure_logging(cfg.server.log_level, cfg.server.log_format)
         return run_node(cfg)
-    refused = admin_exposure(cfg) or _head_key_refusal(cfg)
+    refused = admin_exposure(cfg) or _head_key_refusal(cfg) or _keys_file_refusal(cfg)
     if refused is not None:
         print(f"neuron: {refused}", file=sys.stderr)
         return 2

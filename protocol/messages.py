@@ -287,10 +287,24 @@ class Error(Frame, tag="error"):
     message: str
 
 
+class Telemetry(msgspec.Struct, omit_defaults=True):
+    """A rank's device, as its heartbeat last saw it; -1 where nothing reports it."""
+    device: str  # "cuda:0", "cpu"
+    memory_used: int  # bytes: on a GPU the device's (NVML) or this rank's allocator's, on a CPU the host's
+    memory_total: int
+    utilization: float = -1.0  # percent: the GPU's (NVML), or this rank's share of its CPU threads
+    temperature_c: float = -1.0  # the GPU's (NVML) or the CPU package's (thermal zone)
+    cpu_isa: str = ""  # the CPU kernels' level, on a CPU rank
+    threads: int = 0  # torch's threads, on a CPU rank
+    torch: str = ""  # torch's version on the rank
+    cuda: str = ""  # the CUDA runtime torch was built with, on a GPU rank
+
+
 class Heartbeat(Frame, tag="heartbeat"):
     rank: int
     busy_step: int  # the step id in flight on the device thread, -1 when idle
     loaded_bytes: int = 0  # weight bytes read so far by the load in progress (or the last one)
+    telemetry: Telemetry | None = None
 
 
 Request = Union[Ping, InitDist, SanityCheck, LoadShard, Step, Free, Memory, Unload, Shutdown, InjectFault]

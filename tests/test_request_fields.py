@@ -137,7 +137,7 @@ CASES = [
          no_ws_but_newlines, server="tiny"),
     Case("structural_tag", {"structural_tag": '{"structures": []}'}, None),
     Case("structured_outputs", {"structured_outputs": {"choice": ["yes", "no"]}}, lambda o, b: text(o) in ("yes", "no")),
-    Case("priority", {"priority": 1}, None),
+    Case("priority", {"priority": -3}, lambda o, b: o["log_has_priority"] and text(o) == text(b)),
     Case("request_id", {"request_id": "walk-42"}, lambda o, b: o["id"].endswith("-walk-42")),
     Case("logits_processors", {"logits_processors": ["my.module.Processor"]}, None),
     Case("return_tokens_as_token_ids", {"return_tokens_as_token_ids": True, "logprobs": True, "top_logprobs": 1},
@@ -257,6 +257,8 @@ def run(server, route: str, body: dict, case: Case, base: dict) -> dict:
         out["again"] = post(server, route, body).json()
     if case.field == "user":
         out["log_has_user"] = "user=walker-alice" in server.log()  # the request's start line
+    if case.field == "priority":  # it orders a key's waiting requests (test_fair_share); here it is read
+        out["log_has_priority"] = "priority=-3" in server.log()
     if case.field == "truncation_side":
         out["left"] = text(post(server, route, {**body, "truncation_side": "left"}).json())
     if case.field == "return_tokens_as_token_ids":

@@ -58,6 +58,17 @@ class Daemon:
         return r.status_code, data
 
 
+    def text(self, path: str, *, admin: bool) -> str:
+        """A route's text answer (``/metrics``)."""
+        try:
+            r = httpx.get(self.url + path, headers=self.headers(admin), timeout=30.0)
+        except httpx.HTTPError as exc:
+            raise CtlError(f"GET {path} failed: {type(exc).__name__}: {exc}") from None
+        if r.status_code != 200:
+            raise CtlError(describe_error(r.status_code, None, r.text))
+        return r.text
+
+
 def describe_error(status: int, data: Any, text: str) -> str:
     if isinstance(data, dict) and isinstance(data.get("error"), dict):
         err = data["error"]

@@ -52,17 +52,59 @@ def unload(args: argparse.Namespace, daemon: Daemon) -> int:
     return 0
 
 
+USAGE = {"neuron:principal_requests": "requests", "neuron:principal_prompt_tokens": "prompt_tokens",
+         "neuron:principal_cached_tokens": "cached_tokens", "neuron:principal_generation_tokens": "completion_tokens"}
+
+
+def usage(metrics: str) -> dict[str, dict[str, int]]:
+    """Per principal, from the ``/metrics`` text: requests, tokens, and refusals by code."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, dict[str, int]] = {}
+    for family in text_string_to_metric_families(metrics):
+        for sample in family.samples:
+            name = sample.name.removesuffix("_total")
+            if name in USAGE:
+                out.setdefault(sample.labels["principal"], {})[USAGE[name]] = int(sample.value)
+            elif name == "neuron:principal_rejections":
+                who = out.setdefault(sample.labels["principal"], {})
+                who[f"refused_{sample.labels['code']}"] = int(sample.value)
+    return out
+
+
+def _devices(health: dict[str, Any]) -> list[str]:
+    lines = []
+    for model, ranks in (health.get("devices") or {}).items():
+        for t in ranks:
+            gib = f"{t['memory_used'] / 2**30:.1f}/{t['memory_total'] / 2**30:.1f} GiB"
+            extra = [f"{t['utilization']:.0f}% busy" if t["utilization"] >= 0 else "",
+                     f"{t['temperature_c']:.0f} C" if t["temperature_c"] >= 0 else "",
+                     f"kernels {t['cpu_isa']}, {t['threads']} threads" if t.get("cpu_isa") else ""]
+            lines.append(f"  {model} rank {t['rank']} on {t['device']}: {gib}" +
+                         "".join(f", {e}" for e in extra if e))
+    return lines
+
+
 def status(args: argparse.Namespace, daemon: Daemon) -> int:
     """Exit 0 when the daemon says it is healthy, 1 otherwise (503 is an answer, not an error)."""
     code, health = daemon.call("GET", "/health", admin=False, ok=(200, 503))
     _, listed = daemon.call("GET", "/models", admin=True)
+    _, version = daemon.call("GET", "/version", admin=False)
+    principals = usage(daemon.text("/metrics", admin=True))
     if args.json:
-        _print({"health": health, "models": listed["models"]}, True, "")
+        _print({"health": health, "models": listed["models"], "version": version, "usage": principals}, True, "")
     else:
         reason = f" ({health['reason']})" if health.get("reason") else ""
-        print(f"{daemon.url}: {health['status']}{reason}")
+        print(f"{daemon.url}: {health['status']}{reason} (neuron {version['version']})")
         if listed["models"]:
             print(table(listed["models"]))
+        devices = _devices(health)
+        if devices:
+            print("devices:\n" + "\n".join(devices))
+        if principals:
+            print("usage by key:")
+            for name, counts in sorted(principals.items()):
+                print(f"  {name}: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
     return 0 if code == 200 else 1
 
 

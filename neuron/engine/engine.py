@@ -146,9 +146,22 @@ class Engine:
             raise ApiError(429, "rate_limit_exceeded",
                            f"the queue of model {self.model_id!r} is full ({self.cfg.queue_size} waiting)",
                            retry_after=max(1, len(self.sched.running)))
+        if req.max_waiting and self._waiting_beyond_room(req) >= req.max_waiting:
+            raise ApiError(429, "rate_limit_exceeded",
+                           f"key {req.principal!r} has {req.max_waiting} requests waiting for model "
+                           f"{self.model_id!r}, its max_waiting", retry_after=max(1, len(self.sched.running)))
         self.sched.waiting.append(req)
         self._idle.clear()
         self._wake.set()
+
+    def _waiting_beyond_room(self, req: GenRequest) -> int:
+        """The requests of ``req``'s principal that wait for more than the next admission: a burst
+        that free slots (within its cap) will take is not a queue."""
+        room = len(self.sched.free_slots)
+        if req.max_running:
+            running = sum(1 for r in self.sched.running if r.principal == req.principal)
+            room = min(room, max(0, req.max_running - running))
+        return self.sched.waiting.waiting_of(req.principal) - room
 
     def abort(self, req: GenRequest) -> None:
         if not req.finished:

@@ -85,6 +85,11 @@ class GenRequest:
     hashes: list[bytes] = field(default_factory=list)  # chain hashes of its leading full blocks
     cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
     cache_salt: bytes = b""  # only requests with the same salt share cached prefixes
+    principal: str = ""  # whose request (an API key's name): the unit of fair share
+    weight: float = 1.0  # its principal's share of admitted work, against the others'
+    max_running: int = 0  # its principal's running requests at most (0: no cap)
+    max_waiting: int = 0  # its principal's waiting requests at most (0: no cap)
+    priority: int = 0  # among its principal's waiting requests, lower goes first (vLLM's)
     finished: bool = False
     cancelled: bool = False
     arrival: float = field(default_factory=time.monotonic)

@@ -3,10 +3,11 @@ tokens, and in which KV blocks (and, for a model with recurrent layers, which st
 
 Every step first carries one decode token for each running sequence, then fills the rest of the
 token budget with prompt chunks (chunked prefill), so a long prompt never stalls the streams
-already decoding. A request is admitted when a slot is free, its prompt's blocks fit and, where
-the model keeps per-sequence state, a state slot is free (it waits otherwise); a decode that needs
-a block when none is free preempts the newest running request, which gives back its blocks and
-its state slot, goes back to the front of the queue and is recomputed later (its client sees
+already decoding. Waiting requests are admitted in fair order between principals (``fair``),
+each when a slot is free, its prompt's blocks fit and, where the model keeps per-sequence state, a
+state slot is free (it waits otherwise); a decode that needs a block when none is free preempts
+the newest running request of the principal holding the most blocks, which gives back its blocks
+and its state slot, goes back to the front of the queue and is recomputed later (its client sees
 nothing but a pause).
 
 Steps overlap: the next step is planned while the last is still running. A decode whose input
@@ -16,10 +17,11 @@ token is still in flight (``pending``) is sent as ``-1``, which the rank resolve
 from __future__ import annotations
 
 import itertools
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from .blocks import BlockManager, OutOfBlocks, chain_hash
+from .fair import FairQueue
 from .request import GenRequest
 from .state_cache import StateCache
 
@@ -55,7 +57,7 @@ class Scheduler:
         self.states = StateCache(state_slots, self.blocks, snapshot_interval)
         self.closing: set[GenRequest] = set()  # finished, their last steps still out: snapshots to come
         self.free_slots: deque[int] = deque(range(max_slots))
-        self.waiting: deque[GenRequest] = deque()
+        self.waiting = FairQueue()
         self.running: list[GenRequest] = []  # in admission order: the last is the newest
         self.preemptions = 0
         self._order = itertools.count()
@@ -66,12 +68,15 @@ class Scheduler:
 
     # ----------------------------------------------------------------------------- admission
     def admit(self) -> list[GenRequest]:
-        """Give slots and blocks to waiting requests, oldest (and preempted) first."""
+        """Give slots and blocks to waiting requests: preempted first, then in fair order."""
         admitted = []
+        running = Counter(r.principal for r in self.running)
         while self.waiting and self.free_slots:
-            req = self.waiting[0]
+            req = self.waiting.next(running)
+            if req is None:
+                break
             if req.cancelled or req.finished:
-                self.waiting.popleft()
+                self.waiting.remove(req)
                 continue
             if req.pending:  # preempted with a token in flight: recompute once it is known
                 break
@@ -93,7 +98,8 @@ class Scheduler:
                 break
             if self.states.num_slots and self.states.free_count <= (snap is not None and not snap.pins):
                 break
-            self.waiting.popleft()
+            self.waiting.pop(req)
+            running[req.principal] += 1
             req.slot = self.free_slots.popleft()
             if snap is not None:
                 self.states.pin(snap)
@@ -250,14 +256,18 @@ class Scheduler:
         return req.computed == total - 1 and bool(req.output or req.pending) and self._may_sample(req)
 
     def _room_for(self, req: GenRequest, tokens: int) -> bool:
-        """Blocks for ``tokens`` positions of ``req``, preempting the newest running requests
-        until they fit; False if ``req`` itself had to go."""
+        """Blocks for ``tokens`` positions of ``req``, preempting running requests until they
+        fit (the newest of the principal holding the most blocks); False if ``req`` had to go."""
         while True:
             try:
                 self.blocks.grow(req.blocks, tokens)
                 return True
             except OutOfBlocks:
-                victim = max(self.running, key=lambda r: r.order)
+                held = Counter()
+                for r in self.running:
+                    held[r.principal] += len(r.blocks)
+                most = max(held.values())
+                victim = max((r for r in self.running if held[r.principal] == most), key=lambda r: r.order)
                 self._preempt(victim)
                 if victim is req:
                     return False

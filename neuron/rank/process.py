@@ -112,7 +112,9 @@ class RankProcess:
                 os._exit(3)
             busy = self.worker.busy_step if self.worker else -1
             loaded = self.worker.loaded_bytes if self.worker else 0
-            await self.send(p.Heartbeat(id=0, epoch=self.epoch, rank=self.rank, busy_step=busy, loaded_bytes=loaded))
+            telemetry = self.worker.telemetry.sample() if self.worker else None
+            await self.send(p.Heartbeat(id=0, epoch=self.epoch, rank=self.rank, busy_step=busy, loaded_bytes=loaded,
+                                        telemetry=telemetry))
             await asyncio.sleep(HEARTBEAT_S)
 
 

@@ -21,6 +21,8 @@ from neuron.runner.runner import ModelRunner, PendingStep, RunnerConfig, StepRej
 
 from .deferred import Deferred
 
+from .telemetry import TelemetrySampler
+
 log = logging.getLogger("neuron.rank")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -54,6 +56,7 @@ class DeviceWorker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.allow_faults = allow_faults
+        self.telemetry = TelemetrySampler(self.device, _cpu_isa() if self.device.type == "cpu" else "")
         self.model: Model | None = None
         self.runner: ModelRunner | None = None
         self.model_id: str | None = None

@@ -22,6 +22,7 @@ from neuron.loader.template_worker import TemplateRenderer
 from neuron.registry import Registry
 
 from neuron.server.body_budget import BodyBudget
+from neuron.server.keys import KeyRing
 from neuron.server.errors import api_error_handler, http_error_handler, internal_error_handler, load_error_handler
 from neuron.server.metrics import Metrics
 from neuron.server.model_access import ModelAccess
@@ -46,7 +47,9 @@ def create_app(cfg: Config) -> Starlette:
     state = AppState(cfg=cfg, registry=Registry(cfg, on_finish=on_finish, templates=templates), metrics=metrics,
                      compiler=GrammarCompiler(cfg.grammar), templates=templates,
                      body_budget=BodyBudget(cfg.http.max_inflight_body_bytes),
-                     access=ModelAccess.from_config(cfg), responses=ResponseStore(cfg.server.stored_responses))
+                     access=ModelAccess.from_config(cfg), responses=ResponseStore(cfg.server.stored_responses),
+                     keys=KeyRing(cfg.server.api_key, cfg.server.api_keys_file, cfg.server.key_max_running,
+                                  cfg.server.key_max_waiting))
 
     @asynccontextmanager
     async def lifespan(app: Starlette):

@@ -49,6 +49,16 @@ class _EngineState:
                                      "Images served from the ranks' kept embeddings, not encoded again", labels=label)
         status = GaugeMetricFamily("neuron:model_status", "1 for the model's current status",
                                    labels=["model_name", "status"])
+        where = ["model_name", "rank", "device"]
+        used = GaugeMetricFamily("neuron:device_memory_used_bytes", "A rank's device memory in use (on a CPU, "
+                                 "the host's)", labels=where)
+        total = GaugeMetricFamily("neuron:device_memory_total_bytes", "A rank's device memory", labels=where)
+        util = GaugeMetricFamily("neuron:device_utilization_perc", "A rank's device utilisation, where reported",
+                                 labels=where)
+        temp = GaugeMetricFamily("neuron:device_temperature_celsius", "A rank's device temperature, where reported",
+                                 labels=where)
+        threads = GaugeMetricFamily("neuron:cpu_threads", "A CPU rank's torch threads, by its kernels' level",
+                                    labels=["model_name", "rank", "cpu_isa"])
         for model_id, handle in list(self.models.items()):
             stats = handle.engine.stats()
             running.add_metric([model_id], stats.running)
@@ -61,7 +71,18 @@ class _EngineState:
             reuses.add_metric([model_id], stats.image_reuses)
             for name in STATUSES:
                 status.add_metric([model_id, name], 1 if handle.status == name else 0)
-        yield from (running, waiting, kv, preempt, queries, hits, encodes, reuses, status)
+            for t in handle.telemetry():
+                labels = [model_id, str(t["rank"]), t["device"]]
+                used.add_metric(labels, t["memory_used"])
+                total.add_metric(labels, t["memory_total"])
+                if t.get("utilization", -1) >= 0:
+                    util.add_metric(labels, t["utilization"])
+                if t.get("temperature_c", -1) >= 0:
+                    temp.add_metric(labels, t["temperature_c"])
+                if t.get("threads"):
+                    threads.add_metric([model_id, str(t["rank"]), t.get("cpu_isa", "")], t["threads"])
+        yield from (running, waiting, kv, preempt, queries, hits, encodes, reuses, status, used, total, util, temp,
+                    threads)
 
 
 class Metrics:
@@ -88,9 +109,24 @@ class Metrics:
                                         buckets=_TOKENS, registry=r)
         self.request_generation = Histogram("neuron:request_generation_tokens", "Generated tokens per request",
                                             label, buckets=_TOKENS, registry=r)
+        who = ["principal"]
+        self.principal_requests = Counter("neuron:principal_requests", "Finished requests, by principal (API key)",
+                                          who, registry=r)
+        self.principal_prompt = Counter("neuron:principal_prompt_tokens", "Prompt tokens, by principal", who,
+                                        registry=r)
+        self.principal_cached = Counter("neuron:principal_cached_tokens",
+                                        "Prompt tokens served from the prefix cache, by principal", who, registry=r)
+        self.principal_generation = Counter("neuron:principal_generation_tokens", "Tokens generated, by principal",
+                                            who, registry=r)
+        self.principal_rejections = Counter("neuron:principal_rejections",
+                                            "Requests refused before they ran, by principal and error code",
+                                            ["principal", "code"], registry=r)
 
     def request_started(self, model: str) -> None:
         self.started.labels(model).inc()
+
+    def request_rejected(self, principal: str, code: str) -> None:
+        self.principal_rejections.labels(principal, code).inc()
 
     def request_finished(self, model: str, req: GenRequest, fin: FinishEvent, trace: RequestTrace | None) -> None:
         reason = "error" if fin.error else fin.reason
@@ -99,6 +135,10 @@ class Metrics:
         self.generation_tokens.labels(model).inc(fin.completion_tokens)
         self.request_prompt.labels(model).observe(fin.prompt_tokens)
         self.request_generation.labels(model).observe(fin.completion_tokens)
+        self.principal_requests.labels(req.principal).inc()
+        self.principal_prompt.labels(req.principal).inc(fin.prompt_tokens)
+        self.principal_cached.labels(req.principal).inc(fin.cached_tokens)
+        self.principal_generation.labels(req.principal).inc(fin.completion_tokens)
         self.e2e.labels(model).observe(time.monotonic() - req.arrival)
         if trace is None:
             return

@@ -56,9 +56,12 @@ def trace_of(req: GenRequest) -> RequestTrace | None:
 
 def log_start(trace: RequestTrace, req: GenRequest, stream: bool, user: str | None = None) -> None:
     fields: dict[str, Any] = {"request_id": trace.request_id, "model": trace.model, "route": trace.route,
-                              "stream": stream, "prompt_tokens": len(req.prompt), "max_tokens": req.max_tokens}
+                              "stream": stream, "prompt_tokens": len(req.prompt), "max_tokens": req.max_tokens,
+                              "principal": req.principal}
     if user:
         fields["user"] = user
+    if req.priority:
+        fields["priority"] = req.priority
     log.info("request started", extra=fields)
 
 
@@ -67,8 +70,9 @@ def log_finish(model: str, req: GenRequest, fin: FinishEvent, trace: RequestTrac
     ttft = trace.token_times[0] - req.arrival if trace and trace.token_times else None
     queue = trace.admitted_at - req.arrival if trace and trace.admitted_at is not None else None
     fields: dict[str, Any] = {
-        "request_id": req.request_id, "model": model, "finish_reason": fin.reason,
-        "prompt_tokens": fin.prompt_tokens, "completion_tokens": fin.completion_tokens,
+        "request_id": req.request_id, "model": model, "principal": req.principal, "finish_reason": fin.reason,
+        "prompt_tokens": fin.prompt_tokens, "cached_tokens": fin.cached_tokens,
+        "completion_tokens": fin.completion_tokens,
         "queue_s": None if queue is None else round(queue, 4),
         "ttft_s": None if ttft is None else round(ttft, 4), "duration_s": round(now - req.arrival, 4),
         "error": fin.error,

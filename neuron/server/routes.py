@@ -61,6 +61,8 @@ ROUTES: list[ApiRoute] = [
              DetokenizeRequest, DetokenizeResponse),
     ApiRoute("GET", "/health", admin_routes.health, "200 when every model can serve, else 503 and why",
              "operations"),
+    ApiRoute("GET", "/version", admin_routes.version, "The release, its git revision, torch, CUDA and the CPU "
+             "kernels' level", "operations"),
     ApiRoute("GET", "/metrics", admin_routes.metrics, "Prometheus text", "operations", "admin"),
     ApiRoute("GET", "/models", admin_routes.list_models, "Every model with its status", "admin", "admin"),
     ApiRoute("POST", "/models/load", admin_routes.load_model, "Load a model (concurrent loads coalesce)",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hmac
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from starlette.requests import Request
@@ -17,7 +17,12 @@ from neuron.registry import Registry
 from neuron.server.body_budget import BodyBudget
 from neuron.server.metrics import Metrics
 from neuron.server.model_access import ModelAccess
+from neuron.server.request_id import sanitise
+from neuron.server.keys import KeyRing, Principal
 from neuron.server.openai.response_store import ResponseStore
+
+PRINCIPAL = "neuron.principal"  # the request scope's key of its Principal
+ANONYMOUS = Principal("anonymous")
 
 
 @dataclass
@@ -34,17 +39,32 @@ class AppState:
     startup_error: str | None = None
     on_startup_failure: Callable[[str], None] | None = None
     responses: ResponseStore = field(default_factory=lambda: ResponseStore(256))
+    keys: KeyRing = field(default_factory=KeyRing)
 
 
 def require_key(request: Request, state: AppState, *, admin: bool) -> None:
-    """Key check in constant time (``Authorization: Bearer`` or ``x-api-key``). Admin routes take the admin key (or, when none is
-    set, the inference key); with no key configured the route is open."""
+    """Key check in constant time (``Authorization: Bearer`` or ``x-api-key``). Admin routes take
+    the admin key (or, when none is set, ``api_key``); the others any key of the key ring, whose
+    principal goes in the request's scope (``principal_of``). With no key configured a route is
+    open."""
     server = state.cfg.server
-    key = (server.admin_api_key or server.api_key) if admin else server.api_key
-    if not key:
-        return
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer":  # Anthropic's clients send the key as x-api-key
         given = request.headers.get("x-api-key", "")
-    if not given or not hmac.compare_digest(given.strip().encode(), key.encode()):
+    given = given.strip()
+    if admin:
+        key = server.admin_api_key or server.api_key
+        if key and not hmac.compare_digest(given.encode(), key.encode()):
+            raise ApiError(401, "invalid_api_key", "missing or invalid API key")
+        return
+    principal = ANONYMOUS if state.keys.open else state.keys.check(given)
+    if principal is None:
         raise ApiError(401, "invalid_api_key", "missing or invalid API key")
+    account = request.headers.get(server.principal_header, "") if server.principal_header else ""
+    if account:  # set by the trusted gateway in front: the account this request is for
+        principal = replace(principal, name=sanitise(account)[:64])
+    request.scope[PRINCIPAL] = principal
+
+
+def principal_of(request: Request) -> Principal:
+    return request.scope.get(PRINCIPAL, ANONYMOUS)

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import platform
+import subprocess
+from functools import lru_cache
+from pathlib import Path
 
 import protocol as p
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+import neuron
 from neuron.config import Config, ConfigError, ModelEntry, validate
 from neuron.errors import ApiError
 from neuron.loader.errors import LoadError
@@ -21,7 +26,9 @@ from neuron.server.state import AppState, require_key
 async def health(request: Request) -> Response:
     state: AppState = request.app.state.neuron
     models = {h.id: h.status for h in state.registry.models.values()}
-    extra = {"cluster": state.registry.cluster.describe()} if state.registry.cluster is not None else {}
+    cluster = state.registry.cluster.describe() if state.registry.cluster is not None else None
+    extra = {"cluster": cluster} if cluster is not None else {}
+    extra["devices"] = _devices(state)
     if state.draining:
         return JSONResponse({"status": "shutting_down", "models": models, **extra}, status_code=503)
     if state.startup_error:
@@ -32,10 +39,37 @@ async def health(request: Request) -> Response:
     bad = {k: v for k, v in models.items() if v != "loaded"}
     if bad:
         reason = "; ".join(f"model {k!r} is {v}" for k, v in bad.items())
-        if extra and extra["cluster"]["missing"]:
-            reason += f"; node(s) {extra['cluster']['missing']} missing"
+        if cluster is not None and cluster["missing"]:
+            reason += f"; node(s) {cluster['missing']} missing"
         return JSONResponse({"status": "degraded", "reason": reason, "models": models, **extra}, status_code=503)
     return JSONResponse({"status": "ok", "models": models, **extra})
+
+
+def _devices(state: AppState) -> dict[str, list[dict]]:
+    return {h.id: h.telemetry() for h in state.registry.models.values()}
+
+
+async def version(request: Request) -> Response:
+    """The release, its git revision, and what the ranks run: torch, CUDA, the CPU kernels' level."""
+    state: AppState = request.app.state.neuron
+    models = {}
+    for h in state.registry.models.values():
+        ranks = h.telemetry()
+        models[h.id] = {"torch": ranks[0]["torch"] if ranks else None, "cuda": ranks[0].get("cuda") if ranks else None,
+                        "cpu_isa": h.cpu_isa, "devices": [r["device"] for r in ranks]}
+    return JSONResponse({"version": neuron.__version__, "git_revision": git_revision(),
+                         "python": platform.python_version(), "models": models})
+
+
+@lru_cache(maxsize=1)
+def git_revision() -> str | None:
+    """The commit neuron runs from, where it runs from a git checkout."""
+    try:
+        out = subprocess.run(["git", "-C", str(Path(neuron.__file__).parent), "rev-parse", "HEAD"],
+                             capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
 
 
 async def metrics(request: Request) -> Response:

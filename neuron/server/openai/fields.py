@@ -22,7 +22,6 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "prompt_logprobs": (_absent, "prompt logprobs are not supported"),
     "logprob_token_ids": (_absent, "logprobs of chosen token ids are not supported"),
     "structural_tag": (_absent, "structural tags are not supported"),
-    "priority": (lambda v: v == 0, "priority scheduling is not enabled"),
     "logits_processors": (_absent, "custom logits processors are not supported"),
     "return_token_offsets": (lambda v: not v, "token offsets are only for render endpoints, which do not exist here"),
     "kv_transfer_params": (_absent, "disaggregated serving (KV transfer) is not supported"),

@@ -21,7 +21,7 @@ from neuron.server.openai.choices import Choice, Delta, Merged
 from neuron.server.errors import envelope
 from neuron.server.request_id import request_id
 from neuron.server.request_trace import RequestTrace, log_start, log_unserved
-from neuron.server.state import AppState
+from neuron.server.state import AppState, principal_of
 from neuron.server.openai.views import Folded, Usage, View
 
 log = logging.getLogger("neuron.server")
@@ -64,14 +64,18 @@ async def start(request: Request, state: AppState, handle: ModelHandle, choices:
     sequence is traced under the request's id (its log lines, queue time, TTFT, ITL)."""
     submitted: list[GenRequest] = []
     traces = [RequestTrace(request_id(request), handle.id, request.url.path) for _ in choices]
+    principal = principal_of(request)
     try:
         for c, trace in zip(choices, traces):
+            c.req.principal, c.req.weight = principal.name, principal.weight
+            c.req.max_running, c.req.max_waiting = principal.max_running, principal.max_waiting
             trace.attach(c.req)
             log_start(trace, c.req, stream, user)
             try:
                 handle.engine.submit(c.req)
             except ApiError as exc:
                 log_unserved(trace, "refused", exc.status, exc.code)
+                state.metrics.request_rejected(principal.name, exc.code)
                 raise
             state.metrics.request_started(handle.id)
             submitted.append(c.req)
@@ -85,6 +89,8 @@ async def start(request: Request, state: AppState, handle: ModelHandle, choices:
         abort_all(handle, choices)
         for trace in traces[len(submitted):]:
             log_unserved(trace, "refused", exc.status, exc.code)
+        if len(submitted) == len(choices):  # refused after it was queued: it waited too long
+            state.metrics.request_rejected(principal.name, exc.code)
         raise
     return True
 

@@ -195,6 +195,7 @@ def make_request(body: SamplingFields, handle: ModelHandle, settings: Settings, 
         detokenizer=Detokenizer(info.tokenizer, settings.shown),
         constraint=constraint(budget) if constraint is not None else None,
         cache_salt=(getattr(body, "cache_salt", None) or "").encode(),
+        priority=body.priority,
         images=list(images),
     )
     if body.include_stop_str_in_output or settings.min_tokens:

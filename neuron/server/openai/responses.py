@@ -70,7 +70,6 @@ REFUSED = {
     "top_logprobs": (lambda v: not v, "logprobs are not supported on /v1/responses"),
     "truncation": (lambda v: v in (None, "disabled"), "only truncation 'disabled' is supported"),
     "service_tier": (lambda v: v in (None, "auto", "default"), "only the default service tier exists"),
-    "priority": (lambda v: v == 0, "priority scheduling is not enabled"),
 }
 
 
@@ -158,7 +157,7 @@ def as_chat(body: ResponsesRequest, history: list[dict[str, Any]]) -> tuple[Chat
             "temperature": body.temperature, "top_p": body.top_p, "stream": body.stream,
             "tools": chat_tools(body.tools), "tool_choice": body.tool_choice,
             "parallel_tool_calls": body.parallel_tool_calls, "user": body.user, "request_id": body.request_id,
-            "reasoning_effort": effort, "cache_salt": body.cache_salt,
+            "reasoning_effort": effort, "cache_salt": body.cache_salt, "priority": body.priority,
             "response_format": _chat_format(fmt) if fmt else None,
         }, ChatRequest)
     except msgspec.ValidationError as exc:

@@ -1,0 +1,174 @@
+"""Several users on one daemon, against a real server: named keys from a keys file, one key's 32
+streams and waiting requests do not hold up another key's request (admitted at the next step),
+per-key caps answer 429 to that key only, a SIGHUP reload adds and removes keys while requests run,
+usage per key in /metrics and the logs, /version and the device telemetry of /health and /metrics,
+and `neuron status` showing them."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+import neuron
+from conftest import ROOT, json_log, start_server
+from neuron.server.keys import KeyRing, add_key
+
+ALICE, BOB, CAROL = "nk-alice-0123456789", "nk-bob-0123456789", "nk-carol-0123456789"
+MODEL = "tiny"
+
+
+def entry(name: str, key: str, **extra) -> str:
+    lines = [f'name = "{name}"', f'key_sha256 = "{hashlib.sha256(key.encode()).hexdigest()}"']
+    lines += [f"{k} = {v}" for k, v in extra.items()]
+    return "[[keys]]\n" + "\n".join(lines) + "\n"
+
+
+@pytest.fixture(scope="module")
+def keyed(server_tmp):
+    from devtools.checkpoints import make_checkpoint
+
+    checkpoint = make_checkpoint("llama", server_tmp / "tiny-keyed", seed=3, max_position_embeddings=2048)
+    keys = server_tmp / "keys.toml"
+    keys.write_text(entry("alice", ALICE, max_running=32, max_waiting=4) + entry("bob", BOB))
+    config = f"""
+[[models]]
+model = "{checkpoint}"
+id = "{MODEL}"
+max_model_len = 2048
+max_slots = 34
+
+[engine]
+queue_size = 64
+
+[server]
+api_keys_file = "{keys}"
+admin_api_key = "admin-key"
+log_format = "json"
+"""
+    server = start_server(server_tmp, config=config)
+    server.keys = keys
+    yield server
+    server.stop()
+
+
+def headers(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def ask(server, key: str, max_tokens: int = 4, rid: str | None = None) -> httpx.Response:
+    body = {"model": MODEL, "prompt": "The lighthouse keeper", "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0}
+    return httpx.post(f"{server.base}/completions", json=body, timeout=300,
+                      headers={**headers(key), **({"x-request-id": rid} if rid else {})})
+
+
+def finish_line(server, rid: str) -> dict:
+    return next(r for r in json_log(server) if r.get("request_id") == rid and r.get("msg") == "request finished")
+
+
+def describe(server) -> dict:
+    return httpx.get(f"{server.url}/models", headers=headers("admin-key"), timeout=10).json()["models"][0]
+
+
+def test_one_keys_streams_and_queue_do_not_hold_up_another_keys_request(keyed):
+    results: list[httpx.Response] = []
+
+    def start(n: int, running: int, waiting: int) -> list[threading.Thread]:
+        threads = [threading.Thread(target=lambda: results.append(ask(keyed, ALICE, max_tokens=1500)))
+                   for _ in range(n)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while (now := describe(keyed))["running"] != running or now["waiting"] != waiting:
+            assert time.monotonic() < deadline, ({k: now[k] for k in ("running", "waiting")},
+                                                 [r.text[:300] for r in results[:2]])
+            time.sleep(0.02)
+        return threads
+
+    alice = start(32, 32, 0)
+    alice += start(4, 32, 4)  # her cap holds these back
+    refused = ask(keyed, ALICE)  # her fifth waiting request: over her max_waiting
+    assert refused.status_code == 429 and "alice" in refused.json()["error"]["message"]
+    assert int(refused.headers["Retry-After"]) >= 1
+    bob = ask(keyed, BOB, rid="bob-first")  # bob is not capped, and not queued behind her
+    assert bob.status_code == 200, bob.text
+    step_ms = describe(keyed)["step_ms"]
+    line = finish_line(keyed, "bob-first")
+    assert line["principal"] == "bob" and line["queue_s"] * 1e3 <= max(3 * step_ms, 50), (line, step_ms)
+    assert describe(keyed)["running"] >= 32  # hers went on meanwhile
+    for t in alice:
+        t.join(300)
+    assert sorted(r.status_code for r in results) == [200] * 36
+    metrics = httpx.get(f"{keyed.url}/metrics", headers=headers("admin-key"), timeout=10).text
+    assert 'neuron:principal_requests_total{principal="alice"} 36.0' in metrics
+    assert 'neuron:principal_rejections_total{code="rate_limit_exceeded",principal="alice"} 1.0' in metrics
+    assert 'neuron:principal_generation_tokens_total{principal="bob"} 4.0' in metrics
+
+
+def test_a_reload_adds_and_removes_keys_while_requests_run(keyed):
+    running: list[httpx.Response] = []
+    t = threading.Thread(target=lambda: running.append(ask(keyed, BOB, max_tokens=200)))
+    t.start()
+    time.sleep(0.5)
+    assert ask(keyed, CAROL).status_code == 401
+    keyed.keys.write_text(entry("alice", ALICE, max_running=32, max_waiting=4) + entry("carol", CAROL))
+    keyed.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while ask(keyed, CAROL).status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert ask(keyed, BOB).status_code == 401  # removed: refused at once
+    t.join(120)
+    assert running[0].status_code == 200 and running[0].json()["usage"]["completion_tokens"] == 200
+    keyed.keys.write_text("[[keys]]\nname = 'broken'\n")  # a broken file keeps the keys as they were
+    keyed.proc.send_signal(signal.SIGHUP)
+    time.sleep(1)
+    assert ask(keyed, CAROL).status_code == 200 and keyed.proc.poll() is None
+
+
+def test_version_telemetry_and_status(keyed):
+    version = httpx.get(f"{keyed.url}/version", timeout=10).json()
+    assert version["version"] == neuron.__version__ and version["python"]
+    model = version["models"][MODEL]
+    assert model["torch"] and model["cpu_isa"] and model["devices"] == ["cpu"]
+    health = httpx.get(f"{keyed.url}/health", timeout=10).json()
+    (rank,) = health["devices"][MODEL]
+    assert rank["device"] == "cpu" and 0 < rank["memory_used"] < rank["memory_total"]
+    assert rank["cpu_isa"] == model["cpu_isa"] and rank["threads"] >= 1 and 0 <= rank["utilization"] <= 100
+    metrics = httpx.get(f"{keyed.url}/metrics", headers=headers("admin-key"), timeout=10).text
+    assert f'neuron:cpu_threads{{cpu_isa="{rank["cpu_isa"]}",model_name="{MODEL}",rank="0"}}' in metrics
+    assert "neuron:device_memory_total_bytes{" in metrics
+    out = subprocess.run([sys.executable, "-m", "neuron.cli", "status", "--url", keyed.url, "--admin-key",
+                          "admin-key"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert f"{MODEL} rank 0 on cpu" in out.stdout and "usage by key:" in out.stdout and "alice: requests" in out.stdout
+
+
+def test_a_wrong_key_takes_as_long_to_refuse_as_a_right_one_to_pass(tmp_path):
+    path = tmp_path / "keys.toml"
+    keys = [add_key(str(path), f"user{i}") for i in range(64)]
+    ring = KeyRing("", str(path))
+
+    def timed(key: str) -> float:
+        runs = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            for _ in range(200):
+                ring.check(key)
+            runs.append(time.perf_counter() - t0)
+        return statistics.median(runs)
+
+    assert ring.check(keys[0]).name == "user0" and ring.check(keys[-1]).name == "user63"
+    assert ring.check("nk-wrong") is None and ring.check("") is None
+    first, last, wrong = timed(keys[0]), timed(keys[-1]), timed("nk-" + "x" * 43)
+    assert max(first, last, wrong) < 1.5 * min(first, last, wrong), (first, last, wrong)
+    assert json.loads(json.dumps(path.stat().st_mode & 0o077)) == 0  # the file is its owner's alone
