@@ -460,3 +460,23 @@ def test_image_chats_on_the_gpu_give_the_cpu_tokens(tmp_path):
         finally:
             assert server.stop() == 0
     assert all(got == answers["cpu", 1] for got in answers.values()), answers
+
+
+@needs_gpu
+def test_version_and_device_telemetry_on_a_gpu(tmp_path, checkpoint):
+    import importlib.util
+
+    config = f'[[models]]\nmodel = "{checkpoint}"\nid = "ckpt"\nmax_model_len = 256\nmax_slots = 4\n'
+    server = start_server(tmp_path, config=config, args=["--device", "cuda"])
+    try:
+        model = httpx.get(f"{server.url}/version", timeout=10).json()["models"]["ckpt"]
+        assert model["cuda"] and model["torch"] and model["cpu_isa"] is None
+        assert [d.split(":")[0] for d in model["devices"]] == ["cuda"]
+        (rank,) = httpx.get(f"{server.url}/health", timeout=10).json()["devices"]["ckpt"]
+        assert rank["device"].startswith("cuda") and 0 < rank["memory_used"] <= rank["memory_total"]
+        if importlib.util.find_spec("pynvml") is not None:  # NVML reports the rest
+            assert 0 <= rank["utilization"] <= 100 and rank["temperature_c"] > 0
+        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+        assert 'neuron:device_memory_total_bytes{device="cuda' in metrics
+    finally:
+        assert server.stop() == 0
