@@ -20,7 +20,7 @@ import pytest
 
 import neuron
 from conftest import ROOT, json_log, start_server
-from neuron.server.keys import KeyRing, add_key
+from neuron.server.keys import KeyRing, Principal, add_key
 
 ALICE, BOB, CAROL = "nk-alice-0123456789", "nk-bob-0123456789", "nk-carol-0123456789"
 MODEL = "tiny"
@@ -53,6 +53,7 @@ queue_size = 64
 api_keys_file = "{keys}"
 admin_api_key = "admin-key"
 log_format = "json"
+principal_header = "x-account-id"
 """
     server = start_server(server_tmp, config=config)
     server.keys = keys
@@ -135,6 +136,14 @@ def test_a_reload_adds_and_removes_keys_while_requests_run(keyed):
     assert ask(keyed, CAROL).status_code == 200 and keyed.proc.poll() is None
 
 
+def test_a_gateways_header_names_the_principal(keyed):
+    r = httpx.post(f"{keyed.base}/completions", timeout=60, headers={**headers(ALICE), "x-account-id": "acct-7",
+                                                                     "x-request-id": "via-gateway"},
+                   json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert finish_line(keyed, "via-gateway")["principal"] == "acct-7"
+
+
 def test_version_telemetry_and_status(keyed):
     version = httpx.get(f"{keyed.url}/version", timeout=10).json()
     assert version["version"] == neuron.__version__ and version["python"]
@@ -155,7 +164,11 @@ def test_version_telemetry_and_status(keyed):
 
 def test_a_wrong_key_takes_as_long_to_refuse_as_a_right_one_to_pass(tmp_path):
     path = tmp_path / "keys.toml"
-    keys = [add_key(str(path), f"user{i}") for i in range(64)]
+    keys = [add_key(str(path), f"user{i}") for i in range(63)]
+    made = subprocess.run([sys.executable, "-m", "neuron.cli", "keys", "add", "user63", "--file", str(path),
+                           "--max-running", "4", "--weight", "2"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert made.returncode == 0 and "user63" in made.stderr, made.stderr
+    keys.append(made.stdout.strip())
     ring = KeyRing("", str(path))
 
     def timed(key: str) -> float:
@@ -167,7 +180,7 @@ def test_a_wrong_key_takes_as_long_to_refuse_as_a_right_one_to_pass(tmp_path):
             runs.append(time.perf_counter() - t0)
         return statistics.median(runs)
 
-    assert ring.check(keys[0]).name == "user0" and ring.check(keys[-1]).name == "user63"
+    assert ring.check(keys[0]).name == "user0" and ring.check(keys[-1]) == Principal("user63", 4, 0, 2.0)
     assert ring.check("nk-wrong") is None and ring.check("") is None
     first, last, wrong = timed(keys[0]), timed(keys[-1]), timed("nk-" + "x" * 43)
     assert max(first, last, wrong) < 1.5 * min(first, last, wrong), (first, last, wrong)
