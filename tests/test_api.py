@@ -187,7 +187,8 @@ def test_bad_input_gets_the_documented_status_and_the_server_stays_healthy(tp1, 
 
 def test_health_and_models_describe_the_loaded_model(tp1):
     h = httpx.get(f"{tp1.url}/health", timeout=10).json()
-    assert h == {"status": "ok", "models": {DEFAULT_MODEL: "loaded"}}
+    assert {k: h[k] for k in ("status", "models")} == {"status": "ok", "models": {DEFAULT_MODEL: "loaded"}}
+    assert [rank["device"] for rank in h["devices"][DEFAULT_MODEL]] == ["cpu"]
     m = httpx.get(f"{tp1.url}/models", timeout=10).json()["models"][0]
     assert m["status"] == "loaded" and m["tensor_parallel"] == 1 and m["dtype"] == "float32"
     assert m["format"] == "gguf" and m["family"] == "llama"

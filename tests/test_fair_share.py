@@ -47,10 +47,12 @@ def test_every_principals_share_of_admitted_work_converges_to_its_weight(weights
                     s.waiting.append(req)
             for req in s.admit():
                 work[req.principal] += len(req.prompt) + req.max_tokens
-                assert step - waited.pop(id(req)) < 200  # nobody waits forever
+                waited.pop(id(req))
             for req in list(s.running):
                 if rnd.random() < 0.3:
                     s.release(req)
+        # Nobody waits forever: whoever came in the first two thirds of the run got in.
+        assert not [since for since in waited.values() if since < 2000]
         total = sum(work.values())
         for name, w in zip(names, weights):
             assert abs(work[name] / total - w / sum(weights)) < 0.03, (work, weights)

@@ -84,7 +84,7 @@ def test_one_keys_streams_and_queue_do_not_hold_up_another_keys_request(keyed):
     results: list[httpx.Response] = []
 
     def start(n: int, running: int, waiting: int) -> list[threading.Thread]:
-        threads = [threading.Thread(target=lambda: results.append(ask(keyed, ALICE, max_tokens=1500)))
+        threads = [threading.Thread(target=lambda: results.append(ask(keyed, ALICE, max_tokens=600)))
                    for _ in range(n)]
         for t in threads:
             t.start()
