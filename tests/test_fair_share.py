@@ -114,3 +114,22 @@ def test_preemption_takes_from_the_principal_holding_the_most_blocks():
                 x.req.output.append(9)
         assert [r.principal for r in s.waiting] == ["agent"] and small in s.running
     asyncio.run(main())
+
+
+def test_idle_principals_are_forgotten_and_start_again_at_the_clock():
+    from neuron.engine.fair import PASSES_KEPT
+
+    async def main():
+        s = scheduler(1)
+        for i in range(PASSES_KEPT + 10):  # a gateway naming a new account each time
+            s.waiting.append(asking(f"acct-{i}"))
+            s.release(s.admit()[0])
+        assert len(s.waiting.passes) <= PASSES_KEPT + 1
+        late, agent = asking("acct-0"), [asking("agent") for _ in range(3)]
+        s.waiting.extend(agent + [late])
+        order = []
+        for _ in range(4):
+            order += s.admit()
+            s.release(order[-1])
+        assert order.index(late) <= 1  # back at the clock: not behind the agent's backlog
+    asyncio.run(main())

@@ -15,6 +15,9 @@ from typing import Iterator
 from .request import GenRequest
 
 
+PASSES_KEPT = 1024  # principals' passes kept before the idle ones are forgotten
+
+
 def cost(req: GenRequest) -> int:
     """The work a request may take: its prompt and its token budget."""
     return len(req.prompt) + req.max_tokens
@@ -50,6 +53,8 @@ class FairQueue:
         queue = self.queues.setdefault(req.principal, [])
         if not queue:
             self.passes[req.principal] = max(self.passes.get(req.principal, 0.0), self.clock)
+            if len(self.passes) > PASSES_KEPT:
+                self._forget()
         heapq.heappush(queue, (req.priority, next(self._arrivals), req))
         self._size += 1
 
@@ -85,6 +90,13 @@ class FairQueue:
             if best is None or key < best[0]:
                 best = (key, name)
         return None if best is None else self.queues[best[1]][0][2]
+
+    def _forget(self) -> None:
+        """Drop the passes of principals that wait for nothing (a gateway's header can name any
+        number of them): they start again at the clock, forgiven at most what their last
+        admissions put them ahead of it."""
+        for name in [n for n in self.passes if n not in self.queues]:
+            del self.passes[name]
 
     def pop(self, req: GenRequest) -> None:
         """``req``, which ``next`` gave, is admitted: its principal pays for it."""
