@@ -26,6 +26,7 @@ import json, sys, numpy as np, torch, gguf
 from neuron.models.packed_linear import pack_nibbles
 from neuron.models.quant import decode_blocks
 from neuron.kernels import packed as tk
+from neuron.kernels import packed_gemm as tg
 from neuron.kernels.int8_rows import reference_quantized_rows
 from neuron.kernels.packed import qlinear, reference_qlinear
 from neuron.kernels.packed_scales import pair_scales
@@ -64,9 +65,9 @@ for name in ("Q4_1", "Q8_0", "Q4_K", "Q6_K"):
                 row["err_q"] = float((y.float() - want_q).abs().max() / want_q.abs().max())
             if rows == 9:  # the tensor-core kernel (y above): K whole (K = 288) or in 2 parts by its own
                 # choice (K = 512); here in 3 parts (at K = 512 the last is empty)
-                tk.GEMM_SPLIT = 3
+                tg.GEMM_SPLIT = 3
                 row["err_split"] = float((qlinear(x, u, sm, bits).float() - want).abs().max() / want.abs().max())
-                tk.GEMM_SPLIT = None
+                tg.GEMM_SPLIT = None
             if rows == 65:  # W unpacked in slices of 40 rows (the last 16), each product into its columns
                 budget, tk.DEQUANT_BYTES = tk.DEQUANT_BYTES, 40 * K * x.element_size()
                 row["err_slices"] = float((qlinear(x, u, sm, bits).float() - want).abs().max() / want.abs().max())
@@ -108,7 +109,61 @@ def test_the_triton_kernel_computes_each_gguf_type_as_the_file_dequantizes_it():
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="no NVIDIA GPU visible")
 def test_the_compiled_kernels_on_a_gpu():
     check(run_check("cuda", "bfloat16,float16", interpret=False), 2)
+    check_gemm(run_kernel_check(GEMM, "cuda", "bfloat16,float16", interpret=False), 2)
     assert all(r["same"] for r in run_kernel_check(COARSE, "cuda", interpret=False))
+
+
+GEMM = r"""
+import json, sys, torch
+from neuron.kernels import packed as tk
+from neuron.kernels import packed_gemm as tg
+from neuron.kernels.packed_scales import coarsen_scales, pair_scales
+device = sys.argv[1]
+dtypes = [getattr(torch, d) for d in sys.argv[2].split(",")]
+g = torch.Generator().manual_seed(5)
+out = []
+# (N, K): tiles that divide W (no masks) and ones that do not; 4 and 8 bits; a pair of scales per
+# 32 columns, and per 128 (AWQ, GPTQ)
+for (N, K), bits, per in (((128, 256), 4, 1), ((80, 160), 4, 1), ((128, 256), 8, 1), ((128, 512), 4, 4)):
+    u = torch.randint(0, 256, (N, K * bits // 8), generator=g, dtype=torch.uint8)
+    s = (torch.rand(N, K // 32 // per, generator=g) * 0.01).half().float()
+    m = -s * torch.randint(0, 2 ** bits, s.shape, generator=g).float()
+    sm = coarsen_scales(pair_scales(s.repeat_interleave(per, 1).half(), m.repeat_interleave(per, 1).half()))
+    u, sm = u.to(device), sm.to(device)
+    for dtype in dtypes:
+        for rows, config, split in ((4, (128, 64, 4, 3), None), (9, None, None), (16, (64, 64, 4, 3), 3),
+                                    (33, None, 2), (64, (128, 128, 4, 3), None)):
+            x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).to(device, dtype)
+            tg.GEMM_SPLIT = split
+            key = rows if rows <= tk.GEMV_ROWS else max(16, 1 << (rows - 1).bit_length())
+            configs = {key: config} if config else None
+            y = tk.qlinear(x, u, sm, bits, configs=configs)
+            again = tk.qlinear(x, u, sm, bits, configs=configs)
+            tg.GEMM_SPLIT = None
+            want = tk.reference_qlinear(x, u, sm, bits)
+            row = dict(N=N, K=K, bits=bits, per=per, dtype=str(dtype), rows=rows, split=split,
+                       err=float((y.float() - want).abs().max() / want.abs().max()),
+                       same=torch.equal(y, again), shape=list(y.shape) == [rows, N] and y.dtype == dtype)
+            if rows == 4:  # the LM head's float32 logits: the decode kernel's, whatever the config
+                y32 = tk.qlinear(x, u, sm, bits, configs=configs, out_dtype=torch.float32)
+                row["f32"] = float((y32 - want).abs().max() / want.abs().max())
+            out.append(row)
+print(json.dumps(out))
+"""
+
+
+def check_gemm(results: list[dict], dtypes: int) -> None:
+    assert len(results) == 4 * dtypes * 5
+    for r in results:
+        tol = {"torch.float16": 2e-3, "torch.bfloat16": 1.6e-2}[r["dtype"]]
+        assert r["err"] <= tol and r["same"] and r["shape"] and r.get("f32", 0.0) <= 3e-2, r
+
+
+def test_the_tensor_core_kernel_for_batches_of_decodes():
+    """The packed product of 4 to 64 rows on the tensor cores (``packed_gemm``): W's tiles whole
+    or masked, K in parts added in the kernel (the same sums every run), configs the tuner may
+    choose, scales per 32 or per 128 columns."""
+    check_gemm(run_kernel_check(GEMM, "cpu", "float16", interpret=True), 1)
 
 
 COARSE = r"""

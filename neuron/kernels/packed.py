@@ -11,13 +11,8 @@ float32 accumulation.
   products an instruction (``dp4a``): ``y = sum_g s d (u . q) + m d sum(q)``. With int8
   activations the largest error of an output is 0.4-0.7% of the largest output on random data
   (tests/test_quant_triton.py), about what rounding the activations to bfloat16 costs.
-- Up to ``GEMM_ROWS`` rows (a batch of decodes): ``_qgemm_kernel`` unpacks each tile of W once
-  in registers and multiplies it on the tensor cores. A few rows over a narrow W make too few
-  tiles to keep the memory system busy (Qwen3-8B's q/k/v: 48 tiles of 128 rows for 132
-  multiprocessors), so K is split into
-  parts until there are a few programs a multiprocessor (``gemm_split``), and
-  ``_split_sum_kernel`` adds the parts. Packed weights stay slower than bfloat16 there (at 16
-  rows about 0.8x its speed a step on an H200): the kernel unpacks in registers with float math.
+- Up to ``GEMM_ROWS`` rows (a batch of decodes): ``packed_gemm.qgemm`` unpacks each tile of W
+  once in registers and multiplies it on the tensor cores.
 - Otherwise (prefill): ``_dequant_kernel`` writes the weight to ``x``'s dtype (whole, or in
   slices of rows where it is larger than ``DEQUANT_BYTES``) and cuBLAS multiplies: the product
   is compute-bound there, and writing the weight once costs less than unpacking it in every
@@ -39,6 +34,7 @@ import triton.language as tl
 
 from .int8_rows import quantize_rows
 from .launch import INTERPRETED, TL_DTYPES, grid_sync, multiprocessors, pdl_args
+from .packed_gemm import GEMM_ROWS, qgemm, unpair
 from .packed_scales import scale_words
 
 @triton.jit
@@ -71,19 +67,6 @@ def _weight_tiles(u_ptr, sm_ptr, n, g, in_k, ok, N, NS, stride_u, BITS: tl.const
 
 
 @triton.jit
-def _unpair(word):
-    """A scale and an offset from the word that holds both (``pair_scales``): two float16 in an
-    int32 word, or two float32 in an int64 one; as float32."""
-    if word.dtype == tl.int64:
-        s = word.to(tl.int32).to(tl.float32, bitcast=True)
-        m = (word >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-    else:
-        s = word.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        m = (word >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return s, m
-
-
-@triton.jit
 def _group_scales(sm_ptr, n, g, ok, NS, GS: tl.constexpr, EVEN: tl.constexpr, POLICY: tl.constexpr):
     """The scales and mins [rows, groups] (float32) of the first and the second half of groups
     ``g`` of rows ``n``: one pair per group of 32, or per 16 for the K-quants, or per 64 or 128
@@ -92,9 +75,9 @@ def _group_scales(sm_ptr, n, g, ok, NS, GS: tl.constexpr, EVEN: tl.constexpr, PO
         at = sm_ptr + n[:, None] * NS + g[None, :] * (32 // GS)
     else:
         at = sm_ptr + n[:, None] * NS + g[None, :] // (GS // 32)
-    s_lo, m_lo = _unpair(_load(at, ok, EVEN, POLICY))
+    s_lo, m_lo = unpair(_load(at, ok, EVEN, POLICY))
     if GS == 16:
-        s_hi, m_hi = _unpair(_load(at + 1, ok, EVEN, POLICY))
+        s_hi, m_hi = unpair(_load(at + 1, ok, EVEN, POLICY))
     else:
         s_hi = s_lo
         m_hi = m_lo
@@ -248,48 +231,6 @@ def _qgemv_kernel(q_ptr, d_ptr, t_ptr, w_ptr, sm_ptr, y_ptr, M, N, K, NS, stride
         _store_row(y_ptr, a7, 7, n, M, N, ROUND)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _qgemm_kernel(x_ptr, u_ptr, sm_ptr, y_ptr, part_ptr, M, N, K, NS, stride_u, K_SPLIT,
-                  BITS: tl.constexpr, GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
-    """A few dozen rows of ``x`` (a decode batch): each [BLOCK_N, BLOCK_K] tile of W is read
-    once, unpacked to ``x``'s dtype in registers and multiplied on the tensor cores, the low
-    and high halves of each group as two products (so no tile is interleaved). With ``SPLIT``
-    > 1, program (.., .., s) takes the ``K_SPLIT`` columns from ``s * K_SPLIT`` and leaves its
-    float32 sum in ``part_ptr`` [SPLIT, M, N] for ``_split_sum_kernel``: a few rows of x over a
-    narrow W make too few tiles to keep the GPU's memory system busy otherwise."""
-    grid_sync(PDL)
-    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    G: tl.constexpr = BLOCK_K // 32
-    j = tl.arange(0, 16)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_start = tl.program_id(2) * K_SPLIT
-    for k0 in range(k_start, tl.minimum(k_start + K_SPLIT, K), BLOCK_K):
-        g = k0 // 32 + tl.arange(0, G)
-        in_k = g < K // 32
-        ok = (n[:, None, None] < N) & in_k[None, :, None]
-        w_lo, w_hi = _weight_tiles(u_ptr, sm_ptr, n, g, in_k, ok, N, NS, stride_u, BITS, GS, False, "")
-        dt = x_ptr.dtype.element_ty
-        w_lo = tl.reshape(w_lo.to(dt), (BLOCK_N, BLOCK_K // 2))
-        w_hi = tl.reshape(w_hi.to(dt), (BLOCK_N, BLOCK_K // 2))
-        xm = (rm[:, None, None] < M) & in_k[None, :, None]
-        at_x = x_ptr + rm[:, None, None] * K + (g[:, None] * 32 + j[None, :])[None, :, :]
-        x_lo = tl.reshape(tl.load(at_x, mask=xm, other=0.0), (BLOCK_M, BLOCK_K // 2))
-        x_hi = tl.reshape(tl.load(at_x + 16, mask=xm, other=0.0), (BLOCK_M, BLOCK_K // 2))
-        if IEEE:
-            acc += tl.dot(x_lo, tl.trans(w_lo), input_precision="ieee")
-            acc += tl.dot(x_hi, tl.trans(w_hi), input_precision="ieee")
-        else:
-            acc += tl.dot(x_lo, tl.trans(w_lo))
-            acc += tl.dot(x_hi, tl.trans(w_hi))
-    out = (rm[:, None] < M) & (n[None, :] < N)
-    if SPLIT == 1:
-        tl.store(y_ptr + rm[:, None] * N + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=out)
-    else:
-        tl.store(part_ptr + (tl.program_id(2) * M + rm[:, None]) * N + n[None, :], acc, mask=out)
-
-
 @triton.jit
 def _split_sum_kernel(part_ptr, y_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """``y`` = the sum of the ``SPLIT`` float32 parts [SPLIT, MN] a split-K product left, in
@@ -328,18 +269,6 @@ GEMV_CONFIG = {1: (2, 32, 1), 2: (2, 32, 1), 4: (2, 32, 1), 8: (4, 32, 1)}
 GEMV_LONG_K_CONFIG = {1: (1, 64, 1), 2: (1, 32, 1), 4: (2, 32, 1), 8: (4, 32, 1)}
 LONG_K = 8192
 GEMV_ROWS = 8  # more rows than this: the tensor-core kernel
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the tensor-core kernel by rows of x
-# and how many programs a multiprocessor it splits K for (gemm_split). Timed on an H200 with
-# .gpu/gemm.py, Qwen3-8B's shapes, 4 and 8 bits (us at 16 rows, q4: q/k/v 19.4, o 19.5, gate/up
-# 56.8, down 41.5; unpacking for cuBLAS took 36.1, 24.2, 142.5 and 68.8, bfloat16 15.3, 13.1, 48.9
-# and 28.7; at 32 rows: 29.2, 25.4, 90.5, 53.3 against 36.4, 25.0, 144 and 69.6).
-# From 33 to 64 rows (.gpu/pf.py, H200, q4, us a layer of the four shapes at 48 / 64 rows): 220 /
-# 230 against 277 / 282 unpacking for cuBLAS; at 96 and 128 rows unpacking won (289 against 295,
-# 296 against 336), so prompts of more rows than that still unpack.
-GEMM_CONFIG = {16: (16, 128, 128, 4, 3), 32: (32, 64, 128, 4, 3), 64: (64, 128, 64, 4, 3)}
-GEMM_PROGRAMS_PER_SM = {16: 2, 32: 4, 64: 2}
-GEMM_ROWS = 64  # more rows than this: dequantize and cuBLAS
-GEMM_SPLIT: int | None = None  # a fixed split of K for the tensor-core kernel (tests, benchmarks), else gemm_split
 # BLOCK_N, BLOCK_K, num_warps (H200, Qwen3-8B's four q4 shapes, .gpu/dq.py: 133.3 us a layer against
 # 137.7 for (8, 512, 4); other conversions and one contiguous store per group were no faster)
 DEQUANT_CONFIG = (2, 2048, 8)
@@ -354,7 +283,7 @@ DEQUANT_BYTES = 256 << 20
 
 def qlinear(x: torch.Tensor, u: torch.Tensor, sm: torch.Tensor, bits: int,
             int8_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-            gemv_configs: dict[int, tuple[int, int, int]] | None = None,
+            configs: dict[int, tuple[int, ...]] | None = None,
             out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x`` [M, K] (bf16/fp16); ``u`` uint8 [N, K*bits/8]; ``sm`` the scale and offset of each
     group of 32 or 16, [N, K/32 or K/16, 2] (``pair_scales``) -> ``y`` [M, N] in ``x``'s dtype,
@@ -362,8 +291,10 @@ def qlinear(x: torch.Tensor, u: torch.Tensor, sm: torch.Tensor, bits: int,
     ``GEMV_ROWS`` rows the decode kernel stores them in one launch where a conversion took another;
     rounded to ``x``'s dtype first, so that they tie where the dense model's logits tie).
     ``int8_rows``: ``quantize_rows(x)`` if the kernel that wrote ``x`` made it too.
-    ``gemv_configs``: the decode kernel's config by rows of x (a power of two) where one was
-    measured for this weight (``runner/linear.tune_packed``), else ``GEMV_CONFIG``'s."""
+    ``configs``: by rows of x (a power of two, at least 16 past ``GEMV_ROWS``), the config
+    measured fastest for this weight (``runner/linear.tune_packed``): the decode kernel's
+    (BLOCK_N, BLOCK_G, num_warps), or the tensor-core kernel's (BLOCK_N, BLOCK_K, num_warps,
+    num_stages), which may be the faster from 4 rows up; else ``GEMV_CONFIG``'s or ``GEMM_CONFIG``'s."""
     M, K = x.shape
     N = u.shape[0]
     words = scale_words(sm)
@@ -372,13 +303,15 @@ def qlinear(x: torch.Tensor, u: torch.Tensor, sm: torch.Tensor, bits: int,
     assert bits in (4, 8) and K % 32 == 0 and gs in (16, 32, 64, 128) and K % gs == 0 and u.shape[1] * 8 == K * bits
     x = x.contiguous()
     if M > GEMV_ROWS and out_dtype not in (None, x.dtype):
-        return qlinear(x, u, sm, bits, int8_rows, gemv_configs).to(out_dtype)
+        return qlinear(x, u, sm, bits, int8_rows, configs).to(out_dtype)
     y = torch.empty((M, N), device=x.device, dtype=out_dtype or x.dtype)
-    if M <= GEMV_ROWS:
+    config = (configs or {}).get(triton.next_power_of_2(M) if M <= GEMV_ROWS else max(16, triton.next_power_of_2(M)))
+    tensor_cores = config is not None and len(config) == 4 and out_dtype in (None, x.dtype)
+    if M <= GEMV_ROWS and not tensor_cores:
         fits = int8_rows is not None and tuple(int8_rows[0].shape) == (M, K)
         q, d, t = int8_rows if fits else quantize_rows(x)
         block_m = triton.next_power_of_2(M)
-        block_n, block_g, warps = (gemv_configs or {}).get(block_m) or (
+        block_n, block_g, warps = config if config is not None and len(config) == 3 else (
             GEMV_LONG_K_CONFIG if K >= LONG_K else GEMV_CONFIG)[block_m]
         w = u.view(torch.int32)
         _qgemv_kernel[(triton.cdiv(N, block_n),)](q.view(torch.int32), d, t, w, words, y, M, N, K, NS, w.stride(0),
@@ -389,18 +322,7 @@ def qlinear(x: torch.Tensor, u: torch.Tensor, sm: torch.Tensor, bits: int,
                                                   num_stages=1, **pdl_args(x.device))
         return y
     if M <= GEMM_ROWS:
-        block_m, block_n, block_k, warps, stages = GEMM_CONFIG[max(16, triton.next_power_of_2(M))]
-        tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
-        split = GEMM_SPLIT or gemm_split(tiles, triton.cdiv(K, block_k), GEMM_PROGRAMS_PER_SM[block_m], x.device)
-        k_split = triton.cdiv(triton.cdiv(K, block_k), split) * block_k
-        part = torch.empty((split, M, N), device=x.device, dtype=torch.float32) if split > 1 else y
-        _qgemm_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m), split)](
-            x, u, words, y, part, M, N, K, NS, u.stride(0), k_split, BITS=bits, GS=gs, BLOCK_M=block_m,
-            BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, IEEE=x.dtype == torch.float32, num_warps=warps,
-            num_stages=stages, **pdl_args(x.device))
-        if split > 1:
-            sum_parts(part, y)
-        return y
+        return qgemm(x, u, words, bits, y, config if tensor_cores else None)
     step = max(1, DEQUANT_BYTES // (K * x.element_size()))
     if N <= step:
         return torch.mm(x, dequantize(u, sm, bits, x.dtype).t(), out=y)

@@ -61,7 +61,7 @@ class PackedLinear:
             self.d = self.dm = torch.empty(0, 0, dtype=torch.float16, device=self.device)
             self.u = self.u.to(self.device)
             self._kernel = None
-            self.gemv_configs: dict[int, tuple[int, int, int]] = {}  # measured at load: runner/linear.py
+            self.configs: dict[int, tuple[int, ...]] = {}  # measured at load: runner/linear.py
             self._plain = False
             return
         from neuron.kernels.cpu import cpu_kernels
@@ -89,7 +89,7 @@ class PackedLinear:
             from neuron.kernels.gpu import qlinear
 
             y = qlinear(x.reshape(-1, self.k), self.u, self.sm, self.bits, getattr(x, "int8_rows", None),
-                        self.gemv_configs, out_dtype)
+                        self.configs, out_dtype)
             if self.bias is not None:
                 y = y + self.bias
             return y.view(*shape[:-1], self.n)

@@ -107,6 +107,14 @@ PACKED_CANDIDATES: tuple[Config, ...] = ((2, 32, 1), (4, 32, 4), (4, 64, 1), (4,
 # gate_up (8, 32, 1) 45.0 / (2, 32, 1) 56.6, down (4, 64, 1) 23.5 / (4, 32, 1) 29.7; at 2 and 4 rows
 # (2, 32, 1) or (1, 32, 1) won.
 PACKED_BATCH_CANDIDATES: tuple[Config, ...] = ((2, 32, 1), (4, 32, 1), (1, 32, 1), (8, 32, 1), (4, 64, 1))
+# The tensor-core kernel's (BLOCK_N, BLOCK_K, num_warps, num_stages), tried from 4 rows up (at 8
+# rows it beat the decode kernel on an H200 for Qwen3-8B's q/k/v and gate/up, .gpu/qg.py). The
+# fastest in an H200 sweep of 16 (.gpu/qg3.py --sweep, Qwen3-8B's four shapes at 4 bits, 9 to 64
+# rows): (128, 64, 8, 3) near the best of every shape; (128, 128, 8, 3) for gate/up up to 16 rows,
+# (128, 128, 4, 3) for q/k/v at 16 and gate/up at 32, (128, 64, 4, 3) for gate/up at 64 and
+# (64, 64, 4, 3) for o at 64.
+GEMM_CANDIDATES: tuple[tuple[int, int, int, int], ...] = ((128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 4, 3),
+                                                          (128, 64, 4, 3), (64, 64, 4, 3))
 
 
 def _graph_ms(fn, reps: int = 10) -> float:
@@ -128,37 +136,39 @@ def _graph_ms(fn, reps: int = 10) -> float:
 
 
 def tune_packed(model, batch_sizes: list[int]) -> None:
-    """For every packed weight shape and every decode batch of up to ``GEMV_ROWS`` rows (its
-    rows rounded up to a power of two, as the kernel's ``BLOCK_M``), time the decode kernel's
-    candidate configs over all the model's weights of that shape in a row (so that none is read
-    from the L2 cache); where one beats the default config by 3%, the weights of that shape use
-    it for that many rows."""
+    """For every packed weight shape and every decode batch of up to ``GEMM_ROWS`` rows (its
+    rows rounded up to a power of two, as the kernels' ``BLOCK_M``; at least 16 past
+    ``GEMV_ROWS``), time the candidate configs of the kernels for that many rows over all the
+    model's weights of that shape in a row (so that none is read from the L2 cache); where one
+    beats the default config by 3%, the weights of that shape use it for that many rows."""
     import triton
 
     from neuron.models.tp_linear import packed_parts
-    from neuron.kernels.gpu import GEMV_ROWS, qlinear, quantize_rows
+    from neuron.kernels.gpu import GEMM_ROWS, GEMV_ROWS, qlinear, quantize_rows
 
     by_shape: dict[tuple, list] = {}
     for part in packed_parts(model):
         by_shape.setdefault((part.n, part.k, part.bits, part.sm.shape[1], part.sm.dtype), []).append(part)
-    blocks = sorted({triton.next_power_of_2(b) for b in batch_sizes if b <= GEMV_ROWS})
+    blocks = sorted({triton.next_power_of_2(b) if b <= GEMV_ROWS else max(16, triton.next_power_of_2(b))
+                     for b in batch_sizes if b <= GEMM_ROWS})
     for (n, k, bits, _, _), parts in by_shape.items():
         for block_m in blocks:
             x = torch.randn(block_m, k, device=model.device, dtype=model.dtype)
-            rows = quantize_rows(x)
+            rows = quantize_rows(x) if block_m <= GEMV_ROWS else None
 
-            def run(config: Config | None) -> None:
+            def run(config: tuple[int, ...] | None) -> None:
                 for p in parts:
                     qlinear(x, p.u, p.sm, p.bits, rows, {block_m: config} if config else None)
 
             default = _graph_ms(lambda: run(None))
-            candidates = PACKED_CANDIDATES if block_m == 1 else PACKED_BATCH_CANDIDATES
+            candidates = (PACKED_CANDIDATES if block_m == 1 else PACKED_BATCH_CANDIDATES + GEMM_CANDIDATES
+                          if block_m <= GEMV_ROWS else GEMM_CANDIDATES)
             best, config = min((_graph_ms(lambda: run(c)), c) for c in candidates)
             if best < 0.97 * default:
                 for p in parts:
-                    p.gemv_configs[block_m] = config
-            log.info("packed decode of %dx%d int%d at %d row(s): %s, %.1f us (default %.1f us)", n, k, bits, block_m,
-                     config if best < 0.97 * default else "default", 1000 * best / len(parts),
+                    p.configs[block_m] = config
+            log.info("packed product of %dx%d int%d at %d row(s): %s, %.1f us (default %.1f us)", n, k, bits,
+                     block_m, config if best < 0.97 * default else "default", 1000 * best / len(parts),
                      1000 * default / len(parts))
 
 

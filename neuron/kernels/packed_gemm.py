@@ -1,0 +1,249 @@
+"""The tensor-core product of packed weights for a batch of decodes (``packed.GEMV_ROWS`` <
+rows <= ``GEMM_ROWS``): ``y = x W^T`` with W in ``packed_linear.PackedLinear``'s layout (4- or 8-bit
+integers in groups of 32 along K, ``w = s * u + m`` per group; byte j of a 4-bit group holds
+element j in its low nibble and j + 16 in its high one).
+
+The product is computed transposed, ``y^T = W x^T``: a tile of W is the MMA's first operand,
+which Hopper's ``wgmma`` takes from registers, so W is unpacked in registers and never written to
+shared memory; the batch's rows are the MMA's narrow side (16 to 64), which ``wgmma`` allows
+where a first operand of so few rows would waste most of each instruction.
+
+Unpacking a 4-bit W takes a few instructions per pair of weights (``_asm``: a nibble OR-ed into
+the mantissa of a float is that float plus the nibble, exactly, as Marlin's kernels do), instead
+of a conversion and a float32 multiply-add per weight. The registers of an MMA operand hold
+pairs of neighbours along K (columns 2c, 2c+1 of a row, then 2c+8, 2c+9); the tile's columns are
+reordered so that a thread's four columns are four neighbouring bytes of W (``_tiles``), and x's
+rows of x^T the same way (``_columns``): the order of a dot product's terms is free.
+
+A few rows over a narrow W make too few tiles to keep the memory system busy, so K is split in
+parts (``split``); each part leaves its float32 sum in a buffer, and the last part of a tile to
+finish (counted in ``_locks``) adds them in a fixed order and stores y: one launch, and the same
+sums whichever part finishes last.
+
+Under Triton's interpreter (``TRITON_INTERPRET=1``: no inline assembly) and for 8-bit W, the
+K-quants' half-group scales, or float32 activations, W is unpacked with float operations
+instead, in K's own order.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import INTERPRETED, grid_sync, multiprocessors, pdl_args
+
+
+def _asm(magic: str, one: str, minus: str) -> str:
+    """Four bytes of a 4-bit W ($4) as eight 16-bit floats times their scales (a word of each
+    byte's, two of it: $5..$8) plus their offsets ($9..$12): the low nibbles of bytes 0, 1 in $0
+    and 2, 3 in $1, the high nibbles so in $2 and $3. Bytes 0 and 1 are of one row of W, and 2 and
+    3 (of the MMA operand's layout, whose registers come in pairs along K), not all four. Two bytes
+    are spread to the halves of a word (``prmt``); a nibble OR-ed into the mantissa of ``magic``
+    (128 in bfloat16, 1024 in float16) is that float plus the nibble, exactly; an FMA takes
+    ``magic`` off, exactly; another scales it and adds the offset, rounding once."""
+    lines = []
+    for pair, selector in ((0, "0x4140"), (1, "0x4342")):
+        lines.append(f"prmt.b32 t, $4, 0, {selector};")
+        for out, src in ((pair, "t"), (2 + pair, "h")):
+            if src == "h":
+                lines.append("shr.u32 h, t, 4;")
+            lines.append(f"lop3.b32 v, {src}, 0x000F000F, {magic}, 0xEA;")
+            lines.append("fma.rn.{T}x2 v, v, one, minus;")
+            lines.append(f"fma.rn.{{T}}x2 ${out}, v, ${5 + 2 * pair}, ${9 + 2 * pair};")
+    return (f"{{ .reg .b32 t, h, v, one, minus; mov.b32 one, {one}; mov.b32 minus, {minus}; " + " ".join(lines)
+            + " }")
+
+
+_ASM_BF16 = tl.constexpr(_asm("0x43004300", "0x3F803F80", "0xC300C300").replace("{T}", "bf16"))
+_ASM_F16 = tl.constexpr(_asm("0x64006400", "0x3C003C00", "0xE400E400").replace("{T}", "f16"))
+_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 9))
+
+
+@triton.jit
+def _pair(v):
+    """16-bit floats as int32 words that hold each twice (a bf16x2 or f16x2 operand)."""
+    h = v.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return h | (h << 16)
+
+
+@triton.jit
+def unpair(word):
+    """A scale and an offset from the word that holds both (``pair_scales``): two float16 in an
+    int32 word, or two float32 in an int64 one; as float32."""
+    if word.dtype == tl.int64:
+        s = word.to(tl.int32).to(tl.float32, bitcast=True)
+        m = (word >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    else:
+        s = word.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        m = (word >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return s, m
+
+
+@triton.jit
+def _load(at, ok, EVEN: tl.constexpr):
+    if EVEN:
+        return tl.load(at)
+    else:
+        return tl.load(at, mask=ok, other=0)
+
+
+@triton.jit
+def _tiles(u_ptr, sm_ptr, n, g, N, K, NS, stride_u, dt: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
+           ASM: tl.constexpr, EVEN: tl.constexpr):
+    """Rows ``n`` of W at groups ``g`` as two ``dt`` tiles [rows, groups * 16]: the first and the
+    second half of each group (with ``ASM``, each 16 columns in ``_columns``' order)."""
+    j = tl.arange(0, 16)
+    at = u_ptr + n[:, None, None] * stride_u + (g[:, None] * (4 * BITS) + j[None, :])[None, :, :]
+    ok = (n[:, None, None] < N) & (g < K // 32)[None, :, None]
+    raw = _load(at, ok, EVEN)
+    if GS <= 32:
+        sat = sm_ptr + n[:, None] * NS + g[None, :] * (32 // GS)
+    else:
+        sat = sm_ptr + n[:, None] * NS + g[None, :] // (GS // 32)
+    okg = (n[:, None] < N) & (g < K // 32)[None, :]
+    s_lo, m_lo = unpair(_load(sat, okg, EVEN))
+    if ASM:  # bytes 4c..4c+3 of each 16 to columns 2c, 2c+1, 2c+8, 2c+9: a thread's of an MMA operand
+        raw = tl.reshape(tl.permute(tl.reshape(raw, (raw.shape[0], raw.shape[1], 4, 2, 2)), (0, 1, 3, 2, 4)),
+                         raw.shape)
+        sb = tl.broadcast_to(_pair(s_lo.to(dt))[:, :, None], raw.shape)
+        mb = tl.broadcast_to(_pair(m_lo.to(dt))[:, :, None], raw.shape)
+        if dt == tl.bfloat16:
+            w_lo, w_hi = tl.inline_asm_elementwise(_ASM_BF16, _CONSTRAINTS, [raw, sb, mb],
+                                                   dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        else:
+            w_lo, w_hi = tl.inline_asm_elementwise(_ASM_F16, _CONSTRAINTS, [raw, sb, mb],
+                                                   dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    else:
+        if BITS == 8:
+            q_lo = raw
+            q_hi = _load(at + 16, ok, EVEN)
+        else:
+            q_lo = raw & 15
+            q_hi = raw >> 4
+        if GS == 16:
+            s_hi, m_hi = unpair(_load(sat + 1, okg, EVEN))
+        else:
+            s_hi = s_lo
+            m_hi = m_lo
+        if dt == tl.float32:
+            w_lo = q_lo.to(tl.float32) * s_lo[:, :, None] + m_lo[:, :, None]
+            w_hi = q_hi.to(tl.float32) * s_hi[:, :, None] + m_hi[:, :, None]
+        else:
+            w_lo = q_lo.to(dt) * s_lo.to(dt)[:, :, None] + m_lo.to(dt)[:, :, None]
+            w_hi = q_hi.to(dt) * s_hi.to(dt)[:, :, None] + m_hi.to(dt)[:, :, None]
+    rows: tl.constexpr = raw.shape[0]
+    cols: tl.constexpr = raw.shape[1] * 16
+    return tl.reshape(w_lo, (rows, cols)), tl.reshape(w_hi, (rows, cols))
+
+
+@triton.jit
+def _columns(xt, ASM: tl.constexpr):
+    """x^T's rows [K, rows of x] in the order of ``_tiles``' columns."""
+    if ASM:
+        K: tl.constexpr = xt.shape[0]
+        R: tl.constexpr = xt.shape[1]
+        return tl.reshape(tl.permute(tl.reshape(xt, (K // 16, 4, 2, 2, R)), (0, 2, 1, 3, 4)), (K, R))
+    else:
+        return xt
+
+
+@triton.jit(do_not_specialize=["M"])
+def _qgemm_kernel(x_ptr, u_ptr, sm_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, NS, stride_u, K_SPLIT,
+                  BITS: tl.constexpr, GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr,
+                  PDL: tl.constexpr):
+    """Program (i, j, s): rows ``i * BLOCK_N ..`` of W (of y^T) times rows ``j * BLOCK_M ..`` of x,
+    over the ``K_SPLIT`` columns from ``s * K_SPLIT``; with ``SPLIT`` > 1 its float32 sum goes to
+    ``part_ptr`` [SPLIT, M, N] and the tile's last part adds them up (``lock_ptr``: a counter per
+    tile, zero between launches)."""
+    grid_sync(PDL)
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dt: tl.constexpr = x_ptr.dtype.element_ty
+    c = tl.arange(0, BLOCK_K // 2)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    k_start = pid_s * K_SPLIT
+    for k0 in range(k_start, tl.minimum(k_start + K_SPLIT, K), BLOCK_K):
+        g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        w_lo, w_hi = _tiles(u_ptr, sm_ptr, n, g, N, K, NS, stride_u, dt, BITS, GS, ASM, EVEN)
+        kk = k0 + (c // 16) * 32 + c % 16  # the first halves of the groups
+        at = x_ptr + rm[None, :] * K + kk[:, None]
+        xm = (rm[None, :] < M) & (kk[:, None] < K)
+        x_lo = _columns(tl.load(at, mask=xm, other=0.0), ASM)
+        x_hi = _columns(tl.load(at + 16, mask=xm, other=0.0), ASM)
+        if dt == tl.float32:
+            acc += tl.dot(w_lo, x_lo, input_precision="ieee")
+            acc += tl.dot(w_hi, x_hi, input_precision="ieee")
+        else:
+            acc += tl.dot(w_lo, x_lo)
+            acc += tl.dot(w_hi, x_hi)
+    mn = rm[None, :] * N + n[:, None]
+    out = (rm[None, :] < M) & (n[:, None] < N)
+    if SPLIT == 1:
+        tl.store(y_ptr + mn, acc.to(y_ptr.dtype.element_ty), mask=out)
+    else:
+        tl.store(part_ptr + pid_s * M * N + mn, acc, mask=out)
+        tile = pid_m * tl.num_programs(0) + pid_n
+        tl.debug_barrier()  # every thread's part stored before the count says so
+        if tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
+            total = tl.load(part_ptr + mn, mask=out, other=0.0, cache_modifier=".cg")
+            for s in range(1, SPLIT):
+                total += tl.load(part_ptr + s * M * N + mn, mask=out, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + mn, total.to(y_ptr.dtype.element_ty), mask=out)
+            tl.atomic_xchg(lock_ptr + tile, 0)
+
+
+LOCKS = 1 << 16  # tiles a split product may have (the LM head of a 152k vocabulary at 64 rows: 2,374)
+
+
+@functools.cache
+def _locks(device: torch.device) -> torch.Tensor:
+    return torch.zeros(LOCKS, dtype=torch.int32, device=device)
+
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) by BLOCK_M (the rows of x rounded up to a power of two,
+# at least 16), where the load-time tuner measured none faster (runner/linear.GEMM_CANDIDATES),
+# and how many programs a multiprocessor the split of K aims at (H200, .gpu/qg2.py: 2 beat 1 and 4).
+GEMM_CONFIG = {16: (128, 128, 8, 3), 32: (128, 64, 8, 3), 64: (128, 64, 8, 3)}
+GEMM_PROGRAMS_PER_SM = 2
+GEMM_ROWS = 64  # more rows than this: dequantize and cuBLAS (at 128 rows it was as fast as this kernel)
+GEMM_SPLIT: int | None = None  # a fixed split of K (tests, benchmarks), else split_for
+
+
+def split_for(tiles: int, steps: int, device: torch.device) -> int:
+    """How many parts K is split into: doubled while the programs number fewer than
+    ``GEMM_PROGRAMS_PER_SM`` a multiprocessor and each part keeps two or more ``BLOCK_K`` steps."""
+    split, want = 1, GEMM_PROGRAMS_PER_SM * multiprocessors(device)
+    while tiles * split < want and steps >= 4 * split and tiles * split * 2 <= LOCKS:
+        split *= 2
+    return split
+
+
+def qgemm(x: torch.Tensor, u: torch.Tensor, words: torch.Tensor, bits: int, y: torch.Tensor,
+          config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """``y`` [M, N] = ``x`` [M, K] times the packed W (``u`` [N, K * bits / 8], ``words``: its
+    scales as ``scale_words`` gives them) transposed; ``config``: (BLOCK_N, BLOCK_K, num_warps,
+    num_stages), else ``GEMM_CONFIG``'s for M rows."""
+    M, K = x.shape
+    N = u.shape[0]
+    NS = words.shape[1]
+    gs = K // NS
+    block_m = max(16, triton.next_power_of_2(M))
+    block_n, block_k, warps, stages = config or GEMM_CONFIG[block_m]
+    tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
+    steps = triton.cdiv(K, block_k)
+    split = GEMM_SPLIT or split_for(tiles, steps, x.device)
+    k_split = triton.cdiv(steps, split) * block_k
+    part = torch.empty((split, M, N), device=x.device, dtype=torch.float32) if split > 1 else y
+    asm = not INTERPRETED and bits == 4 and gs >= 32 and x.dtype in (torch.bfloat16, torch.float16)
+    _qgemm_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m), split)](
+        x, u, words, y, part, _locks(x.device), M, N, K, NS, u.stride(0), k_split, BITS=bits, GS=gs,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, ASM=asm,
+        EVEN=N % block_n == 0 and K % block_k == 0, num_warps=warps, num_stages=stages, **pdl_args(x.device))
+    return y
