@@ -63,10 +63,26 @@ _CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 9))
 
 
 @triton.jit
-def _pair(v):
-    """16-bit floats as int32 words that hold each twice (a bf16x2 or f16x2 operand)."""
-    h = v.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    return h | (h << 16)
+def _scale_pairs(word, dt: tl.constexpr):
+    """A group's scale and offset (``pair_scales``' word) as two int32 words that hold each twice
+    in ``dt`` (bf16x2 or f16x2 operands of ``_asm``): two instructions each from float16 to
+    bfloat16, one from float32; from float16 to float16 a byte permutation."""
+    if word.dtype == tl.int64:
+        s, m = unpair(word)
+        if dt == tl.bfloat16:
+            return tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $2; cvt.rn.bf16x2.f32 $1, $3, $3;",
+                                             "=r,=r,r,r", [s, m], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $2; cvt.rn.f16x2.f32 $1, $3, $3;",
+                                             "=r,=r,r,r", [s, m], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+    elif dt == tl.bfloat16:
+        return tl.inline_asm_elementwise(
+            "{ .reg .f32 a, b; .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.f32.f16 a, lo; cvt.f32.f16 b, hi; "
+            "cvt.rn.bf16x2.f32 $0, a, a; cvt.rn.bf16x2.f32 $1, b, b; }",
+            "=r,=r,r", [word], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise("prmt.b32 $0, $2, 0, 0x1010; prmt.b32 $1, $2, 0, 0x3232;", "=r,=r,r",
+                                         [word], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
 
 
 @triton.jit
@@ -104,12 +120,13 @@ def _tiles(u_ptr, sm_ptr, n, g, N, K, NS, stride_u, dt: tl.constexpr, BITS: tl.c
     else:
         sat = sm_ptr + n[:, None] * NS + g[None, :] // (GS // 32)
     okg = (n[:, None] < N) & (g < K // 32)[None, :]
-    s_lo, m_lo = unpair(_load(sat, okg, EVEN))
+    word = _load(sat, okg, EVEN)
     if ASM:  # bytes 4c..4c+3 of each 16 to columns 2c, 2c+1, 2c+8, 2c+9: a thread's of an MMA operand
         raw = tl.reshape(tl.permute(tl.reshape(raw, (raw.shape[0], raw.shape[1], 4, 2, 2)), (0, 1, 3, 2, 4)),
                          raw.shape)
-        sb = tl.broadcast_to(_pair(s_lo.to(dt))[:, :, None], raw.shape)
-        mb = tl.broadcast_to(_pair(m_lo.to(dt))[:, :, None], raw.shape)
+        s2, m2 = _scale_pairs(word, dt)
+        sb = tl.broadcast_to(s2[:, :, None], raw.shape)
+        mb = tl.broadcast_to(m2[:, :, None], raw.shape)
         if dt == tl.bfloat16:
             w_lo, w_hi = tl.inline_asm_elementwise(_ASM_BF16, _CONSTRAINTS, [raw, sb, mb],
                                                    dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
@@ -117,6 +134,7 @@ def _tiles(u_ptr, sm_ptr, n, g, N, K, NS, stride_u, dt: tl.constexpr, BITS: tl.c
             w_lo, w_hi = tl.inline_asm_elementwise(_ASM_F16, _CONSTRAINTS, [raw, sb, mb],
                                                    dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
     else:
+        s_lo, m_lo = unpair(word)
         if BITS == 8:
             q_lo = raw
             q_hi = _load(at + 16, ok, EVEN)
@@ -151,14 +169,14 @@ def _columns(xt, ASM: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])
-def _qgemm_kernel(x_ptr, u_ptr, sm_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, NS, stride_u, K_SPLIT,
+def _qgemm_kernel(x_ptr, u_ptr, sm_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, NS, stride_u, STEPS,
                   BITS: tl.constexpr, GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr,
                   PDL: tl.constexpr):
     """Program (i, j, s): rows ``i * BLOCK_N ..`` of W (of y^T) times rows ``j * BLOCK_M ..`` of x,
-    over the ``K_SPLIT`` columns from ``s * K_SPLIT``; with ``SPLIT`` > 1 its float32 sum goes to
-    ``part_ptr`` [SPLIT, M, N] and the tile's last part adds them up (``lock_ptr``: a counter per
-    tile, zero between launches)."""
+    over ``STEPS`` steps of ``BLOCK_K`` columns from step ``s * STEPS``; with ``SPLIT`` > 1 its
+    float32 sum goes to ``part_ptr`` [SPLIT, M, N] and the tile's last part adds them up
+    (``lock_ptr``: a counter per tile, zero between launches)."""
     grid_sync(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -168,9 +186,10 @@ def _qgemm_kernel(x_ptr, u_ptr, sm_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, NS, 
     dt: tl.constexpr = x_ptr.dtype.element_ty
     c = tl.arange(0, BLOCK_K // 2)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    k_start = pid_s * K_SPLIT
-    for k0 in range(k_start, tl.minimum(k_start + K_SPLIT, K), BLOCK_K):
-        g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    first = pid_s * STEPS  # counted in steps: the compiler then knows k0 % BLOCK_K == 0 (16-byte copies)
+    for step in range(first, tl.minimum(first + STEPS, tl.cdiv(K, BLOCK_K))):
+        k0 = step * BLOCK_K
+        g = step * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
         w_lo, w_hi = _tiles(u_ptr, sm_ptr, n, g, N, K, NS, stride_u, dt, BITS, GS, ASM, EVEN)
         kk = k0 + (c // 16) * 32 + c % 16  # the first halves of the groups
         at = x_ptr + rm[None, :] * K + kk[:, None]
@@ -239,11 +258,10 @@ def qgemm(x: torch.Tensor, u: torch.Tensor, words: torch.Tensor, bits: int, y: t
     tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
     steps = triton.cdiv(K, block_k)
     split = GEMM_SPLIT or split_for(tiles, steps, x.device)
-    k_split = triton.cdiv(steps, split) * block_k
     part = torch.empty((split, M, N), device=x.device, dtype=torch.float32) if split > 1 else y
     asm = not INTERPRETED and bits == 4 and gs >= 32 and x.dtype in (torch.bfloat16, torch.float16)
     _qgemm_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m), split)](
-        x, u, words, y, part, _locks(x.device), M, N, K, NS, u.stride(0), k_split, BITS=bits, GS=gs,
+        x, u, words, y, part, _locks(x.device), M, N, K, NS, u.stride(0), triton.cdiv(steps, split), BITS=bits, GS=gs,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, ASM=asm,
         EVEN=N % block_n == 0 and K % block_k == 0, num_warps=warps, num_stages=stages, **pdl_args(x.device))
     return y
