@@ -60,6 +60,20 @@ def _asm(magic: str, one: str, minus: str) -> str:
 _ASM_BF16 = tl.constexpr(_asm("0x43004300", "0x3F803F80", "0xC300C300").replace("{T}", "bf16"))
 _ASM_F16 = tl.constexpr(_asm("0x64006400", "0x3C003C00", "0xE400E400").replace("{T}", "f16"))
 _CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 9))
+# Four bytes of an 8-bit W ($2) as four 16-bit floats ($0: bytes 0, 1; $1: 2, 3) times their
+# scales ($3..$6) plus their offsets ($7..$10). bfloat16 has too few mantissa bits for a byte, so
+# a byte goes into a float32 (2^23 + byte, exactly), is scaled there and rounded in pairs;
+# float16 holds 1024 + byte, as the 4-bit kernel's nibbles (the scales then come as pairs).
+_ASM8_BF16 = tl.constexpr(
+    "{ .reg .b32 k, a; .reg .f32 f0, f1, f2, f3; mov.b32 k, 0x4B000000; "
+    + " ".join(f"prmt.b32 a, $2, k, 0x765{e}; mov.b32 f{e}, a; sub.rn.f32 f{e}, f{e}, 0f4B000000; "
+               f"fma.rn.f32 f{e}, f{e}, ${3 + e}, ${7 + e};" for e in range(4))
+    + " cvt.rn.bf16x2.f32 $0, f1, f0; cvt.rn.bf16x2.f32 $1, f3, f2; }")
+_ASM8_F16 = tl.constexpr(
+    "{ .reg .b32 k, v, one, minus; mov.b32 k, 0x64646464; mov.b32 one, 0x3C003C00; mov.b32 minus, 0xE400E400; "
+    "prmt.b32 v, $2, k, 0x4140; fma.rn.f16x2 v, v, one, minus; fma.rn.f16x2 $0, v, $3, $7; "
+    "prmt.b32 v, $2, k, 0x4342; fma.rn.f16x2 v, v, one, minus; fma.rn.f16x2 $1, v, $5, $9; }")
+_CONSTRAINTS8 = tl.constexpr("=r,=r," + ",".join(["r"] * 9))
 
 
 @triton.jit
@@ -121,9 +135,27 @@ def _tiles(u_ptr, sm_ptr, n, g, N, K, NS, stride_u, dt: tl.constexpr, BITS: tl.c
         sat = sm_ptr + n[:, None] * NS + g[None, :] // (GS // 32)
     okg = (n[:, None] < N) & (g < K // 32)[None, :]
     word = _load(sat, okg, EVEN)
-    if ASM:  # bytes 4c..4c+3 of each 16 to columns 2c, 2c+1, 2c+8, 2c+9: a thread's of an MMA operand
-        raw = tl.reshape(tl.permute(tl.reshape(raw, (raw.shape[0], raw.shape[1], 4, 2, 2)), (0, 1, 3, 2, 4)),
-                         raw.shape)
+    if ASM and BITS == 8:
+        raw = _mma_order(raw)
+        raw_hi = _mma_order(_load(at + 16, ok, EVEN))
+        if dt == tl.bfloat16:
+            s32, m32 = unpair(word)
+            sb = tl.broadcast_to(s32[:, :, None], raw.shape)
+            mb = tl.broadcast_to(m32[:, :, None], raw.shape)
+            w_lo = tl.inline_asm_elementwise(_ASM8_BF16, _CONSTRAINTS8, [raw, sb, mb], dtype=tl.bfloat16,
+                                             is_pure=True, pack=4)
+            w_hi = tl.inline_asm_elementwise(_ASM8_BF16, _CONSTRAINTS8, [raw_hi, sb, mb], dtype=tl.bfloat16,
+                                             is_pure=True, pack=4)
+        else:
+            s2, m2 = _scale_pairs(word, dt)
+            sb = tl.broadcast_to(s2[:, :, None], raw.shape)
+            mb = tl.broadcast_to(m2[:, :, None], raw.shape)
+            w_lo = tl.inline_asm_elementwise(_ASM8_F16, _CONSTRAINTS8, [raw, sb, mb], dtype=tl.float16,
+                                             is_pure=True, pack=4)
+            w_hi = tl.inline_asm_elementwise(_ASM8_F16, _CONSTRAINTS8, [raw_hi, sb, mb], dtype=tl.float16,
+                                             is_pure=True, pack=4)
+    elif ASM:
+        raw = _mma_order(raw)
         s2, m2 = _scale_pairs(word, dt)
         sb = tl.broadcast_to(s2[:, :, None], raw.shape)
         mb = tl.broadcast_to(m2[:, :, None], raw.shape)
@@ -155,6 +187,14 @@ def _tiles(u_ptr, sm_ptr, n, g, N, K, NS, stride_u, dt: tl.constexpr, BITS: tl.c
     rows: tl.constexpr = raw.shape[0]
     cols: tl.constexpr = raw.shape[1] * 16
     return tl.reshape(w_lo, (rows, cols)), tl.reshape(w_hi, (rows, cols))
+
+
+@triton.jit
+def _mma_order(raw):
+    """Bytes 4c..4c+3 of each 16 (the last dimension) to columns 2c, 2c+1, 2c+8, 2c+9: the four a
+    thread holds of an MMA operand's 16 columns, so that it reads them as one word."""
+    return tl.reshape(tl.permute(tl.reshape(raw, (raw.shape[0], raw.shape[1], 4, 2, 2)), (0, 1, 3, 2, 4)),
+                      raw.shape)
 
 
 @triton.jit
@@ -259,7 +299,7 @@ def qgemm(x: torch.Tensor, u: torch.Tensor, words: torch.Tensor, bits: int, y: t
     steps = triton.cdiv(K, block_k)
     split = GEMM_SPLIT or split_for(tiles, steps, x.device)
     part = torch.empty((split, M, N), device=x.device, dtype=torch.float32) if split > 1 else y
-    asm = not INTERPRETED and bits == 4 and gs >= 32 and x.dtype in (torch.bfloat16, torch.float16)
+    asm = not INTERPRETED and gs >= 32 and x.dtype in (torch.bfloat16, torch.float16)
     _qgemm_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m), split)](
         x, u, words, y, part, _locks(x.device), M, N, K, NS, u.stride(0), triton.cdiv(steps, split), BITS=bits, GS=gs,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, ASM=asm,
