@@ -136,24 +136,14 @@ def _tiles(u_ptr, sm_ptr, n, g, N, K, NS, stride_u, dt: tl.constexpr, BITS: tl.c
     okg = (n[:, None] < N) & (g < K // 32)[None, :]
     word = _load(sat, okg, EVEN)
     if ASM and BITS == 8:
-        raw = _mma_order(raw)
-        raw_hi = _mma_order(_load(at + 16, ok, EVEN))
-        if dt == tl.bfloat16:
-            s32, m32 = unpair(word)
-            sb = tl.broadcast_to(s32[:, :, None], raw.shape)
-            mb = tl.broadcast_to(m32[:, :, None], raw.shape)
-            w_lo = tl.inline_asm_elementwise(_ASM8_BF16, _CONSTRAINTS8, [raw, sb, mb], dtype=tl.bfloat16,
-                                             is_pure=True, pack=4)
-            w_hi = tl.inline_asm_elementwise(_ASM8_BF16, _CONSTRAINTS8, [raw_hi, sb, mb], dtype=tl.bfloat16,
-                                             is_pure=True, pack=4)
+        if dt == tl.bfloat16:  # scaled in float32 (_ASM8_BF16)
+            s_w, m_w = unpair(word)
         else:
-            s2, m2 = _scale_pairs(word, dt)
-            sb = tl.broadcast_to(s2[:, :, None], raw.shape)
-            mb = tl.broadcast_to(m2[:, :, None], raw.shape)
-            w_lo = tl.inline_asm_elementwise(_ASM8_F16, _CONSTRAINTS8, [raw, sb, mb], dtype=tl.float16,
-                                             is_pure=True, pack=4)
-            w_hi = tl.inline_asm_elementwise(_ASM8_F16, _CONSTRAINTS8, [raw_hi, sb, mb], dtype=tl.float16,
-                                             is_pure=True, pack=4)
+            s_w, m_w = _scale_pairs(word, dt)
+        sb = tl.broadcast_to(s_w[:, :, None], raw.shape)
+        mb = tl.broadcast_to(m_w[:, :, None], raw.shape)
+        w_lo = _unpack8(_mma_order(raw), sb, mb, dt)
+        w_hi = _unpack8(_mma_order(_load(at + 16, ok, EVEN)), sb, mb, dt)
     elif ASM:
         raw = _mma_order(raw)
         s2, m2 = _scale_pairs(word, dt)
@@ -187,6 +177,16 @@ def _tiles(u_ptr, sm_ptr, n, g, N, K, NS, stride_u, dt: tl.constexpr, BITS: tl.c
     rows: tl.constexpr = raw.shape[0]
     cols: tl.constexpr = raw.shape[1] * 16
     return tl.reshape(w_lo, (rows, cols)), tl.reshape(w_hi, (rows, cols))
+
+
+@triton.jit
+def _unpack8(raw, sb, mb, dt: tl.constexpr):
+    if dt == tl.bfloat16:
+        return tl.inline_asm_elementwise(_ASM8_BF16, _CONSTRAINTS8, [raw, sb, mb], dtype=tl.bfloat16, is_pure=True,
+                                         pack=4)
+    else:
+        return tl.inline_asm_elementwise(_ASM8_F16, _CONSTRAINTS8, [raw, sb, mb], dtype=tl.float16, is_pure=True,
+                                         pack=4)
 
 
 @triton.jit
