@@ -262,8 +262,15 @@ LOCKS = 1 << 16  # tiles a split product may have (the LM head of a 152k vocabul
 
 
 @functools.cache
-def _locks(device: torch.device) -> torch.Tensor:
+def _counters(device: torch.device, stream: int) -> torch.Tensor:
     return torch.zeros(LOCKS, dtype=torch.int32, device=device)
+
+
+def _locks(device: torch.device) -> torch.Tensor:
+    """The split parts' counters of the stream that launches (products on two streams at once
+    would otherwise count each other's parts); a CUDA graph keeps those of the stream it was
+    captured on, and its replays run one at a time."""
+    return _counters(device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
 
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) by BLOCK_M (the rows of x rounded up to a power of two,
@@ -298,6 +305,7 @@ def qgemm(x: torch.Tensor, u: torch.Tensor, words: torch.Tensor, bits: int, y: t
     tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
     steps = triton.cdiv(K, block_k)
     split = GEMM_SPLIT or split_for(tiles, steps, x.device)
+    assert split == 1 or tiles <= LOCKS, (tiles, LOCKS)
     part = torch.empty((split, M, N), device=x.device, dtype=torch.float32) if split > 1 else y
     asm = not INTERPRETED and gs >= 32 and x.dtype in (torch.bfloat16, torch.float16)
     _qgemm_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m), split)](

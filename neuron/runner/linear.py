@@ -161,8 +161,12 @@ def tune_packed(model, batch_sizes: list[int]) -> None:
                     qlinear(x, p.u, p.sm, p.bits, rows, {block_m: config} if config else None)
 
             default = _graph_ms(lambda: run(None))
-            candidates = (PACKED_CANDIDATES if block_m == 1 else PACKED_BATCH_CANDIDATES + GEMM_CANDIDATES
-                          if block_m <= GEMV_ROWS else GEMM_CANDIDATES)
+            if block_m > GEMV_ROWS:
+                candidates = GEMM_CANDIDATES
+            elif block_m >= 4:
+                candidates = PACKED_BATCH_CANDIDATES + GEMM_CANDIDATES
+            else:
+                candidates = PACKED_CANDIDATES if block_m == 1 else PACKED_BATCH_CANDIDATES
             best, config = min((_graph_ms(lambda: run(c)), c) for c in candidates)
             if best < 0.97 * default:
                 for p in parts:
