@@ -11,9 +11,11 @@ where a first operand of so few rows would waste most of each instruction.
 Unpacking a 4-bit W takes a few instructions per pair of weights (``_asm``: a nibble OR-ed into
 the mantissa of a float is that float plus the nibble, exactly, as Marlin's kernels do), instead
 of a conversion and a float32 multiply-add per weight. The registers of an MMA operand hold
-pairs of neighbours along K (columns 2c, 2c+1 of a row, then 2c+8, 2c+9); the tile's columns are
-reordered so that a thread's four columns are four neighbouring bytes of W (``_tiles``), and x's
-rows of x^T the same way (``_columns``): the order of a dot product's terms is free.
+pairs of neighbours along K (columns 2c, 2c+1 of a row, then 2c+8, 2c+9), which are neighbouring
+bytes of a group's half: the tile keeps K's own order, so x's tile goes from memory to shared
+memory as it is (``cp.async``, no pass through registers) and the compiler keeps the MMAs of a
+step in flight while the next step's W is unpacked (a permuted order cost a copy of x's tile
+through registers a step and a wait after each MMA).
 
 A few rows over a narrow W make too few tiles to keep the memory system busy, so K is split in
 parts (``split``); each part leaves its float32 sum in a buffer, and the last part of a tile to
@@ -22,7 +24,7 @@ sums whichever part finishes last.
 
 Under Triton's interpreter (``TRITON_INTERPRET=1``: no inline assembly) and for 8-bit W, the
 K-quants' half-group scales, or float32 activations, W is unpacked with float operations
-instead, in K's own order.
+instead.
 """
 
 from __future__ import annotations
@@ -123,8 +125,7 @@ def _load(at, ok, EVEN: tl.constexpr):
 @triton.jit
 def _tiles(u_ptr, sm_ptr, n, g, N, K, NS, stride_u, dt: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
            ASM: tl.constexpr, EVEN: tl.constexpr):
-    """Rows ``n`` of W at groups ``g`` as two ``dt`` tiles [rows, groups * 16]: the first and the
-    second half of each group (with ``ASM``, each 16 columns in ``_columns``' order)."""
+    """Rows ``n`` of W at groups ``g`` as a ``dt`` tile [rows, groups * 32], in K's order."""
     j = tl.arange(0, 16)
     at = u_ptr + n[:, None, None] * stride_u + (g[:, None] * (4 * BITS) + j[None, :])[None, :, :]
     ok = (n[:, None, None] < N) & (g < K // 32)[None, :, None]
@@ -142,10 +143,9 @@ def _tiles(u_ptr, sm_ptr, n, g, N, K, NS, stride_u, dt: tl.constexpr, BITS: tl.c
             s_w, m_w = _scale_pairs(word, dt)
         sb = tl.broadcast_to(s_w[:, :, None], raw.shape)
         mb = tl.broadcast_to(m_w[:, :, None], raw.shape)
-        w_lo = _unpack8(_mma_order(raw), sb, mb, dt)
-        w_hi = _unpack8(_mma_order(_load(at + 16, ok, EVEN)), sb, mb, dt)
+        w_lo = _unpack8(raw, sb, mb, dt)
+        w_hi = _unpack8(_load(at + 16, ok, EVEN), sb, mb, dt)
     elif ASM:
-        raw = _mma_order(raw)
         s2, m2 = _scale_pairs(word, dt)
         sb = tl.broadcast_to(s2[:, :, None], raw.shape)
         mb = tl.broadcast_to(m2[:, :, None], raw.shape)
@@ -175,8 +175,8 @@ def _tiles(u_ptr, sm_ptr, n, g, N, K, NS, stride_u, dt: tl.constexpr, BITS: tl.c
             w_lo = q_lo.to(dt) * s_lo.to(dt)[:, :, None] + m_lo.to(dt)[:, :, None]
             w_hi = q_hi.to(dt) * s_hi.to(dt)[:, :, None] + m_hi.to(dt)[:, :, None]
     rows: tl.constexpr = raw.shape[0]
-    cols: tl.constexpr = raw.shape[1] * 16
-    return tl.reshape(w_lo, (rows, cols)), tl.reshape(w_hi, (rows, cols))
+    cols: tl.constexpr = raw.shape[1] * 32
+    return tl.reshape(tl.permute(tl.join(w_lo, w_hi), (0, 1, 3, 2)), (rows, cols))
 
 
 @triton.jit
@@ -187,25 +187,6 @@ def _unpack8(raw, sb, mb, dt: tl.constexpr):
     else:
         return tl.inline_asm_elementwise(_ASM8_F16, _CONSTRAINTS8, [raw, sb, mb], dtype=tl.float16, is_pure=True,
                                          pack=4)
-
-
-@triton.jit
-def _mma_order(raw):
-    """Bytes 4c..4c+3 of each 16 (the last dimension) to columns 2c, 2c+1, 2c+8, 2c+9: the four a
-    thread holds of an MMA operand's 16 columns, so that it reads them as one word."""
-    return tl.reshape(tl.permute(tl.reshape(raw, (raw.shape[0], raw.shape[1], 4, 2, 2)), (0, 1, 3, 2, 4)),
-                      raw.shape)
-
-
-@triton.jit
-def _columns(xt, ASM: tl.constexpr):
-    """x^T's rows [K, rows of x] in the order of ``_tiles``' columns."""
-    if ASM:
-        K: tl.constexpr = xt.shape[0]
-        R: tl.constexpr = xt.shape[1]
-        return tl.reshape(tl.permute(tl.reshape(xt, (K // 16, 4, 2, 2, R)), (0, 2, 1, 3, 4)), (K, R))
-    else:
-        return xt
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -224,24 +205,18 @@ def _qgemm_kernel(x_ptr, u_ptr, sm_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, NS, 
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     dt: tl.constexpr = x_ptr.dtype.element_ty
-    c = tl.arange(0, BLOCK_K // 2)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     first = pid_s * STEPS  # counted in steps: the compiler then knows k0 % BLOCK_K == 0 (16-byte copies)
     for step in range(first, tl.minimum(first + STEPS, tl.cdiv(K, BLOCK_K))):
         k0 = step * BLOCK_K
         g = step * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
-        w_lo, w_hi = _tiles(u_ptr, sm_ptr, n, g, N, K, NS, stride_u, dt, BITS, GS, ASM, EVEN)
-        kk = k0 + (c // 16) * 32 + c % 16  # the first halves of the groups
-        at = x_ptr + rm[None, :] * K + kk[:, None]
-        xm = (rm[None, :] < M) & (kk[:, None] < K)
-        x_lo = _columns(tl.load(at, mask=xm, other=0.0), ASM)
-        x_hi = _columns(tl.load(at + 16, mask=xm, other=0.0), ASM)
+        w = _tiles(u_ptr, sm_ptr, n, g, N, K, NS, stride_u, dt, BITS, GS, ASM, EVEN)
+        kk = k0 + tl.arange(0, BLOCK_K)
+        xt = tl.load(x_ptr + rm[None, :] * K + kk[:, None], mask=(rm[None, :] < M) & (kk[:, None] < K), other=0.0)
         if dt == tl.float32:
-            acc += tl.dot(w_lo, x_lo, input_precision="ieee")
-            acc += tl.dot(w_hi, x_hi, input_precision="ieee")
+            acc += tl.dot(w, xt, input_precision="ieee")
         else:
-            acc += tl.dot(w_lo, x_lo)
-            acc += tl.dot(w_hi, x_hi)
+            acc += tl.dot(w, xt)
     mn = rm[None, :] * N + n[:, None]
     out = (rm[None, :] < M) & (n[:, None] < N)
     if SPLIT == 1:
