@@ -132,7 +132,7 @@ for (N, K), bits, per in (((128, 256), 4, 1), ((80, 160), 4, 1), ((128, 256), 8,
     u, sm = u.to(device), sm.to(device)
     for dtype in dtypes:
         for rows, config, split in ((4, (128, 64, 4, 3), None), (9, None, None), (16, (64, 64, 4, 3), 3),
-                                    (33, None, 2), (64, (128, 128, 4, 3), None)):
+                                    (33, None, 2), (64, (128, 128, 4, 3, 2), None)):
             x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).to(device, dtype)
             tg.GEMM_SPLIT = split
             key = rows if rows <= tk.GEMV_ROWS else max(16, 1 << (rows - 1).bit_length())

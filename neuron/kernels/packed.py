@@ -306,7 +306,7 @@ def qlinear(x: torch.Tensor, u: torch.Tensor, sm: torch.Tensor, bits: int,
         return qlinear(x, u, sm, bits, int8_rows, configs).to(out_dtype)
     y = torch.empty((M, N), device=x.device, dtype=out_dtype or x.dtype)
     config = (configs or {}).get(triton.next_power_of_2(M) if M <= GEMV_ROWS else max(16, triton.next_power_of_2(M)))
-    tensor_cores = config is not None and len(config) == 4 and out_dtype in (None, x.dtype)
+    tensor_cores = config is not None and len(config) >= 4 and out_dtype in (None, x.dtype)
     if M <= GEMV_ROWS and not tensor_cores:
         fits = int8_rows is not None and tuple(int8_rows[0].shape) == (M, K)
         q, d, t = int8_rows if fits else quantize_rows(x)

@@ -123,7 +123,7 @@ def _load(at, ok, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _tiles(u_ptr, sm_ptr, n, g, N, K, NS, stride_u, dt: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
+def weight_tile(u_ptr, sm_ptr, n, g, N, K, NS, stride_u, dt: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
            ASM: tl.constexpr, EVEN: tl.constexpr):
     """Rows ``n`` of W at groups ``g`` as a ``dt`` tile [rows, groups * 32], in K's order."""
     j = tl.arange(0, 16)
@@ -190,12 +190,12 @@ def _unpack8(raw, sb, mb, dt: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])
-def _qgemm_kernel(x_ptr, u_ptr, sm_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, NS, stride_u, STEPS,
+def _qgemm_kernel(x_ptr, u_ptr, sm_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, NS, stride_u, STEPS, SPLIT,
                   BITS: tl.constexpr, GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr,
+                  BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr,
                   PDL: tl.constexpr):
     """Program (i, j, s): rows ``i * BLOCK_N ..`` of W (of y^T) times rows ``j * BLOCK_M ..`` of x,
-    over ``STEPS`` steps of ``BLOCK_K`` columns from step ``s * STEPS``; with ``SPLIT`` > 1 its
+    over ``STEPS`` steps of ``BLOCK_K`` columns from step ``s * STEPS``; with ``SPLIT_K`` (``SPLIT`` > 1) its
     float32 sum goes to ``part_ptr`` [SPLIT, M, N] and the tile's last part adds them up
     (``lock_ptr``: a counter per tile, zero between launches)."""
     grid_sync(PDL)
@@ -210,7 +210,7 @@ def _qgemm_kernel(x_ptr, u_ptr, sm_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, NS, 
     for step in range(first, tl.minimum(first + STEPS, tl.cdiv(K, BLOCK_K))):
         k0 = step * BLOCK_K
         g = step * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
-        w = _tiles(u_ptr, sm_ptr, n, g, N, K, NS, stride_u, dt, BITS, GS, ASM, EVEN)
+        w = weight_tile(u_ptr, sm_ptr, n, g, N, K, NS, stride_u, dt, BITS, GS, ASM, EVEN)
         kk = k0 + tl.arange(0, BLOCK_K)
         xt = tl.load(x_ptr + rm[None, :] * K + kk[:, None], mask=(rm[None, :] < M) & (kk[:, None] < K), other=0.0)
         if dt == tl.float32:
@@ -219,7 +219,7 @@ def _qgemm_kernel(x_ptr, u_ptr, sm_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, NS, 
             acc += tl.dot(w, xt)
     mn = rm[None, :] * N + n[:, None]
     out = (rm[None, :] < M) & (n[:, None] < N)
-    if SPLIT == 1:
+    if not SPLIT_K:
         tl.store(y_ptr + mn, acc.to(y_ptr.dtype.element_ty), mask=out)
     else:
         tl.store(part_ptr + pid_s * M * N + mn, acc, mask=out)
@@ -250,41 +250,51 @@ def _locks(device: torch.device) -> torch.Tensor:
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) by BLOCK_M (the rows of x rounded up to a power of two,
 # at least 16), where the load-time tuner measured none faster (runner/linear.GEMM_CANDIDATES),
-# and how many programs a multiprocessor the split of K aims at (H200, .gpu/qg2.py: 2 beat 1 and 4).
+# and how many programs a multiprocessor the split of K aims at, by BLOCK_M (H200, .gpu/split.py,
+# Qwen3-8B's q/k/v, o and down: at 64 rows twice the parts cost 13-35% more, at 32 rows they won).
 GEMM_CONFIG = {16: (128, 128, 8, 3), 32: (128, 64, 8, 3), 64: (128, 64, 8, 3)}
-GEMM_PROGRAMS_PER_SM = 2
+GEMM_PROGRAMS_PER_SM = {16: 2, 32: 2, 64: 1}
 GEMM_ROWS = 64  # more rows than this: dequantize and cuBLAS (at 128 rows it was as fast as this kernel)
-GEMM_SPLIT: int | None = None  # a fixed split of K (tests, benchmarks), else split_for
+GEMM_SPLIT: int | None = None  # a fixed split of K (tests, benchmarks), else the config's or split_for's
 
 
-def split_for(tiles: int, steps: int, device: torch.device) -> int:
+def split_for(tiles: int, steps: int, block_m: int, device: torch.device) -> int:
     """How many parts K is split into: doubled while the programs number fewer than
     ``GEMM_PROGRAMS_PER_SM`` a multiprocessor and each part keeps two or more ``BLOCK_K`` steps."""
-    split, want = 1, GEMM_PROGRAMS_PER_SM * multiprocessors(device)
+    split, want = 1, GEMM_PROGRAMS_PER_SM[block_m] * multiprocessors(device)
     while tiles * split < want and steps >= 4 * split and tiles * split * 2 <= LOCKS:
         split *= 2
     return split
 
 
+def default_split(N: int, M: int, K: int, config: tuple[int, ...], device: torch.device) -> int:
+    """``split_for``'s parts for a product of ``config``'s tiles (its first two: BLOCK_N, BLOCK_K)."""
+    block_m = max(16, triton.next_power_of_2(M))
+    return split_for(triton.cdiv(N, config[0]) * triton.cdiv(M, block_m), triton.cdiv(K, config[1]), block_m, device)
+
+
 def qgemm(x: torch.Tensor, u: torch.Tensor, words: torch.Tensor, bits: int, y: torch.Tensor,
-          config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+          config: tuple[int, ...] | None = None) -> torch.Tensor:
     """``y`` [M, N] = ``x`` [M, K] times the packed W (``u`` [N, K * bits / 8], ``words``: its
     scales as ``scale_words`` gives them) transposed; ``config``: (BLOCK_N, BLOCK_K, num_warps,
-    num_stages), else ``GEMM_CONFIG``'s for M rows."""
+    num_stages), and optionally the parts K is split into (else ``split_for``'s), else
+    ``GEMM_CONFIG``'s for M rows."""
     M, K = x.shape
     N = u.shape[0]
     NS = words.shape[1]
     gs = K // NS
     block_m = max(16, triton.next_power_of_2(M))
-    block_n, block_k, warps, stages = config or GEMM_CONFIG[block_m]
+    config = config or GEMM_CONFIG[block_m]
+    block_n, block_k, warps, stages = config[:4]
     tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
     steps = triton.cdiv(K, block_k)
-    split = GEMM_SPLIT or split_for(tiles, steps, x.device)
+    split = GEMM_SPLIT or (config[4] if len(config) > 4 else split_for(tiles, steps, block_m, x.device))
+    split = min(split, steps)
     assert split == 1 or tiles <= LOCKS, (tiles, LOCKS)
     part = torch.empty((split, M, N), device=x.device, dtype=torch.float32) if split > 1 else y
     asm = not INTERPRETED and gs >= 32 and x.dtype in (torch.bfloat16, torch.float16)
     _qgemm_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m), split)](
-        x, u, words, y, part, _locks(x.device), M, N, K, NS, u.stride(0), triton.cdiv(steps, split), BITS=bits, GS=gs,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, ASM=asm,
+        x, u, words, y, part, _locks(x.device), M, N, K, NS, u.stride(0), triton.cdiv(steps, split), split, BITS=bits,
+        GS=gs, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split > 1, ASM=asm,
         EVEN=N % block_n == 0 and K % block_k == 0, num_warps=warps, num_stages=stages, **pdl_args(x.device))
     return y

@@ -148,6 +148,8 @@ def tune_packed(model, batch_sizes: list[int]) -> None:
 
     by_shape: dict[tuple, list] = {}
     for part in packed_parts(model):
+        if part.stacked:  # an expert's: the grouped kernels run it (kernels/moe_packed.py)
+            continue
         by_shape.setdefault((part.n, part.k, part.bits, part.sm.shape[1], part.sm.dtype), []).append(part)
     blocks = sorted({triton.next_power_of_2(b) if b <= GEMV_ROWS else max(16, triton.next_power_of_2(b))
                      for b in batch_sizes if b <= GEMM_ROWS})
@@ -162,7 +164,7 @@ def tune_packed(model, batch_sizes: list[int]) -> None:
 
             default = _graph_ms(lambda: run(None))
             if block_m > GEMV_ROWS:
-                candidates = GEMM_CANDIDATES
+                candidates = split_candidates(n, k, block_m, model.device)
             elif block_m >= 4:
                 candidates = PACKED_BATCH_CANDIDATES + GEMM_CANDIDATES
             else:
@@ -174,6 +176,19 @@ def tune_packed(model, batch_sizes: list[int]) -> None:
             log.info("packed product of %dx%d int%d at %d row(s): %s, %.1f us (default %.1f us)", n, k, bits,
                      block_m, config if best < 0.97 * default else "default", 1000 * best / len(parts),
                      1000 * default / len(parts))
+
+
+def split_candidates(n: int, k: int, rows: int, device: torch.device) -> list[tuple[int, ...]]:
+    """``GEMM_CANDIDATES``, each with the kernel's own split of K and with half and twice as many
+    parts: which is fastest turned on the shape (H200, .gpu/split.py: Qwen3-8B's gate/up at 32 rows
+    was fastest at twice the parts, at 64 rows with 2 parts where the rule gives 1)."""
+    from neuron.kernels.packed_gemm import default_split
+
+    out = []
+    for config in GEMM_CANDIDATES:
+        split = default_split(n, rows, k, config, device)
+        out += [(*config, s) for s in dict.fromkeys((split, max(1, split // 2), split * 2))]
+    return out
 
 
 def tune_fp8(model) -> None:
