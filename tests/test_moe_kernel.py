@@ -114,3 +114,45 @@ def test_the_router_kernel_equals_softmax_and_topk(tokens, experts, k, norm, dty
     # the k largest, largest first (of equal logits, which bfloat16 has, either may come first)
     assert torch.equal(probs.gather(1, chosen), torch.topk(probs, k, dim=-1).values)
     assert torch.allclose(weights.float(), want_w.to(dtype).float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def packed_experts(g, experts, rows, K, bits, per):
+    """Random experts' W [E, rows, K] packed (scales per 32 columns, or per 32 * ``per``) and the
+    float32 W they stand for."""
+    from neuron.kernels.moe_packed import PackedExperts
+    from neuron.kernels.packed import dequantize
+    from neuron.kernels.packed_scales import coarsen_scales, pair_scales
+
+    us, sms = [], []
+    for _ in range(experts):
+        us.append(torch.randint(0, 256, (rows, K * bits // 8), generator=g, dtype=torch.uint8))
+        s = (torch.rand(rows, K // 32 // per, generator=g) * 0.02).half().float()
+        m = -s * torch.randint(0, 2 ** bits, s.shape, generator=g).float() / 2
+        sms.append(coarsen_scales(pair_scales(s.repeat_interleave(per, 1).half(), m.repeat_interleave(per, 1).half())))
+    w = torch.stack([dequantize(u, sm, bits, torch.float32) for u, sm in zip(us, sms)])
+    return PackedExperts(torch.stack(us), torch.stack(sms), bits), w
+
+
+@pytest.mark.parametrize("tokens, k, first, held, bits, per, shared", [
+    (1, 2, 0, 8, 4, 1, 0), (5, 2, 3, 3, 8, 1, 16), (3, 2, 0, 8, 4, 4, 0), (70, 3, 2, 4, 4, 1, 0),
+    (100, 3, 0, 8, 8, 4, 32)])
+def test_packed_experts_equal_the_loop_over_their_float_weights(tokens, k, first, held, bits, per, shared):
+    """Experts of packed groups (``moe_packed``), 4 and 8 bits, scales per 32 or 128 columns, a
+    rank holding some of them, a dense shared expert beside them: a decode batch (a program per
+    pair) and a prompt (the grouped product) against the loop over the weights they unpack to."""
+    from neuron.kernels.moe_packed import PackedExperts
+
+    g = torch.Generator().manual_seed(tokens * 10 + bits + per)
+    H, inter = 128, 128
+    x = torch.randn(tokens, H, generator=g)
+    weights, chosen = torch.topk(torch.rand(tokens, 8, generator=g), k, dim=-1)
+    gate_up, gate_up_w = packed_experts(g, held, 2 * inter, H, bits, per)
+    down, down_w = packed_experts(g, held, H, inter, bits, per)
+    assert isinstance(gate_up, PackedExperts) and gate_up.shape == (held, 2 * inter, H)
+    pair = None
+    if shared:
+        pair = (torch.randn(2 * shared, H, generator=g) * 0.1, torch.randn(H, shared, generator=g) * 0.1)
+        weights = torch.cat([weights, torch.rand(tokens, 1, generator=g)], 1)
+    got = K.sparse_moe(x, weights, chosen, first, gate_up, down, silu_mul, pair)
+    want = reference(x, weights, chosen, first, gate_up_w, down_w, pair)
+    assert torch.allclose(got, want, atol=1e-4 * want.abs().max()), (got - want).abs().max()

@@ -18,7 +18,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import moe_packed
 from .launch import dot_precision, grid_sync, pdl_args
+from .moe_packed import PackedExperts
 
 
 PAIRS_ALONE = 128  # at most this many pairs run one program per pair (scripts/bench-kernels)
@@ -248,24 +250,37 @@ def route(logits: torch.Tensor, k: int, norm: bool, dtype: torch.dtype,
     return weights, chosen
 
 
-def sparse_moe(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, first: int, gate_up: torch.Tensor,
-               down: torch.Tensor, silu_mul, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def sparse_moe(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, first: int,
+               gate_up: torch.Tensor | PackedExperts, down: torch.Tensor | PackedExperts, silu_mul,
+               shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """sum_k weights[t, k] * down_e(silu_mul(gate_up_e(x_t))) over each token's chosen experts
-    ``chosen`` [T, k] that this rank holds: ``gate_up`` [E, 2I, H] and ``down`` [E, H, I] are
-    experts ``first .. first + E`` (a pair routed elsewhere adds nothing here); ``silu_mul`` the
-    step's fused SiLU·mul. With a ``shared`` expert (its gate/up and down), plus its MLP weighted
-    by ``weights[:, k]``."""
+    ``chosen`` [T, k] that this rank holds: ``gate_up`` [E, 2I, H] and ``down`` [E, H, I] (dense,
+    or both ``PackedExperts``) are experts ``first .. first + E`` (a pair routed elsewhere adds
+    nothing here); ``silu_mul`` the step's fused SiLU·mul. With a ``shared`` expert (its gate/up
+    and down, dense), plus its MLP weighted by ``weights[:, k]``."""
     T, k = chosen.shape
     E = gate_up.shape[0]
     weights = weights.contiguous()
+    packed = isinstance(gate_up, PackedExperts)
     if T * k <= PAIRS_ALONE:
+        if packed:
+            out = moe_packed.decode_experts(x, weights, chosen, first, gate_up, down)
+            return out if shared is None else out + weights[:, k:] * F.linear(silu_mul(F.linear(x, shared[0])),
+                                                                             shared[1])
         return decode_experts(x, weights, chosen, first, gate_up, down, shared)
     local = chosen - first
     here = (local >= 0) & (local < E)
-    pairs, block_expert = sort_pairs(torch.where(here, local, E), E + 1, tiles(T * k)[0])  # E: elsewhere
+    rows = tiles(T * k)[0]
+    pairs, block_expert = sort_pairs(torch.where(here, local, E), E + 1, rows)  # E: elsewhere
     block_expert = torch.where(block_expert == E, -1, block_expert)
-    h = silu_mul(grouped(x, gate_up, pairs, block_expert, T * k, k))
-    y = grouped(h, down, pairs, block_expert, T * k, 1).view(T, k, -1)
+
+    def product(a: torch.Tensor, w: torch.Tensor | PackedExperts, per_row: int) -> torch.Tensor:
+        if packed:
+            return moe_packed.grouped(a, w, pairs, block_expert, T * k, per_row, rows)
+        return grouped(a, w, pairs, block_expert, T * k, per_row)
+
+    h = silu_mul(product(x, gate_up, k))
+    y = product(h, down, 1).view(T, k, -1)
     out = (torch.where(here[..., None], y, 0) * weights[:, :k, None].to(y.dtype)).sum(1)
     if shared is not None:
         out = out + weights[:, k:] * F.linear(silu_mul(F.linear(x, shared[0])), shared[1])

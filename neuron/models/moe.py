@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from protocol import ModelConfig
 
 from .layers import WeightSource
+from .packed_linear import PackedLinear
 from .sharding import ShardPlan
 from .tp_linear import AnyLinear, Linear, column_parallel, packed_kernel_for, row_parallel
 
@@ -35,6 +36,7 @@ class SparseMoe:
         self.cfg = cfg
         self.experts = plan.experts
         self.grouped_failed = False
+        self.stacked: tuple[object, object] | None = None  # packed experts as kernels.moe_packed.PackedExperts
         router = src.get(f"{prefix}.gate.weight")
         self.router = (router if shared_gate is None else torch.cat([router, shared_gate.to(router.dtype)])).to(
             device, dtype)
@@ -54,6 +56,7 @@ class SparseMoe:
                             row_parallel(src, [(name(e, "down"), None)], dtype=dtype, device=device))
                            for e in plan.experts]
             self.gate = self.up = self.down = self.gate_up = torch.empty(0)
+            self.stacked = stack_packed(self.packed)
         elif src.has(f"{prefix}.experts.gate_up_proj"):
             self.gate_up = src.get(f"{prefix}.experts.gate_up_proj", dim=0, part=plan.experts).to(device, dtype)
             self.down = src.get(f"{prefix}.experts.down_proj", dim=0, part=plan.experts).to(device, dtype)
@@ -73,7 +76,8 @@ class SparseMoe:
     def grouped(self) -> bool:
         """Whether the experts run in the grouped kernel (dense, on a GPU), which a CUDA graph can
         hold: the per-expert loop below cannot (its shapes follow the routing)."""
-        return not self.packed and self.gate_up.is_cuda and len(self.experts) > 0 and not self.grouped_failed
+        dense = not self.packed and self.gate_up.is_cuda
+        return (dense or self.stacked is not None) and len(self.experts) > 0 and not self.grouped_failed
 
     def __call__(self, x: torch.Tensor, ops: object = None, shared: SharedMlp | None = None) -> torch.Tensor:
         """The experts' weighted sum for each row of ``x``, plus the ``shared`` expert's MLP
@@ -84,7 +88,8 @@ class SparseMoe:
             try:
                 fused = _plain(shared)
                 weights, chosen = ops.moe_route(logits, top, self.cfg.norm_topk_prob, x.dtype, E)
-                out = moe(x, weights, chosen, self.experts.start, self.gate_up, self.down, fused)
+                gate_up, down = self.stacked or (self.gate_up, self.down)
+                out = moe(x, weights, chosen, self.experts.start, gate_up, down, fused)
                 return out if fused is not None or shared is None else out + self.shared_part(logits, x, shared, ops)
             except Exception as exc:  # noqa: BLE001 - a kernel this GPU's Triton cannot build
                 log.warning("the grouped MoE kernel failed (%s); experts run one by one, without CUDA graphs", exc)
@@ -118,3 +123,33 @@ def _plain(shared: SharedMlp | None) -> tuple[torch.Tensor, torch.Tensor] | None
     if shared is None or not all(isinstance(lin, Linear) and lin.bias is None for lin in (shared.gate_up, shared.down)):
         return None
     return shared.gate_up.weight, shared.down.weight
+
+
+def stack_packed(experts: list[tuple[AnyLinear, AnyLinear]]) -> tuple[object, object] | None:
+    """The experts' packed gate/up and down matrices, on a GPU, stacked as the grouped kernels
+    take them (``PackedExperts``; each expert's ``PackedLinear`` then holds views of the stack, so
+    the bytes are kept once); None where they differ in shape, bits or scales, carry a bias or a
+    column order, or are not packed groups (FP8): those run one by one."""
+    stacks = []
+    for which in (0, 1):
+        lins = [pair[which] for pair in experts]
+        first = lins[0]
+        if not (isinstance(first, PackedLinear) and first.device.type == "cuda"):
+            return None
+        if not all(isinstance(lin, PackedLinear) and lin.bias is None and lin.perm is None and lin.bits == first.bits
+                   and lin.u.shape == first.u.shape and lin.sm.shape == first.sm.shape
+                   and lin.sm.dtype == first.sm.dtype for lin in lins):
+            return None
+        stacks.append(lins)
+    from neuron.kernels.gpu import PackedExperts
+
+    out = []
+    for lins in stacks:
+        u = torch.stack([lin.u for lin in lins])
+        sm = torch.stack([lin.sm for lin in lins])
+        for e, lin in enumerate(lins):
+            lin.u, lin.sm = u[e], sm[e]
+            lin.s, lin.m = lin.sm[..., 0], lin.sm[..., 1]
+            lin.stacked = True
+        out.append(PackedExperts(u, sm, lins[0].bits))
+    return out[0], out[1]

@@ -62,6 +62,7 @@ class PackedLinear:
             self.u = self.u.to(self.device)
             self._kernel = None
             self.configs: dict[int, tuple[int, ...]] = {}  # measured at load: runner/linear.py
+            self.stacked = False  # u and sm: views of a stack of experts (models/moe.stack_packed)
             self._plain = False
             return
         from neuron.kernels.cpu import cpu_kernels
