@@ -48,8 +48,8 @@ for name in ("Q4_1", "Q8_0", "Q4_K", "Q6_K"):
     sm = pair_scales(torch.from_numpy(q.s).to(dt), torch.from_numpy(q.m).to(dt)).to(device)
     file = torch.from_numpy(gguf.quants.dequantize(raw, qt)).to(device)
     for dtype in dtypes:
-        for rows in (1, 2, 3, 8, 9, 40, 65):  # BLOCK_M 1, 2, 4 (row 3 masked), 8; the tensor-core
-            # kernel at 16 and 64 rows a tile; unpacked for torch
+        for rows in (1, 2, 3, 8, 9, 40, 65, 256):  # BLOCK_M 1, 2, 4 (row 3 masked), 8; the
+            # tensor-core kernel at 16 and 64 rows a tile; unpacked for torch (a prompt's chunk)
             x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).to(device, dtype)
             y = qlinear(x, u, sm, bits)
             # the LM head's float32 logits hold y's values: the decode kernel's store, and a conversion
@@ -88,7 +88,7 @@ def run_check(device: str, dtypes: str, interpret: bool) -> list[dict]:
 
 
 def check(results: list[dict], dtypes: int) -> None:
-    assert len(results) == 4 * dtypes * 7
+    assert len(results) == 4 * dtypes * 8
     for r in results:
         print(r)
         # float16 and bfloat16 tiles round the weights (8 and 11 significant bits)
