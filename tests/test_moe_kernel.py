@@ -118,19 +118,22 @@ def test_the_router_kernel_equals_softmax_and_topk(tokens, experts, k, norm, dty
 
 def packed_experts(g, experts, rows, K, bits, per):
     """Random experts' W [E, rows, K] packed (scales per 32 columns, or per 32 * ``per``) and the
-    float32 W they stand for."""
+    float32 W they stand for (unpacked here with torch, not with the kernels' own code)."""
     from neuron.kernels.moe_packed import PackedExperts
-    from neuron.kernels.packed import dequantize
     from neuron.kernels.packed_scales import coarsen_scales, pair_scales
+    from neuron.models.packed_linear import unpack_nibbles
 
-    us, sms = [], []
+    us, sms, ws = [], [], []
     for _ in range(experts):
-        us.append(torch.randint(0, 256, (rows, K * bits // 8), generator=g, dtype=torch.uint8))
+        u = torch.randint(0, 256, (rows, K * bits // 8), generator=g, dtype=torch.uint8)
         s = (torch.rand(rows, K // 32 // per, generator=g) * 0.02).half().float()
         m = -s * torch.randint(0, 2 ** bits, s.shape, generator=g).float() / 2
-        sms.append(coarsen_scales(pair_scales(s.repeat_interleave(per, 1).half(), m.repeat_interleave(per, 1).half())))
-    w = torch.stack([dequantize(u, sm, bits, torch.float32) for u, sm in zip(us, sms)])
-    return PackedExperts(torch.stack(us), torch.stack(sms), bits), w
+        s, m = s.repeat_interleave(per, 1).half(), m.repeat_interleave(per, 1).half()
+        q = unpack_nibbles(u) if bits == 4 else u
+        ws.append((q.float().view(rows, K // 32, 32) * s.float()[..., None] + m.float()[..., None]).view(rows, K))
+        us.append(u)
+        sms.append(coarsen_scales(pair_scales(s, m)))
+    return PackedExperts(torch.stack(us), torch.stack(sms), bits), torch.stack(ws)
 
 
 @pytest.mark.parametrize("tokens, k, first, held, bits, per, shared", [
@@ -143,7 +146,7 @@ def test_packed_experts_equal_the_loop_over_their_float_weights(tokens, k, first
     from neuron.kernels.moe_packed import PackedExperts
 
     g = torch.Generator().manual_seed(tokens * 10 + bits + per)
-    H, inter = 128, 128
+    H = inter = 32 * max(per, 2)
     x = torch.randn(tokens, H, generator=g)
     weights, chosen = torch.topk(torch.rand(tokens, 8, generator=g), k, dim=-1)
     gate_up, gate_up_w = packed_experts(g, held, 2 * inter, H, bits, per)
