@@ -1,6 +1,6 @@
 """The Triton kernels for packed weights (GPU path), run by Triton's interpreter on the CPU
 against the float32 torch reference: 4- and 8-bit integers, a scale per 32 or per 16, batches
-1..65 (the three paths, whole and partial K steps), the real layouts of a GGUF tensor. The
+1..256 (the three paths, whole and partial K steps), the real layouts of a GGUF tensor. The
 decode rows (up to ``GEMV_ROWS``) multiply int8-quantized activations, so they are checked
 against the reference product of those (``reference_quantized_rows``) and, looser, the file's.
 The interpreter cannot multiply bfloat16 tiles (``tl.dot`` on bf16 returns garbage there, on
@@ -49,7 +49,7 @@ for name in ("Q4_1", "Q8_0", "Q4_K", "Q6_K"):
     file = torch.from_numpy(gguf.quants.dequantize(raw, qt)).to(device)
     for dtype in dtypes:
         for rows in (1, 2, 3, 8, 9, 40, 65, 256):  # BLOCK_M 1, 2, 4 (row 3 masked), 8; the
-            # tensor-core kernel at 16 and 64 rows a tile; unpacked for torch (a prompt's chunk)
+            # tensor-core kernel at 16 and 64 rows a tile, and at 65 two tiles; unpacked for torch
             x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).to(device, dtype)
             y = qlinear(x, u, sm, bits)
             # the LM head's float32 logits hold y's values: the decode kernel's store, and a conversion
@@ -68,7 +68,7 @@ for name in ("Q4_1", "Q8_0", "Q4_K", "Q6_K"):
                 tg.GEMM_SPLIT = 3
                 row["err_split"] = float((qlinear(x, u, sm, bits).float() - want).abs().max() / want.abs().max())
                 tg.GEMM_SPLIT = None
-            if rows == 65:  # W unpacked in slices of 40 rows (the last 16), each product into its columns
+            if rows == 256:  # W unpacked in slices of 40 rows (the last 16), each product into its columns
                 budget, tk.DEQUANT_BYTES = tk.DEQUANT_BYTES, 40 * K * x.element_size()
                 row["err_slices"] = float((qlinear(x, u, sm, bits).float() - want).abs().max() / want.abs().max())
                 tk.DEQUANT_BYTES = budget
@@ -95,7 +95,7 @@ def check(results: list[dict], dtypes: int) -> None:
         tol = {"torch.float16": 2e-3, "torch.bfloat16": 1.6e-2}.get(r["dtype"], 2e-5)
         assert r.get("err_q", r["err"]) <= tol and r.get("err_even", 0.0) <= tol, r
         assert r.get("err_split", 0.0) <= tol and r.get("err_slices", 0.0) <= tol, r
-        assert ("err_slices" in r) == (r["rows"] == 65), r
+        assert ("err_slices" in r) == (r["rows"] == 256), r
         assert r["err"] <= (3e-2 if "err_q" in r else tol), r  # int8 activations: 0.4-0.7% measured here
         assert r["ref_err"] <= 2e-5, r  # the torch reference itself is the file's weight
         assert r["out_dtype"] == r["dtype"] and r["shape"] == [r["rows"], 96] and r["f32_same"], r
@@ -184,7 +184,8 @@ for bits, per in ((4, 4), (8, 2)):  # groups of 128 and of 64 columns
     row = dict(bits=bits, shape=list(coarse.shape), kept=coarsen_scales(fine[:, 1:]).shape == fine[:, 1:].shape)
     row["dequant"] = torch.equal(tk.dequantize(u, coarse, bits, torch.float16), tk.dequantize(u, fine, bits, torch.float16))
     same = row["dequant"]
-    for rows in (1, 9, 65):  # the decode kernel, the tensor-core kernel, unpacked for torch
+    for rows in (1, 9, 65, 129):  # the decode kernel, the tensor-core kernel (one tile of rows, two),
+        # unpacked for torch
         x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).to(device, torch.float16)
         same = same and torch.equal(tk.qlinear(x, u, coarse, bits), tk.qlinear(x, u, fine, bits))
     row["same"] = bool(same) and row["shape"] == [N, K // 32 // per, 2] and row["kept"]

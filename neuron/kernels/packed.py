@@ -11,8 +11,9 @@ float32 accumulation.
   products an instruction (``dp4a``): ``y = sum_g s d (u . q) + m d sum(q)``. With int8
   activations the largest error of an output is 0.4-0.7% of the largest output on random data
   (tests/test_quant_triton.py), about what rounding the activations to bfloat16 costs.
-- Up to ``GEMM_ROWS`` rows (a batch of decodes): ``packed_gemm.qgemm`` unpacks each tile of W
-  once in registers and multiplies it on the tensor cores.
+- Up to ``GEMM_ROWS`` rows (a batch of decodes, a short prompt): ``packed_gemm.qgemm`` unpacks
+  each tile of W in registers and multiplies it on the tensor cores (past 64 rows, once for each
+  tile of 64 rows of x).
 - Otherwise (prefill): ``_dequant_kernel`` writes the weight to ``x``'s dtype (whole, or in
   slices of rows where it is larger than ``DEQUANT_BYTES``) and cuBLAS multiplies: the product
   is compute-bound there, and writing the weight once costs less than unpacking it in every

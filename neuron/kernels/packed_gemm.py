@@ -1,6 +1,6 @@
-"""The tensor-core product of packed weights for a batch of decodes (``packed.GEMV_ROWS`` <
-rows <= ``GEMM_ROWS``): ``y = x W^T`` with W in ``packed_linear.PackedLinear``'s layout (4- or 8-bit
-integers in groups of 32 along K, ``w = s * u + m`` per group; byte j of a 4-bit group holds
+"""The tensor-core product of packed weights for a batch of decodes or a short prompt
+(``packed.GEMV_ROWS`` < rows <= ``GEMM_ROWS``): ``y = x W^T`` with W in
+``packed_linear.PackedLinear``'s layout (4- or 8-bit integers in groups of 32 along K, ``w = s * u + m`` per group; byte j of a 4-bit group holds
 element j in its low nibble and j + 16 in its high one).
 
 The product is computed transposed, ``y^T = W x^T``: a tile of W is the MMA's first operand,
@@ -250,11 +250,16 @@ def _locks(device: torch.device) -> torch.Tensor:
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) by BLOCK_M (the rows of x rounded up to a power of two,
 # at least 16), where the load-time tuner measured none faster (runner/linear.GEMM_CANDIDATES),
-# and how many programs a multiprocessor the split of K aims at, by BLOCK_M (H200, .gpu/split.py,
-# Qwen3-8B's q/k/v, o and down: at 64 rows twice the parts cost 13-35% more, at 32 rows they won).
+# and how many programs a multiprocessor the split of K aims at, by BLOCK_M (H200, splits 1-16 as
+# scripts/bench-qlinear --sweep-kinds gemm tries them, Qwen3-8B's q/k/v, o and down: at 64 rows
+# twice the parts cost 13-35% more, at 32 rows they won).
 GEMM_CONFIG = {16: (128, 128, 8, 3), 32: (128, 64, 8, 3), 64: (128, 64, 8, 3)}
 GEMM_PROGRAMS_PER_SM = {16: 2, 32: 2, 64: 1}
-GEMM_ROWS = 64  # more rows than this: dequantize and cuBLAS (at 128 rows it was as fast as this kernel)
+# More rows than this: W unpacked for cuBLAS. Past 64 rows x is taken in tiles of 64 rows; a layer
+# of Qwen3-8B's four products at 4 bits (H200, us; scripts/bench-qlinear --rows 96,128,256 with
+# --gemm-rows 64, then 256, times the two): 96 rows 215.6 here against 257.0
+# unpacked for cuBLAS (bf16 119.0), 128 rows 215.6 against 259.7, 256 rows 407.8 against 286.0.
+GEMM_ROWS = 128
 GEMM_SPLIT: int | None = None  # a fixed split of K (tests, benchmarks), else the config's or split_for's
 
 
@@ -269,7 +274,7 @@ def split_for(tiles: int, steps: int, block_m: int, device: torch.device) -> int
 
 def default_split(N: int, M: int, K: int, config: tuple[int, ...], device: torch.device) -> int:
     """``split_for``'s parts for a product of ``config``'s tiles (its first two: BLOCK_N, BLOCK_K)."""
-    block_m = max(16, triton.next_power_of_2(M))
+    block_m = min(max(16, triton.next_power_of_2(M)), max(GEMM_CONFIG))
     return split_for(triton.cdiv(N, config[0]) * triton.cdiv(M, block_m), triton.cdiv(K, config[1]), block_m, device)
 
 
@@ -283,7 +288,7 @@ def qgemm(x: torch.Tensor, u: torch.Tensor, words: torch.Tensor, bits: int, y: t
     N = u.shape[0]
     NS = words.shape[1]
     gs = K // NS
-    block_m = max(16, triton.next_power_of_2(M))
+    block_m = min(max(16, triton.next_power_of_2(M)), max(GEMM_CONFIG))  # more rows: tiles of them
     config = config or GEMM_CONFIG[block_m]
     block_n, block_k, warps, stages = config[:4]
     tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)

@@ -180,8 +180,8 @@ def tune_packed(model, batch_sizes: list[int]) -> None:
 
 def split_candidates(n: int, k: int, rows: int, device: torch.device) -> list[tuple[int, ...]]:
     """``GEMM_CANDIDATES``, each with the kernel's own split of K and with half and twice as many
-    parts: which is fastest turned on the shape (H200, .gpu/split.py: Qwen3-8B's gate/up at 32 rows
-    was fastest at twice the parts, at 64 rows with 2 parts where the rule gives 1)."""
+    parts: which is fastest turned on the shape (H200, splits 1-16 of each: Qwen3-8B's gate/up at
+    32 rows was fastest at twice the parts, at 64 rows with 2 parts where the rule gives 1)."""
     from neuron.kernels.packed_gemm import default_split
 
     out = []
