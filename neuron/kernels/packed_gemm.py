@@ -1,7 +1,8 @@
 """The tensor-core product of packed weights for a batch of decodes or a short prompt
 (``packed.GEMV_ROWS`` < rows <= ``GEMM_ROWS``): ``y = x W^T`` with W in
-``packed_linear.PackedLinear``'s layout (4- or 8-bit integers in groups of 32 along K, ``w = s * u + m`` per group; byte j of a 4-bit group holds
-element j in its low nibble and j + 16 in its high one).
+``packed_linear.PackedLinear``'s layout (4- or 8-bit integers in groups of 32 along K,
+``w = s * u + m`` per group; byte j of a 4-bit group holds element j in its low nibble and j + 16
+in its high one).
 
 The product is computed transposed, ``y^T = W x^T``: a tile of W is the MMA's first operand,
 which Hopper's ``wgmma`` takes from registers, so W is unpacked in registers and never written to
