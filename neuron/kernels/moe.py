@@ -20,7 +20,7 @@ import triton.language as tl
 
 from . import moe_packed
 from .launch import dot_precision, grid_sync, pdl_args
-from .moe_packed import PackedExperts
+from .moe_packed import PackedExperts, expert_rows
 
 
 PAIRS_ALONE = 128  # at most this many pairs run one program per pair (scripts/bench-kernels)
@@ -55,12 +55,12 @@ def sort_pairs(chosen: torch.Tensor, experts: int, rows: int) -> tuple[torch.Ten
 
 
 @triton.jit
-def _grouped_kernel(X, W, Out, Pairs, BlockExpert, stride_x, stride_we, stride_wn, stride_o, N, K, P,
-                    PER_ROW: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    PREC: tl.constexpr, PDL: tl.constexpr):
+def _grouped_kernel(X, W, S, Out, Pairs, BlockExpert, stride_x, stride_we, stride_wn, stride_se, stride_o, N, K, NS,
+                    P, PER_ROW: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, BM: tl.constexpr,
+                    BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
     """Out[pair, n] = sum_k X[row, k] W[expert, n, k] for the rows of one block of pairs and one
     block of N; ``row`` is the pair's token (``PER_ROW`` pairs share a token) or the pair itself
-    (PER_ROW 1)."""
+    (PER_ROW 1). W dense, or with ``BITS`` its packed bytes (``PackedExperts``, S the scale words)."""
     b = tl.program_id(0)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     grid_sync(PDL)
@@ -70,27 +70,40 @@ def _grouped_kernel(X, W, Out, Pairs, BlockExpert, stride_x, stride_we, stride_w
         valid = pair < P
         row = pair // PER_ROW
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        w = W + expert * stride_we + n[None, :] * stride_wn
         for k0 in range(0, K, BK):
             k = k0 + tl.arange(0, BK)
             a = tl.load(X + row[:, None] * stride_x + k[None, :], mask=valid[:, None] & (k < K)[None, :], other=0.0)
-            bt = tl.load(w + k[:, None], mask=(k < K)[:, None] & (n < N)[None, :], other=0.0)
+            if BITS:
+                wt = expert_rows(W, S, expert, n, k0, N, K, NS, stride_we, stride_wn, stride_se, BITS, GS, BK)
+                bt = tl.trans(wt.to(a.dtype))
+            else:
+                bt = tl.load(W + expert * stride_we + n[None, :] * stride_wn + k[:, None],
+                             mask=(k < K)[:, None] & (n < N)[None, :], other=0.0)
             acc += tl.dot(a, bt, input_precision=PREC)
         tl.store(Out + pair[:, None] * stride_o + n[None, :], acc.to(Out.dtype.element_ty),
                  mask=valid[:, None] & (n < N)[None, :])
 
 
-def grouped(x: torch.Tensor, w: torch.Tensor, pairs: torch.Tensor, block_expert: torch.Tensor, P: int,
-            per_row: int) -> torch.Tensor:
+PACKED_TILES = (128, 64, 4, 2)  # the grouped product's (columns, depth, warps, stages) on packed W
+
+
+def grouped(x: torch.Tensor, w: torch.Tensor | PackedExperts, pairs: torch.Tensor, block_expert: torch.Tensor,
+            P: int, per_row: int) -> torch.Tensor:
     """[P, N]: each pair's row of ``x`` (its token's: row ``pair // per_row``) times its expert's
-    ``w`` [E, N, K]."""
-    N, K = w.shape[1], w.shape[2]
+    ``w`` [E, N, K] (dense, or ``PackedExperts``)."""
+    E, N, K = w.shape
     out = torch.empty(P, N, dtype=x.dtype, device=x.device)
     rows, BN, BK, warps, stages = tiles(P)
+    if isinstance(w, PackedExperts):
+        BN, BK, warps, stages = PACKED_TILES
+        W, S, bits = w.u, w.words(), w.bits
+        NS, stride_s = S.shape[2], S.stride(0)
+    else:
+        W, S, bits, NS, stride_s = w, w, 0, 1, 0
     _grouped_kernel[(block_expert.numel(), triton.cdiv(N, BN))](
-        x, w, out, pairs, block_expert, x.stride(0), w.stride(0), w.stride(1), out.stride(0), N, K, P,
-        PER_ROW=per_row, BM=rows, BN=BN, BK=BK, PREC=dot_precision(x.dtype), num_warps=warps, num_stages=stages,
-        **pdl_args(x.device))
+        x, W, S, out, pairs, block_expert, x.stride(0), W.stride(0), W.stride(1), stride_s, out.stride(0), N, K, NS, P,
+        PER_ROW=per_row, BITS=bits, GS=K // NS if bits else 0, BM=rows, BN=BN, BK=BK, PREC=dot_precision(x.dtype), num_warps=warps,
+        num_stages=stages, **pdl_args(x.device))
     return out
 
 
@@ -270,17 +283,10 @@ def sparse_moe(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, fir
         return decode_experts(x, weights, chosen, first, gate_up, down, shared)
     local = chosen - first
     here = (local >= 0) & (local < E)
-    rows = tiles(T * k)[0]
-    pairs, block_expert = sort_pairs(torch.where(here, local, E), E + 1, rows)  # E: elsewhere
+    pairs, block_expert = sort_pairs(torch.where(here, local, E), E + 1, tiles(T * k)[0])  # E: elsewhere
     block_expert = torch.where(block_expert == E, -1, block_expert)
-
-    def product(a: torch.Tensor, w: torch.Tensor | PackedExperts, per_row: int) -> torch.Tensor:
-        if packed:
-            return moe_packed.grouped(a, w, pairs, block_expert, T * k, per_row, rows)
-        return grouped(a, w, pairs, block_expert, T * k, per_row)
-
-    h = silu_mul(product(x, gate_up, k))
-    y = product(h, down, 1).view(T, k, -1)
+    h = silu_mul(grouped(x, gate_up, pairs, block_expert, T * k, k))
+    y = grouped(h, down, pairs, block_expert, T * k, 1).view(T, k, -1)
     out = (torch.where(here[..., None], y, 0) * weights[:, :k, None].to(y.dtype)).sum(1)
     if shared is not None:
         out = out + weights[:, k:] * F.linear(silu_mul(F.linear(x, shared[0])), shared[1])

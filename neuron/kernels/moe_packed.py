@@ -5,9 +5,8 @@ data-dependent shape either, so a CUDA graph holds them:
 - few (token, expert) pairs (decodes): a program per pair and block of an expert's gate/up rows
   writes their SiLU product, then a program per token and block of output columns sums its
   pairs' down products, weighted (``decode_experts``); only the chosen experts' bytes are read.
-- many (prompts): the pairs sorted by expert into blocks (``moe.sort_pairs``), and one grouped
-  product of each block with its expert's W, unpacked to the activations' dtype a tile at a time
-  (``grouped``).
+- many (prompts): ``moe.grouped``'s product of blocks of pairs sorted by expert, its W tiles
+  unpacked to the activations' dtype here (``expert_rows``).
 
 W is unpacked with float operations (``packed_gemm.weight_tile``), as the interpreter also runs
 it. A shared expert is not carried along (it is its own ``PackedLinear``s or dense matrices)."""
@@ -20,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import dot_precision, grid_sync, pdl_args
+from .launch import grid_sync, pdl_args
 from .packed_gemm import weight_tile
 from .packed_scales import scale_words
 
@@ -45,8 +44,8 @@ class PackedExperts(NamedTuple):
 
 
 @triton.jit
-def _rows(U, S, e, n, k0, N, K, NS, stride_ue, stride_un, stride_se, BITS: tl.constexpr, GS: tl.constexpr,
-          BK: tl.constexpr):
+def expert_rows(U, S, e, n, k0, N, K, NS, stride_ue, stride_un, stride_se, BITS: tl.constexpr,
+                GS: tl.constexpr, BK: tl.constexpr):
     """Expert ``e``'s rows ``n`` at columns ``k0 .. k0 + BK`` in float32 (0 past N and K)."""
     g = k0 // 32 + tl.arange(0, BK // 32)
     return weight_tile(U + e * stride_ue, S + e * stride_se, n, g, N, K, NS, stride_un, tl.float32, BITS, GS,
@@ -71,8 +70,8 @@ def _gate_up_kernel(X, U, S, H, Chosen, stride_x, stride_ue, stride_un, stride_s
         for k0 in range(0, K, BK):
             k = k0 + tl.arange(0, BK)
             xk = tl.load(x + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
-            g += _rows(U, S, e, n, k0, I, K, NS, stride_ue, stride_un, stride_se, BITS, GS, BK) * xk
-            u += _rows(U, S, e, I + n, k0, 2 * I, K, NS, stride_ue, stride_un, stride_se, BITS, GS, BK) * xk
+            g += expert_rows(U, S, e, n, k0, I, K, NS, stride_ue, stride_un, stride_se, BITS, GS, BK) * xk
+            u += expert_rows(U, S, e, I + n, k0, 2 * I, K, NS, stride_ue, stride_un, stride_se, BITS, GS, BK) * xk
         gs, us = tl.sum(g, 1), tl.sum(u, 1)
         tl.store(H + p * stride_h + n, (gs * tl.sigmoid(gs) * us).to(H.dtype.element_ty), mask=n < I)
 
@@ -98,7 +97,7 @@ def _weighted_down_kernel(H, U, S, Out, Chosen, Weights, stride_h, stride_ue, st
         k = k0 + tl.arange(0, BK)
         h = tl.load(H + (t * TOPK + j) * stride_h + k, mask=k < kh, other=0.0).to(tl.float32)
         h = h * tl.load(Weights + t * stride_w + j).to(tl.float32)
-        acc += _rows(U, S, e, n, k0, N, kh, NS, stride_ue, stride_un, stride_se, BITS, GS, BK) * h[None, :]
+        acc += expert_rows(U, S, e, n, k0, N, kh, NS, stride_ue, stride_un, stride_se, BITS, GS, BK) * h[None, :]
     tl.store(Out + t * stride_o + n, tl.sum(acc, 1).to(Out.dtype.element_ty), mask=n < N)
 
 
@@ -130,46 +129,4 @@ def decode_experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
         out.stride(0), weights.stride(0), N, I2 // 2, words.shape[2], first, E, TOPK=k, BITS=down.bits,
         GS=(I2 // 2) // words.shape[2], BN=BN, BK=min(BK, triton.next_power_of_2(I2 // 2)), num_warps=warps,
         num_stages=stages, **pdl_args(x.device))
-    return out
-
-
-@triton.jit
-def _grouped_kernel(X, U, S, Out, Pairs, BlockExpert, stride_x, stride_ue, stride_un, stride_se, stride_o, N, K, NS,
-                    P, PER_ROW: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, BM: tl.constexpr,
-                    BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
-    """Out[pair, n] = sum_k X[row, k] W[expert, n, k] for one block of pairs (one expert's) and
-    one block of N; ``row`` the pair's token (``PER_ROW`` pairs a token) or the pair (1)."""
-    b = tl.program_id(0)
-    n = tl.program_id(1) * BN + tl.arange(0, BN)
-    grid_sync(PDL)
-    expert = tl.load(BlockExpert + b)
-    if expert >= 0:
-        pair = tl.load(Pairs + b * BM + tl.arange(0, BM))
-        valid = pair < P
-        row = pair // PER_ROW
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            k = k0 + tl.arange(0, BK)
-            a = tl.load(X + row[:, None] * stride_x + k[None, :], mask=valid[:, None] & (k < K)[None, :], other=0.0)
-            w = _rows(U, S, expert, n, k0, N, K, NS, stride_ue, stride_un, stride_se, BITS, GS, BK)
-            acc += tl.dot(a, tl.trans(w.to(a.dtype)), input_precision=PREC)
-        tl.store(Out + pair[:, None] * stride_o + n[None, :], acc.to(Out.dtype.element_ty),
-                 mask=valid[:, None] & (n < N)[None, :])
-
-
-GROUPED = (128, 64, 4, 2)  # the grouped product's (columns, depth, warps, stages); rows: moe.tiles
-
-
-def grouped(x: torch.Tensor, w: PackedExperts, pairs: torch.Tensor, block_expert: torch.Tensor, P: int,
-            per_row: int, rows: int) -> torch.Tensor:
-    """[P, N]: each pair's row of ``x`` (its token's: row ``pair // per_row``) times its expert's
-    packed W [E, N, K]; ``pairs`` in blocks of ``rows`` (``moe.sort_pairs``)."""
-    E, N, K = w.shape
-    words = w.words()
-    out = torch.empty(P, N, dtype=x.dtype, device=x.device)
-    BN, BK, warps, stages = GROUPED
-    _grouped_kernel[(block_expert.numel(), triton.cdiv(N, BN))](
-        x, w.u, words, out, pairs, block_expert, x.stride(0), w.u.stride(0), w.u.stride(1), words.stride(0),
-        out.stride(0), N, K, words.shape[2], P, PER_ROW=per_row, BITS=w.bits, GS=K // words.shape[2], BM=rows,
-        BN=BN, BK=BK, PREC=dot_precision(x.dtype), num_warps=warps, num_stages=stages, **pdl_args(x.device))
     return out
