@@ -102,8 +102,8 @@ def grouped(x: torch.Tensor, w: torch.Tensor | PackedExperts, pairs: torch.Tenso
         W, S, bits, NS, stride_s = w, w, 0, 1, 0
     _grouped_kernel[(block_expert.numel(), triton.cdiv(N, BN))](
         x, W, S, out, pairs, block_expert, x.stride(0), W.stride(0), W.stride(1), stride_s, out.stride(0), N, K, NS, P,
-        PER_ROW=per_row, BITS=bits, GS=K // NS if bits else 0, BM=rows, BN=BN, BK=BK, PREC=dot_precision(x.dtype), num_warps=warps,
-        num_stages=stages, **pdl_args(x.device))
+        PER_ROW=per_row, BITS=bits, GS=K // NS if bits else 0, BM=rows, BN=BN, BK=BK, PREC=dot_precision(x.dtype),
+        num_warps=warps, num_stages=stages, **pdl_args(x.device))
     return out
 
 
@@ -277,9 +277,8 @@ def sparse_moe(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, fir
     packed = isinstance(gate_up, PackedExperts)
     if T * k <= PAIRS_ALONE:
         if packed:
-            out = moe_packed.decode_experts(x, weights, chosen, first, gate_up, down)
-            return out if shared is None else out + weights[:, k:] * F.linear(silu_mul(F.linear(x, shared[0])),
-                                                                             shared[1])
+            return _plus_shared(moe_packed.decode_experts(x, weights, chosen, first, gate_up, down), x, weights, k,
+                                shared, silu_mul)
         return decode_experts(x, weights, chosen, first, gate_up, down, shared)
     local = chosen - first
     here = (local >= 0) & (local < E)
@@ -288,6 +287,12 @@ def sparse_moe(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, fir
     h = silu_mul(grouped(x, gate_up, pairs, block_expert, T * k, k))
     y = grouped(h, down, pairs, block_expert, T * k, 1).view(T, k, -1)
     out = (torch.where(here[..., None], y, 0) * weights[:, :k, None].to(y.dtype)).sum(1)
-    if shared is not None:
-        out = out + weights[:, k:] * F.linear(silu_mul(F.linear(x, shared[0])), shared[1])
-    return out
+    return _plus_shared(out, x, weights, k, shared, silu_mul)
+
+
+def _plus_shared(out: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, k: int,
+                 shared: tuple[torch.Tensor, torch.Tensor] | None, silu_mul) -> torch.Tensor:
+    """``out`` plus the ``shared`` expert's MLP of ``x`` weighted by ``weights[:, k]``, if any."""
+    if shared is None:
+        return out
+    return out + weights[:, k:] * F.linear(silu_mul(F.linear(x, shared[0])), shared[1])

@@ -125,7 +125,7 @@ def _load(at, ok, EVEN: tl.constexpr):
 
 @triton.jit
 def weight_tile(u_ptr, sm_ptr, n, g, N, K, NS, stride_u, dt: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
-           ASM: tl.constexpr, EVEN: tl.constexpr):
+                ASM: tl.constexpr, EVEN: tl.constexpr):
     """Rows ``n`` of W at groups ``g`` as a ``dt`` tile [rows, groups * 32], in K's order."""
     j = tl.arange(0, 16)
     at = u_ptr + n[:, None, None] * stride_u + (g[:, None] * (4 * BITS) + j[None, :])[None, :, :]

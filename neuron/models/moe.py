@@ -74,8 +74,8 @@ class SparseMoe:
 
     @property
     def grouped(self) -> bool:
-        """Whether the experts run in the grouped kernel (dense, on a GPU), which a CUDA graph can
-        hold: the per-expert loop below cannot (its shapes follow the routing)."""
+        """Whether the experts run in the grouped kernels (on a GPU, dense or stacked packed ones),
+        which a CUDA graph can hold: the per-expert loop below cannot (its shapes follow the routing)."""
         dense = not self.packed and self.gate_up.is_cuda
         return (dense or self.stacked is not None) and len(self.experts) > 0 and not self.grouped_failed
 
