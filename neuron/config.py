@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from protocol import MAX_DRAFTS
+
 
 class ConfigError(ValueError):
     pass
@@ -53,6 +55,16 @@ class ServerConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    """``[[models]] speculative = { method = "ngram", tokens = 4 }``: each decode guesses up to
+    ``tokens`` tokens (prompt lookup: what followed the last place the sequence's latest tokens
+    occurred) and one step checks them all. Empty ``method``: off."""
+
+    method: str = ""
+    tokens: int = 4
+
+
+@dataclass
 class ModelEntry:
     model: str = "SmolLM2-135M-Instruct"
     id: str = ""
@@ -75,6 +87,7 @@ class ModelEntry:
     state_snapshot_interval: int = 512  # tokens between a prompt's snapshots
     tool_parser: str = "auto"
     reasoning_parser: str = "auto"
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
 
 @dataclass
@@ -198,6 +211,10 @@ def _coerce(kind: Any, value: Any, where: str) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
         return [_coerce(kind.__args__[0], v, where) for v in value]
+    if kind is SpeculativeConfig:
+        if isinstance(value, str):  # from the environment: method=ngram,tokens=4
+            value = dict(part.split("=", 1) if "=" in part else (part, "") for part in value.split(",") if part)
+        return _fill(kind, value, where)
     raise ConfigError(f"{where}: unsupported type")
 
 
@@ -296,6 +313,12 @@ def validate(cfg: Config) -> None:
                               "multiple of block_size")
         if m.tool_parser not in TOOL_PARSERS:
             raise ConfigError(f"models[{i}].tool_parser must be one of {', '.join(TOOL_PARSERS)}")
+        if m.speculative.method not in ("", "ngram"):
+            raise ConfigError(f"models[{i}].speculative.method must be \"ngram\" (or empty: off), not "
+                              f"{m.speculative.method!r}" + (": drafting with the checkpoint's MTP layers is not "
+                                                             "supported yet" if m.speculative.method == "mtp" else ""))
+        if not 1 <= m.speculative.tokens <= MAX_DRAFTS:
+            raise ConfigError(f"models[{i}].speculative.tokens must be in 1..{MAX_DRAFTS}")
         if m.reasoning_parser not in REASONING_PARSERS:
             raise ConfigError(f"models[{i}].reasoning_parser must be one of {', '.join(REASONING_PARSERS)}")
     if cfg.server.stored_responses < 0:

@@ -89,6 +89,9 @@ class ModelHandle:
             "leader_ms_per_step": round(stats.leader_ms_per_step, 4), "step_ms": round(stats.step_ms, 3),
             "rank_host_ms_per_step": round(stats.rank_host_ms_per_step, 4),
             "device_idle_ms_per_step": round(stats.device_idle_ms_per_step, 4),
+            "speculative": {"method": self.entry.speculative.method, "tokens": self.entry.speculative.tokens,
+                            "drafts": stats.spec_drafts, "draft_tokens": stats.spec_draft_tokens,
+                            "accepted_tokens": stats.spec_accepted_tokens} if self.entry.speculative.method else None,
         }
 
 

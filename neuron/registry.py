@@ -143,7 +143,8 @@ class Registry:
                                  f"{model_id}|{spec.files.paths}|{entry.dtype}|{entry.tensor_parallel}|{entry.quantize}"
                                  f"|{entry.state_dtype}" if entry.prefix_caching else None,
                                  entry.state_snapshot_interval, 4 * spec.config.hidden_size,
-                                 entry.pipeline_parallel)))
+                                 entry.pipeline_parallel,
+                                 entry.speculative.tokens if entry.speculative.method else 0)))
         family = families.family(spec.config.family)
         try:  # packed weights split their input columns on whole quant groups
             family.check_split(spec.config, entry.tensor_parallel, QUANT_GROUP if handle.packed else 1)
@@ -153,6 +154,10 @@ class Registry:
                 raise ShardingError(f"{entry.pipeline_parallel} pipeline stages for {spec.config.num_layers} layers")
         except ShardingError as exc:
             raise LoadError(f"model {model_id!r} cannot be split: {exc}") from None
+        if entry.speculative.method:
+            why = speculation_refused(spec.config, entry)
+            if why:
+                raise LoadError(f"model {model_id!r}: speculative decoding ({entry.speculative.method}) {why}")
         if self.on_finish is not None:
             hook = self.on_finish
             handle.engine.on_finish = lambda req, fin: hook(model_id, req, fin)
@@ -371,3 +376,16 @@ class Registry:
             self.runtime.rmdir()
         except OSError:
             pass
+
+
+def speculation_refused(config, entry: ModelEntry) -> str:
+    """Why a model cannot draft (speculative decoding) yet, or "": the hybrid family's recurrent
+    state would have to be rolled back past rejected drafts, and pipeline stages pass one token
+    a sequence between them."""
+    recurrent = [t for t in config.layer_types or [] if t != "full_attention"]
+    if recurrent:
+        return (f"is not supported yet for models with recurrent layers ({recurrent[0]}): their state cannot be "
+                "rolled back past rejected drafts")
+    if entry.pipeline_parallel > 1:
+        return "is not supported yet with pipeline stages"
+    return ""

@@ -2,7 +2,7 @@
 
 from .codec import FrameError, decode_any, decode_reply, decode_request, encode
 from .messages import *  # noqa: F403
-from .messages import REPLY_TYPES, REQUEST_TYPES, Frame, ModelConfig, Reply, Request, Sampling, StepSeq
+from .messages import MAX_DRAFTS, REPLY_TYPES, REQUEST_TYPES, Frame, ModelConfig, Reply, Request, Sampling, StepSeq
 
 __all__ = [
     "FrameError",
@@ -16,6 +16,7 @@ __all__ = [
     "Request",
     "Sampling",
     "StepSeq",
+    "MAX_DRAFTS",
     "REPLY_TYPES",
     "REQUEST_TYPES",
 ]

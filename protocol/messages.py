@@ -85,6 +85,9 @@ class Sampling(msgspec.Struct, array_like=True, gc=False, frozen=True):
     stop_token_ids: list[int] = []
 
 
+MAX_DRAFTS = 16  # drafts a seq may carry in a step (StepSeq.drafts)
+
+
 class StepSeq(msgspec.Struct, array_like=True, gc=False, frozen=True):
     """One sequence's share of a step: ``tokens`` at positions ``start_pos``.. of the sequence in
     ``slot`` (the rank's row for it: its block table and sampler state).
@@ -114,6 +117,9 @@ class StepSeq(msgspec.Struct, array_like=True, gc=False, frozen=True):
       sequence then writes the rest of it).
     - ``images`` (with ``sampling``): the prompt's images, in order; the slot keeps them (their
       embeddings and M-RoPE positions) until the next sequence starts there.
+    - ``drafts`` (speculative decoding, with ``sample``): the last ``drafts`` of ``tokens`` are
+      guesses of the tokens to come; the rank keeps the longest run of them its own draws
+      confirm, and draws one token after it (``StepResult.drafted``).
     """
 
     slot: int
@@ -130,6 +136,7 @@ class StepSeq(msgspec.Struct, array_like=True, gc=False, frozen=True):
     snapshots: list[tuple[int, int]] = []
     kv_from: int = -1
     images: list[StepImage] = []
+    drafts: int = 0
 
 
 class StepTimings(msgspec.Struct, array_like=True, gc=False, frozen=True):
@@ -258,6 +265,9 @@ class StepResult(Frame, tag="step_result"):
     tokens: list[int]  # one per seq of the step; -1 where the seq sampled nothing
     timings: StepTimings
     logprobs: list[list[tuple[int, float]]] | None = None
+    # Speculative decoding: per seq, the drafts the rank accepted, which come before tokens[i]
+    # (empty for a seq without drafts); None when the step carried none.
+    drafted: list[list[int]] | None = None
 
 
 class Freed(Frame, tag="freed"):

@@ -45,6 +45,9 @@ class EngineStats:
     device_idle_ms_per_step: float = 0.0
     image_encodes: int = 0  # images the vision tower ran on
     image_reuses: int = 0  # images whose kept embeddings served again
+    spec_drafts: int = 0  # decodes that carried drafts (speculative decoding)
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass
@@ -63,6 +66,7 @@ class Sizing:
     # Pipeline stages: the running sequences form this many groups, planned in turn, so each
     # stage works on another group's step (micro-batches) instead of waiting for the next token.
     pipeline: int = 1
+    speculative: int = 0  # drafts a decode may carry (prompt lookup); 0: no speculative decoding
 
 
 class Engine:
@@ -94,12 +98,13 @@ class Engine:
         self._last_result: float | None = None
         self.step_ms = 0.0
         self.on_finish = None  # callable(req, FinishEvent) for metrics
+        self.spec = [0, 0, 0]  # speculative decoding: decodes with drafts, drafts, drafts accepted
 
     def _scheduler(self, num_blocks: int, block_size: int, state_slots: int, snapshots: int = 0) -> Scheduler:
         z = self.sizing
         return Scheduler(z.max_slots, self.max_len, num_blocks, block_size, z.max_batch_tokens, z.prefill_chunk,
                          z.prefill_chunk_decoding, z.cache_key.encode() if z.cache_key else None, state_slots,
-                         snapshots, z.snapshot_interval)
+                         snapshots, z.snapshot_interval, z.speculative)
 
     # ----------------------------------------------------------------------------- control
     def attach(self, group: RankGroup, num_blocks: int, block_size: int, state_slots: int = 0,
@@ -188,6 +193,7 @@ class Engine:
                            leader_ms_per_step=1e3 * self.leader_s / max(1, self.steps), step_ms=self.step_ms,
                            rank_host_ms_per_step=self.rank_host_ms / max(1, self.steps),
                            image_encodes=self.images.encodes, image_reuses=self.images.reuses,
+                           spec_drafts=self.spec[0], spec_draft_tokens=self.spec[1], spec_accepted_tokens=self.spec[2],
                            device_idle_ms_per_step=self.device_idle_ms / max(1, self.steps))
 
     # ----------------------------------------------------------------------------- the loop
@@ -237,7 +243,7 @@ class Engine:
                                   context=_context(x), state=x.req.states[0] if x.req.states else -1,
                                   state_from=x.state_from, snapshots=x.snapshots, kv_from=x.kv_from,
                                   images=self.images.step_images(x.req, x.start_pos)
-                                  if x.start and x.req.images else [])
+                                  if x.start and x.req.images else [], drafts=x.drafts)
                         for x in plan]
                 waiter = await group.send_step(self._step_ids, seqs, self.images.take_forget())
                 self.inflight.append((plan, asyncio.ensure_future(waiter())))
@@ -274,12 +280,21 @@ class Engine:
                 (t1 - self._last_result) * 1e3
         self._last_result = t1
         self.steps += 1
+        drafted = result.drafted or []
+        for i, x in enumerate(plan):
+            if x.drafts:
+                accepted = min(len(drafted[i]), x.drafts) if i < len(drafted) else 0
+                self.sched.drafts_checked(x, accepted)
+                self.spec = [self.spec[0] + 1, self.spec[1] + x.drafts, self.spec[2] + accepted]
         self.sched.completed(plan)
         self.rank_host_ms += result.timings.host_ms
         self.device_idle_ms += result.timings.idle_ms
         for i, x in enumerate(plan):
             if x.sample:
                 x.req.pending -= 1
+                for token in drafted[i] if i < len(drafted) else []:  # accepted drafts come first
+                    if not x.req.finished:
+                        self._on_token(x.req, token, None)
                 if not x.req.finished:
                     lp = result.logprobs[i] if result.logprobs else None
                     self._on_token(x.req, result.tokens[i], lp)

@@ -96,6 +96,7 @@ class GenRequest:
     first_token_at: float | None = None
     admitted: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     constraint: TokenConstraint | None = None
+    spec: Any = None  # its drafting (speculative.Speculation), where the model drafts and its sampling allows
     images: list[ImageInput] = field(default_factory=list)
     stop_matcher: StopMatcher = field(init=False)
     keyed_prompt: list[int] = field(init=False)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from .blocks import BlockManager, OutOfBlocks, chain_hash
 from .fair import FairQueue
 from .request import GenRequest
+from .speculative import MAX_DECODES, Speculation, may_draft
 from .state_cache import StateCache
 
 DEVICE_TOKEN = -1
@@ -41,14 +42,16 @@ class Planned:
     state_from: int = -1  # with ``start``: the snapshot slot the sequence's state starts from
     kv_from: int = -1  # with ``start``: the cached partial block its first block starts as
     snapshots: list[tuple[int, int]] = field(default_factory=list)  # (position, slot) the step keeps
+    drafts: int = 0  # of ``tokens``, the last ones are guesses for the rank to check (speculative)
 
 
 class Scheduler:
     def __init__(self, max_slots: int, max_len: int, num_blocks: int, block_size: int, max_batch_tokens: int,
                  prefill_chunk: int, prefill_chunk_decoding: int | None = None,
                  cache_key: bytes | None = None, state_slots: int = 0, state_snapshots: int = 0,
-                 snapshot_interval: int = 512) -> None:
+                 snapshot_interval: int = 512, speculative: int = 0) -> None:
         self.max_slots, self.max_len = max_slots, max_len
+        self.speculative = speculative  # drafts a decode may carry (0: no speculative decoding)
         self.max_batch_tokens, self.prefill_chunk = max_batch_tokens, prefill_chunk
         self.prefill_chunk_decoding = prefill_chunk_decoding or prefill_chunk
         # A recurrent layer's state cannot be rebuilt from cached K/V blocks: its prefix cache
@@ -114,6 +117,8 @@ class Scheduler:
             if not req.preempted:
                 req.cached_tokens = req.computed
             req.order = next(self._order)
+            if self.speculative and req.spec is None and may_draft(req.sampling, req.constraint is not None):
+                req.spec = Speculation(self.speculative)
             self.running.append(req)
             admitted.append(req)
         return admitted
@@ -224,11 +229,16 @@ class Scheduler:
         for req in list(self.running):  # decodes are never held back by the budget
             if req.slot < 0 or req.slot % groups != group or not self._may_decode(req):  # -1: preempted here
                 continue
+            if req.pending and req.spec is not None and req.spec.active and len(self.running) <= MAX_DECODES:
+                continue  # drafting: its next input token must be known first
             if not self._room_for(req, req.computed + 1):
                 continue
             token = req.output[-1] if not req.pending else DEVICE_TOKEN
             plan.append(self._plan(req, [token], True))
             budget -= 1
+        if self.speculative and len(plan) <= MAX_DECODES:
+            for x in plan:
+                self._draft(x)
         # Beside running decodes a step takes a smaller prompt chunk: it sets their latency.
         chunk = self.prefill_chunk_decoding if plan else self.prefill_chunk
         budget = min(budget, chunk)
@@ -243,6 +253,40 @@ class Scheduler:
             plan.append(self._plan(req, known[req.computed: req.computed + n], last and self._may_sample(req)))
             budget -= n
         return plan
+
+    def _draft(self, x: Planned) -> None:
+        """Drafts after a planned decode whose input token is known (speculative decoding), as
+        many as its request's drafting gives, its limits leave room for and free blocks hold
+        (beyond one in hand for each running sequence: drafts never preempt)."""
+        req = x.req
+        if req.spec is None or not req.spec.tick() or x.tokens[0] == DEVICE_TOKEN:
+            return
+        known = len(req.prompt) + len(req.output)
+        room = min(req.max_tokens - len(req.output), self.max_len - known) - 1
+        drafts = req.spec.drafts(req.prompt + req.output, room)
+        if not drafts:
+            return
+        need = self.blocks.blocks_for(req.computed + len(drafts)) - len(req.blocks)
+        if need > 0:
+            if need > self.blocks.free_count - len(self.running):
+                return
+            self.blocks.grow(req.blocks, req.computed + len(drafts))
+        x.tokens = x.tokens + drafts
+        x.drafts = len(drafts)
+        x.blocks = req.blocks[x.block_start:]
+        req.sent_blocks = len(req.blocks)
+        req.computed += len(drafts)
+
+    def drafts_checked(self, x: Planned, accepted: int) -> None:
+        """A step's reply for a planned decode with drafts: ``accepted`` held. The positions of
+        the others are not the sequence's (their K/V is written over later)."""
+        req = x.req
+        if req.spec is not None:
+            req.spec.checked(x.drafts, accepted)
+        unused = x.drafts - accepted
+        x.tokens = x.tokens[: len(x.tokens) - unused]
+        if x.run == req.run and req.slot >= 0:
+            req.computed -= unused
 
     def _may_sample(self, req: GenRequest) -> bool:
         drawn = len(req.output) + req.pending

@@ -245,7 +245,7 @@ class DeviceWorker:
     def _collect(self, msg: p.Step, pending: PendingStep) -> p.Reply:
         """On the collector thread: the step's reply once the device has finished it."""
         try:
-            tokens, logprobs, timings = pending.wait()
+            tokens, logprobs, timings, drafted = pending.wait()
         except Exception as exc:  # a device fault surfaces at the sync
             log.exception("rank %d: step %d failed on the device", self.rank, msg.step_id)
             kind = "device_fault" if "CUDA" in str(exc) else "failed"
@@ -254,7 +254,7 @@ class DeviceWorker:
             if self.busy_step == msg.step_id:
                 self.busy_step = -1
         return p.StepResult(id=msg.id, epoch=msg.epoch, step_id=msg.step_id, tokens=tokens, timings=timings,
-                            logprobs=logprobs)
+                            logprobs=logprobs, drafted=drafted)
 
     def close(self) -> None:
         self._unload()

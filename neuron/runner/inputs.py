@@ -46,6 +46,10 @@ def check_step(runner, seqs: list[p.StepSeq]) -> None:
         assigned = max(before, s.block_start + len(s.blocks)) if s.blocks else before
         if assigned * bs < s.start_pos + n:
             raise StepRejected(f"slot {s.slot}: positions up to {s.start_pos + n} have no KV blocks")
+        if s.drafts and (not 0 < s.drafts < n or s.drafts > p.MAX_DRAFTS or not s.sample or runner.states.slots
+                         or runner.stage_tokens is not None):
+            raise StepRejected(f"slot {s.slot}: drafts must be fewer than the tokens of a sampled seq (at most "
+                               f"{p.MAX_DRAFTS}), of a model without recurrent state or pipeline stages")
         _check_state(runner, s, states)
         if s.sampling is not None:
             why = check_sampling(s.sampling, vocab)
@@ -87,7 +91,9 @@ def _check_state(runner, s: p.StepSeq, seen: set[int]) -> None:
 
 def flatten(seqs: list[p.StepSeq], tables_host: np.ndarray, bs: int):
     """The step's tokens as rows: (ids, positions, slots, cache rows) [T] each, the rows of the
-    single-token decodes, (row, n, slot, start) of each prompt chunk, each sequence's last row."""
+    decodes (a seq of one token, or a token and its drafts: a row each, attending to the keys up
+    to its own position, its step's own stored first), (row, n, slot, start) of each prompt
+    chunk, each sequence's last row."""
     T = sum(len(s.tokens) for s in seqs)
     ids = np.empty(T, dtype=np.int64)
     positions = np.empty(T, dtype=np.int64)
@@ -101,8 +107,8 @@ def flatten(seqs: list[p.StepSeq], tables_host: np.ndarray, bs: int):
         ids[row: row + n] = s.tokens
         positions[row: row + n] = np.arange(s.start_pos, s.start_pos + n)
         slot_of[row: row + n] = s.slot
-        if n == 1:
-            decode_rows.append(row)
+        if n == 1 or s.drafts:  # a token and its drafts: each row a decode of its own position
+            decode_rows.extend(range(row, row + n))
         else:
             prefills.append((row, n, s.slot, s.start_pos))
         row += n

@@ -29,6 +29,7 @@ from .graphs import PREFILL_GRAPH_TOKENS, StepGraphs, graph_sizes
 from .images import RankImages
 from .inputs import DEVICE_TOKEN, StepRejected, check_step, flatten, key_rows, prefill_batch, state_spans
 from .sampler import DeviceSampler, upload
+from .speculative import verify_drafts
 from .sizing import kv_blocks, state_snapshots
 from .state import StatePool
 
@@ -64,8 +65,10 @@ class PendingStep:
     host_ms: float
     # The device's idle gap before this step: from the last step's end to this one's first kernel.
     gap: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+    drafts: list[list[int]] | None = None  # each sampled row's drafts (speculative decoding)
 
-    def wait(self) -> tuple[list[int], list[list[tuple[int, float]]] | None, p.StepTimings]:
+    def wait(self) -> tuple[list[int], list[list[tuple[int, float]]] | None, p.StepTimings,
+                            list[list[int]] | None]:
         if self.ready is not None:
             # Poll rather than block in the driver: the device thread must keep the GIL's turn to
             # launch the next step while this one runs.
@@ -74,8 +77,14 @@ class PendingStep:
         device_ms = (time.perf_counter() - self.started) * 1e3
         idle_ms = self.gap[0].elapsed_time(self.gap[1]) if self.gap is not None else 0.0
         tokens = [-1] * self.n_seqs
-        for seq, tok in zip(self.rows, self.tokens.tolist()):
+        drawn = self.tokens.tolist()
+        for seq, tok in zip(self.rows, drawn):
             tokens[seq] = tok
+        drafted = None
+        if self.drafts is not None:
+            drafted = [[] for _ in range(self.n_seqs)]
+            for seq, d, n in zip(self.rows, self.drafts, drawn[len(self.rows):]):
+                drafted[seq] = d[:n]
         logprobs = None
         if self.logprobs is not None:
             chosen, values, ids = (t.tolist() for t in self.logprobs)
@@ -84,7 +93,8 @@ class PendingStep:
                 if n:
                     top = list(zip(ids[r][: n - 1], values[r][: n - 1]))
                     logprobs[seq] = [(tokens[seq], chosen[r]), *top]
-        return tokens, logprobs, p.StepTimings(forward_ms=device_ms, host_ms=self.host_ms, idle_ms=idle_ms)
+        return (tokens, logprobs, p.StepTimings(forward_ms=device_ms, host_ms=self.host_ms, idle_ms=idle_ms),
+                drafted)
 
 
 class ModelRunner:
@@ -123,7 +133,9 @@ class ModelRunner:
         self.tables_host = np.full((cfg.max_seqs + 1, self.max_blocks), self.kv.scratch, dtype=np.int32)
         self.tables = torch.from_numpy(self.tables_host).to(self.device)
         self.assigned = [0] * cfg.max_seqs  # table entries the leader has filled, per slot
-        self.attention = PagedAttention(self.kv, self.tables, shape, self.triton, cfg.max_seqs + 1, self.cpu_kernels,
+        # decode rows: a token and its drafts for each sequence (speculative decoding)
+        self.attention = PagedAttention(self.kv, self.tables, shape, self.triton,
+                                        (cfg.max_seqs + 1) * (p.MAX_DRAFTS + 1), self.cpu_kernels,
                                         model.ops.int8_rows if self.triton else 0, self.states)
         self.sampler = DeviceSampler(cfg.max_seqs + 1, self.vocab, self.device)
         self.stage_tokens = None
@@ -172,6 +184,8 @@ class ModelRunner:
             gap = (self._last_end, begin) if self._last_end is not None else None
         seqs = msg.seqs
         sampled = [i for i, s in enumerate(seqs) if s.sample]
+        drafting = any(s.drafts for s in seqs)
+        accepted = None
         if self.stage_tokens is not None:
             self.stage_tokens.before_step([s.slot for s in seqs if s.tokens and s.tokens[0] < 0])
         bucket, ids, positions, slot_t, logits, argmax = self._forward(seqs, sampled)
@@ -184,6 +198,9 @@ class ModelRunner:
             self.sampler.feed(slot_t, ids, positions)
         if not sampled:
             tokens, logprobs = torch.zeros(0, dtype=torch.int64, device=self.device), None
+        elif self.samples and drafting:
+            tokens, accepted = verify_drafts(self, seqs, sampled, logits)
+            logprobs = None
         elif self.samples:
             last = [seqs[i].start_pos + len(seqs[i].tokens) - 1 for i in sampled]
             tokens, logprobs = self.sampler.sample(logits, rows_slots, slot_rows, last,
@@ -201,6 +218,8 @@ class ModelRunner:
             return None
         want = [self.sampler.params[s].logprobs for s in rows_slots]
         ready = None
+        if accepted is not None:  # one copy to the host: the tokens, then the counts
+            tokens = torch.cat([tokens, accepted])
         if self.cuda:
             tokens = self._to_host(tokens)
             if logprobs is not None:
@@ -209,7 +228,9 @@ class ModelRunner:
             ready.record()
             self._last_end = ready
         return PendingStep(len(seqs), sampled, want, tokens, logprobs, ready, t0,
-                           (time.perf_counter() - t0) * 1e3, gap)
+                           (time.perf_counter() - t0) * 1e3, gap,
+                           [list(seqs[i].tokens[len(seqs[i].tokens) - seqs[i].drafts:]) if seqs[i].drafts else []
+                            for i in sampled] if drafting else None)
 
     def forward_logits(self, seqs: list[p.StepSeq], every_position: bool = False) -> torch.Tensor:
         """The logits of a step without sampling (parity checks): [sampled seqs, V], or with
@@ -234,6 +255,8 @@ class ModelRunner:
                     self.images.start(s)
             if self.images.involved(seqs):  # the embeddings and M-RoPE tables are the step's own
                 return (0, *self._eager(seqs, sampled, every_position), None)
+        if any(s.drafts for s in seqs):  # every draft's logits: the graphs keep one row a seq
+            return (0, *self._eager(seqs, sampled, every_position), None)
         bucket = 0 if every_position else self.step_graphs.bucket(seqs)
         if not bucket:
             tokens = 0 if every_position else self.step_graphs.prefill_bucket(seqs)
@@ -322,8 +345,9 @@ class ModelRunner:
                 meta.prefills.append(PrefillSpan(row, n, upload(keys, torch.int64, self.device)))
         self.attention.meta = meta
         # A step that samples nothing (a prompt chunk that is not the last) still computes one row.
-        rows = upload(list(range(T)) if every_position else [ends[i] for i in sampled] or [T - 1], torch.int64,
-                      self.device)
+        rows = upload(list(range(T)) if every_position else
+                      [r for i in sampled for r in range(ends[i] - seqs[i].drafts, ends[i] + 1)] or [T - 1],
+                      torch.int64, self.device)
         if self.stage is None or self.stage.count == 1:
             return ids_t, pos_t, slot_t, self.model.forward(ids_t, pos_t, self.attention, rows)
         return ids_t, pos_t, slot_t, self._stage_forward(ids_t, pos_t, rows)

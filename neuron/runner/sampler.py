@@ -154,6 +154,64 @@ class DeviceSampler:
             logprobs = (chosen, top.values, top.indices)
         return tokens, logprobs
 
+    def verify(self, logits: torch.Tensor, slots: list[int], drafts: list[list[int]]
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Speculative decoding: sequence ``i`` (in ``slots[i]``) guessed ``drafts[i]``, and
+        ``logits`` holds, for each sequence in turn, its ``len(drafts[i]) + 1`` rows: the logits
+        after its input token and after each draft. A draft is accepted while the sequence's own
+        draw agrees: greedy, when it is the argmax; sampled, with the probability the (filtered,
+        temperature-scaled) distribution gives it, and at the first rejection the token is drawn
+        from that distribution without the rejected draft (the rejection sampling of speculative
+        decoding for a drafter that proposes one token: the output keeps the target's
+        distribution). After the last accepted draft one token is drawn. Returns the tokens drawn
+        last [S] and the accepted drafts' counts [S] (int64, on the device). Sequences drafting
+        take no penalties, masks, biases, seeds nor logprobs (the leader drafts for no other)."""
+        params = [self.params[s] for s in slots]
+        dev, S, V = logits.device, len(slots), logits.shape[-1]
+        k = max(len(d) for d in drafts)
+        counts = [len(d) + 1 for d in drafts]
+        first = np.cumsum([0] + counts[:-1])
+        row_params = [p for p, n in zip(params, counts) for _ in range(n)]
+        greedy = [p.temperature < GREEDY_BELOW for p in row_params]
+        x = logits.float()
+        if all(greedy):
+            probs = None
+        else:
+            temperature = upload([1.0 if g else p.temperature for p, g in zip(row_params, greedy)], x.dtype, dev)
+            z = torch.nan_to_num(x / temperature[:, None], nan=float("-inf"), posinf=torch.finfo(x.dtype).max)
+            if any(p.top_k or p.top_p < 1.0 or p.min_p > 0 for p in row_params):
+                z = self._filter(z, row_params)
+            probs = torch.softmax(z, dim=-1)
+        # [S, k] tables: each sequence's drafts (padded with 0) and the rows that judge them
+        pad = np.zeros((S, k), dtype=np.int64)
+        rows = np.zeros((S, k), dtype=np.int64)
+        real = np.zeros((S, k), dtype=bool)
+        for i, d in enumerate(drafts):
+            pad[i, :len(d)] = d
+            rows[i, :len(d)] = first[i] + np.arange(len(d))
+            real[i, :len(d)] = True
+        table = upload(np.stack([pad, rows, real.astype(np.int64)]), torch.int64, dev)
+        d_t, r_t, real_t = table[0], table[1], table[2].bool()
+        seq_greedy = upload([p.temperature < GREEDY_BELOW for p in params], torch.bool, dev)
+        argmax = x.argmax(dim=-1)
+        agree = argmax[r_t] == d_t
+        if probs is not None:
+            u = torch.rand((S, k), device=dev, generator=self.generator)
+            agree = torch.where(seq_greedy[:, None], agree, u < probs[r_t, d_t])
+        accepted = torch.cumprod((agree & real_t).to(torch.int64), dim=1).sum(dim=1)
+        final_row = upload(first, torch.int64, dev) + accepted
+        tokens = argmax[final_row]
+        if probs is not None:
+            rest = probs[final_row]
+            rejected = accepted < upload([len(d) for d in drafts], torch.int64, dev)
+            at = d_t.gather(1, accepted.clamp(max=k - 1)[:, None])[:, 0]
+            rest = rest.scatter(1, at[:, None], torch.where(rejected, 0.0, rest.gather(1, at[:, None])[:, 0])[:, None])
+            u = torch.rand((S, V), device=dev, generator=self.generator).clamp_(1e-10, 1 - 1e-7)
+            drawn = (torch.log(rest) - torch.log(-torch.log(u))).argmax(dim=-1)
+            tokens = torch.where(seq_greedy, tokens, drawn)
+        self.last_token[upload(slots, torch.int64, dev)] = tokens
+        return tokens, accepted
+
     def _constrain(self, x: torch.Tensor, params: list[Sampling], positions: list[int],
                    allowed: list[bytes | None]) -> torch.Tensor:
         """Structured-output mask, min_tokens and logit_bias, in that order (as vLLM applies them)."""

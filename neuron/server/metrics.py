@@ -47,6 +47,11 @@ class _EngineState:
         encodes = CounterMetricFamily("neuron:image_encodes", "Images the vision tower encoded", labels=label)
         reuses = CounterMetricFamily("neuron:image_embedding_reuses",
                                      "Images served from the ranks' kept embeddings, not encoded again", labels=label)
+        drafts = CounterMetricFamily("neuron:spec_decode_num_drafts", "Decodes that carried drafts (speculative "
+                                     "decoding)", labels=label)
+        drafted = CounterMetricFamily("neuron:spec_decode_num_draft_tokens", "Draft tokens checked", labels=label)
+        accepted = CounterMetricFamily("neuron:spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                       labels=label)
         status = GaugeMetricFamily("neuron:model_status", "1 for the model's current status",
                                    labels=["model_name", "status"])
         where = ["model_name", "rank", "device"]
@@ -69,6 +74,9 @@ class _EngineState:
             hits.add_metric([model_id], stats.prefix_cache_hits)
             encodes.add_metric([model_id], stats.image_encodes)
             reuses.add_metric([model_id], stats.image_reuses)
+            drafts.add_metric([model_id], stats.spec_drafts)
+            drafted.add_metric([model_id], stats.spec_draft_tokens)
+            accepted.add_metric([model_id], stats.spec_accepted_tokens)
             for name in STATUSES:
                 status.add_metric([model_id, name], 1 if handle.status == name else 0)
             for t in handle.telemetry():
@@ -81,8 +89,8 @@ class _EngineState:
                     temp.add_metric(labels, t["temperature_c"])
                 if t.get("threads"):
                     threads.add_metric([model_id, str(t["rank"]), t.get("cpu_isa", "")], t["threads"])
-        yield from (running, waiting, kv, preempt, queries, hits, encodes, reuses, status, used, total, util, temp,
-                    threads)
+        yield from (running, waiting, kv, preempt, queries, hits, encodes, reuses, drafts, drafted, accepted, status,
+                    used, total, util, temp, threads)
 
 
 class Metrics:

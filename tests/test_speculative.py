@@ -1,0 +1,296 @@
+"""Speculative decoding with prompt-lookup drafts (``[[models]] speculative``): the drafter and
+its adaptation on the leader, the rank's check of a step's drafts (greedy and rejection
+sampling), and a real server whose answers are the same with drafts as without."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+
+from conftest import DEFAULT_MODEL, SMALL, chat, start_server
+
+# ------------------------------------------------------------------------------------------------
+# the leader's drafter
+
+
+def test_prompt_lookup_drafts_what_followed_the_latest_longest_match():
+    from neuron.engine.speculative import NgramIndex
+
+    tokens = [1, 2, 3, 4, 9, 2, 3, 5, 6, 7, 1, 2, 3]
+    # [2, 3] was last followed by 5 (index 7); [1, 2, 3] (longer) by 4: the longest match wins
+    assert NgramIndex().propose(tokens, 3) == [4, 9, 2]
+    assert NgramIndex().propose(tokens[:-1] + [8, 2, 3], 2) == [5, 6]  # no [8, 2, 3] before: [2, 3]
+    assert NgramIndex().propose([1, 2, 3, 4], 3) == []  # nothing repeats
+    index = NgramIndex()  # indexed as the tokens grow: the same answers as built at once
+    seq = [5, 6, 7, 5, 6]
+    assert index.propose(seq, 4) == [7, 5, 6]
+    seq += [7, 8, 5, 6, 7]
+    assert index.propose(seq, 4) == [8, 5, 6, 7] == NgramIndex().propose(seq, 4)
+
+
+def test_drafting_widens_on_success_and_pauses_longer_after_each_failure():
+    from neuron.engine.speculative import NO_MATCH_PAUSE, Speculation
+
+    s = Speculation(3)
+    repeat = [1, 2, 3, 4] * 4
+    assert s.tick() and s.drafts(repeat, 10) == [1, 2, 3]
+    assert s.drafts(repeat, 2) == [1, 2]  # no more than the room left
+    pauses = []
+    for _ in range(3):  # fail until the width is 0: a pause, doubling each time
+        while s.active:
+            s.checked(s.width, 0)
+        pauses.append(s.pause)
+        while not s.tick():
+            pass
+    assert pauses == [2, 4, 8] and s.width == 1
+    s.checked(1, 1)
+    s.checked(2, 2)
+    assert s.width == 3 and s.stops == 0  # full acceptance widens again, up to the setting
+    s.checked(3, 3)
+    assert s.width == 3 and (s.drafted, s.accepted) == (3 + 2 + 1 + 1 + 1 + 1 + 2 + 3, 1 + 2 + 3)
+    s.checked(3, 1)
+    assert s.width == 2  # a run of one held: two next time
+    assert s.drafts([1, 2, 3, 4, 5], 3) == [] and s.pause == NO_MATCH_PAUSE and not s.active
+
+
+def test_only_requests_whose_draws_are_per_token_free_draft():
+    from neuron.engine.speculative import may_draft
+    from protocol import Sampling
+
+    assert may_draft(Sampling(temperature=0.0), False) and may_draft(Sampling(temperature=0.7, top_p=0.9), False)
+    assert not may_draft(Sampling(temperature=0.0), True)  # a grammar masks token by token
+    for refused in (dict(logprobs=2), dict(seed=1), dict(logit_bias=[(3, 1.0)]), dict(min_tokens=4),
+                    dict(repetition_penalty=1.1), dict(frequency_penalty=0.5), dict(presence_penalty=0.5)):
+        assert not may_draft(Sampling(**refused), False), refused
+
+
+def test_speculative_settings_are_checked_and_mtp_is_refused_by_name():
+    from neuron.config import ConfigError, load_config
+
+    cfg = load_config(None, env={"NEURON_MODELS__0__SPECULATIVE": "method=ngram,tokens=5"})
+    assert (cfg.models[0].speculative.method, cfg.models[0].speculative.tokens) == ("ngram", 5)
+    for bad, words in (("method=mtp", "MTP layers is not supported yet"), ("method=ngram,tokens=0", "1..16"),
+                       ("method=eagle", "must be \"ngram\""), ("tokens=3,depth=2", "unknown keys: depth")):
+        with pytest.raises(ConfigError, match=words):
+            load_config(None, env={"NEURON_MODELS__0__SPECULATIVE": bad})
+
+
+def test_models_with_recurrent_layers_or_pipeline_stages_refuse_drafts_by_name():
+    from protocol import ModelConfig
+
+    from neuron.config import ModelEntry, SpeculativeConfig
+    from neuron.registry import speculation_refused
+
+    def config(family: str, **extra) -> ModelConfig:
+        return ModelConfig(family, 64, 16, 32, 4, 2, 1, 8, 1e-6, 1e4, 64, False, **extra)
+
+    entry = ModelEntry(speculative=SpeculativeConfig("ngram", 4))
+    hybrid = config("qwen3_next", layer_types=["linear_attention", "full_attention"] * 2)
+    assert "recurrent layers (linear_attention)" in speculation_refused(hybrid, entry)
+    dense = config("llama")
+    assert speculation_refused(dense, entry) == ""
+    entry.pipeline_parallel = 2
+    assert "pipeline stages" in speculation_refused(dense, entry)
+
+
+# ------------------------------------------------------------------------------------------------
+# the rank's check
+
+
+ON_GPU = [("llama", "cuda"), ("qwen3_moe", "cuda")] if torch.cuda.is_available() else []
+
+
+@pytest.fixture(scope="module", params=[("llama", "cpu"), ("qwen3_moe", "cpu"), *ON_GPU],
+                ids=lambda p: "-".join(p))
+def runner(request, tmp_path_factory):
+    """A rank's runner of a small random model: on the CPU, and on a GPU where there is one (in
+    float32 there, where the same sums in another order rarely flip a greedy token)."""
+    from devtools.checkpoints import make_checkpoint
+    from devtools.parity import ParityJob, build
+
+    from neuron.loader.model_config import config_from_hf
+
+    family, device = request.param
+    out = make_checkpoint(family, tmp_path_factory.mktemp(family), seed=5)
+    cfg = config_from_hf(json.loads((out / "config.json").read_text()))
+    job = ParityJob(family, "safetensors", [str(p) for p in sorted(out.glob("*.safetensors"))], cfg,
+                    [[0], [0]], max_len=64, device=device)
+    return build(job)[0]
+
+
+PROMPT = [5, 17, 33, 2, 9, 41, 7, 7]
+
+
+def _step(runner, seqs, step_id=0):
+    import protocol as p
+
+    return runner.step(p.Step(id=0, epoch=0, step_id=step_id, seqs=seqs)).wait()
+
+
+def _start(runner, temperature: float = 0.0) -> int:
+    """The prompt prefilled in slot 0 as a new sequence: its first draw."""
+    import protocol as p
+
+    first = p.StepSeq(slot=0, tokens=PROMPT, start_pos=0, sample=True, blocks=list(range(4)),
+                      sampling=p.Sampling(temperature=temperature))
+    return _step(runner, [first])[0][0]
+
+
+def _decode(runner, token: int, at: int, steps: int) -> list[int]:
+    """Plain greedy decodes from ``token`` at position ``at``: each step's draw."""
+    import protocol as p
+
+    out = []
+    for i in range(steps):
+        token = _step(runner, [p.StepSeq(slot=0, tokens=[token], start_pos=at + i, sample=True)])[0][0]
+        out.append(token)
+    return out
+
+
+def _check(runner, tokens: list[int]) -> tuple[list[int], int]:
+    """One step of ``tokens`` after the prompt, all but the first drafts: (accepted, drawn)."""
+    import protocol as p
+
+    got, _, _, drafted = _step(runner, [p.StepSeq(slot=0, tokens=tokens, start_pos=len(PROMPT), sample=True,
+                                                  drafts=len(tokens) - 1)])
+    return drafted[0], got[0]
+
+
+def test_the_rank_keeps_the_drafts_its_greedy_draws_confirm_and_the_cache_stays_right(runner):
+    g0 = _start(runner)
+    greedy = _decode(runner, g0, len(PROMPT), 8)
+    assert _start(runner) == g0
+    assert _check(runner, [g0, *greedy[:4]]) == (greedy[:4], greedy[4])  # every draft right: one more after
+    assert _start(runner) == g0
+    wrong = (greedy[2] + 1) % runner.vocab
+    accepted, drawn = _check(runner, [g0, greedy[0], greedy[1], wrong, greedy[3]])
+    assert (accepted, drawn) == (greedy[:2], greedy[2])  # up to the first wrong one, then the model's own
+    # the rejected drafts' K/V is overwritten: decoding on gives the plain run's tokens
+    assert _decode(runner, drawn, len(PROMPT) + 3, 5) == greedy[3:8]
+    assert _start(runner) == g0
+    assert _check(runner, [g0, (greedy[0] + 1) % runner.vocab]) == ([], greedy[0])
+
+
+def test_a_step_with_drafts_and_a_prompt_beside_them(runner):
+    """Two sequences in one step, one drafting and one a prompt: each gets what it would alone."""
+    import protocol as p
+
+    g0 = _start(runner)
+    greedy = _decode(runner, g0, len(PROMPT), 4)
+    assert _start(runner) == g0
+    g = p.Sampling(temperature=0.0)
+    mixed = [p.StepSeq(slot=0, tokens=[g0, *greedy[:2]], start_pos=len(PROMPT), sample=True, drafts=2),
+             p.StepSeq(slot=1, tokens=PROMPT, start_pos=0, sample=True, blocks=list(range(4, 8)), sampling=g)]
+    got, _, _, drafted = _step(runner, mixed)
+    assert drafted == [greedy[:2], []] and got == [greedy[2], g0]
+
+
+def test_drafts_are_refused_where_they_cannot_be_checked(runner):
+    import protocol as p
+
+    from neuron.runner.runner import StepRejected
+
+    _start(runner)
+    for seq in (p.StepSeq(slot=0, tokens=[1, 2], start_pos=len(PROMPT), sample=True, drafts=2),
+                p.StepSeq(slot=0, tokens=[1, 2], start_pos=len(PROMPT), sample=False, drafts=1),
+                p.StepSeq(slot=0, tokens=[1, 2], start_pos=len(PROMPT), sample=True, drafts=-1)):
+        with pytest.raises(StepRejected, match="drafts"):
+            runner.step(p.Step(id=0, epoch=0, step_id=0, seqs=[seq]))
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """With a draft of one token, the first token out is distributed as the target's first row
+    (filtered by top_k, at its temperature), and after an accepted draft the next as its second
+    row: drafts change how fast tokens come, never which."""
+    from protocol import Sampling
+
+    from neuron.runner.sampler import DeviceSampler
+
+    V, n = 6, 60000
+    sampler = DeviceSampler(2, V, torch.device("cpu"))
+    sampler.generator.manual_seed(0)
+    sampler.start(0, Sampling(temperature=0.8, top_k=4))
+    rows = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 1.5], [0.0, 0.3, 2.0, -0.5, 1.0, 0.2]])
+    want = []
+    for r in rows:
+        z = r / 0.8
+        z[z < z.topk(4).values[-1]] = float("-inf")
+        want.append(torch.softmax(z, -1))
+    for draft in (0, 2, 4):  # a likely draft, an unlikely one, one that top_k filters out
+        logits = rows.repeat(n, 1)
+        tokens, accepted = sampler.verify(logits, [0] * n, [[draft]] * n)
+        first = torch.where(accepted == 1, draft, tokens)
+        freq = torch.bincount(first, minlength=V).float() / n
+        assert (freq - want[0]).abs().max() < 0.012, (draft, freq, want[0])
+        second = tokens[accepted == 1]
+        if len(second) > 5000:
+            freq = torch.bincount(second, minlength=V).float() / len(second)
+            assert (freq - want[1]).abs().max() < 0.02, (draft, freq, want[1])
+        assert abs(float((accepted == 1).float().mean()) - float(want[0][draft])) < 0.012
+
+
+# ------------------------------------------------------------------------------------------------
+# a real server
+
+TEXT = ("The lighthouse stood on the northern cliff for two hundred years. Every night the keeper climbed the "
+        "stairs, trimmed the wick and watched the lamp turn over the dark water. Ships passed far out at sea, and "
+        "their crews counted the flashes to know where they were.")
+EDIT = "Copy the following text exactly.\n\n" + TEXT
+
+
+@pytest.fixture(scope="module")
+def drafting(server_tmp):
+    server = start_server(server_tmp, config=SMALL + 'speculative = { method = "ngram", tokens = 6 }\n')
+    yield server
+    server.stop()
+
+
+def _ids(server, content: str, **extra) -> list[int]:
+    r = chat(server, content, return_token_ids=True, **extra)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def test_a_server_answers_the_same_with_drafts_and_counts_them(drafting, tp1):
+    for content, tokens in ((EDIT, 80), ("Tell me about lighthouses.", 40)):
+        plain, spec = _ids(tp1, content, max_tokens=tokens), _ids(drafting, content, max_tokens=tokens)
+        assert spec["token_ids"] == plain["token_ids"] and spec["message"] == plain["message"]
+    model = httpx.get(f"{drafting.url}/models").json()["models"][0]
+    s = model["speculative"]
+    assert s["method"] == "ngram" and s["tokens"] == 6 and s["accepted_tokens"] > 10, s
+    assert 0 < s["accepted_tokens"] <= s["draft_tokens"]
+    assert httpx.get(f"{tp1.url}/models").json()["models"][0]["speculative"] is None
+    metrics = httpx.get(f"{drafting.url}/metrics").text
+    line = next(x for x in metrics.splitlines() if x.startswith("neuron:spec_decode_num_accepted_tokens_total"))
+    assert float(line.split()[-1]) == s["accepted_tokens"]
+
+
+def test_stops_and_limits_land_where_they_would_without_drafts(drafting, tp1):
+    for extra in (dict(max_tokens=7), dict(max_tokens=60, stop=["wick"]), dict(max_tokens=60, stop=["lamp turn"])):
+        plain, spec = _ids(tp1, EDIT, **extra), _ids(drafting, EDIT, **extra)
+        assert spec["token_ids"] == plain["token_ids"] and spec["message"] == plain["message"], extra
+        assert spec["finish_reason"] == plain["finish_reason"]
+    # sampled and streamed: drafts checked by rejection sampling; every chunk arrives in order
+    body = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": EDIT}], "temperature": 0.7,
+            "max_tokens": 50, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{drafting.base}/chat/completions", json=body, timeout=120) as r:
+        events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    assert events[-1]["usage"]["completion_tokens"] == 50
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    assert text.strip()
+
+
+def test_two_ranks_check_drafts_as_one_does(server_tmp, tp1):
+    """TP=2 (gloo): the drafts' rows go through both ranks' shares, the draws stay rank 0's."""
+    server = start_server(server_tmp, config=SMALL + 'speculative = { method = "ngram", tokens = 4 }\n',
+                          args=["--tensor-parallel", "2"])
+    try:
+        for content in (EDIT, "Tell me about lighthouses."):
+            assert _ids(server, content, max_tokens=48)["token_ids"] == _ids(tp1, content, max_tokens=48)["token_ids"]
+        s = httpx.get(f"{server.url}/models").json()["models"][0]["speculative"]
+        assert s["accepted_tokens"] > 10, s
+    finally:
+        assert server.stop() == 0
