@@ -294,3 +294,28 @@ def test_two_ranks_check_drafts_as_one_does(server_tmp, tp1):
         assert s["accepted_tokens"] > 10, s
     finally:
         assert server.stop() == 0
+
+
+def test_a_client_gone_mid_draft_and_a_grammar_beside_drafts(drafting, tp1):
+    """A stream dropped while its drafts are out ends there (its slot comes back); a request with a
+    grammar decodes token by token on the drafting server and answers as the plain one does."""
+    import time
+
+    body = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": EDIT}], "temperature": 0,
+            "max_tokens": 200, "stream": True}
+    before = httpx.get(f"{drafting.url}/models").json()["models"][0]["speculative"]["drafts"]
+    with httpx.stream("POST", f"{drafting.base}/chat/completions", json=body, timeout=120) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i == 12:
+                break
+    deadline = time.monotonic() + 30
+    while (m := httpx.get(f"{drafting.url}/models").json()["models"][0])["running"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert m["running"] == 0 and m["slots_used"] == 0 and m["speculative"]["drafts"] > before
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "c", "schema": schema, "strict": True}}
+    drafts = m["speculative"]["draft_tokens"]
+    plain, spec = (_ids(s, "Name a city with a lighthouse.", max_tokens=30, response_format=fmt) for s in (tp1, drafting))
+    assert spec["token_ids"] == plain["token_ids"] and json.loads(spec["message"]["content"])["city"]
+    assert httpx.get(f"{drafting.url}/models").json()["models"][0]["speculative"]["draft_tokens"] == drafts
+    assert _ids(drafting, EDIT, max_tokens=40)["token_ids"] == _ids(tp1, EDIT, max_tokens=40)["token_ids"]
