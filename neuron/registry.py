@@ -155,7 +155,7 @@ class Registry:
         except ShardingError as exc:
             raise LoadError(f"model {model_id!r} cannot be split: {exc}") from None
         if entry.speculative.method:
-            why = speculation_refused(spec.config, entry)
+            why = speculation_refused(entry)
             if why:
                 raise LoadError(f"model {model_id!r}: speculative decoding ({entry.speculative.method}) {why}")
         if self.on_finish is not None:
@@ -378,14 +378,9 @@ class Registry:
             pass
 
 
-def speculation_refused(config, entry: ModelEntry) -> str:
-    """Why a model cannot draft (speculative decoding) yet, or "": the hybrid family's recurrent
-    state would have to be rolled back past rejected drafts, and pipeline stages pass one token
+def speculation_refused(entry: ModelEntry) -> str:
+    """Why a model cannot draft (speculative decoding) yet, or "": pipeline stages pass one token
     a sequence between them."""
-    recurrent = [t for t in config.layer_types or [] if t != "full_attention"]
-    if recurrent:
-        return (f"is not supported yet for models with recurrent layers ({recurrent[0]}): their state cannot be "
-                "rolled back past rejected drafts")
     if entry.pipeline_parallel > 1:
         return "is not supported yet with pipeline stages"
     return ""

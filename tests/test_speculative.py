@@ -62,6 +62,7 @@ def test_only_requests_whose_draws_are_per_token_free_draft():
 
     assert may_draft(Sampling(temperature=0.0), False) and may_draft(Sampling(temperature=0.7, top_p=0.9), False)
     assert not may_draft(Sampling(temperature=0.0), True)  # a grammar masks token by token
+    assert not may_draft(Sampling(temperature=0.0), False, ["an image"])
     for refused in (dict(logprobs=2), dict(seed=1), dict(logit_bias=[(3, 1.0)]), dict(min_tokens=4),
                     dict(repetition_penalty=1.1), dict(frequency_penalty=0.5), dict(presence_penalty=0.5)):
         assert not may_draft(Sampling(**refused), False), refused
@@ -78,22 +79,14 @@ def test_speculative_settings_are_checked_and_mtp_is_refused_by_name():
             load_config(None, env={"NEURON_MODELS__0__SPECULATIVE": bad})
 
 
-def test_models_with_recurrent_layers_or_pipeline_stages_refuse_drafts_by_name():
-    from protocol import ModelConfig
-
+def test_pipeline_stages_refuse_drafts_by_name():
     from neuron.config import ModelEntry, SpeculativeConfig
     from neuron.registry import speculation_refused
 
-    def config(family: str, **extra) -> ModelConfig:
-        return ModelConfig(family, 64, 16, 32, 4, 2, 1, 8, 1e-6, 1e4, 64, False, **extra)
-
     entry = ModelEntry(speculative=SpeculativeConfig("ngram", 4))
-    hybrid = config("qwen3_next", layer_types=["linear_attention", "full_attention"] * 2)
-    assert "recurrent layers (linear_attention)" in speculation_refused(hybrid, entry)
-    dense = config("llama")
-    assert speculation_refused(dense, entry) == ""
+    assert speculation_refused(entry) == ""
     entry.pipeline_parallel = 2
-    assert "pipeline stages" in speculation_refused(dense, entry)
+    assert "pipeline stages" in speculation_refused(entry)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -319,3 +312,98 @@ def test_a_client_gone_mid_draft_and_a_grammar_beside_drafts(drafting, tp1):
     assert spec["token_ids"] == plain["token_ids"] and json.loads(spec["message"]["content"])["city"]
     assert httpx.get(f"{drafting.url}/models").json()["models"][0]["speculative"]["draft_tokens"] == drafts
     assert _ids(drafting, EDIT, max_tokens=40)["token_ids"] == _ids(tp1, EDIT, max_tokens=40)["token_ids"]
+
+
+
+# ------------------------------------------------------------------------------------------------
+# the hybrid family: recurrent state after rejected drafts
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    from test_hybrid import built
+
+    return built("qwen3_5_text", tmp_path_factory)
+
+
+@pytest.mark.parametrize("device", ["cpu", *(["cuda"] if torch.cuda.is_available() else [])])
+def test_the_recurrent_state_goes_on_from_the_last_accepted_draft(hybrid, device):
+    """The step keeps the state after the input token and after each draft in scratch slots; the
+    leader makes the one after the last accepted token the sequence's: decoding on from it gives
+    the plain run's tokens, for a rejection mid-way and for every draft accepted."""
+    import protocol as p
+    from devtools.parity import ParityJob, build
+
+    from neuron.loader.model_config import config_from_hf
+
+    family, ckpt, _ = hybrid
+    cfg = config_from_hf(json.loads((ckpt / "config.json").read_text()))
+    job = ParityJob(family, "safetensors", [str(x) for x in sorted(ckpt.glob("*.safetensors"))], cfg,
+                    [[0]] * 4, max_len=64, device=device)
+    runner = build(job)[0]
+    P = len(PROMPT)
+
+    def start() -> int:
+        first = p.StepSeq(slot=0, tokens=PROMPT, start_pos=0, sample=True, blocks=list(range(4)), state=0,
+                          sampling=p.Sampling(temperature=0.0))
+        return _step(runner, [first])[0][0]
+
+    def decode(token: int, at: int, state: int, steps: int) -> list[int]:
+        out = []
+        for i in range(steps):
+            token = _step(runner, [p.StepSeq(slot=0, tokens=[token], start_pos=at + i, sample=True, state=state)])[0][0]
+            out.append(token)
+        return out
+
+    def check(tokens: list[int]) -> tuple[list[int], int]:
+        k = len(tokens) - 1
+        seq = p.StepSeq(slot=0, tokens=tokens, start_pos=P, sample=True, state=0, drafts=k,
+                        snapshots=[(P + 1 + j, 1 + j) for j in range(k)])
+        got, _, _, drafted = _step(runner, [seq])
+        return drafted[0], got[0]
+
+    g0 = start()
+    greedy = decode(g0, P, 0, 8)
+    assert start() == g0
+    wrong = (greedy[2] + 1) % runner.vocab
+    accepted, drawn = check([g0, greedy[0], greedy[1], wrong])
+    assert (accepted, drawn) == (greedy[:2], greedy[2])
+    assert decode(drawn, P + 3, 1 + len(accepted), 5) == greedy[3:8]  # from the state after two drafts
+    assert start() == g0
+    accepted, drawn = check([g0, *greedy[:3]])
+    assert (accepted, drawn) == (greedy[:3], greedy[3])
+    assert decode(drawn, P + 4, 0, 4) == greedy[4:8]  # every draft held: the sequence's own slot
+
+
+def test_a_hybrid_server_answers_the_same_with_drafts(hybrid, tmp_path_factory):
+    """Random hybrid weights (flat logits: drafts are often rejected), the prefix cache on: the
+    state swaps after rejections and the snapshots of finished answers keep the right state."""
+    import random
+
+    from test_hybrid_prefix_cache import complete, config
+
+    _, ckpt, _ = hybrid
+    tmp = tmp_path_factory.mktemp("hybrid-spec")
+    plain = start_server(tmp, config=config(ckpt, True))
+    drafting = start_server(tmp, config=config(ckpt, True).replace(
+        "[engine]", 'speculative = { method = "ngram", tokens = 3 }\n[engine]'))
+    try:
+        rng = random.Random(7)
+        prompts = []
+        while len(prompts) < 2:  # a prompt whose first answer token follows its last one earlier in it:
+            base = [rng.randrange(10, 500) for _ in range(16)]  # the first decode has drafts to check
+            first = complete(plain, base, 1)[0][0]
+            prompt = base[:4] + [base[-1], first] + base[4:]
+            if complete(plain, prompt, 1)[0][0] == first:
+                prompts.append(prompt)
+        for prompt in prompts:
+            for again in range(2):  # the second time from the prefix cache's snapshots
+                want, _ = complete(plain, prompt, 24)
+                got, _ = complete(drafting, prompt, 24)
+                assert got == want, again
+        s = httpx.get(f"{drafting.url}/models").json()["models"][0]
+        assert s["speculative"]["draft_tokens"] > 0 and s["running"] == 0, s
+        assert s["state_slots_used"] == 0
+    finally:
+        plain.stop()
+        drafting.stop()

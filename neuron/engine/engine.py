@@ -241,7 +241,8 @@ class Engine:
                                   sampling=x.req.sampling if x.start else None,
                                   allowed=x.req.constraint.allowed() if x.sample and x.req.constraint else None,
                                   context=_context(x), state=x.req.states[0] if x.req.states else -1,
-                                  state_from=x.state_from, snapshots=x.snapshots, kv_from=x.kv_from,
+                                  state_from=x.state_from, snapshots=self.sched.step_snapshots(x),
+                                  kv_from=x.kv_from,
                                   images=self.images.step_images(x.req, x.start_pos)
                                   if x.start and x.req.images else [], drafts=x.drafts)
                         for x in plan]

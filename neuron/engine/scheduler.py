@@ -43,6 +43,9 @@ class Planned:
     kv_from: int = -1  # with ``start``: the cached partial block its first block starts as
     snapshots: list[tuple[int, int]] = field(default_factory=list)  # (position, slot) the step keeps
     drafts: int = 0  # of ``tokens``, the last ones are guesses for the rank to check (speculative)
+    # With drafts, for a model with recurrent state: the slots that take the state after the input
+    # token and each draft but the last (the state to go on from if the next draft is rejected).
+    draft_states: list[int] = field(default_factory=list)
 
 
 class Scheduler:
@@ -117,7 +120,7 @@ class Scheduler:
             if not req.preempted:
                 req.cached_tokens = req.computed
             req.order = next(self._order)
-            if self.speculative and req.spec is None and may_draft(req.sampling, req.constraint is not None):
+            if self.speculative and req.spec is None and may_draft(req.sampling, req.constraint is not None, req.images):
                 req.spec = Speculation(self.speculative)
             self.running.append(req)
             admitted.append(req)
@@ -183,6 +186,7 @@ class Scheduler:
         for x in plan:
             for _, slot in x.snapshots:
                 self.states.abandon(slot)
+            self.states.unscratch(x.draft_states)
             if x.req in self.closing:
                 self._drop(x.req)
 
@@ -271,6 +275,12 @@ class Scheduler:
             if need > self.blocks.free_count - len(self.running):
                 return
             self.blocks.grow(req.blocks, req.computed + len(drafts))
+        if self.states.num_slots:  # recurrent state: kept after each point a rejection may come
+            while len(x.draft_states) < len(drafts) and (slot := self.states.scratch()) is not None:
+                x.draft_states.append(slot)
+            drafts = drafts[: len(x.draft_states)]
+            if not drafts:
+                return
         x.tokens = x.tokens + drafts
         x.drafts = len(drafts)
         x.blocks = req.blocks[x.block_start:]
@@ -285,8 +295,18 @@ class Scheduler:
             req.spec.checked(x.drafts, accepted)
         unused = x.drafts - accepted
         x.tokens = x.tokens[: len(x.tokens) - unused]
-        if x.run == req.run and req.slot >= 0:
+        scratch = x.draft_states
+        if x.run == req.run and (req.slot >= 0 or req in self.closing):
             req.computed -= unused
+            if unused and scratch:  # the state after the last accepted token is the sequence's now
+                scratch = list(scratch)
+                req.states[0], scratch[accepted] = scratch[accepted], req.states[0]
+        self.states.unscratch(scratch)
+
+    def step_snapshots(self, x: Planned) -> list[tuple[int, int]]:
+        """The (position, slot) state snapshots a planned sequence's step takes: the prefix
+        cache's, and with drafts of a model with recurrent state, one after each draft point."""
+        return x.snapshots + [(x.start_pos + 1 + j, slot) for j, slot in enumerate(x.draft_states)]
 
     def _may_sample(self, req: GenRequest) -> bool:
         drawn = len(req.output) + req.pending

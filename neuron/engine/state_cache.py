@@ -100,6 +100,15 @@ class StateCache:
             self._free.append(slot)
         slots.clear()
 
+    def scratch(self) -> int | None:
+        """A free slot for a state kept only until a step's reply (speculative decoding: the state
+        after each draft, one of which may become the sequence's), or None (cached snapshots are
+        not evicted for it)."""
+        return self._free.popleft() if self._free else None
+
+    def unscratch(self, slots: list[int]) -> None:
+        self._free.extend(slots)
+
     def reserve(self) -> int | None:
         """A slot for a snapshot the next step takes, or None when every slot is in use."""
         if not self.caching:

@@ -46,10 +46,10 @@ def check_step(runner, seqs: list[p.StepSeq]) -> None:
         assigned = max(before, s.block_start + len(s.blocks)) if s.blocks else before
         if assigned * bs < s.start_pos + n:
             raise StepRejected(f"slot {s.slot}: positions up to {s.start_pos + n} have no KV blocks")
-        if s.drafts and (not 0 < s.drafts < n or s.drafts > p.MAX_DRAFTS or not s.sample or runner.states.slots
+        if s.drafts and (not 0 < s.drafts < n or s.drafts > p.MAX_DRAFTS or not s.sample
                          or runner.stage_tokens is not None):
             raise StepRejected(f"slot {s.slot}: drafts must be fewer than the tokens of a sampled seq (at most "
-                               f"{p.MAX_DRAFTS}), of a model without recurrent state or pipeline stages")
+                               f"{p.MAX_DRAFTS}), of a model without pipeline stages")
         _check_state(runner, s, states)
         if s.sampling is not None:
             why = check_sampling(s.sampling, vocab)
