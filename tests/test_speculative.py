@@ -168,17 +168,19 @@ def test_the_rank_keeps_the_drafts_its_greedy_draws_confirm_and_the_cache_stays_
 
 
 def test_a_step_with_drafts_and_a_prompt_beside_them(runner):
-    """Two sequences in one step, one drafting and one a prompt: each gets what it would alone."""
+    """Two sequences in one step, one drafting and one a prompt that asks for logprobs: each gets
+    what it would alone."""
     import protocol as p
 
     g0 = _start(runner)
     greedy = _decode(runner, g0, len(PROMPT), 4)
     assert _start(runner) == g0
-    g = p.Sampling(temperature=0.0)
     mixed = [p.StepSeq(slot=0, tokens=[g0, *greedy[:2]], start_pos=len(PROMPT), sample=True, drafts=2),
-             p.StepSeq(slot=1, tokens=PROMPT, start_pos=0, sample=True, blocks=list(range(4, 8)), sampling=g)]
-    got, _, _, drafted = _step(runner, mixed)
+             p.StepSeq(slot=1, tokens=PROMPT, start_pos=0, sample=True, blocks=list(range(4, 8)),
+                       sampling=p.Sampling(temperature=0.0, logprobs=3))]
+    got, logprobs, _, drafted = _step(runner, mixed)
     assert drafted == [greedy[:2], []] and got == [greedy[2], g0]
+    assert logprobs[0] == [] and [t for t, _ in logprobs[1]][0] == g0 and len(logprobs[1]) == 3  # the prompt's own
 
 
 def test_drafts_are_refused_where_they_cannot_be_checked(runner):
@@ -308,7 +310,8 @@ def test_a_client_gone_mid_draft_and_a_grammar_beside_drafts(drafting, tp1):
     schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
     fmt = {"type": "json_schema", "json_schema": {"name": "c", "schema": schema, "strict": True}}
     drafts = m["speculative"]["draft_tokens"]
-    plain, spec = (_ids(s, "Name a city with a lighthouse.", max_tokens=30, response_format=fmt) for s in (tp1, drafting))
+    plain, spec = (_ids(s, "Name a city with a lighthouse.", max_tokens=30, response_format=fmt)
+                   for s in (tp1, drafting))
     assert spec["token_ids"] == plain["token_ids"] and json.loads(spec["message"]["content"])["city"]
     assert httpx.get(f"{drafting.url}/models").json()["models"][0]["speculative"]["draft_tokens"] == drafts
     assert _ids(drafting, EDIT, max_tokens=40)["token_ids"] == _ids(tp1, EDIT, max_tokens=40)["token_ids"]

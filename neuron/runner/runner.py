@@ -199,8 +199,7 @@ class ModelRunner:
         if not sampled:
             tokens, logprobs = torch.zeros(0, dtype=torch.int64, device=self.device), None
         elif self.samples and drafting:
-            tokens, accepted = verify_drafts(self, seqs, sampled, logits)
-            logprobs = None
+            tokens, accepted, logprobs = verify_drafts(self, seqs, sampled, logits)
         elif self.samples:
             last = [seqs[i].start_pos + len(seqs[i].tokens) - 1 for i in sampled]
             tokens, logprobs = self.sampler.sample(logits, rows_slots, slot_rows, last,
