@@ -306,6 +306,8 @@ class Scheduler:
     def step_snapshots(self, x: Planned) -> list[tuple[int, int]]:
         """The (position, slot) state snapshots a planned sequence's step takes: the prefix
         cache's, and with drafts of a model with recurrent state, one after each draft point."""
+        if not x.draft_states:
+            return x.snapshots
         return x.snapshots + [(x.start_pos + 1 + j, slot) for j, slot in enumerate(x.draft_states)]
 
     def _may_sample(self, req: GenRequest) -> bool:
