@@ -44,6 +44,7 @@ class ParityJob:
     forced: list[list[int]] = field(default_factory=list)  # per prompt: tokens fed one decode step each
     checkpoint_quant: Any = None  # protocol.CheckpointQuant: the publisher quantized the checkpoint
     keep_scored: bool = False  # also return the logits at every position of the ``score`` sequences
+    draft_rows: int = 0  # RunnerConfig.draft_rows: the CUDA graphs of steps with drafts
 
 
 @dataclass
@@ -126,7 +127,8 @@ def build(job: ParityJob, world: int = 1, rank: int = 0) -> tuple[Any, float]:
     # device's free memory.
     seqs, bs = max(1, len(job.prompts)), RunnerConfig.block_size
     runner = ModelRunner(model, RunnerConfig(max_seqs=seqs, max_len=job.max_len,
-                                             kv_tokens=seqs * -(-job.max_len // bs) * bs), rank)
+                                             kv_tokens=seqs * -(-job.max_len // bs) * bs,
+                                             draft_rows=job.draft_rows), rank)
     return runner, time.perf_counter() - t0
 
 

@@ -58,10 +58,12 @@ class ServerConfig:
 class SpeculativeConfig:
     """``[[models]] speculative = { method = "ngram", tokens = 4 }``: each decode guesses up to
     ``tokens`` tokens (prompt lookup: what followed the last place the sequence's latest tokens
-    occurred) and one step checks them all. Empty ``method``: off."""
+    occurred) and one step checks them all. Empty ``method``: off. ``replay`` (a recorded
+    answer per prompt, from the JSON lines file ``replay``) and ``random`` measure the mechanism."""
 
     method: str = ""
     tokens: int = 4
+    replay: str = ""  # method "replay": JSON lines of {"prompt": [ids], "output": [ids]}
 
 
 @dataclass
@@ -313,12 +315,16 @@ def validate(cfg: Config) -> None:
                               "multiple of block_size")
         if m.tool_parser not in TOOL_PARSERS:
             raise ConfigError(f"models[{i}].tool_parser must be one of {', '.join(TOOL_PARSERS)}")
-        if m.speculative.method not in ("", "ngram"):
-            raise ConfigError(f"models[{i}].speculative.method must be \"ngram\" (or empty: off), not "
+        if m.speculative.method not in ("", "ngram", "replay", "random"):
+            raise ConfigError(f"models[{i}].speculative.method must be \"ngram\", \"replay\" or \"random\" (or "
+                              f"empty: off), not "
                               f"{m.speculative.method!r}" + (": drafting with the checkpoint's MTP layers is not "
                                                              "supported yet" if m.speculative.method == "mtp" else ""))
         if not 1 <= m.speculative.tokens <= MAX_DRAFTS:
             raise ConfigError(f"models[{i}].speculative.tokens must be in 1..{MAX_DRAFTS}")
+        if (m.speculative.method == "replay") != bool(m.speculative.replay):
+            raise ConfigError(f"models[{i}].speculative.replay (a file of recorded answers) is for method "
+                              "\"replay\", and that method needs it")
         if m.reasoning_parser not in REASONING_PARSERS:
             raise ConfigError(f"models[{i}].reasoning_parser must be one of {', '.join(REASONING_PARSERS)}")
     if cfg.server.stored_responses < 0:

@@ -23,6 +23,7 @@ from . import heap
 from .config import Config, ModelEntry, engine_sizes
 from .devices import choose_devices, default_dtype
 from .engine.engine import Engine, Sizing
+from .engine.speculative import DraftError, DraftPolicy
 from .kernels import isa
 from .engine.request import FinishEvent, GenRequest
 from .errors import ApiError
@@ -144,7 +145,7 @@ class Registry:
                                  f"|{entry.state_dtype}" if entry.prefix_caching else None,
                                  entry.state_snapshot_interval, 4 * spec.config.hidden_size,
                                  entry.pipeline_parallel,
-                                 entry.speculative.tokens if entry.speculative.method else 0)))
+                                 draft_policy(model_id, entry, gpu, spec.config.vocab_size))))
         family = families.family(spec.config.family)
         try:  # packed weights split their input columns on whole quant groups
             family.check_split(spec.config, entry.tensor_parallel, QUANT_GROUP if handle.packed else 1)
@@ -223,7 +224,8 @@ class Registry:
                 memory_fraction=entry.gpu_memory_utilization, max_step_tokens=z.max_batch_tokens + entry.max_slots,
                 cuda_graphs=entry.cuda_graphs, quant=entry.quantize or None, state_dtype=entry.state_dtype,
                 state_snapshots=entry.state_snapshots if z.cache_key is not None else 0,
-                checkpoint_quant=spec.checkpoint_quant, pipeline=entry.pipeline_parallel))
+                checkpoint_quant=spec.checkpoint_quant, pipeline=entry.pipeline_parallel,
+                draft_rows=z.speculative.rows if z.speculative else 0))
         except BaseException:
             await group.close_after_failure()
             raise
@@ -376,6 +378,16 @@ class Registry:
             self.runtime.rmdir()
         except OSError:
             pass
+
+
+def draft_policy(model_id: str, entry: ModelEntry, gpu: bool, vocab: int) -> DraftPolicy | None:
+    s = entry.speculative
+    if not s.method:
+        return None
+    try:
+        return DraftPolicy.build(s.method, s.tokens, gpu, vocab, entry.max_slots, s.replay)
+    except DraftError as exc:
+        raise LoadError(f"model {model_id!r}: speculative decoding: {exc}") from None
 
 
 def speculation_refused(entry: ModelEntry) -> str:

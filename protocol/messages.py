@@ -198,6 +198,7 @@ class LoadShard(Frame, tag="load_shard"):
     checkpoint_quant: CheckpointQuant | None = None
     # Pipeline stages the group's ranks form (neuron.models.stages): world / pipeline ranks a stage.
     pipeline: int = 1
+    draft_rows: int = 0  # the most rows (decodes and their drafts) a step with drafts carries
 
 
 class Step(Frame, tag="step"):

@@ -455,6 +455,40 @@ def test_the_hybrid_family_in_decode_and_prefill_graphs_gives_the_eager_tokens(t
     graph_and_eager(tmp_path, hybrid_checkpoint, 1)
 
 
+def drafted_greedy(tmp, checkpoint, speculative: str, tp: int = 1) -> tuple[list[list[list[int]]], dict | None]:
+    """Each prompt's greedy tokens alone and all together, with ``speculative`` (a TOML table, or
+    "" for none), CUDA graphs on; and the drafting counts."""
+    config = (f'[[models]]\nmodel = "{checkpoint}"\nid = "ckpt"\ndtype = "float32"\nmax_model_len = 256\n'
+              f'max_slots = 8\n' + (f"speculative = {speculative}\n" if speculative else ""))
+    server = start_server(tmp, config=config, args=["--device", "cuda", "--tensor-parallel", str(tp)])
+    try:
+        outs = [concurrent_greedy(server, batch) for batch in [[p] for p in PROMPTS] + [PROMPTS]]
+        return outs, httpx.get(f"{server.url}/models", timeout=10).json()["models"][0]["speculative"]
+    finally:
+        assert server.stop() == 0
+
+
+@needs_gpu
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("family", ["llama", "hybrid"])
+def test_speculative_decoding_in_the_graphs_gives_the_plain_tokens(tmp_path, llama_checkpoint, hybrid_checkpoint,
+                                                                   family):
+    """Greedy answers with drafts that all hold (a replay of the plain answers), that all fail
+    (random) and prompt lookup's, checked in the decode graphs (dense) or the prefill graphs
+    (hybrid), alone and three together: the plain run's tokens."""
+    import json
+
+    checkpoint = llama_checkpoint if family == "llama" else hybrid_checkpoint
+    plain, _ = drafted_greedy(tmp_path, checkpoint, "")
+    record = tmp_path / "replay.jsonl"
+    record.write_text("".join(json.dumps({"prompt": p, "output": out[0]}) + "\n" for p, out in zip(PROMPTS, plain)))
+    for method in (f'"replay", replay = "{record}"', '"random"', '"ngram"'):
+        got, s = drafted_greedy(tmp_path, checkpoint, f"{{ method = {method}, tokens = 3 }}")
+        assert got == plain, method
+        if "replay" in method:
+            assert s["accepted_tokens"] == s["draft_tokens"] > 24, s
+
+
 @pytest.mark.skipif(_gpus() < 2, reason="needs two NVIDIA GPUs")
 @pytest.mark.timeout(600)
 def test_the_hybrid_family_at_tp2_over_nccl_gives_the_eager_and_the_cpu_tokens(tmp_path, hybrid_checkpoint):

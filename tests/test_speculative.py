@@ -24,6 +24,11 @@ def test_prompt_lookup_drafts_what_followed_the_latest_longest_match():
     assert NgramIndex().propose(tokens, 3) == [4, 9, 2]
     assert NgramIndex().propose(tokens[:-1] + [8, 2, 3], 2) == [5, 6]  # no [8, 2, 3] before: [2, 3]
     assert NgramIndex().propose([1, 2, 3, 4], 3) == []  # nothing repeats
+    # before the next token is known: a match needs the last known token earlier, two ahead
+    assert not NgramIndex().may_match([1, 2, 3], [4]) and not NgramIndex().may_match([1], [4])
+    index = NgramIndex()
+    assert index.may_match([4, 1, 2], [4]) and not index.may_match([4, 1, 2], [4, 5])
+    assert index.may_match([4, 1, 2], [4, 5, 1])
     index = NgramIndex()  # indexed as the tokens grow: the same answers as built at once
     seq = [5, 6, 7, 5, 6]
     assert index.propose(seq, 4) == [7, 5, 6]
@@ -36,24 +41,25 @@ def test_drafting_widens_on_success_and_pauses_longer_after_each_failure():
 
     s = Speculation(3)
     repeat = [1, 2, 3, 4] * 4
-    assert s.tick() and s.drafts(repeat, 10) == [1, 2, 3]
-    assert s.drafts(repeat, 2) == [1, 2]  # no more than the room left
-    pauses = []
-    for _ in range(3):  # fail until the width is 0: a pause, doubling each time
-        while s.active:
-            s.checked(s.width, 0)
-        pauses.append(s.pause)
-        while not s.tick():
-            pass
-    assert pauses == [2, 4, 8] and s.width == 1
-    s.checked(1, 1)
-    s.checked(2, 2)
+    assert s.active(0) and s.drafts(repeat, 10, 0) == [1, 2, 3]
+    assert s.drafts(repeat, 2, 0) == [1, 2]  # no more than the room left
+    clock, resumes = 5, []
+    for _ in range(3):  # fail until the width is 0: a pause, doubling each time, to a multiple of it
+        while s.active(clock):
+            s.checked(s.width, 0, clock)
+        resumes.append(s.resume)
+        clock = s.resume
+    assert resumes == [6, 8, 16] and s.width == 1
+    assert not s.active(15) and s.active(16)
+    s.checked(1, 1, clock)
+    s.checked(2, 2, clock)
     assert s.width == 3 and s.stops == 0  # full acceptance widens again, up to the setting
-    s.checked(3, 3)
+    s.checked(3, 3, clock)
     assert s.width == 3 and (s.drafted, s.accepted) == (3 + 2 + 1 + 1 + 1 + 1 + 2 + 3, 1 + 2 + 3)
-    s.checked(3, 1)
+    s.checked(3, 1, clock)
     assert s.width == 2  # a run of one held: two next time
-    assert s.drafts([1, 2, 3, 4, 5], 3) == [] and s.pause == NO_MATCH_PAUSE and not s.active
+    assert s.drafts([1, 2, 3, 4, 5], 3, 17) == [] and s.resume == 20 and not s.active(19)
+    assert NO_MATCH_PAUSE == 4
 
 
 def test_only_requests_whose_draws_are_per_token_free_draft():
@@ -77,6 +83,78 @@ def test_speculative_settings_are_checked_and_mtp_is_refused_by_name():
                        ("method=eagle", "must be \"ngram\""), ("tokens=3,depth=2", "unknown keys: depth")):
         with pytest.raises(ConfigError, match=words):
             load_config(None, env={"NEURON_MODELS__0__SPECULATIVE": bad})
+
+
+def test_measuring_drafters_replay_a_record_or_guess_at_random(tmp_path):
+    from neuron.config import ConfigError, load_config
+    from neuron.engine.speculative import GPU_ROWS, MAX_DECODES, DraftError, DraftPolicy, Speculation
+
+    record = tmp_path / "replay.jsonl"
+    record.write_text(json.dumps({"prompt": [1, 2, 3], "output": [7, 8, 9, 10]}) + "\n\n")
+    policy = DraftPolicy.build("replay", 3, False, 50, 8, str(record))
+    assert (policy.decodes, policy.rows) == (MAX_DECODES, MAX_DECODES * 4)
+    assert policy.drafter([1, 2]) is None  # a prompt without a record drafts nothing
+    s = Speculation(3, policy.drafter([1, 2, 3]))
+    assert s.drafts([1, 2, 3, 7], 3, 0) == [8, 9, 10] and s.drafts([1, 2, 3, 7, 8, 9, 10], 3, 0) == []
+    s = Speculation(3, policy.drafter([1, 2, 3]))
+    assert s.drafts([1, 2, 3, 7, 8], 3, 0) == [9, 10]
+    assert s.drafts([1, 2, 3, 7, 8, 5], 3, 0) == [] and s.drafts([1, 2, 3, 7, 8, 5, 10], 3, 0) == []  # off the record
+    policy.answered([1, 2, 3], [7, 8, 5])  # the server's own answer is replayed next time
+    policy.answered([4], [5])
+    assert policy.drafter([1, 2, 3]).answer == [7, 8, 5] and policy.drafter([4]) is None
+    guesses = Speculation(2, DraftPolicy.build("random", 2, True, 50, 1).drafter([1]))
+    assert all(len(d) == 2 and all(0 <= t < 50 for t in d) for d in (guesses.drafts([1], 5, 0) for _ in range(20)))
+    gpu = DraftPolicy.build("ngram", 3, True, 50, 64)
+    assert gpu.rows == GPU_ROWS and gpu.decodes > MAX_DECODES
+    assert DraftPolicy.build("ngram", 16, True, 50, 2).rows == 2 * 17  # no more rows than the slots' share
+    for bad in ("{\"prompt\": [1]}", "{\"prompt\": [1], \"output\": [-2]}", "not json"):
+        record.write_text(bad)
+        with pytest.raises(DraftError, match="replay file"):
+            DraftPolicy.build("replay", 3, False, 50, 8, str(record))
+    with pytest.raises(DraftError, match="replay file"):
+        DraftPolicy.build("replay", 3, False, 50, 8, str(tmp_path / "missing.jsonl"))
+    for bad in ("method=replay", "method=ngram,replay=/tmp/x.jsonl"):
+        with pytest.raises(ConfigError, match="is for method \"replay\""):
+            load_config(None, env={"NEURON_MODELS__0__SPECULATIVE": bad})
+
+
+def test_a_step_waits_whole_for_a_drafting_sequence_and_never_for_drafts_that_cannot_come():
+    """A drafting sequence's input token must be known: the next step waits for it with the whole
+    batch (a step of the others would split the batch); not where the drafts could not be kept
+    (a model with recurrent state and no state slot spare), and not while it is paused."""
+    import asyncio
+
+    from test_blocks import request
+
+    from neuron.engine.scheduler import DEVICE_TOKEN, Scheduler
+    from neuron.engine.speculative import DraftPolicy
+
+    async def main(state_slots: int) -> list:
+        s = Scheduler(4, 64, 16, 16, 256, 64, state_slots=state_slots,
+                      speculative=DraftPolicy.build("random", 2, False, 50, 4))
+        a, b = request(5), request(6)
+        s.waiting.extend([a, b])
+        s.admit()
+        s.schedule()  # both prompts
+        return [s.schedule(), s, a, b]
+
+    waited, s, a, b = asyncio.run(main(0))
+    assert waited == []  # both wait for their first token
+    for r, tok in ((a, 7), (b, 8)):
+        r.pending -= 1
+        r.output.append(tok)
+    plan = s.schedule()
+    assert [(x.tokens[0], x.drafts) for x in plan] == [(7, 2), (8, 2)]  # one step, both with drafts
+    assert s.schedule() == []  # their drafts are out: nothing to plan until they are checked
+    for x in plan:  # the reply: no draft held
+        s.drafts_checked(x, 0)
+        x.req.pending -= 1
+        x.req.output.append(9)
+        x.req.spec.pause(s.clock, 64)
+    assert [(x.tokens, x.drafts) for x in s.schedule()] == [([9], 0), ([9], 0)]
+    assert [x.tokens for x in s.schedule()] == [[DEVICE_TOKEN], [DEVICE_TOKEN]]  # paused: overlapped again
+    overlapped, *_ = asyncio.run(main(2))  # both state slots held: no drafts to wait for
+    assert [x.tokens for x in overlapped] == [[DEVICE_TOKEN], [DEVICE_TOKEN]]
 
 
 def test_pipeline_stages_refuse_drafts_by_name():
@@ -107,11 +185,28 @@ def runner(request, tmp_path_factory):
     from neuron.loader.model_config import config_from_hf
 
     family, device = request.param
-    out = make_checkpoint(family, tmp_path_factory.mktemp(family), seed=5)
+    # on a GPU, heads the Triton kernels (and so the CUDA graphs) take
+    wide = dict(num_attention_heads=4, num_key_value_heads=2, hidden_size=128, head_dim=32) if device == "cuda" else {}
+    out = make_checkpoint(family, tmp_path_factory.mktemp(family), seed=5, **wide)
     cfg = config_from_hf(json.loads((out / "config.json").read_text()))
     job = ParityJob(family, "safetensors", [str(p) for p in sorted(out.glob("*.safetensors"))], cfg,
-                    [[0], [0]], max_len=64, device=device)
+                    [[0], [0]], max_len=64, device=device, draft_rows=16 if device == "cuda" else 0)
     return build(job)[0]
+
+
+class GraphSpy:
+    """Counts the steps with drafts a runner replays in its CUDA graphs."""
+
+    def __init__(self, runner) -> None:
+        self.replays = 0
+        graphs = runner.step_graphs
+        for name in ("replay", "replay_prefill"):
+            real = getattr(graphs, name)
+
+            def spy(seqs, *args, real=real):
+                self.replays += any(s.drafts for s in seqs)
+                return real(seqs, *args)
+            setattr(graphs, name, spy)
 
 
 PROMPT = [5, 17, 33, 2, 9, 41, 7, 7]
@@ -153,6 +248,7 @@ def _check(runner, tokens: list[int]) -> tuple[list[int], int]:
 
 
 def test_the_rank_keeps_the_drafts_its_greedy_draws_confirm_and_the_cache_stays_right(runner):
+    spy = GraphSpy(runner)
     g0 = _start(runner)
     greedy = _decode(runner, g0, len(PROMPT), 8)
     assert _start(runner) == g0
@@ -165,6 +261,7 @@ def test_the_rank_keeps_the_drafts_its_greedy_draws_confirm_and_the_cache_stays_
     assert _decode(runner, drawn, len(PROMPT) + 3, 5) == greedy[3:8]
     assert _start(runner) == g0
     assert _check(runner, [g0, (greedy[0] + 1) % runner.vocab]) == ([], greedy[0])
+    assert spy.replays == (3 if runner.cuda else 0) and bool(runner.step_graphs.decode) == runner.cuda
 
 
 def test_a_step_with_drafts_and_a_prompt_beside_them(runner):
@@ -263,6 +360,30 @@ def test_a_server_answers_the_same_with_drafts_and_counts_them(drafting, tp1):
     assert float(line.split()[-1]) == s["accepted_tokens"]
 
 
+def test_replayed_drafts_all_hold_and_random_ones_change_nothing(server_tmp, tp1, tmp_path):
+    """The drafters that measure the mechanism (scripts/perf-gpu): a replay of the answer the
+    model gave without drafts is accepted whole, random drafts are (almost) all rejected and
+    soon paused; the answers are the model's own either way."""
+    content = "Tell me about lighthouses."
+    plain = _ids(tp1, content, max_tokens=60)["token_ids"]
+    prompt = httpx.post(f"{tp1.url}/tokenize", json={"model": DEFAULT_MODEL, "messages": [
+        {"role": "user", "content": content}]}).json()["tokens"]
+    record = tmp_path / "replay.jsonl"
+    record.write_text(json.dumps({"prompt": prompt, "output": plain}) + "\n")
+    for method in (f'"replay", replay = "{record}"', '"random"'):
+        server = start_server(server_tmp, config=SMALL + f'speculative = {{ method = {method}, tokens = 3 }}\n')
+        try:
+            assert _ids(server, content, max_tokens=60)["token_ids"] == plain, method
+            s = httpx.get(f"{server.url}/models").json()["models"][0]["speculative"]
+        finally:
+            server.stop()
+        if "replay" in method:  # every step but the last few (max_tokens) checks 3 drafts, all held
+            assert s["accepted_tokens"] == s["draft_tokens"] >= 3 * 12, s
+            assert s["drafts"] <= 60 // 4 + 2, s
+        else:  # the width falls to one, then pauses double: few steps draft at all
+            assert s["accepted_tokens"] <= 2 and s["drafts"] <= 12, s
+
+
 def test_stops_and_limits_land_where_they_would_without_drafts(drafting, tp1):
     for extra in (dict(max_tokens=7), dict(max_tokens=60, stop=["wick"]), dict(max_tokens=60, stop=["lamp turn"])):
         plain, spec = _ids(tp1, EDIT, **extra), _ids(drafting, EDIT, **extra)
@@ -270,7 +391,7 @@ def test_stops_and_limits_land_where_they_would_without_drafts(drafting, tp1):
         assert spec["finish_reason"] == plain["finish_reason"]
     # sampled and streamed: drafts checked by rejection sampling; every chunk arrives in order
     body = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": EDIT}], "temperature": 0.7,
-            "max_tokens": 50, "stream": True, "stream_options": {"include_usage": True}}
+            "max_tokens": 50, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     with httpx.stream("POST", f"{drafting.base}/chat/completions", json=body, timeout=120) as r:
         events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
     assert events[-1]["usage"]["completion_tokens"] == 50
@@ -342,8 +463,9 @@ def test_the_recurrent_state_goes_on_from_the_last_accepted_draft(hybrid, device
     family, ckpt, _ = hybrid
     cfg = config_from_hf(json.loads((ckpt / "config.json").read_text()))
     job = ParityJob(family, "safetensors", [str(x) for x in sorted(ckpt.glob("*.safetensors"))], cfg,
-                    [[0]] * 4, max_len=64, device=device)
+                    [[0]] * 4, max_len=64, device=device, draft_rows=8)
     runner = build(job)[0]
+    spy = GraphSpy(runner)
     P = len(PROMPT)
 
     def start() -> int:
@@ -376,6 +498,7 @@ def test_the_recurrent_state_goes_on_from_the_last_accepted_draft(hybrid, device
     accepted, drawn = check([g0, *greedy[:3]])
     assert (accepted, drawn) == (greedy[:3], greedy[3])
     assert decode(drawn, P + 4, 0, 4) == greedy[4:8]  # every draft held: the sequence's own slot
+    assert spy.replays == (2 if runner.cuda else 0) and bool(runner.step_graphs.prefill) == runner.cuda
 
 
 def test_a_hybrid_server_answers_the_same_with_drafts(hybrid, tmp_path_factory):

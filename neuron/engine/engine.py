@@ -17,6 +17,7 @@ from neuron.rankgroup import GroupFailed, RankError, RankGroup
 from .image_cache import ImageCache
 from .request import FinishEvent, GenRequest, TokenEvent
 from .scheduler import Planned, Scheduler
+from .speculative import DraftPolicy
 
 log = logging.getLogger("neuron.engine")
 
@@ -66,7 +67,7 @@ class Sizing:
     # Pipeline stages: the running sequences form this many groups, planned in turn, so each
     # stage works on another group's step (micro-batches) instead of waiting for the next token.
     pipeline: int = 1
-    speculative: int = 0  # drafts a decode may carry (prompt lookup); 0: no speculative decoding
+    speculative: DraftPolicy | None = None  # speculative decoding's drafter and limits; None: off
 
 
 class Engine:

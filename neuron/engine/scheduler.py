@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from .blocks import BlockManager, OutOfBlocks, chain_hash
 from .fair import FairQueue
 from .request import GenRequest
-from .speculative import MAX_DECODES, Speculation, may_draft
+from .speculative import NO_MATCH_PAUSE, DraftPolicy, Speculation, may_draft
 from .state_cache import StateCache
 
 DEVICE_TOKEN = -1
@@ -52,9 +52,9 @@ class Scheduler:
     def __init__(self, max_slots: int, max_len: int, num_blocks: int, block_size: int, max_batch_tokens: int,
                  prefill_chunk: int, prefill_chunk_decoding: int | None = None,
                  cache_key: bytes | None = None, state_slots: int = 0, state_snapshots: int = 0,
-                 snapshot_interval: int = 512, speculative: int = 0) -> None:
+                 snapshot_interval: int = 512, speculative: DraftPolicy | None = None) -> None:
         self.max_slots, self.max_len = max_slots, max_len
-        self.speculative = speculative  # drafts a decode may carry (0: no speculative decoding)
+        self.speculative = speculative  # None: no speculative decoding
         self.max_batch_tokens, self.prefill_chunk = max_batch_tokens, prefill_chunk
         self.prefill_chunk_decoding = prefill_chunk_decoding or prefill_chunk
         # A recurrent layer's state cannot be rebuilt from cached K/V blocks: its prefix cache
@@ -66,6 +66,7 @@ class Scheduler:
         self.waiting = FairQueue()
         self.running: list[GenRequest] = []  # in admission order: the last is the newest
         self.preemptions = 0
+        self.clock = 0  # steps planned (speculative decoding's pauses count these)
         self._order = itertools.count()
 
     @property
@@ -121,7 +122,9 @@ class Scheduler:
                 req.cached_tokens = req.computed
             req.order = next(self._order)
             if self.speculative and req.spec is None and may_draft(req.sampling, req.constraint is not None, req.images):
-                req.spec = Speculation(self.speculative)
+                drafter = self.speculative.drafter(req.prompt)
+                if drafter is not None:
+                    req.spec = Speculation(self.speculative.tokens, drafter)
             self.running.append(req)
             admitted.append(req)
         return admitted
@@ -131,6 +134,8 @@ class Scheduler:
         A step still in flight may write them once more; the rank runs steps in order, so
         whoever gets them next overwrites that before reading. ``keep`` (it finished well): a
         model with recurrent state keeps its last state as a snapshot, once its steps are in."""
+        if req.spec is not None and keep:
+            self.speculative.answered(req.prompt, req.output)
         if req in self.running:
             self.running.remove(req)
             self.free_slots.append(req.slot)
@@ -230,19 +235,21 @@ class Scheduler:
         (by slot)."""
         budget = self.max_batch_tokens
         plan: list[Planned] = []
+        if self._awaiting_drafter():
+            return plan
         for req in list(self.running):  # decodes are never held back by the budget
             if req.slot < 0 or req.slot % groups != group or not self._may_decode(req):  # -1: preempted here
                 continue
-            if req.pending and req.spec is not None and req.spec.active and len(self.running) <= MAX_DECODES:
-                continue  # drafting: its next input token must be known first
             if not self._room_for(req, req.computed + 1):
                 continue
             token = req.output[-1] if not req.pending else DEVICE_TOKEN
             plan.append(self._plan(req, [token], True))
             budget -= 1
-        if self.speculative and len(plan) <= MAX_DECODES:
+        if self.speculative and len(plan) <= self.speculative.decodes:
+            rows = len(plan)
             for x in plan:
-                self._draft(x)
+                rows += self._draft(x, self.speculative.rows - rows)
+        self.clock += bool(plan)
         # Beside running decodes a step takes a smaller prompt chunk: it sets their latency.
         chunk = self.prefill_chunk_decoding if plan else self.prefill_chunk
         budget = min(budget, chunk)
@@ -258,41 +265,54 @@ class Scheduler:
             budget -= n
         return plan
 
-    def _draft(self, x: Planned) -> None:
+    def _awaiting_drafter(self) -> bool:
+        """A sequence that drafts next has its input token in flight (the lookup needs it): the
+        next step waits for it, whole (a step without it would split the batch in two, each
+        half a step of its own)."""
+        spec = self.speculative
+        if spec is None or len(self.running) > spec.decodes or (self.states.num_slots and not self.states.spare):
+            return False
+        return any(req.pending and req.spec is not None and req.spec.waits(self.clock, req.prompt, req.output)
+                   for req in self.running)
+
+    def _draft(self, x: Planned, rows: int) -> int:
         """Drafts after a planned decode whose input token is known (speculative decoding), as
-        many as its request's drafting gives, its limits leave room for and free blocks hold
-        (beyond one in hand for each running sequence: drafts never preempt)."""
+        many as its request's drafting gives, its limits and the step's ``rows`` leave room for
+        and free blocks hold (beyond one in hand for each running sequence: drafts never
+        preempt). Returns how many."""
         req = x.req
-        if req.spec is None or not req.spec.tick() or x.tokens[0] == DEVICE_TOKEN:
-            return
+        if req.spec is None or rows <= 0 or x.tokens[0] == DEVICE_TOKEN or not req.spec.active(self.clock):
+            return 0
         known = len(req.prompt) + len(req.output)
-        room = min(req.max_tokens - len(req.output), self.max_len - known) - 1
-        drafts = req.spec.drafts(req.prompt + req.output, room)
+        room = min(req.max_tokens - len(req.output) - 1, self.max_len - known - 1, rows)
+        drafts = req.spec.drafts(req.prompt + req.output, room, self.clock)
         if not drafts:
-            return
+            return 0
         need = self.blocks.blocks_for(req.computed + len(drafts)) - len(req.blocks)
         if need > 0:
             if need > self.blocks.free_count - len(self.running):
-                return
+                return 0
             self.blocks.grow(req.blocks, req.computed + len(drafts))
         if self.states.num_slots:  # recurrent state: kept after each point a rejection may come
             while len(x.draft_states) < len(drafts) and (slot := self.states.scratch()) is not None:
                 x.draft_states.append(slot)
             drafts = drafts[: len(x.draft_states)]
-            if not drafts:
-                return
+            if not drafts:  # no slot free: as if nothing matched
+                req.spec.pause(self.clock, NO_MATCH_PAUSE)
+                return 0
         x.tokens = x.tokens + drafts
         x.drafts = len(drafts)
         x.blocks = req.blocks[x.block_start:]
         req.sent_blocks = len(req.blocks)
         req.computed += len(drafts)
+        return len(drafts)
 
     def drafts_checked(self, x: Planned, accepted: int) -> None:
         """A step's reply for a planned decode with drafts: ``accepted`` held. The positions of
         the others are not the sequence's (their K/V is written over later)."""
         req = x.req
         if req.spec is not None:
-            req.spec.checked(x.drafts, accepted)
+            req.spec.checked(x.drafts, accepted, self.clock)
         unused = x.drafts - accepted
         x.tokens = x.tokens[: len(x.tokens) - unused]
         scratch = x.draft_states

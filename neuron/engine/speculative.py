@@ -11,16 +11,24 @@ So drafting adapts, per sequence: the drafts a step may carry grow by one after 
 accepted all of them, shrink to one more than the accepted run after a step that accepted some,
 and by one after a step that accepted none; at none, the sequence
 stops drafting for a number of steps that doubles with each such stop (``MAX_PAUSE`` at most),
-and a sequence whose last tokens occurred nowhere before pauses a few steps. While it drafts, a
-sequence's decode waits for its input token (the lookup needs it), where it would otherwise go
-out in the step planned before that token is known (overlapped steps); paused, it overlaps. And
-a step drafts only while it decodes few sequences (``MAX_DECODES``): a batch of decodes already
-reads each weight once for many tokens, so extra rows there cost more than they save.
+and a sequence whose last tokens occurred nowhere before pauses a few steps (pauses end at
+multiples of their length, together). While a sequence drafts, the next step waits for its input
+token (the lookup needs it), where it would otherwise go out planned before that token is known
+(overlapped steps), and with it the whole batch; paused, it overlaps. And a step drafts only while it decodes few sequences (``DraftPolicy.decodes``) and carries few rows: a
+batch of decodes already reads each weight once for many tokens, so extra rows there cost more
+than they save.
+
+Two more drafters exist to measure the mechanism (random weights accept almost nothing):
+``replay`` proposes a recorded answer to the same prompt (every draft right, where the model is
+deterministic), ``random`` proposes random tokens (every draft wrong).
 """
 
 from __future__ import annotations
 
+import json
+import random
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from protocol import Sampling
 
@@ -32,6 +40,104 @@ NO_MATCH_PAUSE = 4
 # one step of the default model took 9.0 / 11.6 / 14.8 / 23.1 ms for 1 / 2 / 4 / 8 rows
 # (scripts/profile-step SmolLM2-135M-Instruct --device cpu --dtype float32 --batch 1,2,4,8).
 MAX_DECODES = 4
+# On a GPU a step of up to 64 rows reads each weight once at about one row's time (the decode
+# graphs' products are bandwidth-bound there), so more decodes may draft.
+GPU_DECODES = 16
+GPU_ROWS = 64
+
+
+class DraftError(ValueError):
+    """A drafter's settings cannot be used (a replay file that cannot be read)."""
+
+
+@dataclass
+class DraftPolicy:
+    """A model's speculative decoding on the leader: the drafter, the drafts a decode may carry,
+    and the steps that may carry them (at most ``decodes`` decodes and ``rows`` rows)."""
+
+    method: str  # ngram | replay | random
+    tokens: int
+    decodes: int
+    rows: int
+    vocab: int = 0
+    replay: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
+    rng: random.Random = field(default_factory=lambda: random.Random(0))
+
+    @classmethod
+    def build(cls, method: str, tokens: int, gpu: bool, vocab: int, slots: int, replay: str = "") -> "DraftPolicy":
+        decodes, rows = (GPU_DECODES, max(GPU_ROWS, tokens + 1)) if gpu else (MAX_DECODES, MAX_DECODES * (tokens + 1))
+        policy = cls(method, tokens, min(decodes, slots), min(rows, slots * (tokens + 1)), vocab)
+        if method == "replay":
+            policy.replay = read_replay(Path(replay))
+        return policy
+
+    def drafter(self, prompt: list[int]):
+        """A request's drafter, or None where the method has nothing to propose for it."""
+        if self.method == "ngram":
+            return NgramIndex()
+        if self.method == "random":
+            return RandomDrafter(self.vocab, self.rng)
+        answer = self.replay.get(tuple(prompt))
+        return None if answer is None else Replay(len(prompt), answer)
+
+    def answered(self, prompt: list[int], output: list[int]) -> None:
+        """A request that drafted finished: ``replay`` proposes its answer to the next request
+        of the same prompt (the answer as this server's steps with drafts compute it: on a GPU
+        a batch's shape can change a greedy token, so a record made without drafts may part
+        from it)."""
+        if self.method == "replay" and tuple(prompt) in self.replay:
+            self.replay[tuple(prompt)] = list(output)
+
+
+def read_replay(path: Path) -> dict[tuple[int, ...], list[int]]:
+    """A replay file: JSON lines of ``{"prompt": [ids], "output": [ids]}``."""
+    out: dict[tuple[int, ...], list[int]] = {}
+    try:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            prompt, output = row["prompt"], row["output"]
+            if not all(isinstance(t, int) and t >= 0 for t in prompt + output):
+                raise ValueError(f"line {n}: token ids must be non-negative integers")
+            out[tuple(prompt)] = output
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DraftError(f"replay file {str(path)!r}: {exc}") from None
+    return out
+
+
+class Replay:
+    """Proposes a recorded answer to the request's prompt, from the position the output is at,
+    while the output is the record's (after a token of its own, nothing)."""
+
+    def __init__(self, prompt_len: int, answer: list[int]) -> None:
+        self.prompt_len, self.answer = prompt_len, answer
+        self.seen = 0  # output tokens compared with the record so far
+        self.diverged = False
+
+    def may_match(self, prompt: list[int], output: list[int]) -> bool:
+        return not self.diverged and len(output) < len(self.answer)
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        at = len(tokens) - self.prompt_len
+        if self.diverged or tokens[self.prompt_len + self.seen:] != self.answer[self.seen: at]:
+            self.diverged = True
+            return []
+        self.seen = at
+        return self.answer[at: at + k]
+
+
+class RandomDrafter:
+    """Proposes tokens drawn uniformly from the vocabulary."""
+
+    def __init__(self, vocab: int, rng: random.Random) -> None:
+        self.vocab, self.rng = vocab, rng
+
+    def may_match(self, prompt: list[int], output: list[int]) -> bool:
+        return True
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        return [self.rng.randrange(self.vocab) for _ in range(k)]
 
 
 def may_draft(p: Sampling, constrained: bool, images: list | tuple = ()) -> bool:
@@ -50,6 +156,19 @@ class NgramIndex:
     def __init__(self) -> None:
         self.last: dict[tuple[int, ...], int] = {}  # gram -> the index of the token after it
         self.seen = 0
+        self.before: set[int] = set()  # the tokens but the last two (see may_match)
+        self.counted = 0
+
+    def may_match(self, prompt: list[int], output: list[int]) -> bool:
+        """Whether the next proposal can find anything, before the next token is known: a
+        gram ending in that token has a token after it only where the last known token occurred
+        before, ahead of two more."""
+        L = len(prompt) + len(output)
+        for i in range(self.counted, L - 1):
+            self.before.add(prompt[i] if i < len(prompt) else output[i - len(prompt)])
+        self.counted = max(self.counted, L - 1)
+        last = output[-1] if output else prompt[-1]
+        return last in self.before
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """Up to ``k`` tokens that followed the latest earlier occurrence of the longest n-gram
@@ -68,12 +187,17 @@ class NgramIndex:
 
 @dataclass
 class Speculation:
-    """One request's drafting: its index, the drafts a step may carry now, and its pause."""
+    """One request's drafting: its drafter, the drafts a step may carry now, and its pause.
+
+    Time is the scheduler's count of steps (``clock``). A pause of ``n`` steps ends at the next
+    multiple of ``n``, so that sequences paused alike draft again in the same steps: a step
+    with drafts waits for its sequences' input tokens (no overlap), and that is paid once for
+    all of them, not once for each."""
 
     most: int  # the model's ``speculative.tokens``
-    index: NgramIndex = field(default_factory=NgramIndex)
+    index: NgramIndex | Replay | RandomDrafter = field(default_factory=NgramIndex)
     width: int = 0  # drafts the next step may carry (0: set to ``most`` at the first)
-    pause: int = 0  # steps left without drafts
+    resume: int = 0  # the step from which it drafts again
     stops: int = 0  # pauses so far in a row
     drafted: int = 0
     accepted: int = 0
@@ -81,28 +205,27 @@ class Speculation:
     def __post_init__(self) -> None:
         self.width = self.most
 
-    @property
-    def active(self) -> bool:
-        """Drafting now: its decodes wait for their input token (a draft follows it), instead of
-        going out before it is known (overlapped steps)."""
-        return not self.pause
+    def active(self, clock: int) -> bool:
+        """Not paused: a decode whose input token is known may draft."""
+        return clock >= self.resume
 
-    def tick(self) -> bool:
-        """A decode is planned: whether it may draft (a paused sequence counts its pause down)."""
-        if self.pause:
-            self.pause -= 1
-            return False
-        return True
+    def waits(self, clock: int, prompt: list[int], output: list[int]) -> bool:
+        """Its next decode waits for its input token (drafts may follow it), instead of going
+        out before it is known (overlapped steps): unpaused, and with drafts in sight."""
+        return clock >= self.resume and self.index.may_match(prompt, output)
 
-    def drafts(self, tokens: list[int], room: int) -> list[int]:
+    def drafts(self, tokens: list[int], room: int, clock: int) -> list[int]:
         """The drafts for the next step of a sequence of ``tokens``, at most ``room``; where
-        none matches, the sequence pauses ``NO_MATCH_PAUSE`` steps (and overlaps them)."""
+        none matches, the sequence pauses up to ``NO_MATCH_PAUSE`` steps (and overlaps them)."""
         found = self.index.propose(tokens, min(self.width, room)) if room > 0 else []
         if not found:
-            self.pause = NO_MATCH_PAUSE
+            self.pause(clock, NO_MATCH_PAUSE)
         return found
 
-    def checked(self, drafted: int, accepted: int) -> None:
+    def pause(self, clock: int, steps: int) -> None:
+        self.resume = (clock // steps + 1) * steps
+
+    def checked(self, drafted: int, accepted: int, clock: int) -> None:
         """A step's verdict on ``drafted`` drafts: ``accepted`` of them held."""
         self.drafted += drafted
         self.accepted += accepted
@@ -114,6 +237,6 @@ class Speculation:
         else:
             self.width -= 1
             if self.width == 0:
-                self.pause = min(MAX_PAUSE, 2 << self.stops)
+                self.pause(clock, min(MAX_PAUSE, 2 << self.stops))
                 self.stops += 1
                 self.width = 1

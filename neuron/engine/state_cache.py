@@ -100,6 +100,11 @@ class StateCache:
             self._free.append(slot)
         slots.clear()
 
+    @property
+    def spare(self) -> int:
+        """Free slots a step's drafts can take now (``scratch``)."""
+        return len(self._free)
+
     def scratch(self) -> int | None:
         """A free slot for a state kept only until a step's reply (speculative decoding: the state
         after each draft, one of which may become the sequence's), or None (cached snapshots are

@@ -133,6 +133,8 @@ class DeviceWorker:
             raise RankFailure("bad_request", "state_snapshots must be in -1..65536")
         if not 0 < msg.max_slots <= 4096 or not 0 < msg.max_len <= 1 << 24 or not 0 < msg.block_size <= 4096:
             raise RankFailure("bad_request", "max_slots, max_len and block_size must be positive and sane")
+        if not 0 <= msg.draft_rows <= msg.max_slots * (p.MAX_DRAFTS + 1):
+            raise RankFailure("bad_request", "draft_rows must be within max_slots x (MAX_DRAFTS + 1)")
         t0 = time.perf_counter()
         if msg.format == "gguf":
             from neuron.loader.gguf_open import open_gguf
@@ -168,7 +170,8 @@ class DeviceWorker:
         self.runner = ModelRunner(self.model, RunnerConfig(
             max_seqs=msg.max_slots, max_len=msg.max_len, block_size=msg.block_size, kv_tokens=msg.kv_tokens,
             memory_fraction=msg.memory_fraction, max_step_tokens=msg.max_step_tokens,
-            cuda_graphs=msg.cuda_graphs, state_dtype=state_dtype, state_snapshots=msg.state_snapshots), self.rank)
+            cuda_graphs=msg.cuda_graphs, state_dtype=state_dtype, state_snapshots=msg.state_snapshots,
+            draft_rows=msg.draft_rows), self.rank)
         self.model_id = msg.model
         self._warm_up()
         runner = self.runner

@@ -40,6 +40,7 @@ class StepGraphs:
         self.decode: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.prefill: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, None]] = {}
         self.graph_in: torch.Tensor | None = None
+        self._pg_rows = 0
         # A pipeline stage after the first: the previous stage's residual stream, received into
         # this static buffer before a replay (the sends and receives stay outside the graphs).
         self.hidden_in: torch.Tensor | None = None
@@ -58,17 +59,30 @@ class StepGraphs:
             return 0
         return next((n for n in sorted(self.decode) if n >= len(seqs)), 0)
 
+    def draft_bucket(self, seqs: list[p.StepSeq]) -> int:
+        """The decode graph for a step of decodes with drafts (speculative decoding, a model
+        without recurrent state): a row for each token, at its own position; 0 if none fits."""
+        if not self.decode or any(len(s.tokens) != s.drafts + 1 or not s.sample for s in seqs):
+            return 0
+        rows = sum(len(s.tokens) for s in seqs)
+        return next((n for n in sorted(self.decode) if n >= rows), 0)
+
     def replay(self, seqs: list[p.StepSeq], bucket: int):
         assert self.graph_in is not None
-        B = len(seqs)
         staged = self._staging()
         packed = staged.numpy()
         packed[:4] = 0
         packed[2] = self.runner.scratch_row
         packed[6] = self.runner.states.scratch
-        for i, s in enumerate(seqs):
-            packed[0, i], packed[1, i], packed[2, i], packed[3, i] = s.tokens[0], s.start_pos, s.slot, s.sample
-            packed[6, i] = s.state
+        B = 0
+        for s in seqs:
+            # A seq with drafts: a row per token; the verdict on them draws its next token, not
+            # the graph's argmax (its rows would race to store theirs).
+            sample = s.sample and not s.drafts
+            for j, token in enumerate(s.tokens):
+                packed[0, B], packed[1, B], packed[2, B], packed[3, B] = token, s.start_pos + j, s.slot, sample
+                packed[6, B] = s.state
+                B += 1
         self.graph_in.copy_(staged, non_blocking=True)
         graph, ids, logits, argmax = self.decode[bucket]
         stage = self.runner.stage
@@ -127,6 +141,8 @@ class StepGraphs:
             return 0
         if sum(len(s.snapshots) for s in seqs) > self._pg_snaps:  # the graphs' table holds this many
             return 0
+        if sum(s.drafts + 1 for s in seqs if s.sample) > self._pg_rows:
+            return 0
         T = sum(len(s.tokens) for s in seqs)
         return next((n for n in sorted(self.prefill) if n >= T), 0)
 
@@ -152,21 +168,23 @@ class StepGraphs:
             snaps = [(i, at - s.start_pos, slot) for i, s in enumerate(seqs) for at, slot in s.snapshots]
             whole["states"][:], whole["chunks"][:], whole["conv_snaps"][:] = chunk_tables(
                 spans, snaps, self._pg_chunks, self._pg_snaps)
+        rows = [r for i in sampled for r in range(ends[i] - seqs[i].drafts, ends[i] + 1)]  # drafts: each's row
         whole["rows"][:] = 0
-        whole["rows"][: len(sampled)] = [ends[i] for i in sampled]
+        whole["rows"][: len(rows)] = rows
         self._pg_in.copy_(staged, non_blocking=True)
         graph, resolved, logits, _ = self.prefill[bucket]
         graph.replay()
         view = self._pg_layout(self._pg_in, T)
-        return resolved[:T], view["pos"], view["slot"], logits[: len(sampled)]
+        return resolved[:T], view["pos"], view["slot"], logits[: len(rows)]
 
     def _pg_layout(self, buf, n: int) -> dict:
         """The prefill graphs' inputs in one int64 buffer (the device's, or a host staging copy):
         the first ``n`` of each token row's (ids, positions, slots, cache rows), the sequences'
-        spans [max_seqs, 4], the rows to sample [max_seqs], and the recurrent layers' tables
-        (``inputs.chunk_tables``): spans [5, max_seqs], chunks and conv snapshots."""
+        spans [max_seqs, 4], the rows to sample [max_seqs, or the rows of a step with drafts], and
+        the recurrent layers' tables (``inputs.chunk_tables``): spans [5, max_seqs], chunks and
+        conv snapshots."""
         Tmax, S, C, M = self._pg_tokens, self.runner.cfg.max_seqs, self._pg_chunks, self._pg_snaps
-        at = 4 * Tmax + 5 * S
+        at = 4 * Tmax + 4 * S + self._pg_rows
         return {"ids": buf[:n], "pos": buf[Tmax: Tmax + n], "slot": buf[2 * Tmax: 2 * Tmax + n],
                 "store": buf[3 * Tmax: 3 * Tmax + n], "spans": buf[4 * Tmax: 4 * Tmax + 4 * S].reshape(S, 4),
                 "rows": buf[4 * Tmax + 4 * S: at], "states": buf[at: at + 5 * S].reshape(5, S),
@@ -174,7 +192,8 @@ class StepGraphs:
                 "conv_snaps": buf[at + 5 * S + 3 * C: at + 5 * S + 3 * C + 4 * M].reshape(4, M)}
 
     def _pg_size(self) -> int:
-        return 4 * self._pg_tokens + 10 * self.runner.cfg.max_seqs + 3 * self._pg_chunks + 4 * self._pg_snaps
+        return 4 * self._pg_tokens + 9 * self.runner.cfg.max_seqs + self._pg_rows + 3 * self._pg_chunks \
+            + 4 * self._pg_snaps
 
     def _prefill_forward(self, n: int) -> tuple[torch.Tensor, torch.Tensor, None]:
         """The captured prefill step of ``n`` token rows over the static inputs."""
@@ -198,8 +217,11 @@ class StepGraphs:
             return
         Tmax, S = sizes[-1], cfg.max_seqs
         self._pg_tokens = Tmax
-        # Room for two snapshots a sequence, and every chunk they and the sequences' ends cut.
-        self._pg_snaps = 2 * S if r.states.slots else 0
+        # Room for two snapshots a sequence (and one a draft), and every chunk they and the
+        # sequences' ends cut. Drafts are checked in these graphs beside prompt chunks, and
+        # always for a model with recurrent state.
+        self._pg_rows = max(S, r.cfg.draft_rows)
+        self._pg_snaps = 2 * S + r.cfg.draft_rows if r.states.slots else 0
         self._pg_chunks = -(-Tmax // CHUNK) + S + self._pg_snaps if r.states.slots else 0
         self._pg_in = torch.zeros(self._pg_size(), dtype=torch.int64, device=r.device)
         whole = self._pg_layout(self._pg_in, Tmax)  # captured with every row padding
@@ -229,7 +251,7 @@ class StepGraphs:
     def capture(self) -> None:
         r = self.runner
         t0 = time.perf_counter()
-        sizes = graph_sizes(r.cfg.max_seqs)
+        sizes = graph_sizes(r.decode_rows)
         self.graph_in = torch.zeros(7, sizes[-1], dtype=torch.int64, device=r.device)
         self.graph_in[2].fill_(r.scratch_row)
         self.graph_in[4] = torch.arange(sizes[-1], device=r.device)  # the recurrent layers' spans: a row each

@@ -49,6 +49,7 @@ class RunnerConfig:
     cuda_graphs: bool = True
     state_dtype: torch.dtype = torch.float32  # of recurrent state that accumulates (RecurrentState)
     state_snapshots: int = 0  # state slots beyond one per sequence, for snapshots; -1: by memory
+    draft_rows: int = 0  # the most rows (decodes and drafts) a step with drafts carries: its graphs
 
 
 @dataclass
@@ -126,8 +127,13 @@ class ModelRunner:
             model.ops = CpuOps(model.ops, self.cpu_kernels)
         specs = model.state_specs()
         kv_layers = sum(isinstance(s, KvState) for s in specs)
+        # The decode graphs' rows: a step's decodes, or (without recurrent state) its decodes and
+        # their drafts; a model with recurrent state checks drafts in the prefill graphs.
+        self.decode_rows = cfg.max_seqs if len(specs) > kv_layers else max(cfg.max_seqs, cfg.draft_rows)
         self.state_snapshots = state_snapshots(self, specs)
-        self.states = StatePool(specs, cfg.max_seqs + self.state_snapshots, self.device, cfg.state_dtype)
+        # With drafts, a slot for the state after each draft but the last (speculative decoding).
+        scratch = max(0, cfg.draft_rows - 1) if len(specs) > kv_layers else 0
+        self.states = StatePool(specs, cfg.max_seqs + self.state_snapshots + scratch, self.device, cfg.state_dtype)
         blocks = kv_blocks(self, kv_layers, self.states.nbytes)
         self.kv = PagedKvCache(kv_layers, blocks, self.bs, shape.n_kv, shape.head_dim, self.device, model.dtype)
         self.tables_host = np.full((cfg.max_seqs + 1, self.max_blocks), self.kv.scratch, dtype=np.int32)
@@ -149,13 +155,13 @@ class ModelRunner:
             self._outs = [torch.zeros(cfg.max_seqs, dtype=torch.int64).pin_memory() for _ in range(4)]
             self._out = 0
         if self.cuda and model.comm.world > 1:
-            rows = max(graph_sizes(cfg.max_seqs) + list(PREFILL_GRAPH_TOKENS))
+            rows = max(graph_sizes(self.decode_rows) + list(PREFILL_GRAPH_TOKENS))
             how = model.comm.use_peer_memory(rows, model.cfg.hidden_size, model.dtype, self.device, model.ops)
             log.info("rank %d: all-reduces of up to %d rows: %s", rank, rows, how)
         if self.cuda and cfg.cuda_graphs and model.capturable and self.triton:
             from .linear import tune, tune_fp8, tune_packed
-            tune(model, graph_sizes(cfg.max_seqs))
-            tune_packed(model, graph_sizes(cfg.max_seqs))
+            tune(model, graph_sizes(self.decode_rows))
+            tune_packed(model, graph_sizes(self.decode_rows))
             tune_fp8(model)
             try:
                 self.step_graphs.capture()
@@ -254,7 +260,14 @@ class ModelRunner:
                     self.images.start(s)
             if self.images.involved(seqs):  # the embeddings and M-RoPE tables are the step's own
                 return (0, *self._eager(seqs, sampled, every_position), None)
-        if any(s.drafts for s in seqs):  # every draft's logits: the graphs keep one row a seq
+        if any(s.drafts for s in seqs) and not every_position:  # every draft's logits: a row each
+            rows = 0 if self.states.slots else self.step_graphs.draft_bucket(seqs)
+            if rows:
+                ids, positions, slot_t, logits, _ = self.step_graphs.replay(seqs, rows)
+                return 0, ids, positions, slot_t, logits, None
+            tokens = self.step_graphs.prefill_bucket(seqs)
+            if tokens:
+                return (0, *self.step_graphs.replay_prefill(seqs, sampled, tokens), None)
             return (0, *self._eager(seqs, sampled, every_position), None)
         bucket = 0 if every_position else self.step_graphs.bucket(seqs)
         if not bucket:
