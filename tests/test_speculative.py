@@ -68,7 +68,6 @@ def test_only_requests_whose_draws_are_per_token_free_draft():
 
     assert may_draft(Sampling(temperature=0.0), False) and may_draft(Sampling(temperature=0.7, top_p=0.9), False)
     assert not may_draft(Sampling(temperature=0.0), True)  # a grammar masks token by token
-    assert not may_draft(Sampling(temperature=0.0), False, ["an image"])
     for refused in (dict(logprobs=2), dict(seed=1), dict(logit_bias=[(3, 1.0)]), dict(min_tokens=4),
                     dict(repetition_penalty=1.1), dict(frequency_penalty=0.5), dict(presence_penalty=0.5)):
         assert not may_draft(Sampling(**refused), False), refused
@@ -382,6 +381,36 @@ def test_replayed_drafts_all_hold_and_random_ones_change_nothing(server_tmp, tp1
             assert s["drafts"] <= 60 // 4 + 2, s
         else:  # the width falls to one, then pauses double: few steps draft at all
             assert s["accepted_tokens"] <= 2 and s["drafts"] <= 12, s
+
+
+def test_image_chats_draft_at_their_m_rope_positions(tmp_path_factory, tmp_path):
+    """A Qwen3.5 image chat (M-RoPE: the text after an image resumes past its longer side): the
+    transformers answer replayed as drafts is accepted whole, random drafts change nothing; the
+    tokens are transformers' either way, and the drafts' rows sit at the positions their tokens
+    would."""
+    from test_vision_chat import CHUNKED, built, chat as image_chat, config, picture
+
+    ckpt, reference = built("qwen3_5", tmp_path_factory)
+    messages = image_chat("Look: ", [picture(48, 40, 3)], " What is it?")
+    _, want, _ = reference.answer(messages)
+    record = tmp_path / "replay.jsonl"
+    record.write_text(json.dumps({"prompt": reference.prompt(messages)[0], "output": want}) + "\n")
+    for method in (f'"replay", replay = "{record}"', '"random"'):
+        server = start_server(tmp_path, config=CHUNKED + config(ckpt) + f"speculative = {{ method = {method}, tokens = 3 }}\n",
+                              args=["--device", "cpu"])
+        try:
+            r = httpx.post(f"{server.base}/chat/completions", timeout=300, json={
+                "model": "vis", "messages": messages, "max_tokens": len(want), "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == want, method
+            s = httpx.get(f"{server.url}/models").json()["models"][0]["speculative"]
+        finally:
+            assert server.stop() == 0
+        if "replay" in method:
+            assert s["accepted_tokens"] == s["draft_tokens"] >= len(want) // 2, s
+        else:
+            assert s["draft_tokens"] > 0 and s["accepted_tokens"] <= 1, s
 
 
 def test_stops_and_limits_land_where_they_would_without_drafts(drafting, tp1):

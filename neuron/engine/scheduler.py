@@ -121,7 +121,7 @@ class Scheduler:
             if not req.preempted:
                 req.cached_tokens = req.computed
             req.order = next(self._order)
-            if self.speculative and req.spec is None and may_draft(req.sampling, req.constraint is not None, req.images):
+            if self.speculative and req.spec is None and may_draft(req.sampling, req.constraint is not None):
                 drafter = self.speculative.drafter(req.prompt)
                 if drafter is not None:
                     req.spec = Speculation(self.speculative.tokens, drafter)

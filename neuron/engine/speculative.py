@@ -140,12 +140,11 @@ class RandomDrafter:
         return [self.rng.randrange(self.vocab) for _ in range(k)]
 
 
-def may_draft(p: Sampling, constrained: bool, images: list | tuple = ()) -> bool:
+def may_draft(p: Sampling, constrained: bool) -> bool:
     """Whether a request's draws can be checked in a batch of drafts: not with a grammar,
-    penalties, logprobs, a seed, biases or min_tokens, which the rank applies token by token, nor
-    with images (their M-RoPE positions are not checked with drafts yet): a request with any of
-    them decodes as without speculation."""
-    return not (constrained or images or p.logprobs or p.seed is not None or p.logit_bias or p.min_tokens
+    penalties, logprobs, a seed, biases or min_tokens, which the rank applies token by token: a
+    request with any of them decodes as without speculation."""
+    return not (constrained or p.logprobs or p.seed is not None or p.logit_bias or p.min_tokens
                 or p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty)
 
 
