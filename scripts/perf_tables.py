@@ -5,12 +5,28 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 
 from devtools.shapes import fp8_block_checkpoint, int4_checkpoint
 from perf_serve import bench, serve, stop, words_for
+
+
+@contextmanager
+def warm_server(args, served: Path, slots: int, tp: int, name: str, **settings):
+    """A server of ``served`` without the prefix cache (the rows repeat one prompt), warmed up:
+    its URL and model id."""
+    proc, url, ready = serve(served, tp, slots, args.long_prompt + 512, args.device,
+                             args.work / f"server-{name}-tp{tp}.log", caching=False, **settings)
+    try:
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        print(f"[perf] {name} tp={tp}: serve -> healthy in {ready:.1f} s", flush=True)
+        bench(url, model, args.work / "warm.jsonl", "--concurrency", "1", "--requests", "2", "--max-tokens", "8")
+        yield url, model
+    finally:
+        stop(proc)
 
 
 def quantized_rows(args, model_dir: Path, levels: list[int], rows: list[dict], info: dict) -> None:
@@ -37,12 +53,7 @@ def quantized_table(args, model_dir: Path, levels: list[int], rows: list[dict], 
                 else:
                     int4_checkpoint(model_dir, served, scheme, device=args.device)
                 print(f"[perf] wrote {served} in {time.perf_counter() - t0:.1f} s", flush=True)
-        proc, url, ready = serve(served, tp, max(levels), args.long_prompt + 512, args.device,
-                                 args.work / f"server-{scheme}-tp{tp}.log", caching=False, quantize=insitu)
-        try:
-            model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
-            print(f"[perf] {scheme} tp={tp}: serve -> healthy in {ready:.1f} s", flush=True)
-            bench(url, model, args.work / "warm.jsonl", "--concurrency", "1", "--requests", "2", "--max-tokens", "8")
+        with warm_server(args, served, max(levels), tp, scheme, quantize=insitu) as (url, model):
             got = {}
             for c in levels:
                 got[c] = bench(url, model, args.work / f"{scheme}-tp{tp}-c{c}.jsonl", "--concurrency", str(c),
@@ -53,8 +64,6 @@ def quantized_table(args, model_dir: Path, levels: list[int], rows: list[dict], 
                     "--max-tokens", "2", "--prompt-words", str(words_for(model_dir, args.long_prompt))))
                 got["ttft"] = ttft[len(ttft) // 2]
             table.append((scheme, httpx.get(f"{url}/models").json()["models"][0], got))
-        finally:
-            stop(proc)
     one = levels[0]
     print(f"\nquantized in situ, TP={tp} ({args.shape}); x float: the same level's out tok/s against the float rows "
           f"at TP={tp}; c{one} decode: one stream's tokens a second between its first token and its last (stream "
@@ -87,12 +96,7 @@ def speculative_table(args, model_dir: Path, levels: list[int], rows: list[dict]
         setting = f"method={method},tokens={args.spec_tokens}"
         if method == "replay":
             setting += f",replay={args.work / f'replay-tp{tp}.jsonl'}"
-        proc, url, ready = serve(model_dir, tp, max(levels), args.long_prompt + 512, args.device,
-                                 args.work / f"server-spec-{method}-tp{tp}.log", caching=False, speculative=setting)
-        try:
-            model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
-            print(f"[perf] speculative {method} tp={tp}: serve -> healthy in {ready:.1f} s", flush=True)
-            bench(url, model, args.work / "warm.jsonl", "--concurrency", "1", "--requests", "2", "--max-tokens", "8")
+        with warm_server(args, model_dir, max(levels), tp, f"spec-{method}", speculative=setting) as (url, model):
             got = {}
             for c in levels:
                 if method == "replay":  # the answers as this server computes them with drafts, recorded
@@ -105,8 +109,6 @@ def speculative_table(args, model_dir: Path, levels: list[int], rows: list[dict]
                 row["spec"] = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted_tokens")}
                 got[c] = row
             out[method] = got
-        finally:
-            stop(proc)
     print(f"\nspeculative decoding, TP={tp} ({args.shape}), {args.spec_tokens} drafts a decode at most; x: against "
           f"the rows without drafts; stream: one stream's tok/s between its first token and its last")
     print(f"{'drafter':>8} {'conc':>5} {'out tok/s':>10} {'x':>6} {'stream tok/s':>12} {'x':>6} {'itl p99':>8} "

@@ -468,22 +468,26 @@ def drafted_greedy(tmp, checkpoint, speculative: str, tp: int = 1) -> tuple[list
         assert server.stop() == 0
 
 
+two_gpus = pytest.mark.skipif(_gpus() < 2, reason="needs two NVIDIA GPUs")
+
+
 @needs_gpu
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("family", ["llama", "hybrid"])
+@pytest.mark.parametrize("family, tp", [("llama", 1), ("hybrid", 1), pytest.param("llama", 2, marks=two_gpus),
+                                        pytest.param("hybrid", 2, marks=two_gpus)])
 def test_speculative_decoding_in_the_graphs_gives_the_plain_tokens(tmp_path, llama_checkpoint, hybrid_checkpoint,
-                                                                   family):
+                                                                   family, tp):
     """Greedy answers with drafts that all hold (a replay of the plain answers), that all fail
     (random) and prompt lookup's, checked in the decode graphs (dense) or the prefill graphs
-    (hybrid), alone and three together: the plain run's tokens."""
+    (hybrid), alone and three together, on one GPU and over NCCL: the plain run's tokens."""
     import json
 
     checkpoint = llama_checkpoint if family == "llama" else hybrid_checkpoint
-    plain, _ = drafted_greedy(tmp_path, checkpoint, "")
+    plain, _ = drafted_greedy(tmp_path, checkpoint, "", tp)
     record = tmp_path / "replay.jsonl"
     record.write_text("".join(json.dumps({"prompt": p, "output": out[0]}) + "\n" for p, out in zip(PROMPTS, plain)))
     for method in (f'"replay", replay = "{record}"', '"random"', '"ngram"'):
-        got, s = drafted_greedy(tmp_path, checkpoint, f"{{ method = {method}, tokens = 3 }}")
+        got, s = drafted_greedy(tmp_path, checkpoint, f"{{ method = {method}, tokens = 3 }}", tp)
         assert got == plain, method
         if "replay" in method:
             assert s["accepted_tokens"] == s["draft_tokens"] > 24, s
