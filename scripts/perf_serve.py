@@ -24,6 +24,7 @@ def free_port() -> int:
 
 
 MEMORY = 0.9  # --gpu-memory-utilization
+DTYPE = "auto"  # --dtype
 
 
 def serve(model: Path, tp: int, slots: int, max_len: int, device: str, log: Path,
@@ -31,7 +32,7 @@ def serve(model: Path, tp: int, slots: int, max_len: int, device: str, log: Path
     port = free_port()
     env = {**os.environ, "NEURON_MODELS__0__MAX_SLOTS": str(slots), "NEURON_MODELS__0__MAX_MODEL_LEN": str(max_len),
            "NEURON_MODELS__0__PREFIX_CACHING": str(caching).lower(), "NEURON_MODELS__0__QUANTIZE": quantize,
-           "NEURON_MODELS__0__GPU_MEMORY_UTILIZATION": str(MEMORY)}
+           "NEURON_MODELS__0__GPU_MEMORY_UTILIZATION": str(MEMORY), "NEURON_MODELS__0__DTYPE": DTYPE}
     if speculative:
         env["NEURON_MODELS__0__SPECULATIVE"] = speculative
     cmd = [sys.executable, "-m", "neuron.cli", "serve", "--model", str(model), "--port", str(port),
