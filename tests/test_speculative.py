@@ -156,6 +156,32 @@ def test_a_step_waits_whole_for_a_drafting_sequence_and_never_for_drafts_that_ca
     assert [x.tokens for x in overlapped] == [[DEVICE_TOKEN], [DEVICE_TOKEN]]
 
 
+def test_snapshots_leave_the_drafts_state_slots_free_while_they_can_evict_instead():
+    """A model with recurrent state and drafts: the prefix cache's snapshots do not take the
+    slots kept for the states after drafts while an older snapshot can go instead; a running
+    sequence may take them last."""
+    from neuron.engine.blocks import BlockManager
+    from neuron.engine.state_cache import StateCache
+
+    cache = StateCache(6, BlockManager(16, 4, b"key"), 4, spare=2)
+    running = [cache.allocate(), cache.allocate()]
+    kept = []
+    for i in range(4):  # more snapshots than the slots beyond the spare ones
+        slot = cache.reserve()
+        if slot is None:
+            break
+        assert cache.keep(slot, 4 * (i + 1), f"parent{i}".encode())
+        kept.append(slot)
+    assert cache.snapshots == 2 and cache.spare == 2  # the third evicted the first, not a spare slot
+    drafts = [cache.scratch(), cache.scratch()]
+    assert None not in drafts and cache.scratch() is None
+    cache.unscratch(drafts)
+    assert len({*running, *kept, *drafts}) == 6
+    for _ in range(4):  # running sequences: the snapshots' slots first, then the spare ones
+        running.append(cache.allocate())
+    assert cache.snapshots == 0 and cache.spare == 0
+
+
 def test_pipeline_stages_refuse_drafts_by_name():
     from neuron.config import ModelEntry, SpeculativeConfig
     from neuron.registry import speculation_refused

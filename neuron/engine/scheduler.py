@@ -60,7 +60,9 @@ class Scheduler:
         # A recurrent layer's state cannot be rebuilt from cached K/V blocks: its prefix cache
         # needs state snapshots (state_cache), and is off without slots for them.
         self.blocks = BlockManager(num_blocks, block_size, None if state_slots and not state_snapshots else cache_key)
-        self.states = StateCache(state_slots, self.blocks, snapshot_interval)
+        # With drafts, the slots the ranks hold for the states after them (ModelRunner).
+        spare = speculative.rows - 1 if speculative and state_slots else 0
+        self.states = StateCache(state_slots, self.blocks, snapshot_interval, spare)
         self.closing: set[GenRequest] = set()  # finished, their last steps still out: snapshots to come
         self.free_slots: deque[int] = deque(range(max_slots))
         self.waiting = FairQueue()

@@ -43,8 +43,11 @@ class Snapshot:
 
 
 class StateCache:
-    def __init__(self, num_slots: int, blocks: BlockManager, interval: int = 512) -> None:
+    def __init__(self, num_slots: int, blocks: BlockManager, interval: int = 512, spare: int = 0) -> None:
         self.num_slots = num_slots
+        # Slots snapshots leave free while one can be evicted instead: a step's drafts take them
+        # (``scratch``), and cached snapshots are not evicted for drafts.
+        self.keep_free = spare
         self.blocks = blocks
         self.bs = blocks.block_size
         self.interval = max(interval // self.bs, 1) * self.bs
@@ -76,18 +79,20 @@ class StateCache:
         return len(self._free) + sum(1 for s in self._lru if not s.pins)
 
     # ----------------------------------------------------------------------------- slots
-    def _take(self) -> int | None:
-        if self._free:
+    def _take(self, last_resort: bool) -> int | None:
+        """A free slot beyond those kept for drafts, else an unpinned snapshot's, else (as a
+        ``last_resort``) one of those kept."""
+        if len(self._free) > self.keep_free:
             return self._free.popleft()
         victim = next((s for s in self._lru if not s.pins), None)
         if victim is None:
-            return None
+            return self._free.popleft() if last_resort and self._free else None
         self._drop(victim, free=False)
         return victim.slot
 
     def allocate(self) -> int:
         """A slot for a running sequence."""
-        slot = self._take()
+        slot = self._take(True)
         if slot is None:
             raise OutOfBlocks("no state slot is free")
         self.running += 1
@@ -118,7 +123,7 @@ class StateCache:
         """A slot for a snapshot the next step takes, or None when every slot is in use."""
         if not self.caching:
             return None
-        slot = self._take()
+        slot = self._take(False)
         if slot is not None:
             self.pending += 1
         return slot
