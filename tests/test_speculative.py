@@ -556,6 +556,37 @@ def test_the_recurrent_state_goes_on_from_the_last_accepted_draft(hybrid, device
     assert spy.replays == (2 if runner.cuda else 0) and bool(runner.step_graphs.prefill) == runner.cuda
 
 
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("family, tp", [("qwen3_next", 2), ("qwen3_5_moe_text", 1)])
+def test_the_hybrid_families_draft_to_the_transformers_tokens(tmp_path_factory, tmp_path, family, tp):
+    """Qwen3-Next (sparse and dense MLPs) over gloo at TP=2 and Qwen3.5-MoE at TP=1, with prompt
+    lookup and with random drafts (all rejected, the states after them dropped): every answer,
+    alone and three at once, is transformers' greedy one."""
+    from test_hybrid import NEW, PROMPTS as PROMPTS3, built
+
+    _, ckpt, reference = built(family, tmp_path_factory)
+    models = "".join(f'[[models]]\nmodel = "{ckpt}"\nid = "{m}"\ndtype = "float32"\nmax_model_len = 80\n'
+                     f'max_slots = 4\ntensor_parallel = {tp}\nspeculative = {{ method = "{m}", tokens = 3 }}\n'
+                     for m in ("ngram", "random"))
+    server = start_server(tmp_path, config=models + "[engine]\nprefill_chunk = 16\n")
+    try:
+        for m in ("ngram", "random"):
+            def complete(prompts):
+                r = httpx.post(f"{server.base}/completions", timeout=300, json={
+                    "model": m, "prompt": prompts, "max_tokens": NEW, "temperature": 0, "ignore_eos": True,
+                    "return_token_ids": True})
+                assert r.status_code == 200, r.text
+                return [c["token_ids"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+
+            want = [tokens for _, tokens in reference]
+            assert [complete(p)[0] for p in PROMPTS3] == want, m
+            assert complete(PROMPTS3) == want, m
+        info = {x["id"]: x for x in httpx.get(f"{server.url}/models", timeout=10).json()["models"]}
+        assert info["random"]["speculative"]["draft_tokens"] > 0 and info["random"]["state_slots_used"] == 0
+    finally:
+        assert server.stop() == 0
+
+
 def test_a_hybrid_server_answers_the_same_with_drafts(hybrid, tmp_path_factory):
     """Random hybrid weights (flat logits: drafts are often rejected), the prefix cache on: the
     state swaps after rejections and the snapshots of finished answers keep the right state."""
