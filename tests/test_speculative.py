@@ -106,7 +106,8 @@ def test_measuring_drafters_replay_a_record_or_guess_at_random(tmp_path):
     gpu = DraftPolicy.build("ngram", 3, True, 50, 64)
     assert gpu.rows == GPU_ROWS and gpu.decodes > MAX_DECODES
     assert DraftPolicy.build("ngram", 16, True, 50, 2).rows == 2 * 17  # no more rows than the slots' share
-    for bad in ("{\"prompt\": [1]}", "{\"prompt\": [1], \"output\": [-2]}", "not json"):
+    for bad in ("{\"prompt\": [1]}", "{\"prompt\": [1], \"output\": [-2]}", "not json",
+                "{\"prompt\": [1], \"output\": [50]}", "{\"prompt\": [true], \"output\": []}", "[" * 100000):
         record.write_text(bad)
         with pytest.raises(DraftError, match="replay file"):
             DraftPolicy.build("replay", 3, False, 50, 8, str(record))

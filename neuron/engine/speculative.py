@@ -14,9 +14,9 @@ stops drafting for a number of steps that doubles with each such stop (``MAX_PAU
 and a sequence whose last tokens occurred nowhere before pauses a few steps (pauses end at
 multiples of their length, together). While a sequence drafts, the next step waits for its input
 token (the lookup needs it), where it would otherwise go out planned before that token is known
-(overlapped steps), and with it the whole batch; paused, it overlaps. And a step drafts only while it decodes few sequences (``DraftPolicy.decodes``) and carries few rows: a
-batch of decodes already reads each weight once for many tokens, so extra rows there cost more
-than they save.
+(overlapped steps), and with it the whole batch; paused, it overlaps. And a step drafts only
+while it decodes few sequences (``DraftPolicy.decodes``) and carries few rows: a batch of decodes
+already reads each weight once for many tokens, so extra rows there cost more than they save.
 
 Two more drafters exist to measure the mechanism (random weights accept almost nothing):
 ``replay`` proposes a recorded answer to the same prompt (every draft right, where the model is
@@ -68,7 +68,7 @@ class DraftPolicy:
         decodes, rows = (GPU_DECODES, max(GPU_ROWS, tokens + 1)) if gpu else (MAX_DECODES, MAX_DECODES * (tokens + 1))
         policy = cls(method, tokens, min(decodes, slots), min(rows, slots * (tokens + 1)), vocab)
         if method == "replay":
-            policy.replay = read_replay(Path(replay))
+            policy.replay = read_replay(Path(replay), vocab)
         return policy
 
     def drafter(self, prompt: list[int]):
@@ -89,8 +89,9 @@ class DraftPolicy:
             self.replay[tuple(prompt)] = list(output)
 
 
-def read_replay(path: Path) -> dict[tuple[int, ...], list[int]]:
-    """A replay file: JSON lines of ``{"prompt": [ids], "output": [ids]}``."""
+def read_replay(path: Path, vocab: int) -> dict[tuple[int, ...], list[int]]:
+    """A replay file: JSON lines of ``{"prompt": [ids], "output": [ids]}``, every id in the
+    vocabulary (the rank refuses a step with any other)."""
     out: dict[tuple[int, ...], list[int]] = {}
     try:
         for n, line in enumerate(path.read_text().splitlines(), 1):
@@ -98,10 +99,10 @@ def read_replay(path: Path) -> dict[tuple[int, ...], list[int]]:
                 continue
             row = json.loads(line)
             prompt, output = row["prompt"], row["output"]
-            if not all(isinstance(t, int) and t >= 0 for t in prompt + output):
-                raise ValueError(f"line {n}: token ids must be non-negative integers")
+            if not all(type(t) is int and 0 <= t < vocab for t in prompt + output):
+                raise ValueError(f"line {n}: token ids must be integers in 0..{vocab - 1}")
             out[tuple(prompt)] = output
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
         raise DraftError(f"replay file {str(path)!r}: {exc}") from None
     return out
 

@@ -67,22 +67,25 @@ class StepGraphs:
         rows = sum(len(s.tokens) for s in seqs)
         return next((n for n in sorted(self.decode) if n >= rows), 0)
 
-    def replay(self, seqs: list[p.StepSeq], bucket: int):
+    def replay(self, seqs: list[p.StepSeq], bucket: int, drafts: bool = False):
         assert self.graph_in is not None
         staged = self._staging()
         packed = staged.numpy()
         packed[:4] = 0
         packed[2] = self.runner.scratch_row
         packed[6] = self.runner.states.scratch
-        B = 0
-        for s in seqs:
-            # A seq with drafts: a row per token; the verdict on them draws its next token, not
-            # the graph's argmax (its rows would race to store theirs).
-            sample = s.sample and not s.drafts
-            for j, token in enumerate(s.tokens):
-                packed[0, B], packed[1, B], packed[2, B], packed[3, B] = token, s.start_pos + j, s.slot, sample
-                packed[6, B] = s.state
-                B += 1
+        B = len(seqs)
+        if not drafts:
+            for i, s in enumerate(seqs):
+                packed[0, i], packed[1, i], packed[2, i], packed[3, i] = s.tokens[0], s.start_pos, s.slot, s.sample
+                packed[6, i] = s.state
+        else:  # a row per token and draft; the verdict, not the graph's argmax, draws the next token
+            B = 0  # (the rows of one slot would race to store theirs)
+            for s in seqs:
+                for j, token in enumerate(s.tokens):
+                    packed[:4, B] = token, s.start_pos + j, s.slot, s.sample and not s.drafts
+                    packed[6, B] = s.state
+                    B += 1
         self.graph_in.copy_(staged, non_blocking=True)
         graph, ids, logits, argmax = self.decode[bucket]
         stage = self.runner.stage

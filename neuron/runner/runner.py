@@ -263,7 +263,7 @@ class ModelRunner:
         if any(s.drafts for s in seqs) and not every_position:  # every draft's logits: a row each
             rows = 0 if self.states.slots else self.step_graphs.draft_bucket(seqs)
             if rows:
-                ids, positions, slot_t, logits, _ = self.step_graphs.replay(seqs, rows)
+                ids, positions, slot_t, logits, _ = self.step_graphs.replay(seqs, rows, drafts=True)
                 return 0, ids, positions, slot_t, logits, None
             tokens = self.step_graphs.prefill_bucket(seqs)
             if tokens:
