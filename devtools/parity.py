@@ -45,6 +45,7 @@ class ParityJob:
     checkpoint_quant: Any = None  # protocol.CheckpointQuant: the publisher quantized the checkpoint
     keep_scored: bool = False  # also return the logits at every position of the ``score`` sequences
     draft_rows: int = 0  # RunnerConfig.draft_rows: the CUDA graphs of steps with drafts
+    mtp: bool = False  # load the checkpoint's MTP layer (StepSeq.propose)
 
 
 @dataclass
@@ -122,7 +123,8 @@ def build(job: ParityJob, world: int = 1, rank: int = 0) -> tuple[Any, float]:
     quantized = getattr(src, "quantized", False) or (job.dense and bool(job.quant))
     block = GROUP if packed_kernel_for(device, dtype) and quantized else 1
     model = families.family(job.config.family).build(job.config, world, rank, src, dtype=dtype, device=device,
-                                                     max_len=job.max_len, block=block)
+                                                     max_len=job.max_len, block=block,
+                                                     **({"mtp": True} if job.mtp else {}))
     # A cache of whole blocks for these sequences only (run_model gives each its own), not the
     # device's free memory.
     seqs, bs = max(1, len(job.prompts)), RunnerConfig.block_size

@@ -124,7 +124,8 @@ def _hybrid_checkpoint(model_type: str, shaped: dict[str, Any], out: Path, devic
         "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
         "rms_norm_eps": 1e-6, "hidden_act": "silu", "max_position_embeddings": 16384, "torch_dtype": dtype,
-        "bos_token_id": ids[BOS_TOKEN], "eos_token_id": ids[EOS_TOKEN], "pad_token_id": ids[PAD_TOKEN]}
+        "bos_token_id": ids[BOS_TOKEN], "eos_token_id": ids[EOS_TOKEN], "pad_token_id": ids[PAD_TOKEN],
+        "mtp_num_hidden_layers": 1}
     h, hd, vocab = config["hidden_size"], config["head_dim"], config["vocab_size"]
     nq, nkv = config["num_attention_heads"], config["num_key_value_heads"]
     nk, nv = config["linear_num_key_heads"], config["linear_num_value_heads"]
@@ -150,8 +151,7 @@ def _hybrid_checkpoint(model_type: str, shaped: dict[str, Any], out: Path, devic
 
     save("model-embed.safetensors", {"model.embed_tokens.weight": rand(vocab, h), "model.norm.weight": zeros(h),
                                      "lm_head.weight": rand(vocab, h)})
-    for i, kind in enumerate(config["layer_types"]):
-        p = f"model.layers.{i}."
+    def layer(p: str, kind: str) -> dict[str, Any]:
         t = {p + "input_layernorm.weight": zeros(h), p + "post_attention_layernorm.weight": zeros(h)}
         if kind == "full_attention":
             a = p + "self_attn."
@@ -173,7 +173,14 @@ def _hybrid_checkpoint(model_type: str, shaped: dict[str, Any], out: Path, devic
             t |= {p + "mlp.gate.weight": rand(experts, h), p + "mlp.experts.gate_up_proj": rand(experts, 2 * inter, h),
                   p + "mlp.experts.down_proj": rand(experts, h, inter), p + "mlp.shared_expert_gate.weight": rand(1, h)}
             t |= mlp(p + "mlp.shared_expert.", config["shared_expert_intermediate_size"])
-        save(f"model-layer{i:03d}.safetensors", t)
+        return t
+
+    for i, kind in enumerate(config["layer_types"]):
+        save(f"model-layer{i:03d}.safetensors", layer(f"model.layers.{i}.", kind))
+    # the multi-token-prediction layer the hub's checkpoints ship (speculative decoding's ``mtp``)
+    save("model-mtp.safetensors", layer("mtp.layers.0.", "full_attention") | {
+        "mtp.fc.weight": rand(h, 2 * h), "mtp.norm.weight": zeros(h), "mtp.pre_fc_norm_embedding.weight": zeros(h),
+        "mtp.pre_fc_norm_hidden.weight": zeros(h)})
     write_json(out / "model.safetensors.index.json", {"metadata": {}, "weight_map": index})
     write_json(out / "config.json", config)
     write_tokenizer(out, tokenizer, config)

@@ -58,7 +58,8 @@ class ServerConfig:
 class SpeculativeConfig:
     """``[[models]] speculative = { method = "ngram", tokens = 4 }``: each decode guesses up to
     ``tokens`` tokens (prompt lookup: what followed the last place the sequence's latest tokens
-    occurred) and one step checks them all. Empty ``method``: off. ``replay`` (a recorded
+    occurred; ``mtp``: the checkpoint's multi-token-prediction layer) and one step checks them
+    all. Empty ``method``: off. ``replay`` (a recorded
     answer per prompt, from the JSON lines file ``replay``) and ``random`` measure the mechanism."""
 
     method: str = ""
@@ -315,11 +316,9 @@ def validate(cfg: Config) -> None:
                               "multiple of block_size")
         if m.tool_parser not in TOOL_PARSERS:
             raise ConfigError(f"models[{i}].tool_parser must be one of {', '.join(TOOL_PARSERS)}")
-        if m.speculative.method not in ("", "ngram", "replay", "random"):
-            raise ConfigError(f"models[{i}].speculative.method must be \"ngram\", \"replay\" or \"random\" (or "
-                              f"empty: off), not "
-                              f"{m.speculative.method!r}" + (": drafting with the checkpoint's MTP layers is not "
-                                                             "supported yet" if m.speculative.method == "mtp" else ""))
+        if m.speculative.method not in ("", "ngram", "mtp", "replay", "random"):
+            raise ConfigError(f"models[{i}].speculative.method must be \"ngram\", \"mtp\", \"replay\" or "
+                              f"\"random\" (or empty: off), not {m.speculative.method!r}")
         if not 1 <= m.speculative.tokens <= MAX_DRAFTS:
             raise ConfigError(f"models[{i}].speculative.tokens must be in 1..{MAX_DRAFTS}")
         if (m.speculative.method == "replay") != bool(m.speculative.replay):

@@ -156,7 +156,7 @@ class Registry:
         except ShardingError as exc:
             raise LoadError(f"model {model_id!r} cannot be split: {exc}") from None
         if entry.speculative.method:
-            why = speculation_refused(entry)
+            why = speculation_refused(entry, spec)
             if why:
                 raise LoadError(f"model {model_id!r}: speculative decoding ({entry.speculative.method}) {why}")
         if self.on_finish is not None:
@@ -225,7 +225,7 @@ class Registry:
                 cuda_graphs=entry.cuda_graphs, quant=entry.quantize or None, state_dtype=entry.state_dtype,
                 state_snapshots=entry.state_snapshots if z.cache_key is not None else 0,
                 checkpoint_quant=spec.checkpoint_quant, pipeline=entry.pipeline_parallel,
-                draft_rows=z.speculative.rows if z.speculative else 0))
+                draft_rows=z.speculative.rows if z.speculative else 0, mtp=entry.speculative.method == "mtp"))
         except BaseException:
             await group.close_after_failure()
             raise
@@ -390,9 +390,14 @@ def draft_policy(model_id: str, entry: ModelEntry, gpu: bool, vocab: int) -> Dra
         raise LoadError(f"model {model_id!r}: speculative decoding: {exc}") from None
 
 
-def speculation_refused(entry: ModelEntry) -> str:
+def speculation_refused(entry: ModelEntry, spec: ModelSpec | None = None) -> str:
     """Why a model cannot draft (speculative decoding) yet, or "": pipeline stages pass one token
-    a sequence between them."""
+    a sequence between them; ``mtp`` needs the checkpoint's MTP layer."""
     if entry.pipeline_parallel > 1:
         return "is not supported yet with pipeline stages"
+    if entry.speculative.method == "mtp" and spec is not None:
+        refused = getattr(families.family(spec.config.family), "mtp_refused", None)
+        if refused is None:
+            return f"needs a checkpoint with MTP layers, and the {spec.config.family} family has none"
+        return refused(spec.config, spec.files.tensor_names if spec.files.format == "safetensors" else None)
     return ""

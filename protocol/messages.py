@@ -120,6 +120,10 @@ class StepSeq(msgspec.Struct, array_like=True, gc=False, frozen=True):
     - ``drafts`` (speculative decoding, with ``sample``): the last ``drafts`` of ``tokens`` are
       guesses of the tokens to come; the rank keeps the longest run of them its own draws
       confirm, and draws one token after it (``StepResult.drafted``).
+    - ``propose`` (speculative decoding from the model's MTP layer): the MTP layer runs over the
+      step's tokens; with ``sample``, it then proposes up to this many drafts to follow the draw
+      (``StepResult.proposals``), chained from its own outputs. A prompt chunk without ``sample``
+      only fills the layer's cache (its last position waits for the next chunk's first token).
     """
 
     slot: int
@@ -137,6 +141,7 @@ class StepSeq(msgspec.Struct, array_like=True, gc=False, frozen=True):
     kv_from: int = -1
     images: list[StepImage] = []
     drafts: int = 0
+    propose: int = 0
 
 
 class StepTimings(msgspec.Struct, array_like=True, gc=False, frozen=True):
@@ -199,6 +204,7 @@ class LoadShard(Frame, tag="load_shard"):
     # Pipeline stages the group's ranks form (neuron.models.stages): world / pipeline ranks a stage.
     pipeline: int = 1
     draft_rows: int = 0  # the most rows (decodes and their drafts) a step with drafts carries
+    mtp: bool = False  # load the checkpoint's multi-token-prediction layer (StepSeq.propose)
 
 
 class Step(Frame, tag="step"):
@@ -269,6 +275,9 @@ class StepResult(Frame, tag="step_result"):
     # Speculative decoding: per seq, the drafts the rank accepted, which come before tokens[i]
     # (empty for a seq without drafts); None when the step carried none.
     drafted: list[list[int]] | None = None
+    # Per seq, the drafts its MTP layer proposes to follow tokens[i] (StepSeq.propose); None when
+    # no seq of the step asked.
+    proposals: list[list[int]] | None = None
 
 
 class Freed(Frame, tag="freed"):

@@ -478,15 +478,22 @@ two_gpus = pytest.mark.skipif(_gpus() < 2, reason="needs two NVIDIA GPUs")
 def test_speculative_decoding_in_the_graphs_gives_the_plain_tokens(tmp_path, llama_checkpoint, hybrid_checkpoint,
                                                                    family, tp):
     """Greedy answers with drafts that all hold (a replay of the plain answers), that all fail
-    (random) and prompt lookup's, checked in the decode graphs (dense) or the prefill graphs
-    (hybrid), alone and three together, on one GPU and over NCCL: the plain run's tokens."""
+    (random), prompt lookup's and (hybrid) the MTP layer's, checked in the decode graphs (dense)
+    or the prefill graphs (hybrid), alone and three together, on one GPU and over NCCL: the
+    plain run's tokens."""
     import json
 
+    from test_mtp import with_mtp
+
     checkpoint = llama_checkpoint if family == "llama" else hybrid_checkpoint
+    methods = ['"random"', '"ngram"']
+    if family == "hybrid":
+        checkpoint = with_mtp(checkpoint, tmp_path / "mtp", "qwen3_5_text")
+        methods.append('"mtp"')
     plain, _ = drafted_greedy(tmp_path, checkpoint, "", tp)
     record = tmp_path / "replay.jsonl"
     record.write_text("".join(json.dumps({"prompt": p, "output": out[0]}) + "\n" for p, out in zip(PROMPTS, plain)))
-    for method in (f'"replay", replay = "{record}"', '"random"', '"ngram"'):
+    for method in [f'"replay", replay = "{record}"'] + methods:
         got, s = drafted_greedy(tmp_path, checkpoint, f"{{ method = {method}, tokens = 3 }}", tp)
         assert got == plain, method
         if "replay" in method:

@@ -73,12 +73,13 @@ def test_only_requests_whose_draws_are_per_token_free_draft():
         assert not may_draft(Sampling(**refused), False), refused
 
 
-def test_speculative_settings_are_checked_and_mtp_is_refused_by_name():
+def test_speculative_settings_are_checked():
     from neuron.config import ConfigError, load_config
 
     cfg = load_config(None, env={"NEURON_MODELS__0__SPECULATIVE": "method=ngram,tokens=5"})
     assert (cfg.models[0].speculative.method, cfg.models[0].speculative.tokens) == ("ngram", 5)
-    for bad, words in (("method=mtp", "MTP layers is not supported yet"), ("method=ngram,tokens=0", "1..16"),
+    assert load_config(None, env={"NEURON_MODELS__0__SPECULATIVE": "method=mtp"}).models[0].speculative.method == "mtp"
+    for bad, words in (("method=ngram,tokens=0", "1..16"),
                        ("method=eagle", "must be \"ngram\""), ("tokens=3,depth=2", "unknown keys: depth")):
         with pytest.raises(ConfigError, match=words):
             load_config(None, env={"NEURON_MODELS__0__SPECULATIVE": bad})

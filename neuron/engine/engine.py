@@ -245,7 +245,7 @@ class Engine:
                                   state_from=x.state_from, snapshots=self.sched.step_snapshots(x),
                                   kv_from=x.kv_from,
                                   images=self.images.step_images(x.req, x.start_pos)
-                                  if x.start and x.req.images else [], drafts=x.drafts)
+                                  if x.start and x.req.images else [], drafts=x.drafts, propose=x.propose)
                         for x in plan]
                 waiter = await group.send_step(self._step_ids, seqs, self.images.take_forget())
                 self.inflight.append((plan, asyncio.ensure_future(waiter())))
@@ -300,6 +300,8 @@ class Engine:
                 if not x.req.finished:
                     lp = result.logprobs[i] if result.logprobs else None
                     self._on_token(x.req, result.tokens[i], lp)
+                if result.proposals and result.proposals[i] and x.req.spec is not None:
+                    x.req.spec.index.offer(len(x.req.prompt) + len(x.req.output), result.proposals[i])
         if not self.inflight:
             self._last_result = None  # the pipeline ran dry: the next gap is not a step
         self.leader_s += time.perf_counter() - t1

@@ -46,6 +46,7 @@ class Planned:
     # With drafts, for a model with recurrent state: the slots that take the state after the input
     # token and each draft but the last (the state to go on from if the next draft is rejected).
     draft_states: list[int] = field(default_factory=list)
+    propose: int = 0  # drafts the rank's MTP layer guesses after the step (StepSeq.propose)
 
 
 class Scheduler:
@@ -123,7 +124,8 @@ class Scheduler:
             if not req.preempted:
                 req.cached_tokens = req.computed
             req.order = next(self._order)
-            if self.speculative and req.spec is None and may_draft(req.sampling, req.constraint is not None):
+            if self.speculative and req.spec is None and may_draft(req.sampling, req.constraint is not None) \
+                    and not (self.speculative.method == "mtp" and req.images):
                 drafter = self.speculative.drafter(req.prompt)
                 if drafter is not None:
                     req.spec = Speculation(self.speculative.tokens, drafter)
@@ -251,6 +253,7 @@ class Scheduler:
             rows = len(plan)
             for x in plan:
                 rows += self._draft(x, self.speculative.rows - rows)
+                self._propose(x)
         self.clock += bool(plan)
         # Beside running decodes a step takes a smaller prompt chunk: it sets their latency.
         chunk = self.prefill_chunk_decoding if plan else self.prefill_chunk
@@ -264,6 +267,7 @@ class Scheduler:
             n = min(len(known) - req.computed, chunk, budget)
             last = req.computed + n == len(known)
             plan.append(self._plan(req, known[req.computed: req.computed + n], last and self._may_sample(req)))
+            self._propose(plan[-1])
             budget -= n
         return plan
 
@@ -308,6 +312,21 @@ class Scheduler:
         req.sent_blocks = len(req.blocks)
         req.computed += len(drafts)
         return len(drafts)
+
+    def _propose(self, x: Planned) -> None:
+        """With the MTP drafter, a planned step of a drafting sequence runs the rank's MTP layer
+        over its tokens (a prompt chunk's fill its cache) and, where it draws, asks for as many
+        drafts as the next step may carry, with blocks held for the rows that guess them (beyond
+        one in hand for each running sequence)."""
+        req = x.req
+        if req.spec is None or getattr(req.spec.index, "pauses", True) or not req.spec.active(self.clock):
+            return
+        x.propose = req.spec.width if x.sample else req.spec.most
+        need = self.blocks.blocks_for(req.computed + x.propose - 1) - len(req.blocks) if x.sample else 0
+        if 0 < need <= self.blocks.free_count - len(self.running):
+            self.blocks.grow(req.blocks, req.computed + x.propose - 1)
+            x.blocks = req.blocks[x.block_start:]
+            req.sent_blocks = len(req.blocks)
 
     def drafts_checked(self, x: Planned, accepted: int) -> None:
         """A step's reply for a planned decode with drafts: ``accepted`` held. The positions of

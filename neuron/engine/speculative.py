@@ -18,6 +18,10 @@ token (the lookup needs it), where it would otherwise go out planned before that
 while it decodes few sequences (``DraftPolicy.decodes``) and carries few rows: a batch of decodes
 already reads each weight once for many tokens, so extra rows there cost more than they save.
 
+``mtp`` drafts with the checkpoint's multi-token-prediction layer, on the rank: a step of a
+drafting sequence asks for proposals (``StepSeq.propose``), which come back with its token
+(``StepResult.proposals``) and go out as the next step's drafts; a step without them only asks.
+
 Two more drafters exist to measure the mechanism (random weights accept almost nothing):
 ``replay`` proposes a recorded answer to the same prompt (every draft right, where the model is
 deterministic), ``random`` proposes random tokens (every draft wrong).
@@ -55,7 +59,7 @@ class DraftPolicy:
     """A model's speculative decoding on the leader: the drafter, the drafts a decode may carry,
     and the steps that may carry them (at most ``decodes`` decodes and ``rows`` rows)."""
 
-    method: str  # ngram | replay | random
+    method: str  # ngram | mtp | replay | random
     tokens: int
     decodes: int
     rows: int
@@ -77,6 +81,8 @@ class DraftPolicy:
             return NgramIndex()
         if self.method == "random":
             return RandomDrafter(self.vocab, self.rng)
+        if self.method == "mtp":
+            return MtpProposals()
         answer = self.replay.get(tuple(prompt))
         return None if answer is None else Replay(len(prompt), answer)
 
@@ -126,6 +132,27 @@ class Replay:
             return []
         self.seen = at
         return self.answer[at: at + k]
+
+
+class MtpProposals:
+    """The drafts the rank's MTP layer proposed to follow a sequence's tokens so far
+    (``StepResult.proposals``); where none came for the tokens as they are, the step asks for
+    them (``StepSeq.propose``) and drafts the next, so a miss is no reason to pause."""
+
+    pauses = False
+
+    def __init__(self) -> None:
+        self.at, self.tokens = -1, []
+
+    def offer(self, at: int, tokens: list[int]) -> None:
+        """Proposals to follow the sequence's first ``at`` tokens."""
+        self.at, self.tokens = at, tokens
+
+    def may_match(self, prompt: list[int], output: list[int]) -> bool:
+        return True
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        return self.tokens[:k] if self.at == len(tokens) else []
 
 
 class RandomDrafter:
@@ -195,7 +222,7 @@ class Speculation:
     all of them, not once for each."""
 
     most: int  # the model's ``speculative.tokens``
-    index: NgramIndex | Replay | RandomDrafter = field(default_factory=NgramIndex)
+    index: NgramIndex | Replay | RandomDrafter | MtpProposals = field(default_factory=NgramIndex)
     width: int = 0  # drafts the next step may carry (0: set to ``most`` at the first)
     resume: int = 0  # the step from which it drafts again
     stops: int = 0  # pauses so far in a row
@@ -218,7 +245,7 @@ class Speculation:
         """The drafts for the next step of a sequence of ``tokens``, at most ``room``; where
         none matches, the sequence pauses up to ``NO_MATCH_PAUSE`` steps (and overlaps them)."""
         found = self.index.propose(tokens, min(self.width, room)) if room > 0 else []
-        if not found:
+        if not found and getattr(self.index, "pauses", True):
             self.pause(clock, NO_MATCH_PAUSE)
         return found
 

@@ -25,6 +25,7 @@ from .layers import Collectives, WeightSource, unique_bytes
 from .llama import Mlp
 from .moe import SparseMoe
 from .mrope import mrope_angles
+from .mtp import PREFIX as MTP_PREFIX, MtpHead
 from .ops import RopeTables, Rotary, TorchOps
 from .sharding import ShardPlan, sparse_layer, split_blocks
 from .tp_linear import AnyLinear, ConcatLinear, column_parallel, row_parallel
@@ -144,7 +145,7 @@ class HybridLM:
     one all-reduce after each mixer and each MLP."""
 
     def __init__(self, cfg: ModelConfig, plan: ShardPlan, src: WeightSource, *, dtype: torch.dtype,
-                 device: torch.device, max_len: int, block: int = 1) -> None:
+                 device: torch.device, max_len: int, block: int = 1, mtp: bool = False) -> None:
         self.cfg, self.plan, self.dtype, self.device = cfg, plan, dtype, device
         prefix = str(cfg.extra.get("prefix", "model"))
         self.comm = Collectives(plan.world)
@@ -159,6 +160,14 @@ class HybridLM:
         self.inv_freq = rotary_freqs(cfg).to(device)
         self.attention_shape = next(layer.mixer.shape for layer in self.layers if layer.kind == "full_attention")
         self.recurrent = DeltaNetShape(cfg, key_heads(cfg, plan.world, plan.rank), dtype).state()
+        # The MTP layer (speculative decoding) and, while it is loaded, each forward's final normed
+        # hidden states, every row (its input).
+        self.mtp: MtpHead | None = None
+        self.hidden: torch.Tensor | None = None
+        if mtp:
+            layer = HybridLayer(cfg, plan, src, f"{MTP_PREFIX}.layers.0", "full_attention", 0, dtype, device, block)
+            self.mtp = MtpHead(src, dtype, device, layer, lambda name: zero_centred(src, name, device, dtype),
+                               cfg.layer_types.count("full_attention"))
 
     @property
     def capturable(self) -> bool:
@@ -167,10 +176,11 @@ class HybridLM:
 
     def state_specs(self) -> list[LayerState]:
         kv = KvState(self.attention_shape.n_kv, self.attention_shape.head_dim)
-        return [kv if layer.kind == "full_attention" else self.recurrent for layer in self.layers]
+        return [kv if layer.kind == "full_attention" else self.recurrent for layer in self.layers] + \
+            ([kv] if self.mtp is not None else [])
 
     def linears(self) -> tuple[list[AnyLinear], list[str]]:
-        found: list[AnyLinear] = self.vocab.linears()
+        found: list[AnyLinear] = self.vocab.linears() + (self.mtp.linears() if self.mtp is not None else [])
         dense_experts = []
         for layer in self.layers:
             found += layer.mixer.linears()
@@ -192,6 +202,7 @@ class HybridLM:
     def weight_bytes(self) -> int:
         tensors = [t for lin in self.vocab.linears() for t in lin.tensors()] + [self.norm]
         tensors += self.vision.tensors() if self.vision is not None else []
+        tensors += self.mtp.tensors() if self.mtp is not None else []
         for layer in self.layers:
             tensors += [layer.attn_norm, layer.mlp_norm, *layer.mixer.tensors(), *layer.mlp.tensors()]
         return unique_bytes(tensors)
@@ -225,4 +236,12 @@ class HybridLM:
             x, h = ops.reduce_add_rms_norm(y, h, layer.mlp_norm, eps, self.comm)
             following = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.norm
             x, h = ops.reduce_add_rms_norm(layer.mlp(x, ops), h, following, eps, self.comm)
+        if self.mtp is not None:
+            self.hidden = x
         return self.vocab.logits(x if rows is None else x[rows])
+
+    def mtp_forward(self, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, attend: AttentionFn,
+                    rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP layer's normed outputs and the logits of ``rows`` (``mtp.MtpHead.forward``)."""
+        assert self.mtp is not None
+        return self.mtp.forward(self, ids, positions, hidden, attend, rows)

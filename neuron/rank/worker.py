@@ -161,6 +161,10 @@ class DeviceWorker:
         world, rank, kwargs = self.world, self.rank, {}
         if msg.pipeline > 1:
             world, rank, kwargs["stage"] = self._stage(msg, family)
+        if msg.mtp:
+            if not hasattr(family, "mtp_refused") or msg.pipeline > 1 or msg.format != "safetensors":
+                raise RankFailure("bad_request", f"the {msg.config.family} family loads no MTP layer here")
+            kwargs["mtp"] = True
         try:
             self.model = family.build(msg.config, world, rank, _Counted(src, self), dtype=dtype, device=self.device,
                                       max_len=msg.max_len, block=GROUP if packed else 1, **kwargs)
@@ -257,7 +261,7 @@ class DeviceWorker:
             if self.busy_step == msg.step_id:
                 self.busy_step = -1
         return p.StepResult(id=msg.id, epoch=msg.epoch, step_id=msg.step_id, tokens=tokens, timings=timings,
-                            logprobs=logprobs, drafted=drafted)
+                            logprobs=logprobs, drafted=drafted, proposals=pending.proposals)
 
     def close(self) -> None:
         self._unload()

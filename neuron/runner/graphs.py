@@ -44,6 +44,9 @@ class StepGraphs:
         # A pipeline stage after the first: the previous stage's residual stream, received into
         # this static buffer before a replay (the sends and receives stay outside the graphs).
         self.hidden_in: torch.Tensor | None = None
+        # A model with an MTP layer: each graph's final hidden states (its static output), the
+        # model's ``hidden`` after a replay.
+        self.hidden_out: dict[tuple[bool, int], torch.Tensor] = {}
 
     @property
     def runner(self):
@@ -52,6 +55,11 @@ class StepGraphs:
     def clear(self) -> None:
         self.decode.clear()
         self.prefill.clear()
+        self.hidden_out.clear()
+
+    def _replayed(self, decode: bool, n: int) -> None:
+        if self.hidden_out:
+            self.runner.model.hidden = self.hidden_out[(decode, n)]
 
     # ----------------------------------------------------------------------------- decode
     def bucket(self, seqs: list[p.StepSeq]) -> int:
@@ -91,6 +99,7 @@ class StepGraphs:
         stage = self.runner.stage
         if stage is None:
             graph.replay()
+            self._replayed(True, bucket)
             return ids[:B], self.graph_in[1, :B], self.graph_in[2, :B], logits[:B], argmax[:B]
         import torch.distributed as dist
 
@@ -177,6 +186,7 @@ class StepGraphs:
         self._pg_in.copy_(staged, non_blocking=True)
         graph, resolved, logits, _ = self.prefill[bucket]
         graph.replay()
+        self._replayed(False, bucket)
         view = self._pg_layout(self._pg_in, T)
         return resolved[:T], view["pos"], view["slot"], logits[: len(rows)]
 
@@ -249,6 +259,8 @@ class StepGraphs:
                 ids, logits, argmax = forward(n)
             pool = graph.pool()
             into[n] = (graph, ids, logits, argmax)
+            if getattr(self.runner.model, "mtp", None) is not None:
+                self.hidden_out[(into is self.decode, n)] = self.runner.model.hidden
         return pool
 
     def capture(self) -> None:

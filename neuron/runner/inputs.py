@@ -50,6 +50,9 @@ def check_step(runner, seqs: list[p.StepSeq]) -> None:
                          or runner.stage_tokens is not None):
             raise StepRejected(f"slot {s.slot}: drafts must be fewer than the tokens of a sampled seq (at most "
                                f"{p.MAX_DRAFTS}), of a model without pipeline stages")
+        if s.propose and (not 0 < s.propose <= p.MAX_DRAFTS or getattr(runner, "mtp", None) is None):
+            raise StepRejected(f"slot {s.slot}: propose needs a model with its MTP layer loaded, and at most "
+                               f"{p.MAX_DRAFTS} drafts")
         _check_state(runner, s, states)
         if s.sampling is not None:
             why = check_sampling(s.sampling, vocab)

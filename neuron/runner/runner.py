@@ -24,10 +24,12 @@ import torch
 import protocol as p
 from neuron.models.interface import KvState, Model
 
-from .attention import PagedAttention, PagedKvCache, PrefillSpan, StepMeta
+from .attention import PagedAttention, PagedKvCache
 from .graphs import PREFILL_GRAPH_TOKENS, StepGraphs, graph_sizes
 from .images import RankImages
-from .inputs import DEVICE_TOKEN, StepRejected, check_step, flatten, key_rows, prefill_batch, state_spans
+from .eager import eager_inputs
+from .inputs import DEVICE_TOKEN, StepRejected, check_step
+from .mtp import MtpDrafting
 from .sampler import DeviceSampler, upload
 from .speculative import verify_drafts
 from .sizing import kv_blocks, state_snapshots
@@ -67,6 +69,7 @@ class PendingStep:
     # The device's idle gap before this step: from the last step's end to this one's first kernel.
     gap: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
     drafts: list[list[int]] | None = None  # each sampled row's drafts (speculative decoding)
+    proposals: list[list[int]] | None = None  # each seq's drafts from the MTP layer (StepSeq.propose)
 
     def wait(self) -> tuple[list[int], list[list[tuple[int, float]]] | None, p.StepTimings,
                             list[list[int]] | None]:
@@ -149,6 +152,7 @@ class ModelRunner:
             from .pipeline import StageTokens
             self.stage_tokens = StageTokens(self.stage, rank, self.sampler.last_token)
         self.step_graphs = StepGraphs(self)
+        self.mtp = MtpDrafting(self) if getattr(model, "mtp", None) is not None else None
         self.images = RankImages(model, self.device) if getattr(model, "vision", None) is not None else None
         self._last_end: torch.cuda.Event | None = None
         if self.cuda:
@@ -191,6 +195,7 @@ class ModelRunner:
         seqs = msg.seqs
         sampled = [i for i, s in enumerate(seqs) if s.sample]
         drafting = any(s.drafts for s in seqs)
+        proposing = self.mtp is not None and any(s.propose for s in seqs)
         accepted = None
         if self.stage_tokens is not None:
             self.stage_tokens.before_step([s.slot for s in seqs if s.tokens and s.tokens[0] < 0])
@@ -216,9 +221,17 @@ class ModelRunner:
         if sampled and self.stage_tokens is not None:
             self.stage_tokens.after_step(tokens, rows_slots)
         elif sampled and self.model.comm.world > 1:
-            self.model.comm.broadcast(tokens)
+            if proposing and drafting:  # every rank's MTP layer runs on the drafts kept
+                if accepted is None:
+                    accepted = torch.empty_like(tokens)
+                both = torch.cat([tokens, accepted])
+                self.model.comm.broadcast(both)
+                tokens, accepted = both[: len(sampled)], both[len(sampled):]
+            else:
+                self.model.comm.broadcast(tokens)
             if not self.samples:
                 self.sampler.last_token[slot_rows] = tokens
+        proposals = self.mtp.after_step(seqs, ids, tokens, accepted) if proposing else None
         if not self.samples:
             return None
         want = [self.sampler.params[s].logprobs for s in rows_slots]
@@ -235,7 +248,7 @@ class ModelRunner:
         return PendingStep(len(seqs), sampled, want, tokens, logprobs, ready, t0,
                            (time.perf_counter() - t0) * 1e3, gap,
                            [list(seqs[i].tokens[len(seqs[i].tokens) - seqs[i].drafts:]) if seqs[i].drafts else []
-                            for i in sampled] if drafting else None)
+                            for i in sampled] if drafting else None, proposals)
 
     def forward_logits(self, seqs: list[p.StepSeq], every_position: bool = False) -> torch.Tensor:
         """The logits of a step without sampling (parity checks): [sampled seqs, V], or with
@@ -316,45 +329,11 @@ class ModelRunner:
 
     # ----------------------------------------------------------------------------- eager
     def _eager(self, seqs: list[p.StepSeq], sampled: list[int], every_position: bool = False):
-        ids, positions, slot_of, store, decode_rows, prefills, ends = flatten(seqs, self.tables_host, self.bs)
-        T = len(ids)
-        inputs = upload(np.stack([ids, positions, slot_of, store]), torch.int64, self.device)
-        ids_t, pos_t, slot_t, store_t = inputs
+        ids_t, pos_t, slot_t, meta, ends, positions = eager_inputs(self, seqs)
+        T = len(positions)
         ids_t = self.resolve(ids_t, slot_t)
-        meta = StepMeta(store_index=store_t, decode_rows=None,
-                        state_spans=state_spans(seqs, self.device, self.triton) if self.states.slots else None)
         if self.images is not None and self.images.involved(seqs):
             meta.images = self.images.step_inputs(seqs, positions)
-        if len(decode_rows) < T:
-            meta.decode_rows = upload(decode_rows, torch.int64, self.device)
-        if decode_rows:
-            d = np.array(decode_rows)
-            ctx = positions[d] + 1
-            meta.decode_max_ctx = int(ctx.max())
-            if self.triton:
-                meta.decode_slots = slot_t[meta.decode_rows] if meta.decode_rows is not None else slot_t
-                meta.decode_ctx = upload(ctx, torch.int32, self.device)
-                heads = self.model.attention_shape.n_kv if self.model.attention_shape.gqa_repeat else \
-                    self.model.attention_shape.n_q
-                from neuron.kernels.gpu import decode_splits
-                meta.decode_splits = decode_splits(len(d), heads, meta.decode_max_ctx, self.sm_count)
-            elif self.cpu_kernels is not None:
-                meta.decode_slots = slot_t[meta.decode_rows] if meta.decode_rows is not None else slot_t
-                meta.decode_ctx = torch.from_numpy(ctx)
-            else:
-                C = meta.decode_max_ctx
-                keys = key_rows(self.tables_host, self.bs, slot_of[d][:, None], np.arange(C)[None, :])
-                meta.decode_keys = upload(keys, torch.int64, self.device)
-                meta.decode_mask = upload(np.arange(C)[None, :] < ctx[:, None], torch.bool, self.device)[:, None, None, :]
-        if prefills and self.triton:  # the kernel reads the keys through the block table itself
-            meta.prefill_spans = upload(prefills, torch.int32, self.device)
-            meta.prefill_max_n = max(n for _, n, _, _ in prefills)
-        elif len(prefills) > 2:
-            meta.prefill_batch = prefill_batch(self.tables_host, self.bs, prefills, self.device)
-        else:
-            for row, n, slot, start in prefills:
-                keys = key_rows(self.tables_host, self.bs, np.int64(slot), np.arange(start + n))
-                meta.prefills.append(PrefillSpan(row, n, upload(keys, torch.int64, self.device)))
         self.attention.meta = meta
         # A step that samples nothing (a prompt chunk that is not the last) still computes one row.
         rows = upload(list(range(T)) if every_position else

@@ -62,6 +62,10 @@ def config_from_hf(raw: dict[str, Any], text: dict[str, Any]) -> ModelConfig:
         extra["partial_rotary_factor"] = float(rope.get("partial_rotary_factor",
                                                         text.get("partial_rotary_factor", 0.25)))
         experts = int(text.get("num_experts") or 0) if model_type in WITH_EXPERTS else 0
+        # The multi-token-prediction layers beside the model (``mtp.*``), a drafter for
+        # speculative decoding; with their own embedding where the config says so.
+        extra["mtp_layers"] = int(text.get("mtp_num_hidden_layers") or 0)
+        extra["mtp_own_embedding"] = bool(text.get("mtp_use_dedicated_embeddings", False))
         if experts:
             extra["shared_expert_intermediate_size"] = int(text.get("shared_expert_intermediate_size") or 0)
         _check_rotary(int(text.get("head_dim") or hidden // heads), float(extra["partial_rotary_factor"]))
@@ -204,10 +208,33 @@ def check_split(cfg: ModelConfig, world: int, block: int = 1) -> None:
         raise ShardingError(f"shared_expert_intermediate_size {shared} is smaller than tensor_parallel={world}")
 
 
-def build(cfg: ModelConfig, world: int, rank: int, src, *, dtype, device, max_len: int, block: int = 1):
+MTP_TENSORS = ("mtp.fc.weight", "mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight",
+               "mtp.pre_fc_norm_hidden.weight", "mtp.layers.0.input_layernorm.weight")
+
+
+def mtp_refused(cfg: ModelConfig, tensor_names: frozenset[str] | None) -> str:
+    """Why the checkpoint's multi-token-prediction layer cannot draft, or "" (``tensor_names``:
+    a safetensors checkpoint's tensors; None: a GGUF file)."""
+    layers = int(cfg.extra.get("mtp_layers", 0))
+    if tensor_names is None:
+        return "needs a safetensors checkpoint (a GGUF file's MTP blocks are not read)"
+    if not layers:
+        return "needs a checkpoint with MTP layers (its config has no mtp_num_hidden_layers)"
+    if layers != 1:
+        return f"takes one MTP layer, and this checkpoint has {layers}"
+    if cfg.extra.get("mtp_own_embedding"):
+        return "does not read an MTP layer with its own embedding (mtp_use_dedicated_embeddings)"
+    missing = [n for n in MTP_TENSORS if n not in tensor_names]
+    if missing:
+        return f"needs the MTP layer's tensors, and the checkpoint lacks {', '.join(missing)}"
+    return ""
+
+
+def build(cfg: ModelConfig, world: int, rank: int, src, *, dtype, device, max_len: int, block: int = 1,
+          mtp: bool = False):
     from ..hybrid import HybridLM
     from ..sharding import plan_shard
 
     check_split(cfg, world, block)
     return HybridLM(cfg, plan_shard(cfg, world, rank, block), src, dtype=dtype, device=device, max_len=max_len,
-                    block=block)
+                    block=block, mtp=mtp)
