@@ -99,9 +99,10 @@ def speculative_table(args, model_dir: Path, levels: list[int], rows: list[dict]
         with warm_server(args, model_dir, max(levels), tp, f"spec-{method}", speculative=setting) as (url, model):
             got = {}
             for c in levels:
-                if method == "replay":  # the answers as this server computes them with drafts, recorded
-                    bench(url, model, args.work / "settle.jsonl", "--concurrency", str(c), "--max-tokens",
-                          str(args.max_tokens), "--requests", str(max(4, 2 * c)))
+                # a first pass: replay's answers as this server computes them with drafts, recorded;
+                # and for every method, the kernels of its drafting steps' shapes compiled
+                bench(url, model, args.work / "settle.jsonl", "--concurrency", str(c), "--max-tokens",
+                      str(args.max_tokens), "--requests", str(max(4, 2 * c)))
                 before = httpx.get(f"{url}/models").json()["models"][0]["speculative"]
                 row = bench(url, model, args.work / f"spec-{method}-tp{tp}-c{c}.jsonl", "--concurrency", str(c),
                             "--max-tokens", str(args.max_tokens), "--workers", str(min(8, max(1, c // 8))))[0]

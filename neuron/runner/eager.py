@@ -36,7 +36,9 @@ def eager_inputs(runner, seqs: list[p.StepSeq], states: bool = True):
             shape = r.model.attention_shape
             heads = shape.n_kv if shape.gqa_repeat else shape.n_q
             from neuron.kernels.gpu import decode_splits
-            meta.decode_splits = decode_splits(len(d), heads, meta.decode_max_ctx, r.sm_count)
+            # By the longest context, as the decode graphs split: a split count is a kernel of its
+            # own, and one by each step's context compiled a new one as the contexts grew.
+            meta.decode_splits = decode_splits(len(d), heads, r.cfg.max_len, r.sm_count)
         elif r.cpu_kernels is not None:
             meta.decode_slots = slot_t[meta.decode_rows] if meta.decode_rows is not None else slot_t
             meta.decode_ctx = torch.from_numpy(ctx)
