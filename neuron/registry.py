@@ -238,6 +238,9 @@ class Registry:
         handle.kv_bytes = [oks[r].kv_bytes for r in range(group.world)]
         handle.state_bytes = [oks[r].state_bytes for r in range(group.world)]
         handle.graphs = oks[0].graphs
+        if z.speculative is not None and gpu and oks[0].kv_blocks and oks[0].bytes:
+            per_token = oks[0].kv_bytes / (oks[0].kv_blocks * entry.block_size)
+            z.speculative.context_cost = per_token / oks[0].bytes
         blocks = min(ok.kv_blocks for ok in oks.values())
         if blocks * entry.block_size < handle.max_len:
             log.warning("%s: the KV cache holds %d tokens; max_model_len lowered from %d", handle.id,

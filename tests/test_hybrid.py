@@ -79,6 +79,16 @@ def transformers_reference(ckpt: Path, prompt: list[int]) -> tuple[torch.Tensor,
     return logits, out[0, len(prompt):].tolist()
 
 
+def greedy_completions(server, model: str, prompt) -> list[list[int]]:
+    """``NEW`` greedy tokens for ``prompt`` (one, or a batch: a list of choices each) from a
+    server's /completions, in the prompts' order."""
+    r = httpx.post(f"{server.base}/completions", timeout=300, json={
+        "model": model, "prompt": prompt, "max_tokens": NEW, "temperature": 0, "ignore_eos": True,
+        "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    return [c["token_ids"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+
+
 _BUILT: dict[str, tuple[Path, list]] = {}
 
 
@@ -148,11 +158,7 @@ def test_the_server_serves_it_in_chunks_concurrently_and_through_preemption(tmp_
     server = start_server(tmp_path, config=config)
     try:
         def complete(prompt):
-            r = httpx.post(f"{server.base}/completions", timeout=300, json={
-                "model": "hybrid", "prompt": prompt, "max_tokens": NEW, "temperature": 0, "ignore_eos": True,
-                "return_token_ids": True})
-            assert r.status_code == 200, r.text
-            return [c["token_ids"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+            return greedy_completions(server, "hybrid", prompt)
 
         alone = [complete(p)[0] for p in PROMPTS]
         assert alone == [tokens for _, tokens in reference]

@@ -191,6 +191,53 @@ def test_the_mtp_layer_proposes_what_the_published_architecture_does(family, dev
         assert runner.step_graphs.decode and runner.step_graphs.hidden_out
 
 
+def test_the_leader_asks_for_proposals_drafts_them_and_holds_blocks_for_the_guesses():
+    """A prompt's chunks ask the layer to run (the last for guesses too), with blocks held for
+    the guessing rows; the next step drafts what came back for the tokens as they are; after a
+    rejection the sequence pauses, asks again on its pause's last step (still overlapped) and
+    drafts on the step that ends it."""
+    import asyncio
+
+    from test_blocks import request
+
+    from neuron.engine.scheduler import DEVICE_TOKEN, Scheduler
+    from neuron.engine.speculative import DraftPolicy
+
+    async def main():
+        s = Scheduler(4, 128, 32, 16, 256, 16, speculative=DraftPolicy.build("mtp", 3, False, 50, 4))
+        a = request(24)
+        s.waiting.append(a)
+        s.admit()
+        return s, a, s.schedule(), s.schedule()
+
+    s, a, first, last = asyncio.run(main())
+    assert [(len(x.tokens), x.sample, x.propose) for x in first + last] == [(16, False, 3), (8, True, 3)]
+    assert len(a.blocks) * 16 >= 24 + 3 - 1  # the guesses' rows after the draw have blocks
+    assert s.schedule() == []  # its guesses come with the token: the next step waits for them
+    a.pending -= 1
+    a.output.append(7)
+    a.spec.index.offer(25, [11, 12, 13])
+    plan = s.schedule()
+    assert [(x.tokens, x.drafts, x.propose) for x in plan] == [([7, 11, 12, 13], 3, 3)]
+    s.drafts_checked(plan[0], 0)
+    a.pending -= 1
+    a.output.append(9)
+    a.spec.pause(s.clock, 4)
+    asked = []
+    for _ in range(4):
+        x, = s.schedule()
+        asked.append((x.tokens[0] == DEVICE_TOKEN, x.drafts, x.propose))
+        if x.propose:
+            break
+    assert len(asked) > 2 and asked[-1] == (True, 0, 2) and all(p == (True, 0, 0) for p in asked[1:-1])
+    for _ in range(len(asked)):
+        a.pending -= 1
+        a.output.append(9)
+    a.spec.index.offer(len(a.prompt) + len(a.output), [21])
+    x, = s.schedule()
+    assert (x.tokens, x.drafts) == ([9, 21], 1)
+
+
 def test_mtp_is_refused_by_name_where_the_checkpoint_has_no_mtp_layer(tmp_path_factory, tmp_path):
     from test_hybrid import built as plain
 
@@ -228,7 +275,7 @@ def test_a_server_drafting_with_the_mtp_layer_answers_the_transformers_tokens(tm
                                                                                 family, tp):
     """Alone and three at once, in prompt chunks: transformers' greedy tokens; the layer's
     drafts are counted."""
-    from test_hybrid import NEW, PROMPTS, built as plain
+    from test_hybrid import PROMPTS, built as plain, greedy_completions
 
     _, _, reference = plain(family, tmp_path_factory)
     ckpt, _ = built(family, tmp_path_factory)
@@ -238,11 +285,7 @@ def test_a_server_drafting_with_the_mtp_layer_answers_the_transformers_tokens(tm
     server = start_server(tmp_path, config=config)
     try:
         def complete(prompts):
-            r = httpx.post(f"{server.base}/completions", timeout=300, json={
-                "model": "m", "prompt": prompts, "max_tokens": NEW, "temperature": 0, "ignore_eos": True,
-                "return_token_ids": True})
-            assert r.status_code == 200, r.text
-            return [c["token_ids"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+            return greedy_completions(server, "m", prompts)
 
         want = [tokens for _, tokens in reference]
         assert [complete(x)[0] for x in PROMPTS] == want

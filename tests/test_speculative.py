@@ -158,6 +158,35 @@ def test_a_step_waits_whole_for_a_drafting_sequence_and_never_for_drafts_that_ca
     assert [x.tokens for x in overlapped] == [[DEVICE_TOKEN], [DEVICE_TOKEN]]
 
 
+def test_on_a_gpu_drafts_shrink_as_the_context_grows():
+    """A draft's row reads its sequence's K/V once more: a decode carries fewer drafts as its
+    context grows, and none once a row would read a quarter of the step's weight bytes."""
+    import asyncio
+
+    from test_blocks import request
+
+    from neuron.engine.scheduler import Scheduler
+    from neuron.engine.speculative import LONG_CONTEXT_SHARE, DraftPolicy
+
+    policy = DraftPolicy.build("random", 4, True, 50, 4)
+    assert policy.room(100_000) == 4  # not set (the CPU): no limit
+    policy.context_cost = 1 / 4000  # a token's K/V: 1/4000 of the weights
+    assert [policy.room(n) for n in (10, 200, 250, 334, 500, 1000, 1001)] == [4, 4, 4, 2, 2, 1, 0]
+    assert LONG_CONTEXT_SHARE == 0.25
+
+    async def main(prompt: int) -> int:
+        s = Scheduler(4, 2048, 256, 16, 4096, 2048, speculative=policy)
+        a = request(prompt)
+        s.waiting.append(a)
+        s.admit()
+        s.schedule()
+        a.pending -= 1
+        a.output.append(7)
+        return s.schedule()[0].drafts
+
+    assert [asyncio.run(main(n)) for n in (100, 400, 1200)] == [4, 2, 0]
+
+
 def test_snapshots_leave_the_drafts_state_slots_free_while_they_can_evict_instead():
     """A model with recurrent state and drafts: the prefix cache's snapshots do not take the
     slots kept for the states after drafts while an older snapshot can go instead; a running
@@ -564,7 +593,7 @@ def test_the_hybrid_families_draft_to_the_transformers_tokens(tmp_path_factory, 
     """Qwen3-Next (sparse and dense MLPs) over gloo at TP=2 and Qwen3.5-MoE at TP=1, with prompt
     lookup and with random drafts (all rejected, the states after them dropped): every answer,
     alone and three at once, is transformers' greedy one."""
-    from test_hybrid import NEW, PROMPTS as PROMPTS3, built
+    from test_hybrid import PROMPTS as PROMPTS3, built, greedy_completions
 
     _, ckpt, reference = built(family, tmp_path_factory)
     models = "".join(f'[[models]]\nmodel = "{ckpt}"\nid = "{m}"\ndtype = "float32"\nmax_model_len = 80\n'
@@ -573,12 +602,8 @@ def test_the_hybrid_families_draft_to_the_transformers_tokens(tmp_path_factory, 
     server = start_server(tmp_path, config=models + "[engine]\nprefill_chunk = 16\n")
     try:
         for m in ("ngram", "random"):
-            def complete(prompts):
-                r = httpx.post(f"{server.base}/completions", timeout=300, json={
-                    "model": m, "prompt": prompts, "max_tokens": NEW, "temperature": 0, "ignore_eos": True,
-                    "return_token_ids": True})
-                assert r.status_code == 200, r.text
-                return [c["token_ids"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+            def complete(prompts, m=m):
+                return greedy_completions(server, m, prompts)
 
             want = [tokens for _, tokens in reference]
             assert [complete(p)[0] for p in PROMPTS3] == want, m

@@ -290,7 +290,7 @@ class Scheduler:
         if req.spec is None or rows <= 0 or x.tokens[0] == DEVICE_TOKEN or not req.spec.active(self.clock):
             return 0
         known = len(req.prompt) + len(req.output)
-        room = min(req.max_tokens - len(req.output) - 1, self.max_len - known - 1, rows)
+        room = min(req.max_tokens - len(req.output) - 1, self.max_len - known - 1, rows, self.speculative.room(known))
         drafts = req.spec.drafts(req.prompt + req.output, room, self.clock)
         if not drafts:
             return 0
@@ -317,11 +317,14 @@ class Scheduler:
         """With the MTP drafter, a planned step of a drafting sequence runs the rank's MTP layer
         over its tokens (a prompt chunk's fill its cache) and, where it draws, asks for as many
         drafts as the next step may carry, with blocks held for the rows that guess them (beyond
-        one in hand for each running sequence)."""
+        one in hand for each running sequence). The last step of a pause asks too (it still
+        overlaps), so the step that ends it drafts."""
         req = x.req
-        if req.spec is None or getattr(req.spec.index, "pauses", True) or not req.spec.active(self.clock):
+        if req.spec is None or getattr(req.spec.index, "pauses", True) or not req.spec.active(self.clock + 1):
             return
-        x.propose = req.spec.width if x.sample else req.spec.most
+        x.propose = min(req.spec.width, self.speculative.room(req.computed)) if x.sample else req.spec.most
+        if not x.propose:
+            return
         need = self.blocks.blocks_for(req.computed + x.propose - 1) - len(req.blocks) if x.sample else 0
         if 0 < need <= self.blocks.free_count - len(self.running):
             self.blocks.grow(req.blocks, req.computed + x.propose - 1)

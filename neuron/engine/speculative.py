@@ -48,6 +48,10 @@ MAX_DECODES = 4
 # graphs' products are bandwidth-bound there), so more decodes may draft.
 GPU_DECODES = 16
 GPU_ROWS = 64
+# On a GPU each draft's row reads its sequence's K/V once more (a decode graph's row attends on
+# its own): the drafts a decode carries are cut so those reads stay within this share of the
+# weight bytes a step reads (DraftPolicy.room).
+LONG_CONTEXT_SHARE = 0.25
 
 
 class DraftError(ValueError):
@@ -65,6 +69,9 @@ class DraftPolicy:
     rows: int
     vocab: int = 0
     replay: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
+    # On a GPU, set at load: the K/V bytes a row's attention reads per token of its context, over
+    # the weight bytes a step reads (a rank's); 0: no limit by context.
+    context_cost: float = 0.0
     rng: random.Random = field(default_factory=lambda: random.Random(0))
 
     @classmethod
@@ -74,6 +81,13 @@ class DraftPolicy:
         if method == "replay":
             policy.replay = read_replay(Path(replay), vocab)
         return policy
+
+    def room(self, context: int) -> int:
+        """The drafts a decode at ``context`` tokens may carry: fewer as its K/V grows, none once
+        a draft's row would read more than ``LONG_CONTEXT_SHARE`` of a step's weight bytes."""
+        if not self.context_cost:
+            return self.tokens
+        return min(self.tokens, int(LONG_CONTEXT_SHARE / (max(1, context) * self.context_cost)))
 
     def drafter(self, prompt: list[int]):
         """A request's drafter, or None where the method has nothing to propose for it."""
