@@ -273,15 +273,16 @@ def make_llama(out: Path) -> Path:
 @pytest.mark.parametrize("family, tp", [("qwen3_5_text", 1), ("qwen3_next", 2)])
 def test_a_server_drafting_with_the_mtp_layer_answers_the_transformers_tokens(tmp_path_factory, tmp_path,
                                                                                 family, tp):
-    """Alone and three at once, in prompt chunks: transformers' greedy tokens; the layer's
-    drafts are counted."""
+    """Alone, three at once, and eight for four slots in a KV cache too small for them all
+    (preemptions; the guesses' blocks come from the same few), in prompt chunks: transformers'
+    greedy tokens; the layer's drafts are counted."""
     from test_hybrid import PROMPTS, built as plain, greedy_completions
 
     _, _, reference = plain(family, tmp_path_factory)
     ckpt, _ = built(family, tmp_path_factory)
     config = (f'[[models]]\nmodel = "{ckpt}"\nid = "m"\ndtype = "float32"\nmax_model_len = 80\nmax_slots = 4\n'
-              f'tensor_parallel = {tp}\nspeculative = {{ method = "mtp", tokens = {K} }}\n'
-              '[engine]\nprefill_chunk = 16\n')
+              f'block_size = 8\nkv_cache_tokens = 160\ntensor_parallel = {tp}\n'
+              f'speculative = {{ method = "mtp", tokens = {K} }}\n[engine]\nprefill_chunk = 16\nmax_queue_wait_s = 600\n')
     server = start_server(tmp_path, config=config)
     try:
         def complete(prompts):
@@ -290,7 +291,8 @@ def test_a_server_drafting_with_the_mtp_layer_answers_the_transformers_tokens(tm
         want = [tokens for _, tokens in reference]
         assert [complete(x)[0] for x in PROMPTS] == want
         assert complete(PROMPTS) == want
+        assert complete((PROMPTS * 3)[:8]) == (want * 3)[:8]
         info = httpx.get(f"{server.url}/models", timeout=10).json()["models"][0]
-        assert info["speculative"]["draft_tokens"] > 0 and info["state_slots_used"] == 0, info
+        assert info["speculative"]["draft_tokens"] > 0 and info["state_slots_used"] == 0 and info["preemptions"], info
     finally:
         assert server.stop() == 0
