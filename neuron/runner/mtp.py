@@ -15,8 +15,8 @@ proposes nothing leaves the layer's K/V at its position stale: later guesses att
 they are a little worse, never wrong (the step that checks them decides).
 
 The guesses are greedy (the layer's argmax); the check keeps the target distribution with a
-sampling temperature too (``sampler.verify``: one-hot drafts). Each chained row costs a sync to
-learn the previous guess, and runs eagerly."""
+sampling temperature too (``sampler.verify``: one-hot drafts). The rows run eagerly; the
+guesses stay on the device until the last pass, then come to the host in one copy."""
 
 from __future__ import annotations
 
@@ -82,35 +82,45 @@ class MtpDrafting:
         for slot, row, at in carries:
             self.carry[slot] = hidden[row]
             self.carry_at[slot] = at
-        out, guesses = self._run(r, spans, h_in, [k > 0 for k in want])
-        chain = []  # (seq index, slot, next position, guesses wanted, the output row to chain on)
-        found = iter(guesses)
-        for at, k, s in zip(of_seq, want, spans):
-            if k:
-                row, g = next(found)
-                proposals[at].append(g)
-                chain.append((at, s.slot, s.start_pos + len(s.tokens), k, row))
+        heads = [i for i, k in enumerate(want) if k]
+        out, rows, drawn_t = self._run(r, spans, h_in, heads)
+        if not heads:
+            return proposals
+        # The chain: each pass a row for every seq still guessing, on its last guess (still on
+        # the device: one copy to the host at the end) and the layer's output after it.
+        seq_of = [of_seq[i] for i in heads]
+        wanted = [want[i] for i in heads]
+        slot_of = [spans[i].slot for i in heads]
+        pos = [spans[i].start_pos + len(spans[i].tokens) for i in heads]
+        made = [1] * len(heads)
+        passes = [(list(range(len(heads))), drawn_t)]  # (chain members, their guesses)
+        at = list(range(len(heads)))  # each member's index in the previous pass
         while True:
-            chain = [c for c in chain if len(proposals[c[0]]) < c[3] and c[2] < min(r.assigned[c[1]] * r.bs,
-                                                                                         r.cfg.max_len)]
-            if not chain:
-                return proposals
-            steps = [p.StepSeq(slot=slot, tokens=[proposals[at][-1]], start_pos=pos, sample=True)
-                     for at, slot, pos, _, _ in chain]
-            out, guesses = self._run(r, steps, out[upload([c[4] for c in chain], torch.int64, r.device)],
-                                     [True] * len(steps))
-            for n, ((at, slot, pos, k, _), (row, g)) in enumerate(zip(chain, guesses)):
-                proposals[at].append(g)
-                chain[n] = (at, slot, pos + 1, k, row)
+            going = [m for m in passes[-1][0] if made[m] < wanted[m]
+                     and pos[m] < min(r.assigned[slot_of[m]] * r.bs, r.cfg.max_len)]
+            if not going:
+                break
+            prev = upload([at[m] for m in going], torch.int64, r.device)
+            steps = [p.StepSeq(slot=slot_of[m], tokens=[0], start_pos=pos[m], sample=True) for m in going]
+            out, rows, drawn_t = self._run(r, steps, out[upload([rows[at[m]] for m in going], torch.int64, r.device)],
+                                           list(range(len(going))), ids=passes[-1][1][prev])
+            for n, m in enumerate(going):
+                at[m], made[m], pos[m] = n, made[m] + 1, pos[m] + 1
+            passes.append((going, drawn_t))
+        values = iter(torch.cat([g for _, g in passes]).tolist())
+        for members, _ in passes:
+            for m in members:
+                proposals[seq_of[m]].append(next(values))
+        return proposals
 
     @staticmethod
-    def _run(r, spans: list[p.StepSeq], hidden: torch.Tensor, guess: list[bool]
-             ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-        """The layer over ``spans``: its outputs, and (last row, argmax) of each span in ``guess``."""
-        ids, positions, _, meta, ends, _ = eager_inputs(r, spans, states=False)
+    def _run(r, spans: list[p.StepSeq], hidden: torch.Tensor, guess: list[int], ids: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+        """The layer over ``spans`` (``ids``: their tokens on the device, for the spans' own):
+        its outputs, and the last row of each span in ``guess`` with its argmax (on the device)."""
+        flat, positions, _, meta, ends, _ = eager_inputs(r, spans, states=False)
         r.attention.meta = meta
-        last = [e for e, g in zip(ends, guess) if g] or ends[-1:]
-        out, logits = r.model.mtp_forward(ids, positions, hidden, r.attention, upload(last, torch.int64, r.device))
-        if not any(guess):
-            return out, []
-        return out, list(zip(last, logits.argmax(-1).tolist()))
+        last = [ends[i] for i in guess] or ends[-1:]
+        out, logits = r.model.mtp_forward(flat if ids is None else ids, positions, hidden, r.attention,
+                                          upload(last, torch.int64, r.device))
+        return out, last, logits.argmax(-1)
