@@ -98,6 +98,7 @@ class EngineConfig:
     max_batch_tokens: int = 0  # 0: by device (see engine_sizes)
     prefill_chunk: int = 0
     prefill_chunk_decoding: int = 0
+    decode_slowdown: float = 1.4  # GPU, prefill_chunk_decoding 0: a step with prompt chunks beside decodes, × theirs alone
     queue_size: int = 64
     max_queue_wait_s: float = 60.0
     steps_in_flight: int = 0
@@ -343,8 +344,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("runtime.transport must be ipc or tcp")
     if (cfg.engine.queue_size < 1 or cfg.engine.max_batch_tokens < 0 or cfg.engine.prefill_chunk < 0
             or cfg.engine.prefill_chunk_decoding < 0 or not 0 <= cfg.engine.steps_in_flight <= 8
-            or cfg.engine.image_embedding_cache_mb < 0 or cfg.engine.image_pixels_per_request < 1):
-        raise ConfigError("engine sizes must be positive (0 for the device's default)")
+            or not cfg.engine.decode_slowdown >= 1.0 or cfg.engine.image_embedding_cache_mb < 0 or cfg.engine.image_pixels_per_request < 1):
+        raise ConfigError("engine sizes must be positive (0 for the device's default), decode_slowdown at least 1")
     for name, section in (("http", cfg.http), ("grammar", cfg.grammar), ("templates", cfg.templates)):
         for f in dataclasses.fields(section):
             if getattr(section, f.name) <= 0:

@@ -78,6 +78,7 @@ class ModelHandle:
             "kv_bytes": self.kv_bytes, "cuda_graphs": self.graphs, "preemptions": stats.preemptions,
             "max_batch_tokens": z.max_batch_tokens, "prefill_chunk": z.prefill_chunk,
             "prefill_chunk_decoding": z.prefill_chunk_decoding, "steps_in_flight": z.steps_in_flight,
+            "chunk_beside_decodes": z.step_budget.table() if z.step_budget else None,
             "prefix_caching": z.cache_key is not None and (not stats.state_slots or stats.state_snapshots > 0),
             "layer_types": counted(self.spec.config.layer_types or ["attention"] * self.spec.config.num_layers),
             "state_slots": stats.state_slots, "state_slots_used": stats.state_slots_used,

@@ -24,6 +24,7 @@ from .config import Config, ModelEntry, engine_sizes
 from .devices import choose_devices, default_dtype
 from .engine.engine import Engine, Sizing
 from .engine.speculative import DraftError, DraftPolicy
+from .engine.step_budget import StepBudget
 from .kernels import isa
 from .engine.request import FinishEvent, GenRequest
 from .errors import ApiError
@@ -238,6 +239,8 @@ class Registry:
         handle.kv_bytes = [oks[r].kv_bytes for r in range(group.world)]
         handle.state_bytes = [oks[r].state_bytes for r in range(group.world)]
         handle.graphs = oks[0].graphs
+        auto = gpu and not self.cfg.engine.prefill_chunk_decoding and oks[0].prefill_ms
+        z.step_budget = StepBudget(oks[0].decode_ms, oks[0].prefill_ms, self.cfg.engine.decode_slowdown) if auto else None
         if z.speculative is not None and gpu and oks[0].kv_blocks and oks[0].bytes:
             per_token = oks[0].kv_bytes / (oks[0].kv_blocks * entry.block_size)
             z.speculative.context_cost = per_token / oks[0].bytes

@@ -265,6 +265,10 @@ class LoadOk(Frame, tag="load_ok"):
     state_bytes: int = 0
     state_snapshots: int = 0  # of the state slots, those for snapshots (the rest: one per running sequence)
     cpu_isa: str = ""  # the CPU kernels' instruction-set level ("avx2", ...), "none" without them; "" on a GPU
+    # What a step costs on a GPU with CUDA graphs, measured at load (runner/step_times.py):
+    # (decode graph batch, ms) and (prefill graph tokens, ms); empty elsewhere.
+    decode_ms: list[tuple[int, float]] = []
+    prefill_ms: list[tuple[int, float]] = []
 
 
 class StepResult(Frame, tag="step_result"):

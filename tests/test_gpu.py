@@ -84,6 +84,11 @@ def graph_and_eager(tmp, checkpoint, tp: int, pp: int = 1) -> None:
         try:
             info = httpx.get(f"{server.url}/models", timeout=10).json()["models"][0]
             assert info["cuda_graphs"] == ([1, 2, 4, 8] if graphs else [])
+            # Prompt chunks beside decodes sized by the graphs' times measured at load (pipeline
+            # stages run prompts eagerly: the configured size).
+            beside = info["chunk_beside_decodes"]
+            assert (beside is not None) == (graphs and pp == 1), beside
+            assert beside is None or (list(beside) == ["1", "2", "4", "8"] and all(16 <= c <= 256 for c in beside.values()))
             results[graphs] = [concurrent_greedy(server, batch) for batch in batches]
         finally:
             assert server.stop() == 0

@@ -18,6 +18,7 @@ from .image_cache import ImageCache
 from .request import FinishEvent, GenRequest, TokenEvent
 from .scheduler import Planned, Scheduler
 from .speculative import DraftPolicy
+from .step_budget import StepBudget
 
 log = logging.getLogger("neuron.engine")
 
@@ -68,6 +69,9 @@ class Sizing:
     # stage works on another group's step (micro-batches) instead of waiting for the next token.
     pipeline: int = 1
     speculative: DraftPolicy | None = None  # speculative decoding's drafter and limits; None: off
+    # On a GPU: prompt chunks beside decodes sized by the step times measured at load; None: by
+    # prefill_chunk_decoding.
+    step_budget: StepBudget | None = None
 
 
 class Engine:
@@ -105,7 +109,7 @@ class Engine:
         z = self.sizing
         return Scheduler(z.max_slots, self.max_len, num_blocks, block_size, z.max_batch_tokens, z.prefill_chunk,
                          z.prefill_chunk_decoding, z.cache_key.encode() if z.cache_key else None, state_slots,
-                         snapshots, z.snapshot_interval, z.speculative)
+                         snapshots, z.snapshot_interval, z.speculative, z.step_budget)
 
     # ----------------------------------------------------------------------------- control
     def attach(self, group: RankGroup, num_blocks: int, block_size: int, state_slots: int = 0,

@@ -25,6 +25,7 @@ from .fair import FairQueue
 from .request import GenRequest
 from .speculative import NO_MATCH_PAUSE, DraftPolicy, Speculation, may_draft
 from .state_cache import StateCache
+from .step_budget import StepBudget
 
 DEVICE_TOKEN = -1
 
@@ -53,8 +54,10 @@ class Scheduler:
     def __init__(self, max_slots: int, max_len: int, num_blocks: int, block_size: int, max_batch_tokens: int,
                  prefill_chunk: int, prefill_chunk_decoding: int | None = None,
                  cache_key: bytes | None = None, state_slots: int = 0, state_snapshots: int = 0,
-                 snapshot_interval: int = 512, speculative: DraftPolicy | None = None) -> None:
+                 snapshot_interval: int = 512, speculative: DraftPolicy | None = None,
+                 step_budget: StepBudget | None = None) -> None:
         self.max_slots, self.max_len = max_slots, max_len
+        self.step_budget = step_budget  # None: prompt chunks beside decodes of prefill_chunk_decoding
         self.speculative = speculative  # None: no speculative decoding
         self.max_batch_tokens, self.prefill_chunk = max_batch_tokens, prefill_chunk
         self.prefill_chunk_decoding = prefill_chunk_decoding or prefill_chunk
@@ -256,7 +259,7 @@ class Scheduler:
                 self._propose(x)
         self.clock += bool(plan)
         # Beside running decodes a step takes a smaller prompt chunk: it sets their latency.
-        chunk = self.prefill_chunk_decoding if plan else self.prefill_chunk
+        chunk = self._chunk_beside(sum(len(x.tokens) for x in plan)) if plan else self.prefill_chunk
         budget = min(budget, chunk)
         for req in self.running:
             if budget <= 0:
@@ -270,6 +273,11 @@ class Scheduler:
             self._propose(plan[-1])
             budget -= n
         return plan
+
+    def _chunk_beside(self, rows: int) -> int:
+        if self.step_budget is not None:
+            return self.step_budget.chunk(rows) or self.prefill_chunk_decoding
+        return self.prefill_chunk_decoding
 
     def _awaiting_drafter(self) -> bool:
         """A sequence that drafts next has its input token in flight (the lookup needs it): the

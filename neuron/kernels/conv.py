@@ -14,20 +14,19 @@ from .launch import grid_sync, pdl_args, pow2
 @triton.jit
 def _conv_kernel(X, W, Bias, State, Out, Spans, span_stride, stride_x, stride_o, stride_slot, C,
                  K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 UPDATE: tl.constexpr, PDL: tl.constexpr):
+                 PDL: tl.constexpr):
     """out[t, c] = silu(bias[c] + sum_i w[c, i] * x[t - K + 1 + i, c]) over a span's rows, the
     inputs before its first row from the conv state (state[slot, c, K - 1 + j] is input j < 0).
-    ``UPDATE``: this program holds its whole span (every span fits one token tile), so it also
-    leaves the last K - 1 inputs in the state."""
+    This program holds its whole span (every span fits one token tile), so it also leaves the
+    last K - 1 inputs in the state."""
     s = tl.program_id(0)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     cm = c < C
-    tb = tl.program_id(2)
     grid_sync(PDL)
     row = tl.load(Spans + s)
     n = tl.load(Spans + span_stride + s)
     slot = tl.load(Spans + 2 * span_stride + s)
-    t = tb * BT + tl.arange(0, BT)
+    t = tl.arange(0, BT)
     tm = t < n
     acc = tl.zeros((BT, BC), dtype=tl.float32)
     st = State + slot * stride_slot + c[None, :] * (K - 1)
@@ -42,9 +41,45 @@ def _conv_kernel(X, W, Bias, State, Out, Spans, span_stride, stride_x, stride_o,
         acc += tl.load(Bias + c, mask=cm, other=0.0)[None, :]
     acc = acc * tl.sigmoid(acc)
     tl.store(Out + (row + t)[:, None] * stride_o + c[None, :], acc, mask=tm[:, None] & cm[None, :])
-    if UPDATE:
-        if n > 0:
-            _conv_keep(X, State, row, n, slot, c, cm, stride_x, stride_slot, K, KP)
+    if n > 0:
+        _conv_keep(X, State, row, n, slot, c, cm, stride_x, stride_slot, K, KP)
+
+
+@triton.jit
+def _conv_rows_kernel(X, W, Bias, State, Out, Spans, span_stride, S, T, stride_x, stride_o, stride_slot, C,
+                      K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      PDL: tl.constexpr):
+    """``_conv_kernel``'s output for a step with long spans, a program per tile of the step's rows
+    (whichever spans they belong to) rather than per span and tile: a prompt chunk beside many
+    decodes (and a graph's empty spans) would launch a program per span for each of the longest
+    span's tiles. Each row finds its span in the table; rows of none are left alone."""
+    r = tl.program_id(0) * BT + tl.arange(0, BT)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    cm = c < C
+    grid_sync(PDL)
+    first = tl.full((BT,), -1, tl.int64)
+    slot = tl.zeros((BT,), tl.int64)
+    for s in range(S):
+        row = tl.load(Spans + s)
+        n = tl.load(Spans + span_stride + s)
+        inside = (r >= row) & (r < row + n)
+        first = tl.where(inside, row, first)
+        slot = tl.where(inside, tl.load(Spans + 2 * span_stride + s), slot)
+    rm = (first >= 0) & (r < T)
+    t = r - first
+    acc = tl.zeros((BT, BC), dtype=tl.float32)
+    st = State + slot[:, None] * stride_slot + c[None, :] * (K - 1)
+    for i in tl.static_range(K):
+        j = t - (K - 1) + i
+        xr = tl.load(X + (r - (K - 1) + i)[:, None] * stride_x + c[None, :],
+                     mask=((j >= 0) & rm)[:, None] & cm[None, :], other=0.0)
+        xs = tl.load(st + (K - 1 + j)[:, None], mask=((j < 0) & rm)[:, None] & cm[None, :], other=0.0)
+        w = tl.load(W + c * K + i, mask=cm, other=0.0)
+        acc += (xr.to(tl.float32) + xs.to(tl.float32)) * w[None, :]
+    if HAS_BIAS:
+        acc += tl.load(Bias + c, mask=cm, other=0.0)[None, :]
+    acc = acc * tl.sigmoid(acc)
+    tl.store(Out + r[:, None] * stride_o + c[None, :], acc, mask=rm[:, None] & cm[None, :])
 
 
 @triton.jit
@@ -90,10 +125,15 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     BT = min(pow2(max_n), 32)
     BC = 128 if BT <= 4 else 64
     update = max_n <= BT
-    grid = (S, triton.cdiv(C, BC), triton.cdiv(max_n, BT))
-    _conv_kernel[grid](x, weight, bias if bias is not None else weight, state, out, spans, spans.stride(0),
-                       x.stride(0), out.stride(0), state.stride(0), C, K=K, KP=pow2(K - 1), BT=BT, BC=BC, HAS_BIAS=bias is not None,
-                       UPDATE=update, num_warps=4, **pdl_args(x.device))
+    if update:  # a tile a span (decodes): the state moves on in the same program
+        _conv_kernel[(S, triton.cdiv(C, BC))](x, weight, bias if bias is not None else weight, state, out, spans, spans.stride(0),
+                           x.stride(0), out.stride(0), state.stride(0), C, K=K, KP=pow2(K - 1), BT=BT, BC=BC,
+                           HAS_BIAS=bias is not None, num_warps=4, **pdl_args(x.device))
+    else:
+        _conv_rows_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC))](
+            x, weight, bias if bias is not None else weight, state, out, spans, spans.stride(0), S, T, x.stride(0),
+            out.stride(0), state.stride(0), C, K=K, BT=BT, BC=BC, HAS_BIAS=bias is not None, num_warps=4,
+            **pdl_args(x.device))
     if not update:
         _conv_keep_kernel[(S, triton.cdiv(C, 128))](x, state, spans, spans.stride(0), x.stride(0), state.stride(0),
                                                     C, K=K, KP=pow2(K - 1), BC=128, num_warps=4, **pdl_args(x.device))

@@ -18,6 +18,7 @@ from neuron.models.quant import GROUP, SCHEMES
 from neuron.models.sharding import ShardingError
 from neuron.models.stages import Stage, stage_layers
 from neuron.runner.runner import ModelRunner, PendingStep, RunnerConfig, StepRejected
+from neuron.runner import step_times
 
 from .deferred import Deferred
 
@@ -179,6 +180,10 @@ class DeviceWorker:
         self.model_id = msg.model
         self._warm_up()
         runner = self.runner
+        decode_ms, prefill_ms = step_times.measure(runner) if self.device.type == "cuda" else ([], [])
+        if prefill_ms:
+            log.info("rank %d: decode steps %s ms, prompt steps %s ms (rows: ms)", self.rank,
+                     ", ".join(f"{b}: {ms:.2f}" for b, ms in decode_ms), ", ".join(f"{n}: {ms:.2f}" for n, ms in prefill_ms))
         packing = describe_packing(self.model)
         cpu_isa = _cpu_isa() if self.device.type == "cpu" else ""
         log.info("rank %d loaded %s shard in %.2fs: %d weight bytes, %d KV blocks of %d; %s; CPU kernels %s", self.rank,
@@ -187,7 +192,8 @@ class DeviceWorker:
         return p.LoadOk(id=msg.id, epoch=msg.epoch, kv_capacity=runner.kv_blocks * msg.block_size,
                         bytes=self.model.weight_bytes(), kv_bytes=runner.kv.nbytes, kv_blocks=runner.kv_blocks,
                         graphs=sorted(runner.graphs), packing=packing, state_slots=runner.states.slots,
-                        state_bytes=runner.states.nbytes, state_snapshots=runner.state_snapshots, cpu_isa=cpu_isa)
+                        state_bytes=runner.states.nbytes, state_snapshots=runner.state_snapshots, cpu_isa=cpu_isa,
+                        decode_ms=decode_ms, prefill_ms=prefill_ms)
 
     def _stage(self, msg: p.LoadShard, family) -> tuple[int, int, Stage]:
         """This rank's pipeline stage: its tensor-parallel group (every rank creates every

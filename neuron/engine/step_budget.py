@@ -1,0 +1,45 @@
+"""How many prompt tokens a step may carry beside running decodes on a GPU, from the step times
+the ranks measured at load (``runner/step_times.py``).
+
+A step of ``d`` decode rows and ``C`` prompt tokens replays the prefill graph of the first token
+bucket that holds ``d + C`` rows, and the decodes wait for all of it. So the prompt takes the
+largest bucket whose measured time stays within ``slowdown`` times the decode graph's for ``d``
+rows. Where no bucket does (a MoE model: a few prompt tokens already route to nearly every
+expert, whose weights the step then reads, where the decodes read a few), the prompt takes the
+bucket that holds the decodes back least per prompt token, so it is read in as few slow steps as
+it can be."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+FLOOR = 16  # the fewest prompt tokens worth a bucket: below, a prompt crawls
+
+
+@dataclass
+class StepBudget:
+    decode_ms: list[tuple[int, float]]  # (decode graph batch, ms), ascending
+    prefill_ms: list[tuple[int, float]]  # (prefill graph tokens, ms), ascending
+    slowdown: float
+    _chunks: dict[int, int] = field(default_factory=dict)
+
+    def chunk(self, rows: int) -> int:
+        """Prompt tokens for a step beside ``rows`` decode rows (0: none fit a prefill graph)."""
+        if rows not in self._chunks:
+            self._chunks[rows] = self._size(rows)
+        return self._chunks[rows]
+
+    def _size(self, rows: int) -> int:
+        alone = next((ms for b, ms in self.decode_ms if b >= rows), self.decode_ms[-1][1])
+        room = [(n, ms) for n, ms in self.prefill_ms if n - rows >= FLOOR]
+        if not room:
+            return 0
+        within = [n for n, ms in room if ms <= self.slowdown * alone]
+        if within:
+            return within[-1] - rows
+        n, _ = min(room, key=lambda e: (max(e[1] - alone, 0.0) / (e[0] - rows), -e[0]))
+        return n - rows
+
+    def table(self) -> dict[str, int]:
+        """The chunk beside each decode graph's batch (for /models)."""
+        return {str(b): self.chunk(b) for b, _ in self.decode_ms}
