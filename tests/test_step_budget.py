@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from neuron.engine.scheduler import Scheduler
-from neuron.engine.step_budget import FLOOR, StepBudget
+from neuron.engine.step_budget import FLOOR, WHOLE, StepBudget
 from test_blocks import request
 
 DECODE = [(1, 10.0), (2, 10.1), (4, 10.2), (8, 10.5), (16, 11.0), (32, 12.0)]
@@ -65,3 +65,29 @@ async def _sizes_a_chunk():
     without = Scheduler(max_slots=8, max_len=4096, num_blocks=1024, block_size=16, max_batch_tokens=2048 + 8,
                         prefill_chunk=2048, prefill_chunk_decoding=100)
     assert without._chunk_beside(4) == 100  # no measurements (the CPU): the configured chunk
+
+
+def test_a_short_prompt_goes_in_whole_beside_decodes_and_a_long_one_by_the_budget():
+    asyncio.run(_short_and_long())
+
+
+async def _short_and_long():
+    budget = StepBudget(DECODE, DENSE, slowdown=1.0)  # nothing within: 28 tokens beside 4 rows
+    s = Scheduler(max_slots=8, max_len=4096, num_blocks=1024, block_size=16, max_batch_tokens=2048 + 8,
+                  prefill_chunk=2048, step_budget=budget)
+    streams = [request(4) for _ in range(4)]
+    s.waiting.extend(streams)
+    s.admit()
+    s.schedule()
+    for r in streams:
+        r.pending -= 1
+        r.output.append(7)
+    long, short = request(3000), request(150)
+    s.waiting.extend([long, short])
+    s.admit()
+    plan = s.schedule()
+    assert budget.chunk(4) == 28
+    # The long prompt by the budget; the short one (it fits the WHOLE tokens left) at once, and draws.
+    assert [(len(x.tokens), x.sample) for x in plan if x.req in (long, short)] == [(28, False), (150, True)]
+    plan = s.schedule()
+    assert [len(x.tokens) for x in plan if x.req is long] == [28]
