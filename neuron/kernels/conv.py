@@ -45,7 +45,9 @@ def _conv_kernel(X, W, Bias, State, Out, Spans, span_stride, stride_x, stride_o,
         _conv_keep(X, State, row, n, slot, c, cm, stride_x, stride_slot, K, KP)
 
 
-@triton.jit
+# Not specialised on the step's sizes: one compile serves the prefill graphs and the eager steps
+# of one long span (S == 1 would compile a kernel of its own at the first long prompt).
+@triton.jit(do_not_specialize=["span_stride", "S", "T"])
 def _conv_rows_kernel(X, W, Bias, State, Out, Spans, span_stride, S, T, stride_x, stride_o, stride_slot, C,
                       K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr,
                       PDL: tl.constexpr):
