@@ -215,23 +215,12 @@ class DeviceWorker:
         """One prompt chunk and one decode through every layer, so the first request does not pay
         for lazy allocations and kernel selection. Every rank runs it (the collectives pair up)."""
         assert self.runner is not None
-        runner = self.runner
-        n = min(8, runner.cfg.max_len - 1)
-        state = 0 if runner.states.slots else -1
-
-        def prompt(tokens: int) -> p.StepSeq:
-            return p.StepSeq(slot=0, tokens=[0] * tokens, start_pos=0, sample=True, sampling=p.Sampling(temperature=0.0),
-                             blocks=list(range(min(runner.kv_blocks, -(-(tokens + 1) // runner.bs)))), state=state)
-
-        seqs = [prompt(n), p.StepSeq(slot=0, tokens=[-1], start_pos=n, sample=True, state=state)]
-        # On a GPU, prompt steps longer than the prefill graphs run eagerly, with kernels compiled
-        # at their first use: the first long prompt took seconds more. Two lengths, a multiple of
-        # 16 and not (Triton specialises integer arguments on it).
-        longest = min(runner.cfg.max_step_tokens, runner.cfg.max_len - 1, runner.kv_blocks * runner.bs - 1)
-        if runner.cuda and longest > max(runner.step_graphs.prefill, default=runner.cfg.max_len):
-            seqs += [prompt(longest // 16 * 16), prompt(longest // 16 * 16 - 1)]
-        for seq in seqs:
-            pending = runner.step(p.Step(id=0, epoch=0, step_id=0, seqs=[seq]))
+        n = min(8, self.runner.cfg.max_len - 1)
+        state = 0 if self.runner.states.slots else -1
+        first = p.StepSeq(slot=0, tokens=[0] * n, start_pos=0, sample=True, sampling=p.Sampling(temperature=0.0),
+                          blocks=list(range(min(self.runner.kv_blocks, -(-(n + 1) // self.runner.bs)))), state=state)
+        for seq in (first, p.StepSeq(slot=0, tokens=[-1], start_pos=n, sample=True, state=state)):
+            pending = self.runner.step(p.Step(id=0, epoch=0, step_id=0, seqs=[seq]))
             if pending is not None:
                 pending.wait()
         if self.device.type == "cuda":
