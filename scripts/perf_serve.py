@@ -70,6 +70,15 @@ def bench(url: str, model: str, out: Path, *args: str) -> list[dict]:
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
+CLIENT_BUSY = 0.8  # a bench process's CPU share from which it may be what limits a level
+
+
+def client(row: dict) -> str:
+    """A bench level's busiest client process's CPU share, starred where it may be the limit."""
+    share = row.get("client_cpu")
+    return "" if share is None else f"{100 * share:.0f}%" + ("*" if share >= CLIENT_BUSY else "")
+
+
 def stop(proc: subprocess.Popen) -> None:
     os.killpg(proc.pid, signal.SIGTERM)
     try:
