@@ -87,7 +87,36 @@ async def _short_and_long():
     s.admit()
     plan = s.schedule()
     assert budget.chunk(4) == 28
-    # The long prompt by the budget; the short one (it fits the WHOLE tokens left) at once, and draws.
-    assert [(len(x.tokens), x.sample) for x in plan if x.req in (long, short)] == [(28, False), (150, True)]
+    # The short one (it fits WHOLE) at once, and draws; then the long prompt by the budget.
+    assert [(x.req, len(x.tokens), x.sample) for x in plan if x.req in (long, short)] == \
+        [(short, 150, True), (long, 28, False)]
     plan = s.schedule()
     assert [len(x.tokens) for x in plan if x.req is long] == [budget.chunk(5)] == [27]  # beside 5 decodes now
+
+
+def test_short_prompts_go_before_a_long_one_which_keeps_a_floor_of_the_budget():
+    asyncio.run(_short_first())
+
+
+async def _short_first():
+    budget = StepBudget(DECODE, DENSE, slowdown=2.0)  # 376 tokens beside 8 rows
+    s = Scheduler(max_slots=16, max_len=4096, num_blocks=2048, block_size=16, max_batch_tokens=2048 + 16,
+                  prefill_chunk=2048, step_budget=budget)
+    streams = [request(4) for _ in range(8)]
+    s.waiting.extend(streams)
+    s.admit()
+    s.schedule()
+    for r in streams:
+        r.pending -= 1
+        r.output.append(7)
+    long = request(3000)
+    shorts = [request(100) for _ in range(4)]
+    s.waiting.extend([long, *shorts])  # the long one came first
+    s.admit()
+    plan = s.schedule()
+    assert budget.chunk(8) == 376
+    # Three short prompts whole (300 tokens), then the long one's chunk; the fourth would leave it
+    # fewer than FLOOR tokens of the budget.
+    assert [(x.req, len(x.tokens)) for x in plan if x.req in (long, *shorts)] == \
+        [(shorts[0], 100), (shorts[1], 100), (shorts[2], 100), (long, 76)]
+    assert 376 - 300 >= FLOOR

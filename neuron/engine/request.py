@@ -115,6 +115,11 @@ class GenRequest:
         """Its tokens as the prefix cache hashes them (``prompt + output`` but for images)."""
         return self.keyed_prompt + self.output
 
+    @property
+    def rest(self) -> int:
+        """Known tokens not yet computed: a prompt's rest, or (recomputed) prompt and output."""
+        return len(self.prompt) + len(self.output) - self.computed
+
     def abort(self) -> None:
         """The client went away: the scheduler drops the sequence at the next step."""
         self.cancelled = True
