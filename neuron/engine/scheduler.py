@@ -263,11 +263,11 @@ class Scheduler:
         prompts = [req for req in self.running if req.slot % groups == group and not req.pending
                    and req.computed < len(req.prompt) + len(req.output)]
         whole, keep = bool(plan) and self.step_budget is not None, 0
+        budget = min(budget, max(chunk, WHOLE) if whole else chunk)
         if whole:
             # With measured step times, the rest of a prompt that fits WHOLE tokens goes in at
             # once, before longer prompts (its first token comes a step later, not after theirs),
             # which go by the time budget and keep FLOOR tokens of it.
-            budget = min(budget, max(chunk, WHOLE))
             short = [req for req in prompts if req.rest <= WHOLE]
             prompts = short + [req for req in prompts if req.rest > WHOLE]
             keep = FLOOR if len(short) < len(prompts) else 0
