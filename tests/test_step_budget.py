@@ -16,6 +16,21 @@ DENSE = [(32, 10.8), (64, 11.5), (128, 13.0), (192, 14.5), (256, 16.0), (384, 19
 MOE = [(32, 30.0), (64, 31.0), (128, 33.0), (192, 36.0), (256, 40.0), (384, 47.0), (512, 52.0)]
 
 
+def decoding(budget: StepBudget, streams: int, **kw) -> Scheduler:
+    """A scheduler with ``budget`` whose ``streams`` requests have drawn their first token (they
+    decode in the next step)."""
+    s = Scheduler(max_slots=16, max_len=4096, num_blocks=2048, block_size=16, max_batch_tokens=2048 + 16,
+                  prefill_chunk=2048, step_budget=budget, **kw)
+    running = [request(4) for _ in range(streams)]
+    s.waiting.extend(running)
+    s.admit()
+    s.schedule()  # their prompts, alone: no decodes yet
+    for r in running:
+        r.pending -= 1
+        r.output.append(7)
+    return s
+
+
 def test_the_largest_bucket_within_the_slowdown_takes_the_prompt_beside_the_decodes():
     b = StepBudget(DECODE, DENSE, slowdown=1.4)
     assert b.chunk(1) == 128 - 1  # 13.0 ms <= 1.4 x 10.0 < 14.5
@@ -40,15 +55,7 @@ def test_the_scheduler_sizes_a_chunk_beside_decodes_by_the_budget():
 
 async def _sizes_a_chunk():
     budget = StepBudget(DECODE, DENSE, slowdown=1.4)
-    s = Scheduler(max_slots=8, max_len=4096, num_blocks=1024, block_size=16, max_batch_tokens=2048 + 8,
-                  prefill_chunk=2048, prefill_chunk_decoding=100, step_budget=budget)
-    streams = [request(4) for _ in range(4)]
-    s.waiting.extend(streams)
-    s.admit()
-    s.schedule()  # their prompts, alone: no decodes yet
-    for r in streams:
-        r.pending -= 1
-        r.output.append(7)
+    s = decoding(budget, 4, prefill_chunk_decoding=100)
     long = request(3000)
     s.waiting.append(long)
     s.admit()
@@ -73,15 +80,7 @@ def test_a_short_prompt_goes_in_whole_beside_decodes_and_a_long_one_by_the_budge
 
 async def _short_and_long():
     budget = StepBudget(DECODE, DENSE, slowdown=1.0)  # nothing within: 28 tokens beside 4 rows
-    s = Scheduler(max_slots=8, max_len=4096, num_blocks=1024, block_size=16, max_batch_tokens=2048 + 8,
-                  prefill_chunk=2048, step_budget=budget)
-    streams = [request(4) for _ in range(4)]
-    s.waiting.extend(streams)
-    s.admit()
-    s.schedule()
-    for r in streams:
-        r.pending -= 1
-        r.output.append(7)
+    s = decoding(budget, 4)
     long, short = request(3000), request(150)
     s.waiting.extend([long, short])
     s.admit()
@@ -100,15 +99,7 @@ def test_short_prompts_go_before_a_long_one_which_keeps_a_floor_of_the_budget():
 
 async def _short_first():
     budget = StepBudget(DECODE, DENSE, slowdown=2.0)  # 376 tokens beside 8 rows
-    s = Scheduler(max_slots=16, max_len=4096, num_blocks=2048, block_size=16, max_batch_tokens=2048 + 16,
-                  prefill_chunk=2048, step_budget=budget)
-    streams = [request(4) for _ in range(8)]
-    s.waiting.extend(streams)
-    s.admit()
-    s.schedule()
-    for r in streams:
-        r.pending -= 1
-        r.output.append(7)
+    s = decoding(budget, 8)
     long = request(3000)
     shorts = [request(100) for _ in range(4)]
     s.waiting.extend([long, *shorts])  # the long one came first
