@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from neuron.engine.scheduler import Scheduler
-from neuron.engine.step_budget import FLOOR, WHOLE, StepBudget
+from neuron.engine.step_budget import FLOOR, StepBudget
 from test_blocks import request
 
 DECODE = [(1, 10.0), (2, 10.1), (4, 10.2), (8, 10.5), (16, 11.0), (32, 12.0)]

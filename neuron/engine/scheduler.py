@@ -25,7 +25,7 @@ from .fair import FairQueue
 from .request import GenRequest
 from .speculative import NO_MATCH_PAUSE, DraftPolicy, Speculation, may_draft
 from .state_cache import StateCache
-from .step_budget import FLOOR, WHOLE, StepBudget
+from .step_budget import StepBudget, prompt_takes
 
 DEVICE_TOKEN = -1
 
@@ -260,29 +260,12 @@ class Scheduler:
         self.clock += bool(plan)
         # Beside running decodes a step takes a smaller prompt chunk: it sets their latency.
         chunk = self._chunk_beside(sum(len(x.tokens) for x in plan)) if plan else self.prefill_chunk
-        prompts = [req for req in self.running if req.slot % groups == group and not req.pending
-                   and req.computed < len(req.prompt) + len(req.output)]
-        whole, keep = bool(plan) and self.step_budget is not None, 0
-        budget = min(budget, max(chunk, WHOLE) if whole else chunk)
-        if whole:
-            # With measured step times, the rest of a prompt that fits WHOLE tokens goes in at
-            # once, before longer prompts (its first token comes a step later, not after theirs),
-            # which go by the time budget and keep FLOOR tokens of it.
-            short = [req for req in prompts if req.rest <= WHOLE]
-            prompts = short + [req for req in prompts if req.rest > WHOLE]
-            keep = FLOOR if len(short) < len(prompts) else 0
-        for req in prompts:
-            if budget <= 0:
-                break
-            rest = req.rest
-            if whole and rest <= WHOLE and rest > budget - keep:
-                continue
-            n = rest if rest <= budget else min(rest, chunk, budget)
+        prompts = [req for req in self.running if req.slot % groups == group and not req.pending and req.rest > 0]
+        for req, n in prompt_takes(prompts, budget, chunk, bool(plan) and self.step_budget is not None):
             known = req.prompt + req.output
             last = req.computed + n == len(known)
             plan.append(self._plan(req, known[req.computed: req.computed + n], last and self._may_sample(req)))
             self._propose(plan[-1])
-            budget -= n
         return plan
 
     def _chunk_beside(self, rows: int) -> int:

@@ -47,3 +47,27 @@ class StepBudget:
     def table(self) -> dict[str, int]:
         """The chunk beside each decode graph's batch (for /models)."""
         return {str(b): self.chunk(b) for b, _ in self.decode_ms}
+
+
+def prompt_takes(prompts: list, budget: int, chunk: int, measured: bool) -> list[tuple[object, int]]:
+    """How many tokens of each prompt's rest (``req.rest``) a step takes, in order, with
+    ``budget`` tokens for them and chunks of at most ``chunk``. ``measured`` (beside decodes, by
+    measured step times): a rest that fits ``WHOLE`` goes in at once, before longer prompts
+    (its first token comes a step later, not after theirs), which keep ``FLOOR`` tokens of it."""
+    budget = min(budget, max(chunk, WHOLE) if measured else chunk)
+    keep = 0
+    if measured:
+        short = [req for req in prompts if req.rest <= WHOLE]
+        keep = FLOOR if len(short) < len(prompts) else 0
+        prompts = short + [req for req in prompts if req.rest > WHOLE]
+    takes = []
+    for req in prompts:
+        if budget <= 0:
+            break
+        rest = req.rest
+        if measured and rest <= WHOLE and rest > budget - keep:
+            continue
+        n = rest if rest <= budget else min(rest, chunk, budget)
+        takes.append((req, n))
+        budget -= n
+    return takes
