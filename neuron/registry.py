@@ -239,7 +239,7 @@ class Registry:
         handle.kv_bytes = [oks[r].kv_bytes for r in range(group.world)]
         handle.state_bytes = [oks[r].state_bytes for r in range(group.world)]
         handle.graphs = oks[0].graphs
-        auto = gpu and not self.cfg.engine.prefill_chunk_decoding and oks[0].prefill_ms
+        auto = gpu and not self.cfg.engine.prefill_chunk_decoding and oks[0].prefill_ms and oks[0].decode_ms
         z.step_budget = StepBudget(oks[0].decode_ms, oks[0].prefill_ms, self.cfg.engine.decode_slowdown) if auto else None
         if z.speculative is not None and gpu and oks[0].kv_blocks and oks[0].bytes:
             per_token = oks[0].kv_bytes / (oks[0].kv_blocks * entry.block_size)
