@@ -126,19 +126,17 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return out
     BT = min(pow2(max_n), 32)
     BC = 128 if BT <= 4 else 64
-    update = max_n <= BT
-    if update:  # a tile a span (decodes): the state moves on in the same program
-        _conv_kernel[(S, triton.cdiv(C, BC))](x, weight, bias if bias is not None else weight, state, out, spans, spans.stride(0),
-                           x.stride(0), out.stride(0), state.stride(0), C, K=K, KP=pow2(K - 1), BT=BT, BC=BC,
-                           HAS_BIAS=bias is not None, num_warps=4, **pdl_args(x.device))
-    else:
-        _conv_rows_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC))](
-            x, weight, bias if bias is not None else weight, state, out, spans, spans.stride(0), S, T, x.stride(0),
-            out.stride(0), state.stride(0), C, K=K, BT=BT, BC=BC, HAS_BIAS=bias is not None, num_warps=4,
-            **pdl_args(x.device))
-    if not update:
-        _conv_keep_kernel[(S, triton.cdiv(C, 128))](x, state, spans, spans.stride(0), x.stride(0), state.stride(0),
-                                                    C, K=K, KP=pow2(K - 1), BC=128, num_warps=4, **pdl_args(x.device))
+    b = bias if bias is not None else weight
+    if max_n <= BT:  # a tile a span (decodes): the state moves on in the same program
+        _conv_kernel[(S, triton.cdiv(C, BC))](x, weight, b, state, out, spans, spans.stride(0), x.stride(0),
+                                              out.stride(0), state.stride(0), C, K=K, KP=pow2(K - 1), BT=BT, BC=BC,
+                                              HAS_BIAS=bias is not None, num_warps=4, **pdl_args(x.device))
+        return out
+    _conv_rows_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC))](
+        x, weight, b, state, out, spans, spans.stride(0), S, T, x.stride(0), out.stride(0), state.stride(0), C,
+        K=K, BT=BT, BC=BC, HAS_BIAS=bias is not None, num_warps=4, **pdl_args(x.device))
+    _conv_keep_kernel[(S, triton.cdiv(C, 128))](x, state, spans, spans.stride(0), x.stride(0), state.stride(0),
+                                                C, K=K, KP=pow2(K - 1), BC=128, num_warps=4, **pdl_args(x.device))
     return out
 
 
