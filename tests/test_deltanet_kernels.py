@@ -157,3 +157,19 @@ def test_the_gated_norm_equals_the_reference(dtype, heads, hv):
     want = R.gated_rms_norm(o, z, weight, 1e-6)
     got = K.gated_rms_norm(o, z, weight, 1e-6)
     assert got.dtype == dtype and torch.allclose(got, want, atol=1e-5)
+
+
+def test_the_causal_conv_leaves_rows_of_no_span_alone_as_a_prefill_graph_pads_them():
+    """A prefill graph's step has more rows than its spans hold, and empty spans of a scratch slot;
+    the rows kernel (spans longer than a tile) finds each row's span and leaves padding alone."""
+    C, k = 40, 4
+    x, spans, g = step([40, 1, 0, 3], C, 5)
+    pad = torch.randn(9, C, generator=g)
+    weight = torch.randn(C, k, generator=g)
+    state = torch.randn(SLOTS, C, k - 1, generator=g)
+    want_state = state.clone()
+    want = R.causal_conv(x, weight, None, want_state, [s for s in spans if s[1]])
+    out = torch.full((x.shape[0] + 9, C), 7.0)
+    got = CONV.causal_conv(torch.cat([x, pad]), weight, None, state, table(spans), 40, out=out)
+    assert torch.allclose(got[: x.shape[0]], want, atol=1e-5) and torch.allclose(state, want_state, atol=1e-6)
+    assert (got[x.shape[0]:] == 7.0).all()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from neuron.engine.scheduler import Scheduler
 from neuron.engine.step_budget import FLOOR, StepBudget
 from test_blocks import request
@@ -111,3 +113,16 @@ async def _short_first():
     assert [(x.req, len(x.tokens)) for x in plan if x.req in (long, *shorts)] == \
         [(shorts[0], 100), (shorts[1], 100), (shorts[2], 100), (long, 76)]
     assert 376 - 300 >= FLOOR
+
+
+def test_a_slowdown_below_one_or_not_a_number_is_refused_by_name(tmp_path):
+    from neuron.config import ConfigError, load_config
+
+    for value, words in (("0.5", "decode_slowdown at least 1"), ("nan", "decode_slowdown at least 1"),
+                         ('"fast"', "decode_slowdown")):
+        path = tmp_path / "neuron.toml"
+        path.write_text(f"[engine]\ndecode_slowdown = {value}\n")
+        with pytest.raises(ConfigError, match=words):
+            load_config(path)
+    path.write_text("[engine]\ndecode_slowdown = 2\n")
+    assert load_config(path).engine.decode_slowdown == 2.0
