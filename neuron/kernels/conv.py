@@ -11,7 +11,7 @@ import triton.language as tl
 from .launch import grid_sync, pdl_args, pow2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["span_stride"])  # one compile for every count of spans
 def _conv_kernel(X, W, Bias, State, Out, Spans, span_stride, stride_x, stride_o, stride_slot, C,
                  K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr,
                  PDL: tl.constexpr):
@@ -98,7 +98,7 @@ def _conv_keep(X, State, row, n, slot, c, cm, stride_x, stride_slot, K: tl.const
     tl.store(st + m[None, :], kept.to(State.dtype.element_ty), mask=both)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["span_stride"])
 def _conv_keep_kernel(X, State, Spans, span_stride, stride_x, stride_slot, C, K: tl.constexpr, KP: tl.constexpr,
                       BC: tl.constexpr, PDL: tl.constexpr):
     s = tl.program_id(0)
@@ -140,7 +140,7 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["snap_stride"])
 def _conv_snapshot_kernel(X, State, Snaps, snap_stride, stride_x, stride_slot, C, K: tl.constexpr,
                           KP: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr):
     """The conv state a sequence has after a snapshot point: the K - 1 inputs before it, from the

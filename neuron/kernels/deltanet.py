@@ -60,7 +60,7 @@ def _l2norm(x, axis: tl.constexpr):
 # The delta rule, token after token
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["span_stride"])  # one compile for every count of spans
 def _recurrent_kernel(QKV, A, B, NegA, DtBias, State, Out, Spans, span_stride, stride_qkv, stride_ab, stride_o,
                       stride_slot, key_dim, scale, R: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, UNCHUNKED: tl.constexpr, PDL: tl.constexpr):
@@ -79,23 +79,23 @@ def _recurrent_kernel(QKV, A, B, NegA, DtBias, State, Out, Spans, span_stride, s
     slot = tl.load(Spans + 2 * span_stride + s)
     if UNCHUNKED:
         n = tl.where(tl.load(Spans + 4 * span_stride + s) > 0, 0, n)
-    at = State + slot * stride_slot + h * HK * HV + ik[:, None] * HV + iv[None, :]
-    both = km[:, None] & vm[None, :]
-    S = tl.load(at, mask=both, other=0.0).to(tl.float32)
-    for t in range(0, n):
-        r = row + t
-        base = QKV + r * stride_qkv
-        q = tl.load(base + kh * HK + ik, mask=km, other=0.0).to(tl.float32)
-        k = tl.load(base + key_dim + kh * HK + ik, mask=km, other=0.0).to(tl.float32)
-        v = tl.load(base + 2 * key_dim + h * HV + iv, mask=vm, other=0.0).to(tl.float32)
-        q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale
-        k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
-        g, beta = _gates(A, B, NegA, DtBias, r, stride_ab, h, r >= 0)
-        S = S * tl.exp(g)
-        u = (v - tl.sum(S * k[:, None], 0)) * beta
-        S = S + k[:, None] * u[None, :]
-        tl.store(Out + r * stride_o + h * HV + iv, tl.sum(S * q[:, None], 0), mask=vm)
-    if n > 0:
+    if n > 0:  # (a graph's padding spans all name one scratch slot: not read at all)
+        at = State + slot * stride_slot + h * HK * HV + ik[:, None] * HV + iv[None, :]
+        both = km[:, None] & vm[None, :]
+        S = tl.load(at, mask=both, other=0.0).to(tl.float32)
+        for t in range(0, n):
+            r = row + t
+            base = QKV + r * stride_qkv
+            q = tl.load(base + kh * HK + ik, mask=km, other=0.0).to(tl.float32)
+            k = tl.load(base + key_dim + kh * HK + ik, mask=km, other=0.0).to(tl.float32)
+            v = tl.load(base + 2 * key_dim + h * HV + iv, mask=vm, other=0.0).to(tl.float32)
+            q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale
+            k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
+            g, beta = _gates(A, B, NegA, DtBias, r, stride_ab, h, r >= 0)
+            S = S * tl.exp(g)
+            u = (v - tl.sum(S * k[:, None], 0)) * beta
+            S = S + k[:, None] * u[None, :]
+            tl.store(Out + r * stride_o + h * HV + iv, tl.sum(S * q[:, None], 0), mask=vm)
         tl.store(at, S.to(State.dtype.element_ty), mask=both)
 
 
@@ -147,7 +147,7 @@ def delta_rule(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, neg_a: torch
 # The delta rule in chunks
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chunk_stride"])
 def _chunk_prep_kernel(QKV, A, B, NegA, DtBias, Chunks, chunk_stride, stride_qkv, stride_ab, key_dim, scale,
                        Wo, Uo, QKo, Io, Co, Go, NV: tl.constexpr, R: tl.constexpr, HK: tl.constexpr,
                        HV: tl.constexpr, BK: tl.constexpr, BVA: tl.constexpr, BT: tl.constexpr,
@@ -204,7 +204,7 @@ def _chunk_prep_kernel(QKV, A, B, NegA, DtBias, Chunks, chunk_stride, stride_qkv
         tl.store(Go + c * NV + h, tl.sum(g, 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["span_stride", "chunk_stride"])
 def _chunk_scan_kernel(Wi, Ui, QKi, Ii, Ci, Gi, State, Out, Spans, span_stride, Chunks, chunk_stride, stride_o,
                        stride_slot, NV: tl.constexpr, R: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
@@ -228,38 +228,38 @@ def _chunk_scan_kernel(Wi, Ui, QKi, Ii, Ci, Gi, State, Out, Spans, span_stride, 
     head = h * HK * HV + ik[:, None] * HV + iv[None, :]
     at = State + slot * stride_slot + head
     both = km[:, None] & vm[None, :]
-    S = tl.load(at, mask=both, other=0.0).to(tl.float32)
-    for c in range(first, first + count):
-        row = tl.load(Chunks + c)
-        tm = i < tl.load(Chunks + chunk_stride + c)
-        snap = tl.load(Chunks + 2 * chunk_stride + c)
-        r = row + i
-        hrow = (r * NV + h)[:, None]
-        krow = ((r * (NV // R) + kh) * 2)[:, None] * HK + ik[None, :]
-        mk = tm[:, None] & km[None, :]
-        mv = tm[:, None] & vm[None, :]
-        cum = tl.load(Ci + r * NV + h, mask=tm, other=0.0)
-        total = tl.load(Gi + c * NV + h)
-        w = tl.load(Wi + hrow * HK + ik[None, :], mask=mk, other=0.0).to(tl.float32)
-        q = tl.load(QKi + krow, mask=mk, other=0.0).to(tl.float32) * tl.exp(cum)[:, None]
-        k = tl.load(QKi + krow + HK, mask=mk, other=0.0).to(tl.float32) * tl.exp(total - cum)[:, None]
-        scores = tl.load(Ii + hrow * BT + i[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
-        u = tl.load(Ui + hrow * HV + iv[None, :], mask=mv, other=0.0).to(tl.float32)
-        Sd = S
-        if LOW:
-            low = Wi.dtype.element_ty
-            w, q, k, scores, Sd = w.to(low), q.to(low), k.to(low), scores.to(low), S.to(low)
-            if INTERPRETED:  # (whose 16-bit products are wrong): the same roundings, products in float32
-                w, q, k, scores, Sd = w.to(tl.float32), q.to(tl.float32), k.to(tl.float32), \
-                    scores.to(tl.float32), Sd.to(tl.float32)
-        new = u - tl.dot(w, Sd, input_precision=PREC)
-        nd = new.to(Wi.dtype.element_ty).to(scores.dtype) if LOW else new
-        o = tl.dot(q, Sd, input_precision=PREC) + tl.dot(scores, nd, input_precision=PREC)
-        tl.store(Out + r[:, None] * stride_o + h * HV + iv[None, :], o, mask=mv)
-        S = S * tl.exp(total) + tl.dot(tl.trans(k), nd, input_precision=PREC)
-        if snap >= 0:
-            tl.store(State + snap * stride_slot + head, S.to(State.dtype.element_ty), mask=both)
-    if count > 0:  # (a span without chunks is the recurrent kernel's)
+    if count > 0:  # (a span without chunks is the recurrent kernel's; padding is not read at all)
+        S = tl.load(at, mask=both, other=0.0).to(tl.float32)
+        for c in range(first, first + count):
+            row = tl.load(Chunks + c)
+            tm = i < tl.load(Chunks + chunk_stride + c)
+            snap = tl.load(Chunks + 2 * chunk_stride + c)
+            r = row + i
+            hrow = (r * NV + h)[:, None]
+            krow = ((r * (NV // R) + kh) * 2)[:, None] * HK + ik[None, :]
+            mk = tm[:, None] & km[None, :]
+            mv = tm[:, None] & vm[None, :]
+            cum = tl.load(Ci + r * NV + h, mask=tm, other=0.0)
+            total = tl.load(Gi + c * NV + h)
+            w = tl.load(Wi + hrow * HK + ik[None, :], mask=mk, other=0.0).to(tl.float32)
+            q = tl.load(QKi + krow, mask=mk, other=0.0).to(tl.float32) * tl.exp(cum)[:, None]
+            k = tl.load(QKi + krow + HK, mask=mk, other=0.0).to(tl.float32) * tl.exp(total - cum)[:, None]
+            scores = tl.load(Ii + hrow * BT + i[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
+            u = tl.load(Ui + hrow * HV + iv[None, :], mask=mv, other=0.0).to(tl.float32)
+            Sd = S
+            if LOW:
+                low = Wi.dtype.element_ty
+                w, q, k, scores, Sd = w.to(low), q.to(low), k.to(low), scores.to(low), S.to(low)
+                if INTERPRETED:  # (whose 16-bit products are wrong): the same roundings, products in float32
+                    w, q, k, scores, Sd = w.to(tl.float32), q.to(tl.float32), k.to(tl.float32), \
+                        scores.to(tl.float32), Sd.to(tl.float32)
+            new = u - tl.dot(w, Sd, input_precision=PREC)
+            nd = new.to(Wi.dtype.element_ty).to(scores.dtype) if LOW else new
+            o = tl.dot(q, Sd, input_precision=PREC) + tl.dot(scores, nd, input_precision=PREC)
+            tl.store(Out + r[:, None] * stride_o + h * HV + iv[None, :], o, mask=mv)
+            S = S * tl.exp(total) + tl.dot(tl.trans(k), nd, input_precision=PREC)
+            if snap >= 0:
+                tl.store(State + snap * stride_slot + head, S.to(State.dtype.element_ty), mask=both)
         tl.store(at, S.to(State.dtype.element_ty), mask=both)
 
 
@@ -298,7 +298,8 @@ def delta_rule_chunked(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, neg_
         w, u, qk, scores, cum, total, NV=nv, R=r, HK=hk, HV=hv, BK=BK, BVA=BVA, BT=CHUNK,
         STEPS=CHUNK.bit_length() - 2, PREC=prec, num_warps=PREP["warps"], num_stages=PREP["stages"],
         **pdl_args(qkv.device))
-    bv = SCAN["bv"] or max(_value_block(hv, S * nv, qkv.device), min(32, BVA))
+    # by one prompt's programs, not the table's spans: a graph's table has one a slot, nearly all empty
+    bv = SCAN["bv"] or max(_value_block(hv, nv, qkv.device), min(32, BVA))
     low = SCAN["low"] and not wide
     _chunk_scan_kernel[(S, nv, triton.cdiv(hv, bv))](
         w, u, qk, scores, cum, total, state, out, spans, spans.stride(0), chunks, chunks.stride(0), out.stride(0),

@@ -54,7 +54,7 @@ def sort_pairs(chosen: torch.Tensor, experts: int, rows: int) -> tuple[torch.Ten
     return pairs, block_expert
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])  # one compile for every count of pairs
 def _grouped_kernel(X, W, S, Out, Pairs, BlockExpert, stride_x, stride_we, stride_wn, stride_se, stride_o, N, K, NS,
                     P, PER_ROW: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, BM: tl.constexpr,
                     BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
@@ -122,7 +122,7 @@ def _silu_rows(w, x, n, nm, K, stride_wn, up, BK: tl.constexpr):
     return gs * tl.sigmoid(gs) * us
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["PK"])
 def _gate_up_kernel(X, W, H, Chosen, SW, HS, stride_x, stride_we, stride_wn, stride_h, stride_sw, stride_hs, I, IS,
                     K, first, E, PK, PER_ROW: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
     """H[p, n] = silu(g) * u of pair ``p``'s row (its token's, ``p // PER_ROW``) and its expert's

@@ -21,7 +21,11 @@ def eager_inputs(runner, seqs: list[p.StepSeq], states: bool = True):
     r = runner
     ids, positions, slot_of, store, decode_rows, prefills, ends = flatten(seqs, r.tables_host, r.bs)
     T = len(ids)
-    ids_t, pos_t, slot_t, store_t = upload(np.stack([ids, positions, slot_of, store]), torch.int64, r.device)
+    # Rows of an even length: each starts 16-byte aligned whatever T, as Triton assumes of the
+    # pointers it compiled a kernel for (an odd T compiled rope_store anew: seconds of a prompt)
+    rows = np.zeros((4, T + T % 2), np.int64)
+    rows[:, :T] = (ids, positions, slot_of, store)
+    ids_t, pos_t, slot_t, store_t = upload(rows, torch.int64, r.device)[:, :T]
     meta = StepMeta(store_index=store_t, decode_rows=None,
                     state_spans=state_spans(seqs, r.device, r.triton) if states and r.states.slots else None)
     if len(decode_rows) < T:
