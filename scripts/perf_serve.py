@@ -32,7 +32,9 @@ def serve(model: Path, tp: int, slots: int, max_len: int, device: str, log: Path
     port = free_port()
     env = {**os.environ, "NEURON_MODELS__0__MAX_SLOTS": str(slots), "NEURON_MODELS__0__MAX_MODEL_LEN": str(max_len),
            "NEURON_MODELS__0__PREFIX_CACHING": str(caching).lower(), "NEURON_MODELS__0__QUANTIZE": quantize,
-           "NEURON_MODELS__0__GPU_MEMORY_UTILIZATION": str(MEMORY), "NEURON_MODELS__0__DTYPE": DTYPE}
+           "NEURON_MODELS__0__GPU_MEMORY_UTILIZATION": str(MEMORY), "NEURON_MODELS__0__DTYPE": DTYPE,
+           # a level's streams all arrive at once: none is refused for the queue's length
+           "NEURON_ENGINE__QUEUE_SIZE": str(max(64, slots))}
     if speculative:
         env["NEURON_MODELS__0__SPECULATIVE"] = speculative
     cmd = [sys.executable, "-m", "neuron.cli", "serve", "--model", str(model), "--port", str(port),
