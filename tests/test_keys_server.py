@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import signal
-import statistics
 import subprocess
 import sys
 import threading
@@ -189,16 +188,17 @@ def test_a_wrong_key_takes_as_long_to_refuse_as_a_right_one_to_pass(tmp_path):
     ring = KeyRing("", str(path))
 
     def timed(key: str) -> float:
-        runs = []
-        for _ in range(7):
-            t0 = time.perf_counter()
-            for _ in range(200):
-                ring.check(key)
-            runs.append(time.perf_counter() - t0)
-        return statistics.median(runs)
+        t0 = time.perf_counter()
+        for _ in range(200):
+            ring.check(key)
+        return time.perf_counter() - t0
 
     assert ring.check(keys[0]).name == "user0" and ring.check(keys[-1]) == Principal("user63", 4, 0, 2.0)
     assert ring.check("nk-wrong") is None and ring.check("") is None
-    first, last, wrong = timed(keys[0]), timed(keys[-1]), timed("nk-" + "x" * 43)
+    # The three keys' runs interleaved, each key's fastest of 15: a pause of the machine's (a
+    # busy neighbour) slows one run, not one key.
+    probes = (keys[0], keys[-1], "nk-" + "x" * 43)
+    runs = [[timed(key) for key in probes] for _ in range(15)]
+    first, last, wrong = (min(run[i] for run in runs) for i in range(3))
     assert max(first, last, wrong) < 1.5 * min(first, last, wrong), (first, last, wrong)
     assert json.loads(json.dumps(path.stat().st_mode & 0o077)) == 0  # the file is its owner's alone
