@@ -468,7 +468,7 @@ def compiled_kernels(cache) -> dict[str, str]:
 
 @needs_gpu
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text", "llama-q4"])
 def test_prompts_of_any_length_compile_no_kernel_after_the_load(tmp_path, tmp_path_factory, family):
     """Every kernel a step can take is compiled while the model loads: prompts of any length,
     alone, beside decodes and after a cached prefix, compile nothing more (a compile is seconds
@@ -478,10 +478,15 @@ def test_prompts_of_any_length_compile_no_kernel_after_the_load(tmp_path, tmp_pa
 
     from test_hybrid import write_hybrid_checkpoint
 
-    ckpt = write_hybrid_checkpoint(family, tmp_path_factory.mktemp(family), max_position_embeddings=4096)
+    if family == "llama-q4":  # packed weights: their products and the prompt path's dequantizing
+        from devtools.checkpoints import make_checkpoint
+        ckpt = make_checkpoint("llama", tmp_path_factory.mktemp(family), seed=7, num_attention_heads=6,
+                               num_key_value_heads=3, hidden_size=192, head_dim=32, max_position_embeddings=4096)
+    else:
+        ckpt = write_hybrid_checkpoint(family, tmp_path_factory.mktemp(family), max_position_embeddings=4096)
     cache = tmp_path / "triton"
     config = (f'[[models]]\nmodel = "{ckpt}"\nid = "ckpt"\ndtype = "bfloat16"\nmax_model_len = 2048\n'
-              'max_slots = 8\n')
+              'max_slots = 8\n' + ('quantize = "q4"\n' if family == "llama-q4" else ""))
     server = start_server(tmp_path, config=config, args=["--device", "cuda"], env={"TRITON_CACHE_DIR": str(cache)})
     try:
         seen = compiled_kernels(cache)

@@ -245,7 +245,7 @@ def _split_sum_kernel(part_ptr, y_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.conste
     tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["ROWS"])  # an embedding lookup's rows are the step's tokens
 def _dequant_kernel(u_ptr, sm_ptr, ids_ptr, w_ptr, ROWS, N, K, NS, stride_u, BITS: tl.constexpr, GS: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATHER: tl.constexpr, PDL: tl.constexpr):
     """``ROWS`` rows of W (N rows) as ``w_ptr``'s dtype, [ROWS, K] row-major: rows 0..N-1, or

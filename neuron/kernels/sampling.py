@@ -82,7 +82,7 @@ def greedy_tokens(logits: torch.Tensor, slots: torch.Tensor, sampled: torch.Tens
     return tokens
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # one compile for every step length
 def _resolve_kernel(Ids, Slots, Last, Out, T, BLOCK: tl.constexpr, PDL: tl.constexpr):
     grid_sync(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
