@@ -39,6 +39,9 @@ def serve(model: Path, tp: int, slots: int, max_len: int, device: str, log: Path
         env["NEURON_MODELS__0__SPECULATIVE"] = speculative
     cmd = [sys.executable, "-m", "neuron.cli", "serve", "--model", str(model), "--port", str(port),
            "--tensor-parallel", str(tp), "--device", device]
+    # The server runs in a session of its own: a `timeout` that ends this script with SIGTERM
+    # must unwind through the caller's stop(), or the server keeps the GPU's memory.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
                             start_new_session=True)
