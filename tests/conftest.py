@@ -91,6 +91,29 @@ class Server:
         return self.proc.returncode
 
 
+STARTED: list[subprocess.Popen] = []  # every server this run started, killed at its end if still up
+
+
+def pytest_configure(config) -> None:
+    """A run ended by SIGTERM (a ``timeout`` around it) stops as if interrupted, so its servers'
+    fixtures stop them; the session's end then kills any left. Each server runs in a session of
+    its own, where a killed rank would be restarted by its leader, holding its GPU memory."""
+    def interrupted(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, interrupted)
+
+
+def pytest_unconfigure(config) -> None:
+    for proc in STARTED:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def start_server(tmp: Path, *, config: str = "", args: list[str] = (), env: dict | None = None,
                  wait: float = 180, healthy: bool = True) -> Server:
     port = free_port()
@@ -100,6 +123,7 @@ def start_server(tmp: Path, *, config: str = "", args: list[str] = (), env: dict
     cmd = [sys.executable, "-m", "neuron.cli", "serve", "--config", str(conf), "--port", str(port), *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,
                             env={**os.environ, **(env or {})}, start_new_session=True)
+    STARTED.append(proc)
     server = Server(proc, f"http://127.0.0.1:{port}", log_path)
     if not healthy:
         return server

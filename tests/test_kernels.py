@@ -12,6 +12,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 pytest.importorskip("triton")
 
 from neuron.models.ops import TorchOps  # noqa: E402
+from neuron.kernels import fused  # noqa: E402
 from neuron.kernels import gpu as K  # noqa: E402
 from attention_reference import reference_decode, reference_prefill, rope_case  # noqa: E402
 
@@ -102,8 +103,9 @@ def prefill_case(n_q, n_kv, hd, uniform, dtype, seed):
     return q.to(dtype), kc.to(dtype), vc.to(dtype), tables, kv_of_q, repeat
 
 
+# (6, 1): a group of 6, as the 27B hybrid's, whose tiles of (query, head) rows start mid-query
 @pytest.mark.parametrize("n_q,n_kv,hd,uniform", [(4, 2, 48, True), (4, 4, 64, True), (8, 2, 128, True),
-                                                 (5, 2, 80, False)])
+                                                 (5, 2, 80, False), (6, 1, 32, True), (8, 1, 256, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("splits", [1, 4])
 def test_paged_prefill_attends_each_chunk_causally_after_its_cached_prefix(n_q, n_kv, hd, uniform, dtype, splits):
@@ -149,9 +151,12 @@ def test_fused_norms_match_the_reference(dtype):
     assert torch.equal(r2, ref_r) and (out.float() - ref.float()).abs().max() < tol
 
 
-def test_silu_mul_matches_the_reference():
+@pytest.mark.parametrize("few", [64, 0])
+def test_silu_mul_matches_the_reference(few, monkeypatch):
+    """Rows in programs of 256 elements, of 1024 for one row, and (``few`` 0) of a prompt's size."""
+    monkeypatch.setattr(fused, "SILU_FEW", few)
     gu = torch.randn(3, 2 * 1500, generator=torch.Generator().manual_seed(3))
-    for rows in (gu, gu[:1]):  # programs of 256 elements, and of 1024 for one row
+    for rows in (gu, gu[:1]):
         assert (K.silu_mul(rows) - OPS.silu_mul(rows)).abs().max() < 1e-6
 
 
@@ -196,7 +201,11 @@ def test_paged_decode_writes_the_int8_form_of_its_output(splits, uniform):
 
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("store", [False, True])
-def test_rope_store_rotates_queries_in_place_and_puts_keys_and_values_in_their_cache_rows(norm, store):
+@pytest.mark.parametrize("few", [64, 0])
+def test_rope_store_rotates_queries_in_place_and_puts_keys_and_values_in_their_cache_rows(norm, store, few,
+                                                                                          monkeypatch):
+    """A program per token and head, or (``few`` 0) per tile of a prompt's tokens and head."""
+    monkeypatch.setattr(fused, "ROPE_FEW", few)
     c = rope_case(norm)
     got = c.qkv.clone()
     if store:

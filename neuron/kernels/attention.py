@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import grid_sync, pdl_args, pow2
+from .launch import grid_sync, pdl_args, pow2, shared_memory
 from .int8_rows import quantize_groups
 
 
@@ -258,10 +258,12 @@ def _prefill_keys(q, m, lsum, acc, K, V, Tables, slot, kv_head, qpos, lo, hi, d,
 def _prefill_kernel(Q, K, V, Tables, Spans, KvOfQ, Out,
                     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_tab,
                     stride_ot, stride_oh, qk_scale,
-                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, UNIFORM: tl.constexpr,
-                    D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr,
+                    GROUP: tl.constexpr, UNIFORM: tl.constexpr,
+                    D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr,
                     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr,
                     PartOut, PartML, T, NQ, PDL: tl.constexpr):
+    """A tile is ``ROWS`` consecutive (query, head of the group) pairs of a chunk, whatever the
+    group's size: a group of 6 wastes no rows, as padding it to 8 would."""
     grid_sync(PDL)  # before the early exit below: a program may finish only after it
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # the last tiles see the most keys: start them first
     head = tl.program_id(1)
@@ -271,19 +273,17 @@ def _prefill_kernel(Q, K, V, Tables, Spans, KvOfQ, Out,
     n = tl.load(Spans + span * 4 + 1)
     slot = tl.load(Spans + span * 4 + 2)
     start = tl.load(Spans + span * 4 + 3)
-    m0 = tile * BLOCK_M
+    m0 = tile * ROWS // GROUP  # the tile's first query
     if m0 < n:  # the grid covers the longest chunk
-        r = tl.arange(0, BLOCK_M * GROUP_PAD)
-        i = m0 + r // GROUP_PAD  # the row's query within the chunk
-        g = r % GROUP_PAD
+        r = tile * ROWS + tl.arange(0, ROWS)
+        i = r // GROUP  # the row's query within the chunk
+        hmask = i < n
         if UNIFORM:
-            heads = head * GROUP + g
+            heads = head * GROUP + r % GROUP
             kv_head = head
-            hmask = (g < GROUP) & (i < n)
         else:
-            heads = head + g * 0
+            heads = head + r * 0
             kv_head = tl.load(KvOfQ + head)
-            hmask = i < n
         d = tl.arange(0, D_PAD)
         dmask = d < D
         qmask = hmask[:, None] & dmask[None, :]
@@ -291,13 +291,13 @@ def _prefill_kernel(Q, K, V, Tables, Spans, KvOfQ, Out,
                     mask=qmask, other=0.0)
         q = q.to(K.dtype.element_ty)
         qpos = start + i  # query i of the chunk sees keys 0 ..= start + i
-        m = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
-        lsum = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
-        acc = tl.zeros([BLOCK_M * GROUP_PAD, D_PAD], tl.float32)
+        m = tl.full([ROWS], float("-inf"), tl.float32)
+        lsum = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, D_PAD], tl.float32)
         # Keys every row of the tile sees need no mask; the rest, up to the tile's last query,
         # are masked per row. Keys past the last query are never read.
         full = (start + m0 + 1) // BLOCK_N * BLOCK_N
-        end = start + tl.minimum(m0 + BLOCK_M, n)
+        end = start + tl.minimum((tile * ROWS + ROWS - 1) // GROUP + 1, n)
         # With SPLITS, this program takes one of SPLITS ranges of whole key tiles.
         share = tl.cdiv(tl.cdiv(end, BLOCK_N), SPLITS) * BLOCK_N
         lo = split * share
@@ -341,6 +341,21 @@ def _prefill_merge(PartOut, PartML, Out, T, NQ, stride_ot, stride_oh, D: tl.cons
     tl.store(Out + row.to(tl.int64) * stride_ot + head * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < D)
 
 
+# by head dim (64 for less, padded to a power of two): the tile's (query, head) rows, keys a step,
+# warps, stages; scripts/bench-kernels --prefill-ops
+PREFILL_TILES = {64: (64, 64, 4, 3), 128: (128, 128, 8, 2), 256: (128, 64, 8, 2)}
+SMALL_TILES = {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 8, 3)}  # for GPUs of less shared memory
+
+
+def prefill_tiles(d_pad: int, device: torch.device) -> tuple[int, int, int, int]:
+    """``PREFILL_TILES``' setting for head dim ``d_pad``, or ``SMALL_TILES``' where its query tile
+    and its stages of key and value tiles would not fit the GPU's shared memory."""
+    d = min(max(d_pad, 64), 256)
+    rows, block_n, warps, stages = PREFILL_TILES[d]
+    need = (rows + 2 * stages * block_n) * d_pad * 2
+    return PREFILL_TILES[d] if device.type != "cuda" or need <= shared_memory(device) else SMALL_TILES[d]
+
+
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                   spans: torch.Tensor, kv_of_q: torch.Tensor, gqa_repeat: int, scale: float, max_n: int,
                   out: torch.Tensor | None = None, splits: int = 1) -> torch.Tensor:
@@ -359,12 +374,9 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     out = torch.empty(T, n_q, D, device=q.device, dtype=q.dtype) if out is None else out
     uniform = gqa_repeat > 0
     group = gqa_repeat if uniform else 1
-    group_pad = pow2(group)
     d_pad = pow2(D)
-    block_m = max(1, 64 // group_pad)  # query positions per tile: 64 rows (query, head) when it divides
-    block_n = 64 if d_pad <= 128 else 32
-    rows = block_m * group_pad
-    grid = (triton.cdiv(max(1, max_n), block_m), n_q // group, spans.shape[0] * splits)
+    rows, block_n, warps, stages = prefill_tiles(d_pad, q.device)
+    grid = (triton.cdiv(max(1, max_n) * group, rows), n_q // group, spans.shape[0] * splits)
     part_out = part_ml = q  # unused without splits
     if splits > 1:
         part_out = torch.empty(splits, T, n_q, d_pad, device=q.device, dtype=torch.float32)
@@ -375,11 +387,9 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q, k_cache, v_cache, tables, spans, kv_of_q, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
         out.stride(0), out.stride(1), scale * 1.4426950408889634,  # exp2 of log2(e) * x is exp(x)
-        GROUP=group, GROUP_PAD=group_pad, UNIFORM=uniform, D=D, D_PAD=d_pad, BS=k_cache.shape[1],
-        BLOCK_M=block_m, BLOCK_N=block_n,
+        GROUP=group, UNIFORM=uniform, D=D, D_PAD=d_pad, BS=k_cache.shape[1], ROWS=rows, BLOCK_N=block_n,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLITS=splits,
-        PartOut=part_out, PartML=part_ml, T=T, NQ=n_q,
-        num_warps=8 if rows * d_pad >= 128 * 128 else 4, **pdl_args(q.device))
+        PartOut=part_out, PartML=part_ml, T=T, NQ=n_q, num_warps=warps, num_stages=stages, **pdl_args(q.device))
     if splits > 1:
         _prefill_merge[(T, n_q)](part_out, part_ml, out, T, n_q, out.stride(0), out.stride(1), D=D, D_PAD=d_pad,
                                  SPLITS=splits, **pdl_args(q.device))

@@ -111,6 +111,9 @@ def _conv_keep_kernel(X, State, Spans, span_stride, stride_x, stride_slot, C, K:
         _conv_keep(X, State, row, n, slot, c, c < C, stride_x, stride_slot, K, KP)
 
 
+ROWS_TILE = (32, 128, 4)  # _conv_rows_kernel's (rows, channels, warps): scripts/bench-kernels --prefill-ops
+
+
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: torch.Tensor,
                 spans: torch.Tensor, max_n: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """silu(causal depthwise conv) of each span's rows of ``x`` [T, C] (rows contiguous) after the
@@ -132,9 +135,10 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                                               out.stride(0), state.stride(0), C, K=K, KP=pow2(K - 1), BT=BT, BC=BC,
                                               HAS_BIAS=bias is not None, num_warps=4, **pdl_args(x.device))
         return out
+    BT, BC, warps = ROWS_TILE
     _conv_rows_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC))](
         x, weight, b, state, out, spans, spans.stride(0), S, T, x.stride(0), out.stride(0), state.stride(0), C,
-        K=K, BT=BT, BC=BC, HAS_BIAS=bias is not None, num_warps=4, **pdl_args(x.device))
+        K=K, BT=BT, BC=BC, HAS_BIAS=bias is not None, num_warps=warps, **pdl_args(x.device))
     _conv_keep_kernel[(S, triton.cdiv(C, 128))](x, state, spans, spans.stride(0), x.stride(0), state.stride(0),
                                                 C, K=K, KP=pow2(K - 1), BC=128, num_warps=4, **pdl_args(x.device))
     return out

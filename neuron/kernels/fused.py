@@ -111,53 +111,62 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 # rotated in place, k and v written straight into their cache rows (one launch per layer).
 
 
-@triton.jit
-def _rope_store_kernel(X, Pos, Cos, Sin, WQ, WK, Kc, Vc, Index, Tables, Slots, stride_xt, stride_xh, stride_cs,
+@triton.jit(do_not_specialize=["T"])
+def _rope_store_kernel(X, Pos, Cos, Sin, WQ, WK, Kc, Vc, Index, Tables, Slots, T, stride_xt, stride_xh, stride_cs,
                        stride_crow, stride_tab, eps, n_q, n_kv, D: tl.constexpr, HALF: tl.constexpr,
                        NORM: tl.constexpr, STORE: tl.constexpr, FROM_TABLE: tl.constexpr, BS: tl.constexpr,
-                       PDL: tl.constexpr):
-    """Program (token, head). Under PDL the position, its cos/sin rows, the norm weights and the
-    cache row are read before ``grid_sync`` (the step's inputs and constants, written before
-    its first kernel): after the wait only the projection's output is, one round trip, not the
-    position's and then its cos/sin rows' two."""
-    t = tl.program_id(0)
+                       TB: tl.constexpr, PDL: tl.constexpr):
+    """Program (tile of ``TB`` tokens, head). Under PDL the positions, their cos/sin rows, the
+    norm weights and the cache rows are read before ``grid_sync`` (the step's inputs and
+    constants, written before its first kernel): after the wait only the projection's output
+    is, one round trip, not the position's and then its cos/sin rows' two."""
+    t = tl.program_id(0) * TB + tl.arange(0, TB)
+    tm = t < T
     h = tl.program_id(1)
     i = tl.arange(0, HALF)
-    pos = tl.load(Pos + t)
-    c = tl.load(Cos + pos * stride_cs + i).to(tl.float32)
-    s = tl.load(Sin + pos * stride_cs + i).to(tl.float32)
+    m = tm[:, None] & (i < HALF)[None, :]
+    pos = tl.load(Pos + t, mask=tm, other=0)
+    c = tl.load(Cos + pos[:, None] * stride_cs + i[None, :], mask=m, other=0.0).to(tl.float32)
+    s = tl.load(Sin + pos[:, None] * stride_cs + i[None, :], mask=m, other=0.0).to(tl.float32)
     is_q = h < n_q
     if NORM:
-        w1 = tl.where(is_q, tl.load(WQ + i), tl.load(WK + i)).to(tl.float32)
-        w2 = tl.where(is_q, tl.load(WQ + HALF + i), tl.load(WK + HALF + i)).to(tl.float32)
-    if FROM_TABLE:  # the token's cache row: its position's block in its sequence's table row
-        row = tl.load(Tables + tl.load(Slots + t) * stride_tab + pos // BS).to(tl.int64) * BS + pos % BS
+        w1 = tl.where(is_q, tl.load(WQ + i), tl.load(WK + i)).to(tl.float32)[None, :]
+        w2 = tl.where(is_q, tl.load(WQ + HALF + i), tl.load(WK + HALF + i)).to(tl.float32)[None, :]
+    if FROM_TABLE:  # each token's cache row: its position's block in its sequence's table row
+        slot = tl.load(Slots + t, mask=tm, other=0)
+        row = tl.load(Tables + slot * stride_tab + pos // BS, mask=tm, other=0).to(tl.int64) * BS + pos % BS
     else:
-        row = tl.load(Index + t).to(tl.int64)  # (positions again where nothing is stored)
+        row = tl.load(Index + t, mask=tm, other=0).to(tl.int64)  # (positions again where nothing is stored)
     grid_sync(PDL)
-    base = X + t * stride_xt + h * stride_xh
-    x1 = tl.load(base + i)
-    x2 = tl.load(base + HALF + i)
+    base = X + t[:, None] * stride_xt + h * stride_xh + i[None, :]
+    x1 = tl.load(base, mask=m)
+    x2 = tl.load(base + HALF, mask=m)
     if h >= n_q + n_kv:  # a value head: into the cache as it is
-        dst = Vc + row * stride_crow + (h - n_q - n_kv) * D
-        tl.store(dst + i, x1)
-        tl.store(dst + HALF + i, x2)
+        dst = Vc + row[:, None] * stride_crow + (h - n_q - n_kv) * D + i[None, :]
+        tl.store(dst, x1, mask=m)
+        tl.store(dst + HALF, x2, mask=m)
     else:
         a = x1.to(tl.float32)
         b = x2.to(tl.float32)
         if NORM:
-            inv = tl.rsqrt((tl.sum(a * a, 0) + tl.sum(b * b, 0)) / D + eps)
+            inv = tl.rsqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / D + eps)[:, None]
             a = (w1 * (a * inv).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
             b = (w2 * (b * inv).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
         o1 = (a * c - b * s).to(x1.dtype)
         o2 = (b * c + a * s).to(x1.dtype)
         if STORE and h >= n_q:
-            dst = Kc + row * stride_crow + (h - n_q) * D
-            tl.store(dst + i, o1)
-            tl.store(dst + HALF + i, o2)
+            dst = Kc + row[:, None] * stride_crow + (h - n_q) * D + i[None, :]
+            tl.store(dst, o1, mask=m)
+            tl.store(dst + HALF, o2, mask=m)
         else:
-            tl.store(base + i, o1)
-            tl.store(base + HALF + i, o2)
+            tl.store(base, o1, mask=m)
+            tl.store(base + HALF, o2, mask=m)
+
+
+# (tokens a program, warps) by the step's tokens: a program per (token, head) of one warp for
+# decodes; tiles of tokens for prompts (scripts/bench-kernels --prefill-ops)
+ROPE_TILES = {"few": (1, 1), "many": (16, 4)}
+ROPE_FEW = 64  # at most this many tokens run a program per token
 
 
 def rope_store(qkv: torch.Tensor, n_q: int, n_kv: int, positions: torch.Tensor, cos: torch.Tensor,
@@ -175,13 +184,14 @@ def rope_store(qkv: torch.Tensor, n_q: int, n_kv: int, positions: torch.Tensor, 
     norm = q_norm is not None
     from_table = store and index is None
     assert not from_table or (tables is not None and slots is not None)
-    _rope_store_kernel[(T, heads if store else n_q + n_kv)](
+    tb, warps = ROPE_TILES["few" if T <= ROPE_FEW else "many"]
+    _rope_store_kernel[(triton.cdiv(T, tb), heads if store else n_q + n_kv)](
         qkv, positions, cos, sin, q_norm if norm else cos, k_norm if norm else cos,
         k_cache if store else qkv, v_cache if store else qkv, positions if index is None else index,
-        tables if from_table else positions, slots if from_table else positions,
+        tables if from_table else positions, slots if from_table else positions, T,
         qkv.stride(0), qkv.stride(1), cos.stride(0), n_kv * D, tables.stride(0) if from_table else 0, eps, n_q, n_kv,
         D=D, HALF=D // 2, NORM=norm, STORE=store, FROM_TABLE=from_table,
-        BS=k_cache.shape[1] if store else 1, num_warps=1, **pdl_args(qkv.device))
+        BS=k_cache.shape[1] if store else 1, TB=tb, num_warps=warps, **pdl_args(qkv.device))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,15 +216,19 @@ def _silu_mul_kernel(X, Out, Q, D, S, stride_x, stride_o, N, BLOCK: tl.constexpr
                          D + t * (N // 32), S + t * (N // 16))
 
 
+# (elements a program, warps): one row in programs of 1024 elements, a few rows in programs of 256
+# (more programs in flight): H200, Qwen3-8B q4, a decode step of 8 rows 4.648 -> 4.555 ms; of one
+# row 1.872-1.879 against 1.882-1.884 ms in 256s. A prompt's rows: scripts/bench-kernels --prefill-ops.
+SILU_TILES = {"one": (1024, 4), "few": (256, 2), "many": (1024, 4)}
+SILU_FEW = 64
+
+
 def silu_mul(gate_up: torch.Tensor, quantize: bool = False) -> torch.Tensor:
     """SiLU(gate) * up of [T, 2N]; ``quantize`` (N a multiple of 32): the int8 form too."""
     T, N2 = gate_up.shape
     N = N2 // 2
     out = torch.empty(T, N, device=gate_up.device, dtype=gate_up.dtype)
-    # One row in programs of 1024 elements, more rows in programs of 256 (more programs in flight):
-    # H200, Qwen3-8B q4, a decode step of 8 rows 4.648 -> 4.555 ms; of one row 1.872-1.879 against
-    # 1.882-1.884 ms in 256s (.gpu/nw.py, graphs recaptured per variant, 2 rounds).
-    block, warps = (1024, 4) if T == 1 else (256, 2)
+    block, warps = SILU_TILES["one" if T == 1 else "few" if T <= SILU_FEW else "many"]
     _silu_mul_kernel[(T, triton.cdiv(N, block))](gate_up, out, *_int8_rows(out, quantize), gate_up.stride(0),
                                                    out.stride(0), N, BLOCK=block, QUANT=quantize, num_warps=warps,
                                                    **pdl_args(gate_up.device))

@@ -78,3 +78,10 @@ def dot_precision(activations: torch.dtype) -> str:
 
 def pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, n))
+
+
+@functools.cache
+def shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory a program may use on ``device``."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]

@@ -40,6 +40,11 @@ class SparseMoe:
         router = src.get(f"{prefix}.gate.weight")
         self.router = (router if shared_gate is None else torch.cat([router, shared_gate.to(router.dtype)])).to(
             device, dtype)
+        # Rows padded to a multiple of 16: for the shared gate's odd count cuBLAS picked an old
+        # unaligned kernel, 90 us of a 4,096-token layer on an H200 (scripts/profile-step --chain).
+        self.logits = self.router.shape[0]
+        if self.router.is_cuda:
+            self.router = torch.cat([self.router, self.router.new_zeros(-self.logits % 16, self.router.shape[1])])
         inter = cfg.moe_intermediate_size
         self.inter = inter
         # packed experts (quantized groups or FP8): each one's gate/up and down as their linears
@@ -82,7 +87,7 @@ class SparseMoe:
     def __call__(self, x: torch.Tensor, ops: object = None, shared: SharedMlp | None = None) -> torch.Tensor:
         """The experts' weighted sum for each row of ``x``, plus the ``shared`` expert's MLP
         scaled by the sigmoid of its gate (the router's last logit) where there is one."""
-        logits, top, E = F.linear(x, self.router), self.cfg.num_experts_per_tok, self.cfg.num_experts
+        logits, top, E = F.linear(x, self.router)[:, :self.logits], self.cfg.num_experts_per_tok, self.cfg.num_experts
         moe = getattr(ops, "sparse_moe", None)
         if moe is not None and self.grouped:
             try:
