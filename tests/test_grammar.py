@@ -96,6 +96,36 @@ def test_any_json_object_closes_within_even_a_tight_budget(tiny, budget):
         assert why == "eos" or closed_early
 
 
+def test_streams_that_start_together_take_turns_to_re_estimate_their_way_out(tiny, monkeypatch):
+    """64 JSON streams started in one step: after that step, no step re-estimates the shortest
+    way of more than a ninth of them (every stream every ninth step, each at its own phase), where
+    all 64 at once made every ninth step 22 ms long."""
+    from neuron.engine import grammar_budget
+
+    tk, grammars = tiny
+    grammar = grammars.check(GrammarSpec("json_schema", NESTED), COMPILER)
+    calls = [0]
+    real = grammar_budget.shortest_completion
+
+    def counted(*args):
+        calls[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(grammar_budget, "shortest_completion", counted)
+    streams = [grammars.constraint(grammar, 4000) for _ in range(64)]  # far from the window: no near checks
+    rng = random.Random(7)
+    per_step = []
+    for _ in range(27):
+        calls[0] = 0
+        for c in streams:
+            mask = np.frombuffer(c.allowed(), dtype="<u4")
+            c.accept(int(rng.choice(np.flatnonzero(unpack(mask, grammars.vocab)))))
+        per_step.append(calls[0])
+    assert per_step[0] >= 64 and sum(per_step[1:]) >= 64 * 2  # everyone's first estimate, then their turns
+    assert max(per_step[1:]) <= 64 // 8 + 1 + 2, per_step
+    print(per_step)  # (+2: dead-end probes where the output may end)
+
+
 def test_a_budget_below_the_shortest_valid_output_ends_by_length(tiny):
     tk, grammars = tiny
     grammar = grammars.check(GrammarSpec("json_schema", NESTED), COMPILER)
