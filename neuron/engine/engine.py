@@ -15,7 +15,8 @@ from neuron.errors import ApiError
 from neuron.rankgroup import GroupFailed, RankError, RankGroup
 
 from .image_cache import ImageCache
-from .request import FinishEvent, GenRequest, TokenEvent
+from .outputs import stop_token_out, token_out
+from .request import FinishEvent, GenRequest
 from .scheduler import Planned, Scheduler
 from .speculative import DraftPolicy
 from .step_budget import StepBudget
@@ -356,23 +357,14 @@ class Engine:
         if req.constraint is not None:
             req.constraint.accept(token)
         if token in req.stop_token_ids:
-            self._emit(req, req.stop_matcher.flush(), [token], logprobs)
+            stop_token_out(req, token, logprobs)
             self._finish(req, "stop")
             return
-        text, hit = req.stop_matcher.push(req.detokenizer.push(token))
-        if hit:
-            self._emit(req, text, [token], logprobs)
+        last = len(req.output) >= req.max_tokens or len(req.prompt) + len(req.output) >= self.max_len
+        if token_out(req, token, logprobs, last):  # a stop string ended the text
             self._finish(req, "stop")
-            return
-        if len(req.output) >= req.max_tokens or len(req.prompt) + len(req.output) >= self.max_len:
-            text += req.stop_matcher.push(req.detokenizer.flush())[0] + req.stop_matcher.flush()
-            self._emit(req, text, [token], logprobs)
+        elif last:
             self._finish(req, "length")
-            return
-        self._emit(req, text, [token], logprobs)
-
-    def _emit(self, req: GenRequest, text: str, ids: list[int], logprobs) -> None:
-        req.events.put_nowait(TokenEvent(text, ids, [logprobs] if logprobs else None))
 
     def _finish(self, req: GenRequest, reason: str, error: str | None = None, kind: str | None = None) -> None:
         if req.finished:
