@@ -13,6 +13,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route
 
+from neuron import heap
 from neuron.config import Config, ServerConfig
 from neuron.engine.grammar_worker import GrammarCompiler
 from neuron.engine.request import FinishEvent, GenRequest
@@ -97,4 +98,5 @@ async def _load_startup_models(state: AppState) -> None:
             state.on_startup_failure(state.startup_error)
         return
     state.starting = False
+    heap.settle_collector()
     log.info("ready: %s", ", ".join(state.registry.models))
