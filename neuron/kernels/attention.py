@@ -349,10 +349,12 @@ SMALL_TILES = {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 8, 3)}  # 
 
 def prefill_tiles(d_pad: int, device: torch.device) -> tuple[int, int, int, int]:
     """``PREFILL_TILES``' setting for head dim ``d_pad``, or ``SMALL_TILES``' where its query tile
-    and its stages of key and value tiles would not fit the GPU's shared memory."""
+    and its stages of key and value tiles (Triton's own count on an H200) would not fit the GPU's
+    shared memory with 8 KiB to spare (an A100's 163 KiB holds the 160 KiB of head dim 128 too
+    narrowly to trust)."""
     d = min(max(d_pad, 64), 256)
     rows, block_n, warps, stages = PREFILL_TILES[d]
-    need = (rows + 2 * stages * block_n) * d_pad * 2
+    need = (rows + 2 * stages * block_n) * d_pad * 2 + 8192
     return PREFILL_TILES[d] if device.type != "cuda" or need <= shared_memory(device) else SMALL_TILES[d]
 
 
