@@ -35,14 +35,14 @@ def entry(name: str, key: str, **extra) -> str:
 def keyed(server_tmp):
     from devtools.checkpoints import make_checkpoint
 
-    checkpoint = make_checkpoint("llama", server_tmp / "tiny-keyed", seed=3, max_position_embeddings=2048)
+    checkpoint = make_checkpoint("llama", server_tmp / "tiny-keyed", seed=3, max_position_embeddings=8192)
     keys = server_tmp / "keys.toml"
     keys.write_text(entry("alice", ALICE, max_running=32, max_waiting=4) + entry("bob", BOB))
     config = f"""
 [[models]]
 model = "{checkpoint}"
 id = "{MODEL}"
-max_model_len = 2048
+max_model_len = 8192
 max_slots = 34
 
 [engine]
@@ -85,7 +85,9 @@ def test_one_keys_streams_and_queue_do_not_hold_up_another_keys_request(keyed):
     streams: list[tuple[int, int]] = []  # (status, data lines read)
 
     def stream() -> None:
-        body = {"model": MODEL, "prompt": "The lighthouse keeper", "max_tokens": 1900, "ignore_eos": True,
+        # Long enough that all 32 start while the first still run, however busy the machine:
+        # 1,900 tokens of the tiny model ended before the last of them began, twice in full runs.
+        body = {"model": MODEL, "prompt": "The lighthouse keeper", "max_tokens": 8000, "ignore_eos": True,
                 "stream": True}
         with httpx.stream("POST", f"{keyed.base}/completions", json=body, headers=headers(ALICE), timeout=300) as r:
             lines = 0
