@@ -231,7 +231,8 @@ class Budget:
         near = self.cost is not None and left <= 2 * self.cost + MARGIN
         if not self._checked or self._since_check >= RECHECK_EVERY or near:
             self.cost = shortest_completion(matcher, self.tables, left)
-            self._since_check = self._since_check if not self._checked else 0
+            if self._checked:  # the first check keeps the sequence's phase
+                self._since_check = 0
             self._checked = True
         else:
             self._since_check += 1

@@ -59,8 +59,9 @@ def _grouped_kernel(X, W, S, Out, Pairs, BlockExpert, stride_x, stride_we, strid
                     P, PER_ROW: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, BM: tl.constexpr,
                     BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
     """Out[pair, n] = sum_k X[row, k] W[expert, n, k] for the rows of one block of pairs (program
-    axis 1) and one block of N (axis 0); ``row`` is the pair's token (``PER_ROW`` pairs share a token) or the pair itself
-    (PER_ROW 1). W dense, or with ``BITS`` its packed bytes (``PackedExperts``, S the scale words)."""
+    axis 1) and one block of N (axis 0); ``row`` is the pair's token (``PER_ROW`` pairs share a
+    token) or the pair itself (PER_ROW 1). W dense, or with ``BITS`` its packed bytes
+    (``PackedExperts``, S the scale words)."""
     b = tl.program_id(1)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     grid_sync(PDL)
