@@ -52,6 +52,9 @@ class ServerConfig:
     # A header a trusted gateway in front sets to the account a request is for: its value is then
     # the principal (after the key is checked). Empty: the key's name is.
     principal_header: str = ""
+    # Processes that serve HTTP (templates, tokens, text, SSE) beside the one that runs the models
+    # (the engine core); 0: one process does both (docs/configuration.md#api-processes).
+    api_processes: int = 0
 
 
 @dataclass
@@ -329,6 +332,8 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"models[{i}].reasoning_parser must be one of {', '.join(REASONING_PARSERS)}")
     if cfg.server.stored_responses < 0:
         raise ConfigError("server.stored_responses must not be negative")
+    if not 0 <= cfg.server.api_processes <= 64:
+        raise ConfigError("server.api_processes must be in 0..64")
     if cfg.debug.tap and not (cfg.debug.tap.startswith("ipc://") or cfg.debug.tap.startswith("tcp://127.")):
         raise ConfigError("debug.tap must be an ipc:// or tcp://127.x endpoint (the tap is local only)")
     if cfg.server.log_format not in ("text", "json"):

@@ -74,6 +74,18 @@ class Registry:
             raise ApiError(404, "model_not_found", f"model {model_id!r} is not loaded", param="model")
         return handle
 
+    async def refresh(self) -> None:
+        """Nothing to fetch: the models are this process's own (an API process's mirror is not)."""
+
+    async def inject_fault(self, model_id: str, rank: int, kind: str) -> str:
+        """Test hook: ``rank`` fails its next step as ``kind`` says; what the rank answered."""
+        handle = self.get(model_id)
+        group = handle.group
+        if group is None or not 0 <= rank < group.world:
+            raise ApiError(400, "invalid_request", f"model {model_id!r} has no rank {rank}", param="rank")
+        reply = await group.request(rank, lambda i: p.InjectFault(id=i, epoch=group.epoch, kind=kind), 10.0)
+        return type(reply).__name__
+
     # ----------------------------------------------------------------------------- lifecycle
     # One operation at a time per model id (``_ops``): a load, an unload or a recovery. A load
     # joins a load of the same id in progress, and is refused (409) while the id unloads; an

@@ -159,17 +159,28 @@ def _keys_file_refusal(cfg: Config) -> str | None:
     return None
 
 
-async def serve(cfg: Config) -> int:
-    # Prompts are planned on threads that mostly wait (on a template or grammar worker, or in a
-    # tokenizer outside the GIL): enough of them that a few slow requests hold no one else up.
+def planning_threads() -> None:
+    """Prompts are planned on threads that mostly wait (on a template or grammar worker, or in a
+    tokenizer outside the GIL): enough of them that a few slow requests hold no one else up."""
     asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(LEADER_THREADS, thread_name_prefix="leader"))
+
+
+def uvicorn_config(app, cfg: Config) -> uvicorn.Config:
+    # log_config=None: uvicorn's own lines go through our handler (text or JSON) like the rest.
+    return uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, log_level=cfg.server.log_level,
+                          log_config=None, lifespan="on", timeout_graceful_shutdown=SHUTDOWN_GRACE_S, access_log=False,
+                          http=limited_protocol(cfg.http), timeout_keep_alive=cfg.http.keep_alive_timeout_s)
+
+
+async def serve(cfg: Config) -> int:
+    if cfg.server.api_processes:
+        from .core.main import serve_core
+
+        return await serve_core(cfg)
+    planning_threads()
     app = create_app(cfg)
     state = app.state.neuron
-    # log_config=None: uvicorn's own lines go through our handler (text or JSON) like the rest.
-    config = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, log_level=cfg.server.log_level,
-                            log_config=None, lifespan="on", timeout_graceful_shutdown=SHUTDOWN_GRACE_S, access_log=False,
-                            http=limited_protocol(cfg.http), timeout_keep_alive=cfg.http.keep_alive_timeout_s)
-    server = NeuronServer(config, state)
+    server = NeuronServer(uvicorn_config(app, cfg), state)
     state.on_startup_failure = server.fail_startup
     if hasattr(signal, "SIGHUP"):  # the operator edited the keys file
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, state.keys.reload)

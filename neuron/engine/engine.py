@@ -15,7 +15,7 @@ from neuron.errors import ApiError
 from neuron.rankgroup import GroupFailed, RankError, RankGroup
 
 from .image_cache import ImageCache
-from .outputs import stop_token_out, token_out
+from .outputs import finish_out, stop_token_out, token_out
 from .request import FinishEvent, GenRequest
 from .scheduler import Planned, Scheduler
 from .speculative import DraftPolicy
@@ -174,9 +174,9 @@ class Engine:
             room = min(room, max(0, req.max_running - running))
         return self.sched.waiting.waiting_of(req.principal) - room
 
-    def abort(self, req: GenRequest) -> None:
+    def abort(self, req: GenRequest, reason: str = "abort") -> None:
         if not req.finished:
-            req.abort()
+            req.abort(reason)
             self._wake.set()
 
     async def wait_idle(self, timeout: float) -> bool:
@@ -318,11 +318,11 @@ class Engine:
         now = time.monotonic()
         for req in list(self.sched.running):
             if req.cancelled:
-                self._finish(req, "abort")
+                self._finish(req, req.end_reason)
         for req in list(self.sched.waiting):
             if req.cancelled:
                 if req.admitted.done():  # preempted: it had started
-                    self._finish(req, "abort")
+                    self._finish(req, req.end_reason)
                 else:
                     self.sched.release(req)
             elif not req.admitted.done() and now - req.arrival > self.cfg.max_queue_wait_s:
@@ -372,7 +372,7 @@ class Engine:
         req.finished = True
         self.sched.release(req, keep=error is None)
         event = FinishEvent(reason, len(req.prompt), len(req.output), error, kind, req.cached_tokens)
-        req.events.put_nowait(event)
+        finish_out(req, event)
         if not req.admitted.done():
             req.admitted.set_result(True)
         if self.on_finish is not None:

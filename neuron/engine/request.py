@@ -98,6 +98,10 @@ class GenRequest:
     constraint: TokenConstraint | None = None
     spec: Any = None  # its drafting (speculative.Speculation), where the model drafts and its sampling allows
     images: list[ImageInput] = field(default_factory=list)
+    # Where its output goes when that is another process (an API process's link, in the engine
+    # core); None: this process's own output stage (``outputs.py``).
+    sink: Any = None
+    end_reason: str = "abort"  # what ends it when cancelled: "stop" when its API process found a stop string
     stop_matcher: StopMatcher = field(init=False)
     keyed_prompt: list[int] = field(init=False)
 
@@ -120,6 +124,8 @@ class GenRequest:
         """Known tokens not yet computed: a prompt's rest, or (recomputed) prompt and output."""
         return len(self.prompt) + len(self.output) - self.computed
 
-    def abort(self) -> None:
-        """The client went away: the scheduler drops the sequence at the next step."""
+    def abort(self, reason: str = "abort") -> None:
+        """The client went away (or, across processes, a stop string ended it): the scheduler
+        drops the sequence at the next step."""
         self.cancelled = True
+        self.end_reason = reason

@@ -29,6 +29,7 @@ from neuron.server.metrics import Metrics
 from neuron.server.model_access import ModelAccess
 from neuron.server.request_id import HEADER, RequestIdMiddleware
 from neuron.server.request_trace import log_finish, trace_of
+from neuron.server.remote_models import RemoteRegistry
 from neuron.server.routes import route_table
 from neuron.server.openai.response_store import ResponseStore
 from neuron.server.state import AppState
@@ -36,7 +37,9 @@ from neuron.server.state import AppState
 log = logging.getLogger("neuron.server")
 
 
-def create_app(cfg: Config) -> Starlette:
+def create_app(cfg: Config, core: str | None = None) -> Starlette:
+    """``core``: the engine core's endpoint, in an API process (``[server] api_processes``); None:
+    the models run in this process."""
     metrics = Metrics()
 
     def on_finish(model: str, req: GenRequest, fin: FinishEvent) -> None:
@@ -45,7 +48,9 @@ def create_app(cfg: Config) -> Starlette:
         log_finish(model, req, fin, trace)
 
     templates = TemplateRenderer(cfg.templates, cfg.server.allow_request_chat_template)
-    state = AppState(cfg=cfg, registry=Registry(cfg, on_finish=on_finish, templates=templates), metrics=metrics,
+    registry = Registry(cfg, on_finish=on_finish, templates=templates) if core is None else \
+        RemoteRegistry(cfg, core, on_finish)
+    state = AppState(cfg=cfg, registry=registry, metrics=metrics,
                      compiler=GrammarCompiler(cfg.grammar), templates=templates,
                      body_budget=BodyBudget(cfg.http.max_inflight_body_bytes),
                      access=ModelAccess.from_config(cfg), responses=ResponseStore(cfg.server.stored_responses),
@@ -54,7 +59,12 @@ def create_app(cfg: Config) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
-        task = asyncio.create_task(_load_startup_models(state))
+        if isinstance(registry, RemoteRegistry):  # the core loads the models and says when they serve
+            registry.state = state
+            registry.start()
+            task = asyncio.create_task(asyncio.sleep(0))
+        else:
+            task = asyncio.create_task(_load_startup_models(state))
         try:
             yield
         finally:

@@ -8,7 +8,6 @@ import subprocess
 from functools import lru_cache
 from pathlib import Path
 
-import protocol as p
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -25,6 +24,7 @@ from neuron.server.state import AppState, require_key
 
 async def health(request: Request) -> Response:
     state: AppState = request.app.state.neuron
+    await state.registry.refresh()
     models = {h.id: h.status for h in state.registry.models.values()}
     cluster = state.registry.cluster.describe() if state.registry.cluster is not None else None
     extra = {"cluster": cluster} if cluster is not None else {}
@@ -75,12 +75,14 @@ def git_revision() -> str | None:
 async def metrics(request: Request) -> Response:
     state: AppState = request.app.state.neuron
     require_key(request, state, admin=True)
+    await state.registry.refresh()
     return Response(state.metrics.render(state.registry.models), media_type="text/plain; version=0.0.4")
 
 
 async def list_models(request: Request) -> Response:
     state: AppState = request.app.state.neuron
     require_key(request, state, admin=True)
+    await state.registry.refresh()
     return JSONResponse({"models": [h.describe() for h in state.registry.models.values()]})
 
 
@@ -102,8 +104,8 @@ async def load_model(request: Request) -> Response:
         raise ApiError(400, "invalid_request", str(exc).replace("models[0].", "")) from None
     try:
         handle = await state.registry.load(entry)
-    except LoadError as exc:
-        err = from_load_error(exc)
+    except (LoadError, ApiError) as exc:  # an engine core in another process answers with an ApiError
+        err = from_load_error(exc) if isinstance(exc, LoadError) else exc
         # Said with the name the client gave: a cache snapshot's path is none of its business.
         err.message = err.message.replace(allowed.model, body.model)
         raise err from None
@@ -125,9 +127,5 @@ async def inject_fault(request: Request) -> Response:
     if not state.cfg.debug.fault_injection:
         raise ApiError(404, "not_found", "fault injection is disabled")
     body = await read_json(request, FaultRequest, state.cfg.server.max_body_bytes)
-    handle = state.registry.get(body.model)
-    if handle.group is None or not 0 <= body.rank < handle.group.world:
-        raise ApiError(400, "invalid_request", f"model {body.model!r} has no rank {body.rank}", param="rank")
-    reply = await handle.group.request(
-        body.rank, lambda i: p.InjectFault(id=i, epoch=handle.group.epoch, kind=body.kind), 10.0)
-    return JSONResponse({"model": body.model, "rank": body.rank, "kind": body.kind, "armed": type(reply).__name__})
+    armed = await state.registry.inject_fault(body.model, body.rank, body.kind)
+    return JSONResponse({"model": body.model, "rank": body.rank, "kind": body.kind, "armed": armed})

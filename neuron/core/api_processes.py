@@ -1,0 +1,99 @@
+"""The API processes of an engine core: started on the listening socket the core bound (the
+kernel hands each new connection to one of them), watched, and started again when one dies; its
+requests are aborted in the core by ``on_gone``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Callable
+
+import msgspec
+
+from ..config import Config
+
+log = logging.getLogger("neuron.core")
+WATCH_S = 0.2
+RESTART_BACKOFF_S = (0.0, 0.5, 2.0, 5.0)  # by deaths within the last minute
+
+
+def identity(pid: int) -> bytes:
+    """An API process's DEALER identity: the core knows who died by its pid."""
+    return f"api-{pid}".encode()
+
+
+class ApiProcesses:
+    def __init__(self, cfg: Config, listener: socket.socket, endpoint: str, on_gone: Callable[[bytes], int]) -> None:
+        self.cfg, self.listener, self.endpoint, self.on_gone = cfg, listener, endpoint, on_gone
+        self.procs: list[subprocess.Popen | None] = [None] * cfg.server.api_processes
+        self.deaths: list[list[float]] = [[] for _ in self.procs]
+        self.closing = False
+        self._task: asyncio.Task | None = None
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs if p is not None]
+
+    def start(self) -> None:
+        for i in range(len(self.procs)):
+            self.procs[i] = self._spawn(i)
+        self._task = asyncio.create_task(self._watch(), name="api-processes")
+
+    def _spawn(self, index: int) -> subprocess.Popen:
+        fd = self.listener.fileno()
+        proc = subprocess.Popen([sys.executable, "-m", "neuron.server.api_process", "--fd", str(fd),
+                                 "--core", self.endpoint, "--index", str(index)],
+                                pass_fds=(fd,), stdin=subprocess.PIPE)
+        assert proc.stdin is not None
+        proc.stdin.write(msgspec.json.encode(self.cfg))  # never argv: it may hold keys
+        proc.stdin.close()
+        return proc
+
+    async def _watch(self) -> None:
+        while not self.closing:
+            await asyncio.sleep(WATCH_S)
+            for i, proc in enumerate(self.procs):
+                if proc is None or proc.poll() is None or self.closing:
+                    continue
+                aborted = self.on_gone(identity(proc.pid))
+                now = time.monotonic()
+                self.deaths[i] = [t for t in self.deaths[i] if now - t < 60.0] + [now]
+                wait = RESTART_BACKOFF_S[min(len(self.deaths[i]) - 1, len(RESTART_BACKOFF_S) - 1)]
+                log.error("API process %d (pid %d) exited with %s; %d request(s) of it aborted; starting it again%s",
+                          i, proc.pid, proc.returncode, aborted, f" in {wait:.1f}s" if wait else "")
+                self.procs[i] = None
+                asyncio.get_running_loop().call_later(wait, self._respawn, i)
+
+    def _respawn(self, index: int) -> None:
+        if not self.closing and self.procs[index] is None:
+            self.procs[index] = self._spawn(index)
+
+    def forward(self, sig: int) -> None:
+        for pid in self.pids:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+
+    async def stop(self, timeout: float) -> None:
+        """They were told to leave (``Models.closing``): wait for them, then kill what is left."""
+        self.closing = True
+        if self._task is not None:
+            self._task.cancel()
+        deadline = time.monotonic() + timeout
+        while any(p is not None and p.poll() is None for p in self.procs) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self.kill()
+
+    def kill(self) -> None:
+        self.closing = True
+        for proc in self.procs:
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()

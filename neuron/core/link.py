@@ -1,0 +1,215 @@
+"""The engine core's side of its API processes (``[server] api_processes``).
+
+One ROUTER; each API process is a DEALER peer named by its identity. A ``Submit`` becomes a
+request of the model's Engine whose ``sink`` is its API process's box: what the engine emits
+for it during a turn (admission, drawn tokens, its end) goes out as one ``Outputs`` frame per API
+process when the turn yields. An API process that goes away takes only its own requests: they
+are aborted and their KV blocks freed at the next step."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Awaitable, Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+import protocol.api_core as m
+from protocol import Sampling
+
+from ..engine.request import FinishEvent, GenRequest, ImageInput
+from ..errors import ApiError
+
+log = logging.getLogger("neuron.core")
+Caller = Callable[[bytes, m.Call], Awaitable[tuple[int, bytes]]]
+
+
+class Box:
+    """One API process's news of the current turn, sent as one ``Outputs`` frame."""
+
+    __slots__ = ("link", "ident", "admitted", "tokens", "finished", "refused", "scheduled", "requests")
+
+    def __init__(self, link: ApiLink, ident: bytes) -> None:
+        self.link, self.ident = link, ident
+        self.admitted: list[m.Admitted] = []
+        self.tokens: list[m.Token] = []
+        self.finished: list[m.Finished] = []
+        self.refused: list[m.Refused] = []
+        self.scheduled = False
+        self.requests: dict[int, tuple[GenRequest, object]] = {}  # key: (request, its engine)
+
+    def due(self) -> None:
+        if not self.scheduled:
+            self.scheduled = True
+            asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        self.scheduled = False
+        frame = m.Outputs(self.admitted, self.tokens, self.finished, self.refused)
+        self.admitted, self.tokens, self.finished, self.refused = [], [], [], []
+        self.link.send(self.ident, frame)
+
+
+class Sink:
+    """A request's way out of the engine to the API process its client is on."""
+
+    __slots__ = ("box", "key")
+
+    def __init__(self, box: Box, key: int) -> None:
+        self.box, self.key = box, key
+
+    def token(self, req: GenRequest, token: int, logprobs: list[tuple[int, float]] | None, end: int) -> None:
+        self.box.tokens.append(m.Token(self.key, token, logprobs, end))
+        self.box.due()
+
+    def finish(self, req: GenRequest, ev: FinishEvent) -> None:
+        box = self.box
+        box.finished.append(m.Finished(self.key, ev.reason, ev.prompt_tokens, ev.completion_tokens, ev.error,
+                                       ev.error_kind, ev.cached_tokens))
+        box.requests.pop(self.key, None)
+        box.due()
+
+    def admitted(self, req: GenRequest, fut: asyncio.Future) -> None:
+        box = self.box
+        exc = None if fut.cancelled() else fut.exception()
+        if exc is None:
+            box.admitted.append(m.Admitted(self.key, req.cached_tokens))
+        else:
+            box.requests.pop(self.key, None)
+            box.refused.append(refusal(self.key, exc))
+        box.due()
+
+
+def refusal(key: int, exc: BaseException) -> m.Refused:
+    if isinstance(exc, ApiError):
+        return m.Refused(key, exc.status, exc.code, exc.message, exc.retry_after)
+    return m.Refused(key, 500, "internal_error", f"{type(exc).__name__}: {exc}")
+
+
+class ApiLink:
+    def __init__(self, models: Callable[[], dict], snapshot: Callable[[], m.Models], ctx: zmq.asyncio.Context,
+                 endpoint: str, caller: Caller) -> None:
+        self.models = models  # model id -> ModelHandle, the registry's
+        self.snapshot = snapshot  # the models' state as API processes see it
+        self.caller = caller
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.SNDHWM, 0)  # a token is never dropped for a slow reader
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.bind(endpoint)
+        self.endpoint = endpoint
+        self.out = zmq.Socket.shadow(self.sock.underlying)  # sends that never wait
+        self.boxes: dict[bytes, Box] = {}
+        self.synced: dict[bytes, int] = {}  # the models' version each API process last applied
+        self.dropped = 0
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._receive(), name="api-link")
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        self.sock.close(0)
+
+    def send(self, ident: bytes, frame: m.ApiFrame) -> None:
+        try:
+            self.out.send_multipart([ident, m.encode(frame)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # it went away: its supervisor notices and calls gone()
+            log.debug("cannot send to API process %r: %s", ident, exc)
+
+    def broadcast(self, frame: m.ApiFrame) -> None:
+        for ident in list(self.boxes):
+            self.send(ident, frame)
+
+    def gone(self, ident: bytes) -> int:
+        """An API process died: abort what it had running. Returns how many."""
+        box = self.boxes.pop(ident, None)
+        self.synced.pop(ident, None)
+        if box is None:
+            return 0
+        for req, engine in box.requests.values():
+            engine.abort(req)
+        return len(box.requests)
+
+    async def _receive(self) -> None:
+        while True:
+            parts = await self.sock.recv_multipart()
+            if len(parts) != 2:
+                self.dropped += 1
+                continue
+            ident, data = parts
+            try:
+                msg = m.decode_to_core(data)
+            except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError) as exc:
+                self.dropped += 1
+                log.warning("undecodable frame from API process %r: %s", ident, exc)
+                continue
+            box = self.boxes.get(ident)
+            if box is None:
+                box = self.boxes[ident] = Box(self, ident)
+            if isinstance(msg, m.Submit):
+                self._submit(box, msg)
+            elif isinstance(msg, (m.Abort, m.Stop)):
+                reason = "stop" if isinstance(msg, m.Stop) else "abort"
+                for key in msg.keys:
+                    held = box.requests.get(key)
+                    if held is not None:
+                        held[1].abort(held[0], reason)
+            elif isinstance(msg, m.Call):
+                asyncio.create_task(self._answer(ident, msg))
+            elif isinstance(msg, m.Synced):
+                self.synced[ident] = msg.version
+            elif isinstance(msg, m.Hello):
+                log.info("API process %d is up", msg.pid)
+                self.send(ident, self.snapshot())
+
+    def _submit(self, box: Box, s: m.Submit) -> None:
+        handle = self.models().get(s.model)
+        if handle is None:
+            box.refused.append(m.Refused(s.key, 404, "model_not_found", f"model {s.model!r} is not loaded"))
+            box.due()
+            return
+        req = GenRequest(s.prompt, s.sampling if isinstance(s.sampling, Sampling) else Sampling(), s.max_tokens,
+                         [], frozenset(s.stop_token_ids), None, request_id=s.request_id, principal=s.principal,
+                         weight=s.weight, max_running=s.max_running, max_waiting=s.max_waiting, priority=s.priority,
+                         cache_salt=s.cache_salt,
+                         images=[ImageInput(i.key, i.data, i.grid, i.tokens, i.offset) for i in s.images])
+        sink = req.sink = Sink(box, s.key)
+        try:
+            handle.engine.submit(req)
+        except ApiError as exc:
+            box.refused.append(refusal(s.key, exc))
+            box.due()
+            return
+        box.requests[s.key] = (req, handle.engine)
+        req.admitted.add_done_callback(lambda fut: sink.admitted(req, fut))
+
+    async def _answer(self, ident: bytes, call: m.Call) -> None:
+        try:
+            status, body = await self.caller(ident, call)
+        except ApiError as exc:
+            status, body = exc.status, error_body(exc)
+        except Exception as exc:
+            log.exception("API call %r failed", call.what)
+            status, body = 500, error_body(ApiError(500, "internal_error", f"{type(exc).__name__}: {exc}"))
+        self.send(ident, m.Answer(call.id, status, body))
+
+    async def sync(self, frame: m.Models, timeout: float = 30.0) -> None:
+        """Send every API process the models' new state and wait until each has applied it (a
+        model a load just answered for is then known to whichever process the next request hits)."""
+        self.broadcast(frame)
+        deadline = asyncio.get_running_loop().time() + timeout
+        while any(self.synced.get(i, -1) < frame.version for i in self.boxes):
+            if asyncio.get_running_loop().time() > deadline:
+                log.warning("API processes did not apply the models' state %d in %.0fs", frame.version, timeout)
+                return
+            await asyncio.sleep(0.01)
+
+
+def error_body(exc: ApiError) -> bytes:
+    return msgspec.json.encode({"status": exc.status, "code": exc.code, "message": exc.message, "param": exc.param,
+                                "retry_after": exc.retry_after})

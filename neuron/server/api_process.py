@@ -1,0 +1,78 @@
+"""An API process (``[server] api_processes``): HTTP on the port its engine core bound, the
+models in the core (``python -m neuron.server.api_process --fd N --core ENDPOINT``; the config
+comes as JSON on stdin). It leaves when the core says so, or when the core is gone."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+
+import msgspec
+
+from neuron.config import Config
+from neuron.logs import configure_logging
+from neuron.serve import NeuronServer, planning_threads, uvicorn_config
+from neuron.server.app import create_app
+from neuron.server.remote_models import RemoteRegistry
+
+log = logging.getLogger("neuron.server")
+PARENT_WATCH_S = 0.5
+
+
+class ApiServer(NeuronServer):
+    """Signals are the core's to act on (it drains everyone, then tells us to leave)."""
+
+    def handle_exit(self, sig: int, frame) -> None:
+        pass
+
+
+async def serve_api(cfg: Config, fd: int, core: str) -> int:
+    planning_threads()
+    app = create_app(cfg, core=core)
+    state = app.state.neuron
+    registry: RemoteRegistry = state.registry
+    server = ApiServer(uvicorn_config(app, cfg), state)
+    registry.on_closing = lambda: setattr(server, "should_exit", True)
+    loop = asyncio.get_running_loop()
+    if hasattr(signal, "SIGHUP"):
+        loop.add_signal_handler(signal.SIGHUP, state.keys.reload)
+    parent = os.getppid()
+
+    async def watch_parent() -> None:
+        while os.getppid() == parent:
+            await asyncio.sleep(PARENT_WATCH_S)
+        log.error("the engine core is gone; leaving")
+        registry.link.fail_all("the engine core is gone")
+        server.should_exit = True
+
+    watcher = loop.create_task(watch_parent())
+    sock = socket.socket(fileno=fd)
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        watcher.cancel()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="neuron-api")
+    parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("--core", required=True)
+    parser.add_argument("--index", type=int, default=0)
+    args = parser.parse_args(argv)
+    cfg = msgspec.json.decode(sys.stdin.buffer.read(), type=Config)
+    configure_logging(cfg.server.log_level, cfg.server.log_format, process=f"api-{args.index}")
+    try:
+        import uvloop
+        return uvloop.run(serve_api(cfg, args.fd, args.core))
+    except ImportError:
+        return asyncio.run(serve_api(cfg, args.fd, args.core))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

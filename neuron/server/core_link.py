@@ -1,0 +1,203 @@
+"""An API process's side of the engine core (``[server] api_processes``).
+
+A request is planned here as in one process (template, tokens, sampling, a ``GenRequest`` with
+its detokenizer and stop strings) and submitted to the core under a key of ours. The core's
+``Outputs`` frames carry each turn's admissions, drawn ids and ends; the ids go through the
+output stage here (``engine/outputs.py``: detokenizer, stop strings), onto the request's event
+queue, to the route that streams them. A stop string found here ends the request at once and
+tells the core to drop it."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from typing import Awaitable, Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+import protocol.api_core as m
+
+from neuron.engine.outputs import stop_token_out, token_out
+from neuron.engine.request import FinishEvent, GenRequest
+from neuron.errors import ApiError
+
+log = logging.getLogger("neuron.server")
+OnFinish = Callable[[str, GenRequest, FinishEvent], None]
+
+
+class CoreLink:
+    def __init__(self, endpoint: str, on_models: Callable[[m.Models], Awaitable[None]],
+                 on_finish: OnFinish | None = None) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        for opt, value in ((zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0)):
+            self.sock.setsockopt(opt, value)
+        self.sock.setsockopt(zmq.IDENTITY, f"api-{os.getpid()}".encode())  # as the core's supervisor names us
+        self.sock.connect(endpoint)
+        self.out = zmq.Socket.shadow(self.sock.underlying)
+        self.on_models = on_models
+        self.on_finish = on_finish
+        self.requests: dict[int, tuple[GenRequest, str]] = {}  # key: (request, model id)
+        self.key_of: dict[GenRequest, int] = {}
+        self._keys = itertools.count(1)
+        self._calls: dict[int, asyncio.Future] = {}
+        self._aborts: list[int] = []
+        self._stops: list[int] = []
+        self._scheduled = False
+        self._models: asyncio.Queue[m.Models] = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._receive(), name="core-link"),
+                       asyncio.create_task(self._apply_models(), name="core-models")]
+        self.send(m.Hello(os.getpid()))
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self.sock.close(0)
+        self.ctx.term()
+
+    def send(self, frame: m.ApiFrame) -> None:
+        self.out.send(m.encode(frame), flags=zmq.NOBLOCK)
+
+    # ----------------------------------------------------------------------------- requests
+    def submit(self, model_id: str, req: GenRequest) -> None:
+        key = next(self._keys)
+        self.requests[key] = (req, model_id)
+        self.key_of[req] = key
+        images = [m.Image(i.key, i.data, i.grid, i.tokens, i.offset) for i in req.images]
+        self.send(m.Submit(key, model_id, req.request_id, req.prompt, req.sampling, req.max_tokens,
+                           sorted(req.stop_token_ids), req.principal, req.weight, req.max_running, req.max_waiting,
+                           req.priority, req.cache_salt, images))
+
+    def abort(self, req: GenRequest) -> None:
+        key = self.key_of.get(req)
+        if key is not None and not req.finished:
+            req.cancelled = True
+            self._aborts.append(key)
+            self._due()
+
+    def _due(self) -> None:
+        if not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._scheduled = False
+        if self._aborts:
+            self.send(m.Abort(self._aborts))
+            self._aborts = []
+        if self._stops:
+            self.send(m.Stop(self._stops))
+            self._stops = []
+
+    async def call(self, what: str, body: bytes = b"", timeout: float | None = None) -> bytes:
+        """Ask the core; its answer's body, or the ApiError it answered with."""
+        call_id = next(self._keys)
+        fut = self._calls[call_id] = asyncio.get_running_loop().create_future()
+        try:
+            self.send(m.Call(call_id, what, body))
+            answer: m.Answer = await asyncio.wait_for(fut, timeout)
+        finally:
+            self._calls.pop(call_id, None)
+        if answer.status != 200:
+            err = msgspec.json.decode(answer.body)
+            raise ApiError(answer.status, err["code"], err["message"], param=err.get("param"),
+                           retry_after=err.get("retry_after"))
+        return answer.body
+
+    # ----------------------------------------------------------------------------- the core's news
+    async def _receive(self) -> None:
+        while True:
+            data = await self.sock.recv()
+            try:
+                frame = m.decode_to_api(data)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                log.warning("undecodable frame from the engine core: %s", exc)
+                continue
+            if isinstance(frame, m.Outputs):
+                self._outputs(frame)
+            elif isinstance(frame, m.Answer):
+                fut = self._calls.get(frame.id)
+                if fut is not None and not fut.done():
+                    fut.set_result(frame)
+            elif isinstance(frame, m.Models):
+                self._models.put_nowait(frame)
+
+    async def _apply_models(self) -> None:
+        """Models frames in order, apart from the receiver: learning a model reads its tokenizer."""
+        while True:
+            frame = await self._models.get()
+            while not self._models.empty():  # only the newest state matters
+                frame = self._models.get_nowait()
+            try:
+                await self.on_models(frame)
+            except Exception:
+                log.exception("applying the models' state %d failed", frame.version)
+            self.send(m.Synced(frame.version))
+
+    def _outputs(self, o: m.Outputs) -> None:
+        requests = self.requests
+        for a in o.admitted:
+            held = requests.get(a.key)
+            if held is not None and not held[0].admitted.done():
+                held[0].cached_tokens = a.cached_tokens
+                held[0].admitted.set_result(True)
+        for t in o.tokens:
+            held = requests.get(t.key)
+            if held is not None:
+                self._token(t, *held)
+        for f in o.finished:
+            held = requests.get(f.key)
+            if held is not None:
+                self._finish(f.key, held, FinishEvent(f.reason, f.prompt_tokens, f.completion_tokens, f.error,
+                                                      f.error_kind, f.cached_tokens))
+        for r in o.refused:
+            held = requests.pop(r.key, None)
+            if held is not None:
+                req = held[0]
+                self.key_of.pop(req, None)
+                req.finished = True
+                if not req.admitted.done():
+                    req.admitted.set_exception(ApiError(r.status, r.code, r.message, retry_after=r.retry_after))
+
+    def _token(self, t: m.Token, req: GenRequest, model_id: str) -> None:
+        if req.first_token_at is None:
+            req.first_token_at = time.monotonic()
+        req.output.append(t.token)
+        if t.end == 2:
+            stop_token_out(req, t.token, t.logprobs)
+        elif token_out(req, t.token, t.logprobs, t.end == 1):  # a stop string: ours to end, the core's to drop
+            self._stops.append(t.key)
+            self._due()
+            self._finish(t.key, (req, model_id), FinishEvent("stop", len(req.prompt), len(req.output),
+                                                             cached_tokens=req.cached_tokens))
+
+    def _finish(self, key: int, held: tuple[GenRequest, str], ev: FinishEvent) -> None:
+        req, model_id = held
+        del self.requests[key]
+        self.key_of.pop(req, None)
+        req.finished = True
+        req.events.put_nowait(ev)
+        if not req.admitted.done():
+            req.admitted.set_result(True)
+        if self.on_finish is not None:
+            self.on_finish(model_id, req, ev)
+
+    def fail_all(self, reason: str) -> None:
+        """The core is gone: every request ends with an error."""
+        for key, held in list(self.requests.items()):
+            req = held[0]
+            if not req.admitted.done():
+                del self.requests[key]
+                req.finished = True
+                req.admitted.set_exception(ApiError(503, "model_unavailable", reason, retry_after=5))
+            else:
+                self._finish(key, held, FinishEvent("abort", len(req.prompt), len(req.output), reason,
+                                                    "model_unavailable", req.cached_tokens))

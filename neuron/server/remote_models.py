@@ -1,0 +1,155 @@
+"""The models as an API process sees them: the engine core's, mirrored from its ``Models``
+frames. Each has the spec a route plans with (tokenizer, template, config: read here from the
+same files) and an engine that hands requests to the core. The admin operations (load, unload,
+a fault) are calls to the core."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+import protocol.api_core as m
+
+from neuron.config import Config, EngineConfig, ModelEntry
+from neuron.engine.engine import EngineStats
+from neuron.engine.request import GenRequest
+from neuron.errors import ApiError
+from neuron.loader.spec import ModelSpec, load_spec
+
+from neuron.server.core_link import CoreLink, OnFinish
+
+log = logging.getLogger("neuron.server")
+
+
+class RemoteEngine:
+    """A model's engine as the routes use it; the requests run in the core."""
+
+    def __init__(self, model_id: str, cfg: EngineConfig, link: CoreLink) -> None:
+        self.model_id, self.cfg, self.link = model_id, cfg, link
+        self.latest = EngineStats(0, 0, 0, 0, 0, 0)
+
+    def submit(self, req: GenRequest) -> None:
+        if req.constraint is not None:
+            raise ApiError(400, "unsupported_with_api_processes",
+                           "token constraints (response_format, structured outputs, allowed_token_ids, bad_words, "
+                           "a required tool call, a thinking budget) do not run with [server] api_processes > 0 yet")
+        self.link.submit(self.model_id, req)
+
+    def abort(self, req: GenRequest) -> None:
+        self.link.abort(req)
+
+    def stats(self) -> EngineStats:
+        return self.latest
+
+
+@dataclass
+class RemoteHandle:
+    id: str
+    entry: ModelEntry
+    spec: ModelSpec
+    max_len: int
+    engine: RemoteEngine
+    status: str = "loading"
+    error: str | None = None
+    described: dict = field(default_factory=dict)
+    ranks: list[dict] = field(default_factory=list)
+    group: Any = None  # the ranks are the core's
+
+    @property
+    def cpu_isa(self) -> str | None:
+        return self.described.get("cpu_isa")
+
+    def describe(self) -> dict:
+        return self.described
+
+    def telemetry(self) -> list[dict]:
+        return self.ranks
+
+
+class RemoteRegistry:
+    def __init__(self, cfg: Config, endpoint: str, on_finish: OnFinish | None = None) -> None:
+        self.cfg = cfg
+        self.link = CoreLink(endpoint, self._apply, on_finish)
+        self.models: dict[str, RemoteHandle] = {}
+        self.cluster = None
+        self.state: Any = None  # the AppState whose starting / draining flags the core sets
+        self.version = -1
+        self.on_closing = None  # called when the core says every API process must leave
+
+    def start(self) -> None:
+        self.link.start()
+
+    def get(self, model_id: str) -> RemoteHandle:
+        handle = self.models.get(model_id)
+        if handle is None:
+            raise ApiError(404, "model_not_found", f"model {model_id!r} is not loaded", param="model")
+        return handle
+
+    async def refresh(self) -> None:
+        """The core's latest: its answer comes after the ``Models`` frame it sends first."""
+        version = int(await self.link.call("refresh", timeout=10.0))
+        while self.version < version:
+            await asyncio.sleep(0.005)
+
+    async def load(self, entry: ModelEntry) -> RemoteHandle:
+        described = msgspec.json.decode(await self.link.call("load", msgspec.json.encode(entry)))
+        handle = self.get(described["id"])
+        handle.described = described
+        return handle
+
+    async def unload(self, model_id: str, drain_s: float = 30.0) -> str:
+        body = await self.link.call("unload", msgspec.json.encode({"model": model_id, "drain_s": drain_s}))
+        return msgspec.json.decode(body)
+
+    async def inject_fault(self, model_id: str, rank: int, kind: str) -> str:
+        body = msgspec.json.encode({"model": model_id, "rank": rank, "kind": kind})
+        return msgspec.json.decode(await self.link.call("fault", body, timeout=15.0))
+
+    async def shutdown(self) -> None:
+        self.link.fail_all("the server is shutting down")
+        self.link.close()
+
+    async def _apply(self, frame: m.Models) -> None:
+        seen = set()
+        for ms in frame.models:
+            seen.add(ms.id)
+            handle = self.models.get(ms.id)
+            entry = msgspec.json.decode(ms.entry, type=ModelEntry)
+            if handle is None or handle.entry != entry:
+                try:
+                    spec = await asyncio.to_thread(load_spec, entry.model, model_id=ms.id,
+                                                   hf_cache=self.cfg.runtime.hf_cache or None,
+                                                   roots=self.cfg.server.model_roots)
+                except Exception as exc:
+                    log.error("model %r: its files cannot be read here: %s", ms.id, exc)
+                    continue
+                handle = self.models[ms.id] = RemoteHandle(ms.id, entry, spec, ms.max_len,
+                                                           RemoteEngine(ms.id, self.cfg.engine, self.link))
+            handle.status, handle.error, handle.max_len = ms.status, ms.error, ms.max_len
+            handle.described = msgspec.json.decode(ms.described) if ms.described else {}
+            handle.ranks = msgspec.json.decode(ms.telemetry)
+            if ms.stats:
+                handle.engine.latest = msgspec.json.decode(ms.stats, type=EngineStats)
+        for model_id in [k for k in self.models if k not in seen]:
+            del self.models[model_id]
+        self.cluster = Described(msgspec.json.decode(frame.cluster)) if frame.cluster else None
+        if self.state is not None:
+            self.state.starting, self.state.draining = frame.starting, frame.draining
+            self.state.startup_error = frame.startup_error
+        self.version = frame.version
+        if frame.closing and self.on_closing is not None:
+            self.on_closing()
+
+
+@dataclass
+class Described:
+    """The group of hosts, as the core last described it."""
+
+    described: dict
+
+    def describe(self) -> dict:
+        return self.described
