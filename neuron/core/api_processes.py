@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 import msgspec
@@ -29,8 +31,11 @@ def identity(pid: int) -> bytes:
 
 
 class ApiProcesses:
-    def __init__(self, cfg: Config, listener: socket.socket, endpoint: str, on_gone: Callable[[bytes], int]) -> None:
+    def __init__(self, cfg: Config, listener: socket.socket, endpoint: str, on_gone: Callable[[bytes], int],
+                 runtime: Path) -> None:
         self.cfg, self.listener, self.endpoint, self.on_gone = cfg, listener, endpoint, on_gone
+        self.metrics_dir = runtime / "metrics"  # the API processes' counters (prometheus multiprocess mode)
+        self.metrics_dir.mkdir(mode=0o700)
         self.procs: list[subprocess.Popen | None] = [None] * cfg.server.api_processes
         self.deaths: list[list[float]] = [[] for _ in self.procs]
         self.closing = False
@@ -49,7 +54,8 @@ class ApiProcesses:
         fd = self.listener.fileno()
         proc = subprocess.Popen([sys.executable, "-m", "neuron.server.api_process", "--fd", str(fd),
                                  "--core", self.endpoint, "--index", str(index)],
-                                pass_fds=(fd,), stdin=subprocess.PIPE)
+                                pass_fds=(fd,), stdin=subprocess.PIPE,
+                                env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir)})
         assert proc.stdin is not None
         proc.stdin.write(msgspec.json.encode(self.cfg))  # never argv: it may hold keys
         proc.stdin.close()
@@ -97,3 +103,4 @@ class ApiProcesses:
             if proc is not None and proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
                 proc.wait()
+        shutil.rmtree(self.metrics_dir, ignore_errors=True)

@@ -101,7 +101,6 @@ class ApiLink:
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.bind(endpoint)
         self.endpoint = endpoint
-        self.out = zmq.Socket.shadow(self.sock.underlying)  # sends that never wait
         self.boxes: dict[bytes, Box] = {}
         self.synced: dict[bytes, int] = {}  # the models' version each API process last applied
         self.dropped = 0
@@ -116,10 +115,9 @@ class ApiLink:
         self.sock.close(0)
 
     def send(self, ident: bytes, frame: m.ApiFrame) -> None:
-        try:
-            self.out.send_multipart([ident, m.encode(frame)], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # it went away: its supervisor notices and calls gone()
-            log.debug("cannot send to API process %r: %s", ident, exc)
+        # No wait: with no high-water mark pyzmq sends at once. Through its asyncio socket, not a
+        # shadow: a send on the raw socket can swallow the edge that wakes our receiver.
+        self.sock.send_multipart([ident, m.encode(frame)]).add_done_callback(_retrieved)
 
     def broadcast(self, frame: m.ApiFrame) -> None:
         for ident in list(self.boxes):
@@ -213,3 +211,9 @@ class ApiLink:
 def error_body(exc: ApiError) -> bytes:
     return msgspec.json.encode({"status": exc.status, "code": exc.code, "message": exc.message, "param": exc.param,
                                 "retry_after": exc.retry_after})
+
+
+def _retrieved(fut: asyncio.Future) -> None:
+    # A process that went away (ROUTER_MANDATORY): its supervisor notices and calls gone().
+    if not fut.cancelled() and fut.exception() is not None:
+        log.debug("cannot send to an API process: %s", fut.exception())

@@ -40,7 +40,7 @@ class Core:
         self.registry = Registry(cfg, templates=self.templates)
         self.link = ApiLink(lambda: self.registry.models, self.snapshot, self.registry.ctx,
                             ipc_endpoint(self.registry.runtime, "api"), self.call)
-        self.processes = ApiProcesses(cfg, listener, self.link.endpoint, self.link.gone)
+        self.processes = ApiProcesses(cfg, listener, self.link.endpoint, self.link.gone, self.registry.runtime)
         self.starting, self.draining, self.closing = True, False, False
         self.startup_error: str | None = None
         self.version = 0

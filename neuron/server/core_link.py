@@ -39,7 +39,6 @@ class CoreLink:
             self.sock.setsockopt(opt, value)
         self.sock.setsockopt(zmq.IDENTITY, f"api-{os.getpid()}".encode())  # as the core's supervisor names us
         self.sock.connect(endpoint)
-        self.out = zmq.Socket.shadow(self.sock.underlying)
         self.on_models = on_models
         self.on_finish = on_finish
         self.requests: dict[int, tuple[GenRequest, str]] = {}  # key: (request, model id)
@@ -64,7 +63,9 @@ class CoreLink:
         self.ctx.term()
 
     def send(self, frame: m.ApiFrame) -> None:
-        self.out.send(m.encode(frame), flags=zmq.NOBLOCK)
+        # No wait: with no high-water mark pyzmq sends at once. Through its asyncio socket, not a
+        # shadow: a send on the raw socket can swallow the edge that wakes our receiver.
+        self.sock.send(m.encode(frame)).add_done_callback(_retrieved)
 
     # ----------------------------------------------------------------------------- requests
     def submit(self, model_id: str, req: GenRequest) -> None:
@@ -121,14 +122,20 @@ class CoreLink:
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 log.warning("undecodable frame from the engine core: %s", exc)
                 continue
-            if isinstance(frame, m.Outputs):
-                self._outputs(frame)
-            elif isinstance(frame, m.Answer):
-                fut = self._calls.get(frame.id)
-                if fut is not None and not fut.done():
-                    fut.set_result(frame)
-            elif isinstance(frame, m.Models):
-                self._models.put_nowait(frame)
+            try:
+                self._deliver(frame)
+            except Exception:  # one bad frame must not stop the streams of every other request
+                log.exception("the engine core's %s frame could not be delivered", type(frame).__name__)
+
+    def _deliver(self, frame: m.ApiFrame) -> None:
+        if isinstance(frame, m.Outputs):
+            self._outputs(frame)
+        elif isinstance(frame, m.Answer):
+            fut = self._calls.get(frame.id)
+            if fut is not None and not fut.done():
+                fut.set_result(frame)
+        elif isinstance(frame, m.Models):
+            self._models.put_nowait(frame)
 
     async def _apply_models(self) -> None:
         """Models frames in order, apart from the receiver: learning a model reads its tokenizer."""
@@ -201,3 +208,8 @@ class CoreLink:
             else:
                 self._finish(key, held, FinishEvent("abort", len(req.prompt), len(req.output), reason,
                                                     "model_unavailable", req.cached_tokens))
+
+
+def _retrieved(fut: asyncio.Future) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.warning("cannot send to the engine core: %s", fut.exception())

@@ -4,10 +4,12 @@ from the request's leader-side timeline (``RequestTrace``), never from rank cloc
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from neuron.engine.request import FinishEvent, GenRequest
@@ -22,6 +24,8 @@ _REQUEST = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0
             480.0, 960.0, 1920.0, 7680.0)
 _TOKENS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))  # 1, 2, 5, 10, ... 5_000_000
 
+MULTIPROCESS_DIR = "PROMETHEUS_MULTIPROC_DIR"  # set before prometheus_client is imported: its multiprocess mode
+FINISH_REASONS = ("stop", "length", "abort", "error")
 STATUSES = ("loading", "loaded", "poisoned", "recovering", "failed", "unloading")
 
 
@@ -161,4 +165,18 @@ class Metrics:
 
     def render(self, models: dict[str, Any]) -> bytes:
         self.engines.models = models
-        return generate_latest(self.registry)
+        for model in models:  # every model's series from its start, at 0 (the multiprocess mode shows no others)
+            for metric in (self.started, self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
+                           self.queue, self.request_prompt, self.request_generation):
+                metric.labels(model)
+            for reason in FINISH_REASONS:
+                self.success.labels(model, reason)
+        shared = os.environ.get(MULTIPROCESS_DIR)
+        if not shared:
+            return generate_latest(self.registry)
+        # API processes (``[server] api_processes``): each counts into files of this directory,
+        # and any of them answers with the sums over all, the ones that died included.
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, shared)
+        registry.register(self.engines)
+        return generate_latest(registry)

@@ -1,0 +1,194 @@
+"""An engine core beside API processes (``[server] api_processes``): the same answers as one
+process, token for token; 256 concurrent streams each equal to its request run alone; an API
+process killed mid-stream ends only its own streams and comes back; SIGTERM drains them all."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from conftest import DEFAULT_MODEL, _cmdline, alive, chat, children_of, greedy_ids, start_server
+
+SPLIT = """
+[server]
+api_processes = 2
+[engine]
+queue_size = 256
+[[models]]
+model = "SmolLM2-135M-Instruct"
+max_model_len = 256
+max_slots = 64
+"""
+
+
+@pytest.fixture(scope="module")
+def split(server_tmp):
+    server = start_server(server_tmp, config=SPLIT)
+    yield server
+    server.stop()
+
+
+def api_pids(server) -> dict[int, int]:
+    """index -> pid of the core's API processes."""
+    out = {}
+    for pid in children_of(server.proc.pid):
+        argv = _cmdline(pid).split(b"\0")
+        if b"neuron.server.api_process" in argv:
+            out[int(argv[argv.index(b"--index") + 1])] = pid
+    return out
+
+
+def served_by(server, request_id: str) -> int | None:
+    """Which API process logged the request's start."""
+    found = re.search(rf"api-(\d+) INFO neuron.request: request started request_id={re.escape(request_id)} ",
+                      server.log())
+    return int(found.group(1)) if found else None
+
+
+def test_answers_are_the_one_process_answers_token_for_token(split, tp1):
+    for prompt in ("Name three colours.", "What is 2 + 2?"):
+        assert greedy_ids(split, prompt, 24) == greedy_ids(tp1, prompt, 24)
+    # Stop strings are the API process's: the text ends before the stop, the usage counts to it.
+    a, b = (chat(s, "Count from one to ten, in words.", max_tokens=40, stop=[" five"]) for s in (split, tp1))
+    assert a.status_code == b.status_code == 200
+    assert a.json()["choices"][0] == b.json()["choices"][0]
+    assert a.json()["usage"] == b.json()["usage"]
+    assert len(api_pids(split)) == 2
+
+
+def test_a_constrained_request_is_refused_by_name(split):
+    r = chat(split, "Give me JSON.", max_tokens=8, response_format={"type": "json_object"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_with_api_processes"
+
+
+def alone_with_runner_up(server, prompt: str, max_tokens: int) -> tuple[list[int], list[float]]:
+    """The greedy ids of ``prompt`` run alone, and at each the gap to the runner-up's logprob."""
+    r = chat(server, prompt, max_tokens=max_tokens, return_token_ids=True, logprobs=True, top_logprobs=2)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    gaps = [c["top_logprobs"][0]["logprob"] - c["top_logprobs"][1]["logprob"] for c in choice["logprobs"]["content"]]
+    return choice["token_ids"], gaps
+
+
+TIE = 0.02  # logprobs this close are a tie that batched and lone kernels may break either way
+
+
+def test_256_concurrent_streams_each_equal_to_its_request_alone(split):
+    prompts = [f"Write a word that rhymes with number {i}." for i in range(32)]
+    alone = {p: alone_with_runner_up(split, p, 12) for p in prompts}
+
+    async def stream(http: httpx.AsyncClient, prompt: str) -> list[int]:
+        body = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
+                "max_tokens": 12, "stream": True, "return_token_ids": True}
+        ids, done = [], False
+        async with http.stream("POST", f"{split.base}/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    for choice in json.loads(line[6:]).get("choices", []):
+                        ids += choice.get("token_ids") or []
+        assert done
+        return ids
+
+    async def all_at_once() -> list[list[int]]:
+        limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+        async with httpx.AsyncClient(timeout=300, limits=limits) as http:
+            return await asyncio.gather(*(stream(http, prompts[i % 32]) for i in range(256)))
+
+    got = asyncio.run(all_at_once())
+    for i, ids in enumerate(got):
+        want, gaps = alone[prompts[i % 32]]
+        if ids != want:  # only where the lone run's choice was a tie (the CPU's batched kernels sum in another order)
+            k = next(k for k, (a, b) in enumerate(zip(ids, want)) if a != b)
+            assert ids[:k] == want[:k] and gaps[k] < TIE, (i, ids, want, gaps)
+    assert sum(got[i] == alone[prompts[i % 32]][0] for i in range(256)) >= 224
+    info = httpx.get(f"{split.url}/models", timeout=10).json()["models"][0]
+    assert (info["running"], info["waiting"], info["slots_used"]) == (0, 0, 0)
+
+
+class Stream(threading.Thread):
+    def __init__(self, server, request_id: str, max_tokens: int) -> None:
+        super().__init__(daemon=True)
+        self.server, self.request_id, self.max_tokens = server, request_id, max_tokens
+        self.chunks, self.done, self.error = 0, False, None
+        self.started = threading.Event()
+
+    def run(self) -> None:
+        body = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}],
+                "max_tokens": self.max_tokens, "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", f"{self.server.base}/chat/completions", json=body, timeout=120,
+                              headers={"x-request-id": self.request_id}) as r:
+                for line in r.iter_lines():
+                    if line == "data: [DONE]":
+                        self.done = True
+                    elif line.startswith("data: "):
+                        self.chunks += 1
+                        self.started.set()
+        except httpx.HTTPError as exc:
+            self.error = exc
+        self.started.set()
+
+
+def test_a_killed_api_process_ends_only_its_streams_and_comes_back(split):
+    streams: list[Stream] = []
+    by_process: dict[int, list[Stream]] = {}
+    for i in range(24):  # until both processes serve some (the kernel picks who accepts)
+        s = Stream(split, f"kill-{os.getpid()}-{i}", 200)
+        s.start()
+        assert s.started.wait(60)
+        streams.append(s)
+        by_process.setdefault(served_by(split, s.request_id), []).append(s)
+        if len(by_process) == 2 and len(streams) >= 4:
+            break
+    assert set(by_process) == {0, 1}, by_process
+    before = api_pids(split)
+    os.kill(before[0], signal.SIGKILL)
+    for s in streams:
+        s.join(120)
+    assert all(not s.done for s in by_process[0])
+    assert all(s.done and s.error is None and s.chunks > 100 for s in by_process[1])
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (len(api_pids(split)) == 2 and api_pids(split)[0] != before[0]):
+        time.sleep(0.2)
+    after = api_pids(split)
+    assert after[1] == before[1] and after[0] != before[0] and not alive(before[0])
+    assert "API process 0 (pid %d) exited" % before[0] in split.log()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and httpx.get(f"{split.url}/health", timeout=5).status_code != 200:
+        time.sleep(0.2)
+    for _ in range(6):  # whichever process takes them
+        r = chat(split, "Say hi.", max_tokens=4)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    info = httpx.get(f"{split.url}/models", timeout=10).json()["models"][0]
+    assert (info["running"], info["slots_used"]) == (0, 0)  # the killed streams' slots came back
+
+
+def test_sigterm_drains_every_api_process_then_everything_exits(server_tmp):
+    server = start_server(server_tmp, config=SPLIT)
+    pids = list(api_pids(server).values()) + server.rank_pids()
+    assert len(pids) == 3
+    streams = [Stream(server, f"drain-{i}", 60) for i in range(4)]
+    for s in streams:
+        s.start()
+    for s in streams:
+        assert s.started.wait(60)
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(60) == 0
+    for s in streams:
+        s.join(30)
+        assert s.done and s.chunks > 30, (s.request_id, s.chunks, s.error)
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in pids)
