@@ -25,6 +25,7 @@ def free_port() -> int:
 
 MEMORY = 0.9  # --gpu-memory-utilization
 DTYPE = "auto"  # --dtype
+API_PROCESSES = 0  # --api-processes
 
 
 def serve(model: Path, tp: int, slots: int, max_len: int, device: str, log: Path,
@@ -34,7 +35,7 @@ def serve(model: Path, tp: int, slots: int, max_len: int, device: str, log: Path
            "NEURON_MODELS__0__PREFIX_CACHING": str(caching).lower(), "NEURON_MODELS__0__QUANTIZE": quantize,
            "NEURON_MODELS__0__GPU_MEMORY_UTILIZATION": str(MEMORY), "NEURON_MODELS__0__DTYPE": DTYPE,
            # a level's streams all arrive at once: none is refused for the queue's length
-           "NEURON_ENGINE__QUEUE_SIZE": str(max(64, slots))}
+           "NEURON_ENGINE__QUEUE_SIZE": str(max(64, slots)), "NEURON_SERVER__API_PROCESSES": str(API_PROCESSES)}
     if speculative:
         env["NEURON_MODELS__0__SPECULATIVE"] = speculative
     cmd = [sys.executable, "-m", "neuron.cli", "serve", "--model", str(model), "--port", str(port),
@@ -82,6 +83,19 @@ def client(row: dict) -> str:
     """A bench level's busiest client process's CPU share, starred where it may be the limit."""
     share = row.get("client_cpu")
     return "" if share is None else f"{100 * share:.0f}%" + ("*" if share >= CLIENT_BUSY else "")
+
+
+def api_pids(proc: subprocess.Popen) -> list[int]:
+    """The server's API processes ([server] api_processes), by their command lines."""
+    out = []
+    for task in Path(f"/proc/{proc.pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            try:
+                if b"neuron.server.api_process" in Path(f"/proc/{child}/cmdline").read_bytes():
+                    out.append(int(child))
+            except OSError:
+                pass
+    return out
 
 
 def stop(proc: subprocess.Popen) -> None:
