@@ -44,6 +44,10 @@ class Submit(ApiFrame, tag="submit"):
     priority: int = 0
     cache_salt: bytes = b""
     images: list[Image] = []
+    # A token constraint runs in the API process: ``constrained`` says there is one, ``mask`` is
+    # what it allows first (None: anything), and after each token a ``Masks`` frame the next.
+    constrained: bool = False
+    mask: bytes | None = None
 
 
 class Abort(ApiFrame, tag="abort"):
@@ -54,6 +58,14 @@ class Stop(ApiFrame, tag="stop"):
     """A stop string ended these requests' text: the core ends them without another word."""
 
     keys: list[int]
+
+
+class Masks(ApiFrame, tag="masks"):
+    """Constrained requests' next allowed tokens (a bitmask over the vocabulary, or None), one
+    per token the core drew for them: the core samples none of them again before it is in."""
+
+    keys: list[int]
+    masks: list[bytes | None]
 
 
 class Call(ApiFrame, tag="call"):
@@ -149,7 +161,7 @@ class Models(ApiFrame, tag="models"):
     closing: bool = False  # the core drained: finish writing and exit
 
 
-ToCore = Union[Submit, Abort, Stop, Call, Hello, Synced]
+ToCore = Union[Submit, Abort, Stop, Masks, Call, Hello, Synced]
 ToApi = Union[Outputs, Answer, Models]
 
 _encoder = msgspec.msgpack.Encoder()

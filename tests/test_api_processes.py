@@ -22,6 +22,7 @@ SPLIT = """
 api_processes = 2
 [engine]
 queue_size = 256
+max_queue_wait_s = 600
 [[models]]
 model = "SmolLM2-135M-Instruct"
 max_model_len = 256
@@ -64,9 +65,20 @@ def test_answers_are_the_one_process_answers_token_for_token(split, tp1):
     assert len(api_pids(split)) == 2
 
 
-def test_a_constrained_request_is_refused_by_name(split):
-    r = chat(split, "Give me JSON.", max_tokens=8, response_format={"type": "json_object"})
-    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_with_api_processes"
+def test_constrained_requests_run_their_constraint_in_the_api_process(split, tp1):
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    answers = []
+    for extra in ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}},
+                  {"allowed_token_ids": [504, 2229, 476, 100, 28]}, {"response_format": {"type": "json_object"}}):
+        a, b = (chat(s, "Describe a person as JSON.", max_tokens=60, return_token_ids=True, **extra)
+                for s in (split, tp1))
+        assert a.status_code == b.status_code == 200, (a.text, extra)
+        assert a.json()["choices"][0] == b.json()["choices"][0], extra
+        answers.append(a.json()["choices"][0])
+    assert set(answers[1]["token_ids"]) <= {504, 2229, 476, 100, 28}
+    if answers[0]["finish_reason"] == "stop":
+        assert set(json.loads(answers[0]["message"]["content"])) == {"name", "age"}
 
 
 def alone_with_runner_up(server, prompt: str, max_tokens: int) -> tuple[list[int], list[float]]:

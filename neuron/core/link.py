@@ -82,6 +82,26 @@ class Sink:
         box.due()
 
 
+class RemoteConstraint:
+    """A token constraint that runs in the request's API process: after each token it draws,
+    the request waits (``waiting``: the scheduler samples it no more) until the API process has
+    sent the mask of the next one."""
+
+    __slots__ = ("mask", "waiting")
+
+    def __init__(self, mask: bytes | None) -> None:
+        self.mask, self.waiting = mask, False
+
+    def allowed(self) -> bytes | None:
+        return self.mask
+
+    def accept(self, token: int) -> None:
+        self.waiting = True
+
+    def arrived(self, mask: bytes | None) -> None:
+        self.mask, self.waiting = mask, False
+
+
 def refusal(key: int, exc: BaseException) -> m.Refused:
     if isinstance(exc, ApiError):
         return m.Refused(key, exc.status, exc.code, exc.message, exc.retry_after)
@@ -157,6 +177,12 @@ class ApiLink:
                     held = box.requests.get(key)
                     if held is not None:
                         held[1].abort(held[0], reason)
+            elif isinstance(msg, m.Masks):
+                for key, mask in zip(msg.keys, msg.masks):
+                    held = box.requests.get(key)
+                    if held is not None and isinstance(held[0].constraint, RemoteConstraint):
+                        held[0].constraint.arrived(mask)
+                        held[1].wake()
             elif isinstance(msg, m.Call):
                 asyncio.create_task(self._answer(ident, msg))
             elif isinstance(msg, m.Synced):
@@ -175,7 +201,8 @@ class ApiLink:
                          [], frozenset(s.stop_token_ids), None, request_id=s.request_id, principal=s.principal,
                          weight=s.weight, max_running=s.max_running, max_waiting=s.max_waiting, priority=s.priority,
                          cache_salt=s.cache_salt,
-                         images=[ImageInput(i.key, i.data, i.grid, i.tokens, i.offset) for i in s.images])
+                         images=[ImageInput(i.key, i.data, i.grid, i.tokens, i.offset) for i in s.images],
+                         constraint=RemoteConstraint(s.mask) if s.constrained else None)
         sink = req.sink = Sink(box, s.key)
         try:
             handle.engine.submit(req)

@@ -179,6 +179,10 @@ class Engine:
             req.abort(reason)
             self._wake.set()
 
+    def wake(self) -> None:
+        """Something a waiting sequence needed came in (a constraint's mask from its API process)."""
+        self._wake.set()
+
     async def wait_idle(self, timeout: float) -> bool:
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
@@ -260,8 +264,13 @@ class Engine:
         finally:
             self.leader_s += time.perf_counter() - t0
         if not self.inflight:
-            if self.sched.waiting:  # nothing can start yet (blocks, or a token still in flight)
-                await asyncio.sleep(0.005)
+            # Nothing can start yet (blocks, a token still in flight, a constraint's next mask
+            # from its API process): wait for news, a little.
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), 0.005)
+            except TimeoutError:
+                pass
             return
         plan, future = self.inflight[0]
         try:

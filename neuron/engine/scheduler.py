@@ -260,7 +260,8 @@ class Scheduler:
         self.clock += bool(plan)
         # Beside running decodes a step takes a smaller prompt chunk: it sets their latency.
         chunk = self._chunk_beside(sum(len(x.tokens) for x in plan)) if plan else self.prefill_chunk
-        prompts = [req for req in self.running if req.slot % groups == group and not req.pending and req.rest > 0]
+        prompts = [req for req in self.running if req.slot % groups == group and not req.pending and req.rest > 0
+                   and not _mask_due(req)]
         for req, n in prompt_takes(prompts, budget, chunk, bool(plan) and self.step_budget is not None):
             known = req.prompt + req.output
             last = req.computed + n == len(known)
@@ -360,7 +361,7 @@ class Scheduler:
         drawn = len(req.output) + req.pending
         return (not req.finished and not req.cancelled and drawn < req.max_tokens
                 and len(req.prompt) + drawn < self.max_len
-                and not (req.constraint is not None and req.pending))
+                and not (req.constraint is not None and (req.pending or _mask_due(req))))
 
     def _may_decode(self, req: GenRequest) -> bool:
         """All its tokens but the last (known or in flight) are in the KV cache."""
@@ -402,3 +403,9 @@ class Scheduler:
         if sample:
             req.pending += 1
         return x
+
+
+def _mask_due(req: GenRequest) -> bool:
+    """Its constraint runs in an API process whose mask for its next token has not come yet
+    (``core/link.py``): nothing of it may run, not even its last token as a chunk."""
+    return getattr(req.constraint, "waiting", False)

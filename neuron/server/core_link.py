@@ -47,6 +47,7 @@ class CoreLink:
         self._calls: dict[int, asyncio.Future] = {}
         self._aborts: list[int] = []
         self._stops: list[int] = []
+        self._masks: tuple[list[int], list[bytes | None]] = ([], [])
         self._scheduled = False
         self._models: asyncio.Queue[m.Models] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
@@ -73,9 +74,11 @@ class CoreLink:
         self.requests[key] = (req, model_id)
         self.key_of[req] = key
         images = [m.Image(i.key, i.data, i.grid, i.tokens, i.offset) for i in req.images]
+        constrained = req.constraint is not None
         self.send(m.Submit(key, model_id, req.request_id, req.prompt, req.sampling, req.max_tokens,
                            sorted(req.stop_token_ids), req.principal, req.weight, req.max_running, req.max_waiting,
-                           req.priority, req.cache_salt, images))
+                           req.priority, req.cache_salt, images, constrained,
+                           req.constraint.allowed() if constrained else None))
 
     def abort(self, req: GenRequest) -> None:
         key = self.key_of.get(req)
@@ -97,6 +100,9 @@ class CoreLink:
         if self._stops:
             self.send(m.Stop(self._stops))
             self._stops = []
+        if self._masks[0]:
+            self.send(m.Masks(*self._masks))
+            self._masks = ([], [])
 
     async def call(self, what: str, body: bytes = b"", timeout: float | None = None) -> bytes:
         """Ask the core; its answer's body, or the ApiError it answered with."""
@@ -178,6 +184,8 @@ class CoreLink:
         if req.first_token_at is None:
             req.first_token_at = time.monotonic()
         req.output.append(t.token)
+        if req.constraint is not None:
+            req.constraint.accept(t.token)
         if t.end == 2:
             stop_token_out(req, t.token, t.logprobs)
         elif token_out(req, t.token, t.logprobs, t.end == 1):  # a stop string: ours to end, the core's to drop
@@ -185,6 +193,10 @@ class CoreLink:
             self._due()
             self._finish(t.key, (req, model_id), FinishEvent("stop", len(req.prompt), len(req.output),
                                                              cached_tokens=req.cached_tokens))
+        elif req.constraint is not None and not t.end:  # the core draws its next token with this
+            self._masks[0].append(t.key)
+            self._masks[1].append(req.constraint.allowed())
+            self._due()
 
     def _finish(self, key: int, held: tuple[GenRequest, str], ev: FinishEvent) -> None:
         req, model_id = held

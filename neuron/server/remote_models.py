@@ -33,10 +33,6 @@ class RemoteEngine:
         self.latest = EngineStats(0, 0, 0, 0, 0, 0)
 
     def submit(self, req: GenRequest) -> None:
-        if req.constraint is not None:
-            raise ApiError(400, "unsupported_with_api_processes",
-                           "token constraints (response_format, structured outputs, allowed_token_ids, bad_words, "
-                           "a required tool call, a thinking budget) do not run with [server] api_processes > 0 yet")
         self.link.submit(self.model_id, req)
 
     def abort(self, req: GenRequest) -> None:
