@@ -1,6 +1,6 @@
-"""The API processes of an engine core: started on the listening socket the core bound (the
-kernel hands each new connection to one of them), watched, and started again when one dies; its
-requests are aborted in the core by ``on_gone``."""
+"""The API processes of an engine core: started (each listens on the port in its SO_REUSEPORT
+group, ``main.port_socket``: the kernel spreads new connections over them), watched, and started
+again when one dies; its requests are aborted in the core by ``on_gone``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,9 +30,8 @@ def identity(pid: int) -> bytes:
 
 
 class ApiProcesses:
-    def __init__(self, cfg: Config, listener: socket.socket, endpoint: str, on_gone: Callable[[bytes], int],
-                 runtime: Path) -> None:
-        self.cfg, self.listener, self.endpoint, self.on_gone = cfg, listener, endpoint, on_gone
+    def __init__(self, cfg: Config, endpoint: str, on_gone: Callable[[bytes], int], runtime: Path) -> None:
+        self.cfg, self.endpoint, self.on_gone = cfg, endpoint, on_gone
         self.metrics_dir = runtime / "metrics"  # the API processes' counters (prometheus multiprocess mode)
         self.metrics_dir.mkdir(mode=0o700)
         self.procs: list[subprocess.Popen | None] = [None] * cfg.server.api_processes
@@ -51,10 +49,8 @@ class ApiProcesses:
         self._task = asyncio.create_task(self._watch(), name="api-processes")
 
     def _spawn(self, index: int) -> subprocess.Popen:
-        fd = self.listener.fileno()
-        proc = subprocess.Popen([sys.executable, "-m", "neuron.server.api_process", "--fd", str(fd),
-                                 "--core", self.endpoint, "--index", str(index)],
-                                pass_fds=(fd,), stdin=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-m", "neuron.server.api_process",
+                                 "--core", self.endpoint, "--index", str(index)], stdin=subprocess.PIPE,
                                 env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir)})
         assert proc.stdin is not None
         proc.stdin.write(msgspec.json.encode(self.cfg))  # never argv: it may hold keys

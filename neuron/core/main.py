@@ -1,6 +1,6 @@
 """``neuron serve`` with ``[server] api_processes > 0``: this process is the engine core (the
 Registry, every model's Engine and rank group) and serves no HTTP itself; it binds the port and
-starts that many API processes on it (``neuron/server/api_process.py``), which own HTTP and talk
+starts that many API processes that listen on it (``neuron/server/api_process.py``), which own HTTP and talk
 to it over ZeroMQ (``link.py``). SIGTERM drains as in one process: admission stops, running
 requests finish up to the deadline, then the API processes are told to leave and the ranks stop."""
 
@@ -10,11 +10,9 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import threading
 
 import msgspec
-import uvicorn
 
 import protocol.api_core as m
 from protocol.sockets import ipc_endpoint
@@ -27,6 +25,7 @@ from ..loader.template_worker import TemplateRenderer
 from ..registry import Registry
 from .api_processes import ApiProcesses
 from .link import ApiLink
+from .port import port_socket
 
 log = logging.getLogger("neuron.core")
 BROADCAST_S = 0.5  # how often the API processes hear the models' state (and stats) unasked
@@ -34,13 +33,13 @@ LEAVE_S = 5.0  # how long API processes may take to leave once told
 
 
 class Core:
-    def __init__(self, cfg: Config, listener: socket.socket) -> None:
+    def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.templates = TemplateRenderer(cfg.templates, cfg.server.allow_request_chat_template)
         self.registry = Registry(cfg, templates=self.templates)
         self.link = ApiLink(lambda: self.registry.models, self.snapshot, self.registry.ctx,
                             ipc_endpoint(self.registry.runtime, "api"), self.call)
-        self.processes = ApiProcesses(cfg, listener, self.link.endpoint, self.link.gone, self.registry.runtime)
+        self.processes = ApiProcesses(cfg, self.link.endpoint, self.link.gone, self.registry.runtime)
         self.starting, self.draining, self.closing = True, False, False
         self.startup_error: str | None = None
         self.version = 0
@@ -146,11 +145,13 @@ class Core:
         self.templates.close()
 
 
-def listen(cfg: Config) -> socket.socket:
-    """The HTTP port, bound here once and shared by every API process."""
-    return uvicorn.Config(app=None, host=cfg.server.host, port=cfg.server.port, log_config=None).bind_socket()
-
-
 async def serve_core(cfg: Config) -> int:
-    core = Core(cfg, listen(cfg))
-    return await core.run()
+    try:
+        held = port_socket(cfg, listening=False)
+    except OSError as exc:
+        log.error("cannot bind %s:%d: %s", cfg.server.host, cfg.server.port, exc)
+        return 1
+    try:
+        return await Core(cfg).run()
+    finally:
+        held.close()

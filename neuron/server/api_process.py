@@ -1,6 +1,7 @@
-"""An API process (``[server] api_processes``): HTTP on the port its engine core bound, the
-models in the core (``python -m neuron.server.api_process --fd N --core ENDPOINT``; the config
-comes as JSON on stdin). It leaves when the core says so, or when the core is gone."""
+"""An API process (``[server] api_processes``): HTTP on the server's port (a socket of its own in
+the port's SO_REUSEPORT group), the models in the engine core (``python -m
+neuron.server.api_process --core ENDPOINT``; the config comes as JSON on stdin). It leaves when
+the core says so, or when the core is gone."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import sys
 
 import msgspec
 
 from neuron.config import Config
+from neuron.core.port import port_socket
 from neuron.logs import configure_logging
 from neuron.serve import NeuronServer, planning_threads, uvicorn_config
 from neuron.server.app import create_app
@@ -31,7 +32,7 @@ class ApiServer(NeuronServer):
         pass
 
 
-async def serve_api(cfg: Config, fd: int, core: str) -> int:
+async def serve_api(cfg: Config, core: str) -> int:
     planning_threads()
     app = create_app(cfg, core=core)
     state = app.state.neuron
@@ -51,7 +52,7 @@ async def serve_api(cfg: Config, fd: int, core: str) -> int:
         server.should_exit = True
 
     watcher = loop.create_task(watch_parent())
-    sock = socket.socket(fileno=fd)
+    sock = port_socket(cfg, listening=True)
     try:
         await server.serve(sockets=[sock])
     finally:
@@ -61,7 +62,6 @@ async def serve_api(cfg: Config, fd: int, core: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="neuron-api")
-    parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--core", required=True)
     parser.add_argument("--index", type=int, default=0)
     args = parser.parse_args(argv)
@@ -69,9 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(cfg.server.log_level, cfg.server.log_format, process=f"api-{args.index}")
     try:
         import uvloop
-        return uvloop.run(serve_api(cfg, args.fd, args.core))
+        return uvloop.run(serve_api(cfg, args.core))
     except ImportError:
-        return asyncio.run(serve_api(cfg, args.fd, args.core))
+        return asyncio.run(serve_api(cfg, args.core))
 
 
 if __name__ == "__main__":
