@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import threading
+import time
 
 import msgspec
 
@@ -23,6 +24,7 @@ from ..errors import ApiError
 from ..loader.errors import LoadError
 from ..loader.template_worker import TemplateRenderer
 from ..registry import Registry
+from ..serve import SAME_SIGNAL_S
 from .api_processes import ApiProcesses
 from .link import ApiLink
 from .port import port_socket
@@ -45,6 +47,7 @@ class Core:
         self.version = 0
         self.done = asyncio.Event()
         self.exit_code = 0
+        self._first = (0, 0.0)  # the first stop signal and when it came
 
     def snapshot(self) -> m.Models:
         self.version += 1
@@ -115,11 +118,14 @@ class Core:
 
     def _on_signal(self, sig: int) -> None:
         if self.draining:
+            if sig == self._first[0] and time.monotonic() - self._first[1] < SAME_SIGNAL_S:
+                return  # the same signal delivered twice (to the process and its group, or by a wrapper)
             log.warning("second signal (%s): killing the ranks and exiting now", signal.Signals(sig).name)
             self.processes.kill()
             self.registry.kill_all()
             os._exit(1)
         self.draining = True
+        self._first = (sig, time.monotonic())
         self.registry.stop_admission()
         self.link.broadcast(self.snapshot())
         asyncio.get_running_loop().create_task(self._drain())
