@@ -65,6 +65,23 @@ def test_answers_are_the_one_process_answers_token_for_token(split, tp1):
     assert len(api_pids(split)) == 2
 
 
+def test_a_stored_response_is_found_through_every_api_process(split):
+    first = httpx.post(f"{split.base}/responses", json={"model": DEFAULT_MODEL, "input": "Name a fruit.",
+                                                        "max_output_tokens": 8, "temperature": 0}, timeout=60)
+    assert first.status_code == 200, first.text
+    rid = first.json()["id"]
+    for _ in range(8):  # a new connection each: the kernel spreads them over both processes
+        r = httpx.get(f"{split.base}/responses/{rid}", timeout=30)
+        assert r.status_code == 200 and r.json()["id"] == rid
+        follow = httpx.post(f"{split.base}/responses", json={"model": DEFAULT_MODEL, "input": "And another?",
+                                                             "previous_response_id": rid, "max_output_tokens": 4},
+                            timeout=60)
+        assert follow.status_code == 200, follow.text
+    served = [m.group(1) for m in re.finditer(r"api-(\d+) INFO neuron.request: request started .*route=/v1/responses",
+                                              split.log())]
+    assert set(served) == {"0", "1"}, served
+
+
 def test_constrained_requests_run_their_constraint_in_the_api_process(split, tp1):
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
               "required": ["name", "age"], "additionalProperties": False}

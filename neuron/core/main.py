@@ -24,6 +24,7 @@ from ..errors import ApiError
 from ..loader.errors import LoadError
 from ..loader.template_worker import TemplateRenderer
 from ..registry import Registry
+from ..server.openai.response_store import ResponseStore
 from ..serve import SAME_SIGNAL_S
 from .api_processes import ApiProcesses
 from .link import ApiLink
@@ -44,6 +45,7 @@ class Core:
         self.processes = ApiProcesses(cfg, self.link.endpoint, self.link.gone, self.registry.runtime)
         self.starting, self.draining, self.closing = True, False, False
         self.startup_error: str | None = None
+        self.responses = ResponseStore(cfg.server.stored_responses)  # /v1/responses of every API process
         self.version = 0
         self.done = asyncio.Event()
         self.exit_code = 0
@@ -72,6 +74,11 @@ class Core:
             await self.link.sync(self.snapshot())
             return 200, msgspec.json.encode(handle.describe())
         body = msgspec.json.decode(call.body)
+        if call.what == "response_put":
+            self.responses.put(body["id"], body["messages"], body["response"])
+            return 200, b"null"
+        if call.what == "response_get":
+            return 200, msgspec.json.encode(self.responses.get(body))
         if call.what == "unload":
             outcome = await self.registry.unload(body["model"], body["drain_s"])
             await self.link.sync(self.snapshot())

@@ -31,7 +31,7 @@ from neuron.server.request_id import HEADER, RequestIdMiddleware
 from neuron.server.request_trace import log_finish, trace_of
 from neuron.server.remote_models import RemoteRegistry
 from neuron.server.routes import route_table
-from neuron.server.openai.response_store import ResponseStore
+from neuron.server.openai.response_store import CoreResponses, ResponseStore
 from neuron.server.state import AppState
 
 log = logging.getLogger("neuron.server")
@@ -53,7 +53,8 @@ def create_app(cfg: Config, core: str | None = None) -> Starlette:
     state = AppState(cfg=cfg, registry=registry, metrics=metrics,
                      compiler=GrammarCompiler(cfg.grammar), templates=templates,
                      body_budget=BodyBudget(cfg.http.max_inflight_body_bytes),
-                     access=ModelAccess.from_config(cfg), responses=ResponseStore(cfg.server.stored_responses),
+                     access=ModelAccess.from_config(cfg),
+                     responses=ResponseStore(cfg.server.stored_responses) if core is None else CoreResponses(registry.link),
                      keys=KeyRing(cfg.server.api_key, cfg.server.api_keys_file, cfg.server.key_max_running,
                                   cfg.server.key_max_waiting))
 

@@ -352,7 +352,7 @@ async def create_response(request: Request) -> Response:
         store: ResponseStore = state.responses
         history: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
-            found = store.get(body.previous_response_id)
+            found = await store.fetch(body.previous_response_id)
             if found is None:
                 raise ApiError(404, "not_found", f"no stored response {body.previous_response_id!r}",
                                param="previous_response_id")
@@ -388,11 +388,16 @@ def _store_when_done(response: Response, store: ResponseStore, view: ResponseVie
         return
 
     async def wrapped():
+        kept = False
         try:
             async for frame in iterator:
+                if not kept and view.final is not None:  # kept before its last frames reach the client
+                    kept = True
+                    keep()
                 yield frame
         finally:
-            keep()
+            if not kept:
+                keep()
 
     response.body_iterator = wrapped()
 
@@ -400,7 +405,7 @@ def _store_when_done(response: Response, store: ResponseStore, view: ResponseVie
 async def get_response(request: Request) -> Response:
     state: AppState = request.app.state.neuron
     require_key(request, state, admin=False)
-    found = state.responses.get(request.path_params["response_id"])
+    found = await state.responses.fetch(request.path_params["response_id"])
     if found is None:
         raise ApiError(404, "not_found", "no such stored response", param="response_id")
     return JSONResponse(found[1])
