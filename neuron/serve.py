@@ -19,17 +19,11 @@ import uvicorn
 
 from .config import Config, ConfigError, ModelEntry, load_config, validate
 from .logs import configure_logging
+from .shutdown import BACKSTOP_S, SAME_SIGNAL_S, SHUTDOWN_GRACE_S
 from .server.app import create_app
 from .server.http_limits import limited_protocol
 
 log = logging.getLogger("neuron")
-# After the drain deadline: how long the last events may take to leave, and then how long the
-# rest of the shutdown (connections, ranks) may take before the backstop ends the process.
-SHUTDOWN_GRACE_S = 2.0
-BACKSTOP_S = 15.0
-# A repeat of the first signal this soon is the same signal delivered twice (`timeout` forwarding
-# it, or a kill to the process and to its group), not an operator asking to stop at once.
-SAME_SIGNAL_S = 1.0
 LEADER_THREADS = 64
 
 

@@ -25,7 +25,7 @@ from ..loader.errors import LoadError
 from ..loader.template_worker import TemplateRenderer
 from ..registry import Registry
 from ..server.openai.response_store import ResponseStore
-from ..serve import SAME_SIGNAL_S
+from ..shutdown import BACKSTOP_S, SAME_SIGNAL_S, SHUTDOWN_GRACE_S
 from .api_processes import ApiProcesses
 from .link import ApiLink
 from .port import port_socket
@@ -140,13 +140,13 @@ class Core:
     async def _drain(self) -> None:
         timeout = self.cfg.server.drain_timeout_s
         log.info("draining in-flight requests (up to %.0fs)", timeout)
-        backstop = threading.Timer(timeout + 2 * LEAVE_S + 15.0, os._exit, (0,))
+        backstop = threading.Timer(timeout + SHUTDOWN_GRACE_S + LEAVE_S + BACKSTOP_S, os._exit, (0,))
         backstop.daemon = True
         backstop.start()
         if not await self.registry.drain(timeout):
             log.warning("drain deadline passed; ending what is left with an error")
             self.registry.abort_all("the server is shutting down")
-            await self.registry.drain(2.0)
+            await self.registry.drain(SHUTDOWN_GRACE_S)
         self.done.set()
 
     async def _close(self) -> None:
