@@ -72,7 +72,8 @@ def test_interleaved_load_and_unload_of_one_id_never_orphan_a_rank(server_tmp):
         "model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
     assert r.status_code == 200
     for status, lines in streams:  # every stream ended, in band when it had begun
-        assert status in (0, 200, 503) and (status != 200 or lines[-1] == "data: [DONE]"), (status, lines[-3:])
+        # 404: the unload overtook the stream's request (with API processes they may take two ways in)
+        assert status in (0, 200, 404, 503) and (status != 200 or lines[-1] == "data: [DONE]"), (status, lines[-3:])
     ranks = server.rank_pids()
     assert server.stop(30) == 0
     assert not any(alive(pid) for pid in ranks)
