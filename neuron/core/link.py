@@ -17,7 +17,6 @@ import zmq
 import zmq.asyncio
 
 import protocol.api_core as m
-from protocol import Sampling
 
 from ..engine.request import FinishEvent, GenRequest, ImageInput
 from ..errors import ApiError
@@ -125,6 +124,7 @@ class ApiLink:
         self.synced: dict[bytes, int] = {}  # the models' version each API process last applied
         self.dropped = 0
         self._task: asyncio.Task | None = None
+        self._calls: set[asyncio.Task] = set()
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._receive(), name="api-link")
@@ -169,27 +169,40 @@ class ApiLink:
             box = self.boxes.get(ident)
             if box is None:
                 box = self.boxes[ident] = Box(self, ident)
-            if isinstance(msg, m.Submit):
-                self._submit(box, msg)
-            elif isinstance(msg, (m.Abort, m.Stop)):
-                reason = "stop" if isinstance(msg, m.Stop) else "abort"
-                for key in msg.keys:
-                    held = box.requests.get(key)
-                    if held is not None:
-                        held[1].abort(held[0], reason)
-            elif isinstance(msg, m.Masks):
-                for key, mask in zip(msg.keys, msg.masks):
-                    held = box.requests.get(key)
-                    if held is not None and isinstance(held[0].constraint, RemoteConstraint):
-                        held[0].constraint.arrived(mask)
-                        held[1].wake()
-            elif isinstance(msg, m.Call):
-                asyncio.create_task(self._answer(ident, msg))
-            elif isinstance(msg, m.Synced):
-                self.synced[ident] = msg.version
-            elif isinstance(msg, m.Hello):
-                log.info("API process %d is up", msg.pid)
-                self.send(ident, self.snapshot())
+            try:
+                self._handle(box, msg)
+            except Exception as exc:  # a bug here must refuse one request, never stop the link
+                log.exception("API process %r: its %s frame failed", ident, type(msg).__name__)
+                if isinstance(msg, m.Submit):
+                    box.requests.pop(msg.key, None)
+                    box.refused.append(refusal(msg.key, exc))
+                    box.due()
+
+    def _handle(self, box: Box, msg: m.ApiFrame) -> None:
+        ident = box.ident
+        if isinstance(msg, m.Submit):
+            self._submit(box, msg)
+        elif isinstance(msg, (m.Abort, m.Stop)):
+            reason = "stop" if isinstance(msg, m.Stop) else "abort"
+            for key in msg.keys:
+                held = box.requests.get(key)
+                if held is not None:
+                    held[1].abort(held[0], reason)
+        elif isinstance(msg, m.Masks):
+            for key, mask in zip(msg.keys, msg.masks):
+                held = box.requests.get(key)
+                if held is not None and isinstance(held[0].constraint, RemoteConstraint):
+                    held[0].constraint.arrived(mask)
+                    held[1].wake()
+        elif isinstance(msg, m.Call):
+            task = asyncio.create_task(self._answer(ident, msg))
+            self._calls.add(task)  # held until it answers
+            task.add_done_callback(self._calls.discard)
+        elif isinstance(msg, m.Synced):
+            self.synced[ident] = msg.version
+        elif isinstance(msg, m.Hello):
+            log.info("API process %d is up", msg.pid)
+            self.send(ident, self.snapshot())
 
     def _submit(self, box: Box, s: m.Submit) -> None:
         handle = self.models().get(s.model)
@@ -197,7 +210,7 @@ class ApiLink:
             box.refused.append(m.Refused(s.key, 404, "model_not_found", f"model {s.model!r} is not loaded"))
             box.due()
             return
-        req = GenRequest(s.prompt, s.sampling if isinstance(s.sampling, Sampling) else Sampling(), s.max_tokens,
+        req = GenRequest(s.prompt, s.sampling, s.max_tokens,
                          [], frozenset(s.stop_token_ids), None, request_id=s.request_id, principal=s.principal,
                          weight=s.weight, max_running=s.max_running, max_waiting=s.max_waiting, priority=s.priority,
                          cache_salt=s.cache_salt,

@@ -7,7 +7,7 @@ stop string, puts the text events on the request's queue, and says when a stop s
 the text: the core then finishes the request. In one process it runs in the engine's turn; with
 API processes (``[server] api_processes``) a request of the core carries a ``sink`` that sends
 its ids to the API process the client is on, which runs this stage there and sends a stop back
-(``neuron/server/remote.py``)."""
+(``neuron/server/core_link.py``)."""
 
 from __future__ import annotations
 

@@ -52,9 +52,10 @@ async def serve_api(cfg: Config, core: str) -> int:
         server.should_exit = True
 
     watcher = loop.create_task(watch_parent())
-    sock = port_socket(cfg, listening=True)
+    registry.state = state
     try:
-        await server.serve(sockets=[sock])
+        await registry.first_state()  # only then into the port's group: the kernel hands us clients at once
+        await server.serve(sockets=[port_socket(cfg, listening=True)])
     finally:
         watcher.cancel()
     return 0

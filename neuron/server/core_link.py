@@ -52,6 +52,10 @@ class CoreLink:
         self._models: asyncio.Queue[m.Models] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
 
+    @property
+    def started(self) -> bool:
+        return bool(self._tasks)
+
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._receive(), name="core-link"),
                        asyncio.create_task(self._apply_models(), name="core-models")]

@@ -23,6 +23,8 @@ from neuron.loader.spec import ModelSpec, load_spec
 from neuron.server.core_link import CoreLink, OnFinish
 
 log = logging.getLogger("neuron.server")
+REFRESH_S = 2.0
+FIRST_STATE_S = 60.0
 
 
 class RemoteEngine:
@@ -75,9 +77,20 @@ class RemoteRegistry:
         self.state: Any = None  # the AppState whose starting / draining flags the core sets
         self.version = -1
         self.on_closing = None  # called when the core says every API process must leave
+        self.known = asyncio.Event()  # the core's first Models frame is applied
 
     def start(self) -> None:
-        self.link.start()
+        if not self.link.started:
+            self.link.start()
+
+    async def first_state(self) -> None:
+        """Until the models are known: a process that took connections before would answer 404
+        for a model that serves. A core that sends nothing within FIRST_STATE_S is an error."""
+        self.start()
+        try:
+            await asyncio.wait_for(self.known.wait(), FIRST_STATE_S)
+        except TimeoutError:
+            raise RuntimeError(f"the engine core sent no state within {FIRST_STATE_S:.0f}s") from None
 
     def get(self, model_id: str) -> RemoteHandle:
         handle = self.models.get(model_id)
@@ -86,8 +99,14 @@ class RemoteRegistry:
         return handle
 
     async def refresh(self) -> None:
-        """The core's latest: its answer comes after the ``Models`` frame it sends first."""
-        version = int(await self.link.call("refresh", timeout=10.0))
+        """The core's latest: its answer comes after the ``Models`` frame it sends first. A core
+        that does not answer within REFRESH_S leaves the mirror as it is (``/health`` answers
+        from it, at once, rather than wait)."""
+        try:
+            version = int(await self.link.call("refresh", timeout=REFRESH_S))
+        except TimeoutError:
+            log.warning("the engine core did not answer within %.0fs; answering from the last state", REFRESH_S)
+            return
         while self.version < version:
             await asyncio.sleep(0.005)
 
@@ -137,6 +156,7 @@ class RemoteRegistry:
             self.state.starting, self.state.draining = frame.starting, frame.draining
             self.state.startup_error = frame.startup_error
         self.version = frame.version
+        self.known.set()
         if frame.closing and self.on_closing is not None:
             self.on_closing()
 
