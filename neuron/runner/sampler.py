@@ -52,12 +52,22 @@ def hashed_uniform(seed: torch.Tensor, position: torch.Tensor, vocab: int) -> to
 
 def unpack_mask(allowed: bytes, vocab: int, device: torch.device) -> torch.Tensor:
     """A token bitmask (little-endian uint32 words, bit t = token t) as a bool tensor [vocab]."""
+    return unpack_masks([allowed], vocab, device)[0]
+
+
+def unpack_masks(masks: list[bytes], vocab: int, device: torch.device) -> torch.Tensor:
+    """Token bitmasks as one bool tensor [len(masks), vocab]: one upload and one unpack for the
+    whole batch (a mask is 19 KB for a 152k vocabulary; one per row was 2 ms of host time)."""
     words = (vocab + 31) // 32
-    if len(allowed) != 4 * words:
-        raise ValueError(f"a token mask for {vocab} tokens has {4 * words} bytes, not {len(allowed)}")
-    packed = upload(list(allowed), torch.uint8, device)
-    bits = (packed[:, None] >> torch.arange(8, device=device, dtype=torch.uint8)) & 1
-    return bits.flatten()[:vocab].bool()
+    for m in masks:
+        if len(m) != 4 * words:
+            raise ValueError(f"a token mask for {vocab} tokens has {4 * words} bytes, not {len(m)}")
+    packed = np.frombuffer(b"".join(masks), dtype=np.uint8).reshape(len(masks), 4 * words)
+    if device.type == "cpu":
+        return torch.from_numpy(np.unpackbits(packed, axis=1, count=vocab, bitorder="little").view(bool))
+    packed = upload(packed.copy(), torch.uint8, device)
+    bits = (packed[:, :, None] >> torch.arange(8, device=device, dtype=torch.uint8)) & 1
+    return bits.flatten(1)[:, :vocab].bool()
 
 
 def upload(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -215,9 +225,15 @@ class DeviceSampler:
     def _constrain(self, x: torch.Tensor, params: list[Sampling], positions: list[int],
                    allowed: list[bytes | None]) -> torch.Tensor:
         """Structured-output mask, min_tokens and logit_bias, in that order (as vLLM applies them)."""
-        for row, (p, mask, pos) in enumerate(zip(params, allowed, positions)):
-            if mask is not None:
-                x[row].masked_fill_(~unpack_mask(mask, x.shape[-1], x.device), float("-inf"))
+        rows = [row for row, mask in enumerate(allowed) if mask is not None]
+        if rows:
+            bits = unpack_masks([allowed[row] for row in rows], x.shape[-1], x.device)
+            if len(rows) == len(allowed):
+                x.masked_fill_(~bits, float("-inf"))
+            else:
+                index = upload(rows, torch.int64, x.device)
+                x.index_copy_(0, index, x.index_select(0, index).masked_fill_(~bits, float("-inf")))
+        for row, (p, pos) in enumerate(zip(params, positions)):
             generated = pos + 1 - p.prompt_len
             if p.min_tokens and p.stop_token_ids and generated < p.min_tokens:
                 banned = [t for t in p.stop_token_ids if 0 <= t < x.shape[-1]]
