@@ -186,6 +186,18 @@ class RankGroup:
 
         return result
 
+    def send_masks(self, step_id: int, slots: list[int], masks: list[bytes]) -> None:
+        """The masks of a sent step's ``mask_later`` rows, to the sampling rank (no reply; a
+        group that failed drops them, its steps fail anyway)."""
+        if self.failure is not None or self.sock is None:
+            return
+        frame = p.encode(p.StepMasks(id=0, epoch=self.epoch, step_id=step_id, slots=slots, masks=masks))
+        sent = self.sock.send_multipart([rank_identity(self.sampler), frame])
+        sent.add_done_callback(lambda f: f.cancelled() or f.exception() is None
+                               or self.fail(f"cannot send to rank {self.sampler}: {f.exception()}"))
+        if self.tap is not None:
+            self.tap.publish("send", self.model_id, self.epoch, self.sampler, frame)
+
     async def step(self, step_id: int, seqs: list[p.StepSeq]) -> p.StepResult:
         """Broadcast one step and wait for its result."""
         return await (await self.send_step(step_id, seqs))()

@@ -22,7 +22,8 @@ from protocol.sockets import runtime_dir
 from . import heap
 from .config import Config, ModelEntry, engine_sizes
 from .devices import choose_devices, default_dtype
-from .engine.engine import Engine, Sizing
+from .engine.engine import Engine
+from .engine.shape import Sizing
 from .engine.speculative import DraftError, DraftPolicy
 from .engine.step_budget import StepBudget
 from .kernels import isa

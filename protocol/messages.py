@@ -102,6 +102,9 @@ class StepSeq(msgspec.Struct, array_like=True, gc=False, frozen=True):
       state, and the slot keeps these parameters until the next sequence starts there.
     - ``allowed`` (structured output): a bitmask over the vocabulary, ceil(vocab / 32)
       little-endian uint32 words, bit ``t`` set when token ``t`` may be drawn next; None: any.
+    - ``mask_later`` (with ``sample``, without ``allowed``): the mask comes in a ``StepMasks``
+      frame for this step, which the sampling rank waits for before it samples (the leader
+      learns the token before, which the mask depends on, while this step's forward runs).
     - ``context``: for a sequence whose first step starts past 0 (its prefix came from the prefix
       cache), the tokens before ``start_pos``, when its penalties need them.
     - ``state``: for a model whose layers keep a fixed-size state per sequence (a recurrent layer),
@@ -142,6 +145,7 @@ class StepSeq(msgspec.Struct, array_like=True, gc=False, frozen=True):
     images: list[StepImage] = []
     drafts: int = 0
     propose: int = 0
+    mask_later: bool = False
 
 
 class StepTimings(msgspec.Struct, array_like=True, gc=False, frozen=True):
@@ -211,6 +215,15 @@ class Step(Frame, tag="step"):
     step_id: int
     seqs: list[StepSeq]
     forget_images: list[bytes] = []  # image embeddings the ranks drop after the step's own images (by key)
+
+
+class StepMasks(Frame, tag="step_masks"):
+    """The masks of a step's ``mask_later`` rows, by slot (b"": that row samples unconstrained,
+    its sequence has ended). Sent to the sampling rank only; no reply."""
+
+    step_id: int
+    slots: list[int]
+    masks: list[bytes]
 
 
 class Free(Frame, tag="free"):
@@ -331,7 +344,7 @@ class Heartbeat(Frame, tag="heartbeat"):
     telemetry: Telemetry | None = None
 
 
-Request = Union[Ping, InitDist, SanityCheck, LoadShard, Step, Free, Memory, Unload, Shutdown, InjectFault]
+Request = Union[Ping, InitDist, SanityCheck, LoadShard, Step, StepMasks, Free, Memory, Unload, Shutdown, InjectFault]
 Reply = Union[
     Pong, InitOk, SanityResult, LoadOk, StepResult, Freed, MemoryInfo, Unloaded, Bye, FaultArmed, Error, Heartbeat
 ]

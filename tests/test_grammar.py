@@ -9,6 +9,7 @@ import random
 import re
 import subprocess
 import sys
+import zlib
 
 import jsonschema
 import numpy as np
@@ -112,7 +113,8 @@ def test_streams_that_start_together_take_turns_to_re_estimate_their_way_out(tin
         return real(*args)
 
     monkeypatch.setattr(grammar_budget, "shortest_completion", counted)
-    streams = [grammars.constraint(grammar, 4000) for _ in range(64)]  # far from the window: no near checks
+    # Far from the window (no near checks); phases as 64 prompts' own (the same prompt, the same phase).
+    streams = [grammars.constraint(grammar, 4000, zlib.crc32(f"prompt {i}".encode())) for i in range(64)]
     rng = random.Random(7)
     per_step = []
     for _ in range(27):

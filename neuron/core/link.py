@@ -18,6 +18,7 @@ import zmq.asyncio
 
 import protocol.api_core as m
 
+from ..engine.late_masks import NOT_YET
 from ..engine.request import FinishEvent, GenRequest, ImageInput
 from ..errors import ApiError
 
@@ -82,23 +83,35 @@ class Sink:
 
 
 class RemoteConstraint:
-    """A token constraint that runs in the request's API process: after each token it draws,
-    the request waits (``waiting``: the scheduler samples it no more) until the API process has
-    sent the mask of the next one."""
+    """A token constraint that runs in the request's API process. It sends the mask of output
+    token 0 with the request, and the mask of token i + 1 once it has token i: the masks come in
+    order (``mask_at``). Without late masks the request waits (``waiting``: the scheduler samples
+    it no more) until the mask of its next token is in."""
 
-    __slots__ = ("mask", "waiting")
+    __slots__ = ("masks", "arrivals", "accepted")
 
     def __init__(self, mask: bytes | None) -> None:
-        self.mask, self.waiting = mask, False
+        self.masks: dict[int, bytes | None] = {0: mask}
+        self.arrivals = 1
+        self.accepted = 0
+
+    def mask_at(self, index: int):
+        return self.masks.get(index, NOT_YET)
 
     def allowed(self) -> bytes | None:
-        return self.mask
+        return self.masks.get(self.accepted)
+
+    @property
+    def waiting(self) -> bool:
+        return self.accepted not in self.masks
 
     def accept(self, token: int) -> None:
-        self.waiting = True
+        self.masks.pop(self.accepted, None)
+        self.accepted += 1
 
     def arrived(self, mask: bytes | None) -> None:
-        self.mask, self.waiting = mask, False
+        self.masks[self.arrivals] = mask
+        self.arrivals += 1
 
 
 def refusal(key: int, exc: BaseException) -> m.Refused:
@@ -189,11 +202,14 @@ class ApiLink:
                 if held is not None:
                     held[1].abort(held[0], reason)
         elif isinstance(msg, m.Masks):
+            by_engine: dict = {}
             for key, mask in zip(msg.keys, msg.masks):
                 held = box.requests.get(key)
                 if held is not None and isinstance(held[0].constraint, RemoteConstraint):
                     held[0].constraint.arrived(mask)
-                    held[1].wake()
+                    by_engine.setdefault(held[1], []).append(held[0])
+            for engine, reqs in by_engine.items():  # one frame to the ranks per engine
+                engine.masks_arrived(reqs)
         elif isinstance(msg, m.Call):
             task = asyncio.create_task(self._answer(ident, msg))
             self._calls.add(task)  # held until it answers

@@ -7,7 +7,6 @@ import asyncio
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 
 import protocol as p
 from neuron.config import EngineConfig
@@ -15,64 +14,13 @@ from neuron.errors import ApiError
 from neuron.rankgroup import GroupFailed, RankError, RankGroup
 
 from .image_cache import ImageCache
+from .late_masks import LateMasks
 from .outputs import finish_out, stop_token_out, token_out
 from .request import FinishEvent, GenRequest
 from .scheduler import Planned, Scheduler
-from .speculative import DraftPolicy
-from .step_budget import StepBudget
+from .shape import EngineStats, Sizing
 
 log = logging.getLogger("neuron.engine")
-
-
-@dataclass
-class EngineStats:
-    running: int
-    waiting: int
-    slots_used: int
-    slots_total: int
-    steps: int
-    tokens_generated: int
-    kv_usage: float = 0.0  # fraction of the KV-cache blocks in use
-    kv_blocks: int = 0
-    state_slots: int = 0  # per-sequence state slots (models with recurrent layers)
-    state_slots_used: int = 0  # ... held by running sequences
-    state_snapshots: int = 0  # of them, those for the prefix cache's snapshots
-    state_snapshots_used: int = 0
-    state_restores: int = 0  # sequences started from a snapshot
-    preemptions: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    leader_ms_per_step: float = 0.0  # the leader's own time per step (planning, frames, tokens)
-    step_ms: float = 0.0  # time between consecutive step results
-    rank_host_ms_per_step: float = 0.0
-    device_idle_ms_per_step: float = 0.0
-    image_encodes: int = 0  # images the vision tower ran on
-    image_reuses: int = 0  # images whose kept embeddings served again
-    spec_drafts: int = 0  # decodes that carried drafts (speculative decoding)
-    spec_draft_tokens: int = 0
-    spec_accepted_tokens: int = 0
-
-
-@dataclass
-class Sizing:
-    """How a model's steps are shaped: set at load, from the device the model runs on."""
-
-    max_slots: int
-    max_len: int
-    max_batch_tokens: int
-    prefill_chunk: int  # the longest prompt chunk of a step
-    prefill_chunk_decoding: int  # ... of a step that also carries decodes
-    steps_in_flight: int = 2  # steps sent before the oldest one's reply is in (overlapped steps)
-    cache_key: str | None = None  # the prefix cache's key (what the K/V depends on); None: no cache
-    snapshot_interval: int = 512  # tokens between a prompt's state snapshots (models with recurrent state)
-    image_token_bytes: int = 0  # a bound on an image token's embedding bytes on a rank
-    # Pipeline stages: the running sequences form this many groups, planned in turn, so each
-    # stage works on another group's step (micro-batches) instead of waiting for the next token.
-    pipeline: int = 1
-    speculative: DraftPolicy | None = None  # speculative decoding's drafter and limits; None: off
-    # On a GPU: prompt chunks beside decodes sized by the step times measured at load; None: by
-    # prefill_chunk_decoding.
-    step_budget: StepBudget | None = None
 
 
 class Engine:
@@ -105,12 +53,15 @@ class Engine:
         self.step_ms = 0.0
         self.on_finish = None  # callable(req, FinishEvent) for metrics
         self.spec = [0, 0, 0]  # speculative decoding: decodes with drafts, drafts, drafts accepted
+        self.late = LateMasks()
 
     def _scheduler(self, num_blocks: int, block_size: int, state_slots: int, snapshots: int = 0) -> Scheduler:
         z = self.sizing
-        return Scheduler(z.max_slots, self.max_len, num_blocks, block_size, z.max_batch_tokens, z.prefill_chunk,
-                         z.prefill_chunk_decoding, z.cache_key.encode() if z.cache_key else None, state_slots,
-                         snapshots, z.snapshot_interval, z.speculative, z.step_budget)
+        sched = Scheduler(z.max_slots, self.max_len, num_blocks, block_size, z.max_batch_tokens, z.prefill_chunk,
+                          z.prefill_chunk_decoding, z.cache_key.encode() if z.cache_key else None, state_slots,
+                          snapshots, z.snapshot_interval, z.speculative, z.step_budget)
+        sched.late_masks = z.pipeline == 1 and z.steps_in_flight > 1
+        return sched
 
     # ----------------------------------------------------------------------------- control
     def attach(self, group: RankGroup, num_blocks: int, block_size: int, state_slots: int = 0,
@@ -139,6 +90,7 @@ class Engine:
             future.add_done_callback(lambda f: f.cancelled() or f.exception())
             future.cancel()
         self.inflight.clear()
+        self.late.clear()
         self._wake.set()  # the loop notices it is idle
 
     async def stop(self, timeout: float = 5.0) -> None:
@@ -177,10 +129,13 @@ class Engine:
     def abort(self, req: GenRequest, reason: str = "abort") -> None:
         if not req.finished:
             req.abort(reason)
+            self.late.send(self.group, [req])  # a step in flight may wait for its mask
             self._wake.set()
 
-    def wake(self) -> None:
-        """Something a waiting sequence needed came in (a constraint's mask from its API process)."""
+    def masks_arrived(self, reqs: list[GenRequest]) -> None:
+        """Constraints' masks came from their API process: to the steps waiting for them, or for
+        the sequences' next plans."""
+        self.late.send(self.group, reqs)
         self._wake.set()
 
     async def wait_idle(self, timeout: float) -> bool:
@@ -249,7 +204,7 @@ class Engine:
                 seqs = [p.StepSeq(slot=x.req.slot, tokens=x.tokens, start_pos=x.start_pos, sample=x.sample,
                                   blocks=x.blocks, block_start=x.block_start,
                                   sampling=x.req.sampling if x.start else None,
-                                  allowed=x.req.constraint.allowed() if x.sample and x.req.constraint else None,
+                                  **self.late.fields(x.req, x.sample, self._step_ids),
                                   context=_context(x), state=x.req.states[0] if x.req.states else -1,
                                   state_from=x.state_from, snapshots=self.sched.step_snapshots(x),
                                   kv_from=x.kv_from,
@@ -316,6 +271,7 @@ class Engine:
                     self._on_token(x.req, result.tokens[i], lp)
                 if result.proposals and result.proposals[i] and x.req.spec is not None:
                     x.req.spec.index.offer(len(x.req.prompt) + len(x.req.output), result.proposals[i])
+        self.late.send(group)  # the tokens just taken are what the next step's masks depend on
         if not self.inflight:
             self._last_result = None  # the pipeline ran dry: the next gap is not a step
         self.leader_s += time.perf_counter() - t1
@@ -379,6 +335,7 @@ class Engine:
         if req.finished:
             return
         req.finished = True
+        self.late.send(self.group, [req])
         self.sched.release(req, keep=error is None)
         event = FinishEvent(reason, len(req.prompt), len(req.output), error, kind, req.cached_tokens)
         finish_out(req, event)

@@ -122,20 +122,20 @@ class Grammars:
         says what is wrong with it."""
         return compiler.compile(self, spec)
 
-    def constraint(self, grammar: str, max_tokens: int) -> GrammarConstraint:
-        return GrammarConstraint(llg.LLMatcher(self.tokenizer, grammar), self.tables, max_tokens)
+    def constraint(self, grammar: str, max_tokens: int, phase: int = 0) -> GrammarConstraint:
+        return GrammarConstraint(llg.LLMatcher(self.tokenizer, grammar), self.tables, max_tokens, phase)
 
 
 class GrammarConstraint:
     """One sequence's grammar state: the engine asks ``allowed`` before each sampling step and
     reports every drawn token with ``accept``."""
 
-    def __init__(self, matcher: llg.LLMatcher, tables: VocabTables, max_tokens: int) -> None:
+    def __init__(self, matcher: llg.LLMatcher, tables: VocabTables, max_tokens: int, phase: int = 0) -> None:
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
         self.matcher = matcher
         self.tables = tables
-        self.budget = Budget(tables, max_tokens)
+        self.budget = Budget(tables, max_tokens, phase)
 
     def allowed(self) -> bytes:
         # This runs in the engine's step loop: a failure here must end this output, not the step.

@@ -20,7 +20,6 @@ writes the ending, so the estimate is what the ending costs.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 
 import llguidance as llg
@@ -35,10 +34,10 @@ _CONTINUATION = bytes(range(0x80, 0xC0))
 
 # Re-estimate the shortest way at least this often, and every step in the window. An estimate
 # looks LOOKAHEAD tokens ahead at most: beyond it, it is a lower bound. Sequences take turns:
-# each starts at its own phase of the cycle, so streams that start together do not all
-# re-estimate in the same step (64 JSON streams made every eighth step 22 ms longer).
+# each starts at its own phase of the cycle (from its prompt: the same request gives the same
+# output in any process), so streams that start together do not all re-estimate in the same
+# step (64 JSON streams made every eighth step 22 ms longer).
 RECHECK_EVERY = 8
-_phases = itertools.count()
 MARGIN = 16
 LOOKAHEAD = 128
 # A calm token lengthens the shortest way by two at most, so calm tokens from CALM_GAP on keep
@@ -185,13 +184,13 @@ class Budget:
     """The budget policy of one constrained sequence (see the module docstring). Where the
     closing policy finds no end (``cost`` None), it leaves the grammar's mask alone."""
 
-    def __init__(self, tables: VocabTables, max_tokens: int) -> None:
+    def __init__(self, tables: VocabTables, max_tokens: int, phase: int = 0) -> None:
         self.tables = tables
         self.remaining = max_tokens  # tokens still to be drawn, the next one included
         self.closing = False  # the output is on the shortest way to its end
         self.cost: int | None = None
         self._checked = False
-        self._since_check = next(_phases) % RECHECK_EVERY  # counts on from here after the first check
+        self._since_check = phase % RECHECK_EVERY  # counts on from here after the first check
 
     def mask(self, matcher: llg.LLMatcher) -> np.ndarray:
         """The mask for the next token: the grammar's, narrowed as the gap requires."""

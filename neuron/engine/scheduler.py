@@ -59,6 +59,9 @@ class Scheduler:
         self.max_slots, self.max_len = max_slots, max_len
         self.step_budget = step_budget  # None: prompt chunks beside decodes of prefill_chunk_decoding
         self.speculative = speculative  # None: no speculative decoding
+        # A constrained sequence may have a token in flight when it is planned again: its mask
+        # then follows the step (late_masks.py). False: it waits for the token, and the mask.
+        self.late_masks = False
         self.max_batch_tokens, self.prefill_chunk = max_batch_tokens, prefill_chunk
         self.prefill_chunk_decoding = prefill_chunk_decoding or prefill_chunk
         # A recurrent layer's state cannot be rebuilt from cached K/V blocks: its prefix cache
@@ -261,7 +264,7 @@ class Scheduler:
         # Beside running decodes a step takes a smaller prompt chunk: it sets their latency.
         chunk = self._chunk_beside(sum(len(x.tokens) for x in plan)) if plan else self.prefill_chunk
         prompts = [req for req in self.running if req.slot % groups == group and not req.pending and req.rest > 0
-                   and not _mask_due(req)]
+                   and (self.late_masks or not _mask_due(req))]
         for req, n in prompt_takes(prompts, budget, chunk, bool(plan) and self.step_budget is not None):
             known = req.prompt + req.output
             last = req.computed + n == len(known)
@@ -361,7 +364,8 @@ class Scheduler:
         drawn = len(req.output) + req.pending
         return (not req.finished and not req.cancelled and drawn < req.max_tokens
                 and len(req.prompt) + drawn < self.max_len
-                and not (req.constraint is not None and (req.pending or _mask_due(req))))
+                and not (req.constraint is not None
+                         and (req.pending > 1 if self.late_masks else req.pending or _mask_due(req))))
 
     def _may_decode(self, req: GenRequest) -> bool:
         """All its tokens but the last (known or in flight) are in the KV cache."""
@@ -407,5 +411,6 @@ class Scheduler:
 
 def _mask_due(req: GenRequest) -> bool:
     """Its constraint runs in an API process whose mask for its next token has not come yet
-    (``core/link.py``): nothing of it may run, not even its last token as a chunk."""
+    (``core/link.py``): without late masks nothing of it may run, not even its last token as a
+    chunk."""
     return getattr(req.constraint, "waiting", False)

@@ -89,6 +89,9 @@ class RankProcess:
             await self.send(p.Pong(id=msg.id, epoch=msg.epoch, rank=self.rank, world=self.world,
                                    device=self.args.device, pid=os.getpid()))
             return
+        if isinstance(msg, p.StepMasks):  # the device thread may be waiting for it: not queued behind it
+            self.worker.late_masks.put(msg)
+            return
         if isinstance(msg, p.Shutdown):
             await asyncio.get_running_loop().run_in_executor(self.executor, self.worker.close)
             await self.send(p.Bye(id=msg.id, epoch=msg.epoch))

@@ -17,6 +17,7 @@ from neuron.models.tp_linear import describe_packing, packed_kernel_for
 from neuron.models.quant import GROUP, SCHEMES
 from neuron.models.sharding import ShardingError
 from neuron.models.stages import Stage, stage_layers
+from neuron.runner.late_masks import LateMasks
 from neuron.runner.runner import ModelRunner, PendingStep, RunnerConfig, StepRejected
 from neuron.runner import step_times
 
@@ -65,6 +66,7 @@ class DeviceWorker:
         self.loaded_bytes = 0  # read by the heartbeat: a load's progress
         self.pending_fault: str | None = None
         self.dist_ready = world == 1
+        self.late_masks = LateMasks()  # filled by the socket loop's thread (StepMasks)
 
     # Every handler returns the reply frame, a Deferred one (a launched step), or None when this
     # rank stays silent.
@@ -249,7 +251,11 @@ class DeviceWorker:
             self.pending_fault = None
             raise torch.OutOfMemoryError("injected out-of-memory (test hook)")
         self.busy_step = msg.step_id
-        pending = self.runner.step(msg)
+        try:
+            pending = self.runner.step(msg, self.late_masks)
+        except BaseException:
+            self.busy_step = -1
+            raise
         if pending is None:
             self.busy_step = -1
             return None

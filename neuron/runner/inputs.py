@@ -58,6 +58,10 @@ def check_step(runner, seqs: list[p.StepSeq]) -> None:
             why = check_sampling(s.sampling, vocab)
             if why:
                 raise StepRejected(f"slot {s.slot}: {why}")
+        if s.mask_later and (not s.sample or s.allowed is not None or s.drafts
+                             or runner.stage_tokens is not None):
+            raise StepRejected(f"slot {s.slot}: mask_later is for a sampled row without a mask or drafts, of a "
+                               f"model without pipeline stages")
         if s.allowed is not None and len(s.allowed) != 4 * ((vocab + 31) // 32):
             raise StepRejected(f"slot {s.slot}: the token mask does not match the vocabulary")
         if s.context and (s.sampling is None or len(s.context) != s.start_pos

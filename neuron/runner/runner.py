@@ -28,6 +28,7 @@ from .attention import PagedAttention, PagedKvCache
 from .graphs import PREFILL_GRAPH_TOKENS, StepGraphs, graph_sizes
 from .images import RankImages
 from .eager import eager_inputs
+from .late_masks import LateMasks
 from .inputs import DEVICE_TOKEN, StepRejected, check_step
 from .mtp import MtpDrafting
 from .sampler import DeviceSampler, upload
@@ -184,8 +185,9 @@ class ModelRunner:
         return sorted(self.step_graphs.decode)
 
     # ----------------------------------------------------------------------------- a step
-    def step(self, msg: p.Step) -> PendingStep | None:
-        """Launch one step; the sampling rank returns what to wait for, the others None."""
+    def step(self, msg: p.Step, late: LateMasks | None = None) -> PendingStep | None:
+        """Launch one step; the sampling rank returns what to wait for, the others None.
+        ``late``: where the masks of its ``mask_later`` rows come in."""
         t0 = time.perf_counter()
         gap = None
         if self.cuda:
@@ -214,7 +216,7 @@ class ModelRunner:
         elif self.samples:
             last = [seqs[i].start_pos + len(seqs[i].tokens) - 1 for i in sampled]
             tokens, logprobs = self.sampler.sample(logits, rows_slots, slot_rows, last,
-                                                   [seqs[i].allowed for i in sampled],
+                                                   self._masks(msg.step_id, [seqs[i] for i in sampled], late),
                                                    argmax if every_token_sampled else None)
         else:
             tokens, logprobs = torch.empty(len(sampled), dtype=torch.int64, device=self.device), None
@@ -249,6 +251,20 @@ class ModelRunner:
                            (time.perf_counter() - t0) * 1e3, gap,
                            [list(seqs[i].tokens[len(seqs[i].tokens) - seqs[i].drafts:]) if seqs[i].drafts else []
                             for i in sampled] if drafting else None, proposals)
+
+    @staticmethod
+    def _masks(step_id: int, sampled: list[p.StepSeq], late: LateMasks | None) -> list[bytes | None]:
+        """Each sampled row's mask: its own, or the one that came later (waited for here)."""
+        later = [s.slot for s in sampled if s.mask_later]
+        if not later:
+            return [s.allowed for s in sampled]
+        if late is None:
+            raise StepRejected("mask_later rows need a rank that takes StepMasks")
+        try:
+            came = dict(zip(later, late.take(step_id, later)))
+        except TimeoutError as exc:
+            raise StepRejected(str(exc)) from None
+        return [came[s.slot] if s.mask_later else s.allowed for s in sampled]
 
     def forward_logits(self, seqs: list[p.StepSeq], every_position: bool = False) -> torch.Tensor:
         """The logits of a step without sampling (parity checks): [sampled seqs, V], or with

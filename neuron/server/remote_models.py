@@ -15,7 +15,7 @@ import msgspec
 import protocol.api_core as m
 
 from neuron.config import Config, EngineConfig, ModelEntry
-from neuron.engine.engine import EngineStats
+from neuron.engine.shape import EngineStats
 from neuron.engine.request import GenRequest
 from neuron.errors import ApiError
 from neuron.loader.spec import ModelSpec, load_spec

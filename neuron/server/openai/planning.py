@@ -28,7 +28,7 @@ def _bad(message: str, param: str) -> ApiError:
 
 def _constraint_factory(body: SamplingFields, handle: ModelHandle, grammar: tuple[str, str] | None,
                         after: str | None, thinking: Callable[[], Constraint] | None = None
-                        ) -> Callable[[int], Constraint | None] | None:
+                        ) -> Callable[[int, int], Constraint | None] | None:
     """Makes each sequence's constraint from its token budget: the grammar (compiled once here),
     ``allowed_token_ids``, ``bad_words`` and the thinking budget; the grammar waits for ``after``
     when given."""
@@ -42,10 +42,10 @@ def _constraint_factory(body: SamplingFields, handle: ModelHandle, grammar: tupl
     if grammars is None and allowed is None and not banned and thinking is None:
         return None
 
-    def make(budget: int) -> Constraint | None:
+    def make(budget: int, phase: int) -> Constraint | None:
         parts: list[Constraint] = []
         if grammars is not None and grammar is not None:
-            constraint: Constraint = grammars.constraint(grammar[0], budget)
+            constraint: Constraint = grammars.constraint(grammar[0], budget, phase)
             if after is not None:
                 token_bytes = grammars.tokenizer.decode_bytes
                 constraint = AfterMarker(constraint, after.encode(), lambda t: token_bytes([t]))

@@ -4,6 +4,9 @@ naming the field."""
 
 from __future__ import annotations
 
+import zlib
+from array import array
+
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, TypeVar
@@ -176,11 +179,12 @@ def check_sequence(body: SamplingFields, handle: ModelHandle, settings: Settings
 
 
 def make_request(body: SamplingFields, handle: ModelHandle, settings: Settings, prompt: list[int], choice: int,
-                 constraint: Callable[[int], TokenConstraint | None] | None = None,
+                 constraint: Callable[[int, int], TokenConstraint | None] | None = None,
                  images: Sequence[ImageInput] = ()) -> GenRequest:
     """The GenRequest of one sequence: ``choice`` is its index among the n of its prompt (a
     seeded request derives seed + choice, as vLLM does); ``constraint`` makes its constraint
-    from its token budget."""
+    from its token budget and a number of its own (the same for the same request, in any
+    process)."""
     check_sequence(body, handle, settings, prompt)
     info = handle.spec.tokenizer
     eos = [] if body.ignore_eos else list(info.eos_token_ids)
@@ -193,7 +197,8 @@ def make_request(body: SamplingFields, handle: ModelHandle, settings: Settings, 
         stop=settings.stops,
         stop_token_ids=frozenset(eos) | frozenset(settings.stop_token_ids),
         detokenizer=Detokenizer(info.tokenizer, settings.shown),
-        constraint=constraint(budget) if constraint is not None else None,
+        constraint=constraint(budget, zlib.crc32(array("q", prompt).tobytes()) + choice)
+        if constraint is not None else None,
         cache_salt=(getattr(body, "cache_salt", None) or "").encode(),
         priority=body.priority,
         images=list(images),

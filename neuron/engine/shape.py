@@ -1,0 +1,59 @@
+"""What an Engine reports (``EngineStats``) and how a model's steps are shaped (``Sizing``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .speculative import DraftPolicy
+from .step_budget import StepBudget
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    slots_used: int
+    slots_total: int
+    steps: int
+    tokens_generated: int
+    kv_usage: float = 0.0  # fraction of the KV-cache blocks in use
+    kv_blocks: int = 0
+    state_slots: int = 0  # per-sequence state slots (models with recurrent layers)
+    state_slots_used: int = 0  # ... held by running sequences
+    state_snapshots: int = 0  # of them, those for the prefix cache's snapshots
+    state_snapshots_used: int = 0
+    state_restores: int = 0  # sequences started from a snapshot
+    preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    leader_ms_per_step: float = 0.0  # the leader's own time per step (planning, frames, tokens)
+    step_ms: float = 0.0  # time between consecutive step results
+    rank_host_ms_per_step: float = 0.0
+    device_idle_ms_per_step: float = 0.0
+    image_encodes: int = 0  # images the vision tower ran on
+    image_reuses: int = 0  # images whose kept embeddings served again
+    spec_drafts: int = 0  # decodes that carried drafts (speculative decoding)
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+
+@dataclass
+class Sizing:
+    """How a model's steps are shaped: set at load, from the device the model runs on."""
+
+    max_slots: int
+    max_len: int
+    max_batch_tokens: int
+    prefill_chunk: int  # the longest prompt chunk of a step
+    prefill_chunk_decoding: int  # ... of a step that also carries decodes
+    steps_in_flight: int = 2  # steps sent before the oldest one's reply is in (overlapped steps)
+    cache_key: str | None = None  # the prefix cache's key (what the K/V depends on); None: no cache
+    snapshot_interval: int = 512  # tokens between a prompt's state snapshots (models with recurrent state)
+    image_token_bytes: int = 0  # a bound on an image token's embedding bytes on a rank
+    # Pipeline stages: the running sequences form this many groups, planned in turn, so each
+    # stage works on another group's step (micro-batches) instead of waiting for the next token.
+    pipeline: int = 1
+    speculative: DraftPolicy | None = None  # speculative decoding's drafter and limits; None: off
+    # On a GPU: prompt chunks beside decodes sized by the step times measured at load; None: by
+    # prefill_chunk_decoding.
+    step_budget: StepBudget | None = None

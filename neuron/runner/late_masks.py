@@ -1,0 +1,41 @@
+"""The masks of a step's ``mask_later`` rows (``protocol.StepMasks``): put by the rank's socket
+loop as they come, taken by the device thread when the step is about to sample. The leader
+computes them while the step's forward runs; a step whose masks do not come within MASKS_WAIT_S
+fails (the leader lost them: its engine answers the step's requests with the error)."""
+
+from __future__ import annotations
+
+import threading
+
+import protocol as p
+
+MASKS_WAIT_S = 20.0
+KEEP = 64  # frames for steps not taken yet: a step rejected before sampling leaves its own behind
+
+
+class LateMasks:
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._frames: dict[int, dict[int, bytes]] = {}
+
+    def put(self, msg: p.StepMasks) -> None:
+        with self._cond:
+            self._frames.setdefault(msg.step_id, {}).update(zip(msg.slots, msg.masks))
+            while len(self._frames) > KEEP:
+                del self._frames[min(self._frames)]
+            self._cond.notify_all()
+
+    def take(self, step_id: int, slots: list[int], timeout: float = MASKS_WAIT_S) -> list[bytes | None]:
+        """The masks of ``slots`` in step ``step_id`` (None: unconstrained), once all are in;
+        TimeoutError if they are not within ``timeout``. Older steps' leftovers are dropped."""
+        with self._cond:
+            def complete() -> bool:
+                got = self._frames.get(step_id, {})
+                return all(slot in got for slot in slots)
+            if not self._cond.wait_for(complete, timeout):
+                missing = [s for s in slots if s not in self._frames.get(step_id, {})]
+                raise TimeoutError(f"step {step_id}: no mask for slots {missing} within {timeout:.0f}s")
+            got = self._frames.pop(step_id)
+            for old in [k for k in self._frames if k < step_id]:
+                del self._frames[old]
+        return [got[slot] or None for slot in slots]
