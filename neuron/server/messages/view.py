@@ -13,6 +13,7 @@ from typing import Any
 from neuron.errors import ApiError
 
 from neuron.server.messages.errors import anthropic_error
+from neuron.server.sse import json_text
 from neuron.server.openai.choices import Choice, Delta
 from neuron.server.openai.generation import usage
 from neuron.server.openai.views import Folded
@@ -22,8 +23,7 @@ STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens", "stop": "end_t
 
 
 def event(kind: str, payload: dict[str, Any]) -> bytes:
-    body = json.dumps({"type": kind, **payload}, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {kind}\ndata: {body}\n\n".encode()
+    return f"event: {kind}\ndata: {json_text({'type': kind, **payload})}\n\n".encode()
 
 
 def anthropic_usage(choices: list[Choice]) -> dict[str, int]:

@@ -9,7 +9,6 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, TypeVar
 
-import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -21,6 +20,7 @@ from neuron.server.openai.choices import Choice, Delta, Merged
 from neuron.server.errors import envelope
 from neuron.server.request_id import request_id
 from neuron.server.request_trace import RequestTrace, log_start, log_unserved
+from neuron.server.sse import json_line
 from neuron.server.state import AppState, principal_of
 from neuron.server.openai.views import Folded, Usage, View
 
@@ -187,11 +187,10 @@ async def collect(choices: list[Choice]) -> list[Folded]:
     return folded
 
 
-_encode = msgspec.json.Encoder().encode
 
 
 def data(obj: dict[str, Any]) -> bytes:
-    return b"data: " + _encode(obj) + b"\n\n"
+    return b"data: " + json_line(obj) + b"\n\n"
 
 
 async def _sse(handle: ModelHandle, choices: list[Choice], view: StreamView) -> AsyncIterator[str | bytes]:

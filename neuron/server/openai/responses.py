@@ -21,6 +21,7 @@ from neuron.server.openai.choices import Choice, Delta
 from neuron.server.openai.generation import KEEPALIVE, respond, usage
 from neuron.server.openai.routes import serving
 from neuron.server.openai.planning import plan_chat
+from neuron.server.sse import json_text
 from neuron.server.openai.prompts import IMAGE_PARTS
 from neuron.server.openai.requests import decode_json, read_body
 from neuron.server.openai.response_store import ResponseStore
@@ -237,7 +238,7 @@ class ResponseView:
     def _event(self, kind: str, **fields: Any) -> str:
         self.sequence += 1
         payload = {"type": kind, "sequence_number": self.sequence, **fields}
-        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+        return f"event: {kind}\ndata: {json_text(payload)}\n\n"
 
     def _add(self, item: dict[str, Any]) -> list[str]:
         self.output.append(item)
