@@ -89,6 +89,7 @@ class ModelHandle:
             "prefix_cache_queries": stats.prefix_cache_queries,
             "leader_ms_per_step": round(stats.leader_ms_per_step, 4), "step_ms": round(stats.step_ms, 3),
             "rank_host_ms_per_step": round(stats.rank_host_ms_per_step, 4),
+            "rank_mask_wait_ms_per_step": round(stats.rank_mask_wait_ms_per_step, 4),
             "device_idle_ms_per_step": round(stats.device_idle_ms_per_step, 4),
             "speculative": {"method": self.entry.speculative.method, "tokens": self.entry.speculative.tokens,
                             "drafts": stats.spec_drafts, "draft_tokens": stats.spec_draft_tokens,

@@ -152,6 +152,7 @@ class StepTimings(msgspec.Struct, array_like=True, gc=False, frozen=True):
     forward_ms: float  # from the step's arrival on the device thread to its tokens on the host
     host_ms: float  # of which the rank's host work to prepare and launch it
     idle_ms: float = 0.0  # the device's idle gap before the step (0 when it was queued in time)
+    mask_wait_ms: float = 0.0  # of host_ms, the wait for the step's late masks (StepMasks)
 
 
 # ---------------------------------------------------------------------------------------------

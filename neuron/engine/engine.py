@@ -48,6 +48,7 @@ class Engine:
         self.tokens_generated = 0
         self.leader_s = 0.0
         self.rank_host_ms = 0.0  # rank 0's host time preparing and launching steps, summed
+        self.mask_wait_ms = 0.0  # ... of it, waiting for late masks
         self.device_idle_ms = 0.0  # the device's idle gaps between steps, summed
         self._last_result: float | None = None
         self.step_ms = 0.0
@@ -157,6 +158,7 @@ class Engine:
                            prefix_cache_hits=self._cache_counts[1] + s.blocks.hits,
                            leader_ms_per_step=1e3 * self.leader_s / max(1, self.steps), step_ms=self.step_ms,
                            rank_host_ms_per_step=self.rank_host_ms / max(1, self.steps),
+                           rank_mask_wait_ms_per_step=self.mask_wait_ms / max(1, self.steps),
                            image_encodes=self.images.encodes, image_reuses=self.images.reuses,
                            spec_drafts=self.spec[0], spec_draft_tokens=self.spec[1], spec_accepted_tokens=self.spec[2],
                            device_idle_ms_per_step=self.device_idle_ms / max(1, self.steps))
@@ -259,19 +261,29 @@ class Engine:
                 self.spec = [self.spec[0] + 1, self.spec[1] + x.drafts, self.spec[2] + accepted]
         self.sched.completed(plan)
         self.rank_host_ms += result.timings.host_ms
+        self.mask_wait_ms += result.timings.mask_wait_ms
         self.device_idle_ms += result.timings.idle_ms
+        # Constrained sequences' tokens first, and the masks that depend on them out to the step
+        # that waits for them; the output stage (text, stop strings, events) after.
+        taken = [x.sample and x.req.constraint is not None and not x.drafts and not x.req.finished for x in plan]
+        for i, x in enumerate(plan):
+            if taken[i]:
+                self._take(x.req, result.tokens[i])
+        self.late.send(group)
         for i, x in enumerate(plan):
             if x.sample:
                 x.req.pending -= 1
                 for token in drafted[i] if i < len(drafted) else []:  # accepted drafts come first
                     if not x.req.finished:
-                        self._on_token(x.req, token, None)
+                        self._take(x.req, token)
+                        self._emit(x.req, token, None)
                 if not x.req.finished:
                     lp = result.logprobs[i] if result.logprobs else None
-                    self._on_token(x.req, result.tokens[i], lp)
+                    if not taken[i]:
+                        self._take(x.req, result.tokens[i])
+                    self._emit(x.req, result.tokens[i], lp)
                 if result.proposals and result.proposals[i] and x.req.spec is not None:
                     x.req.spec.index.offer(len(x.req.prompt) + len(x.req.output), result.proposals[i])
-        self.late.send(group)  # the tokens just taken are what the next step's masks depend on
         if not self.inflight:
             self._last_result = None  # the pipeline ran dry: the next gap is not a step
         self.leader_s += time.perf_counter() - t1
@@ -314,13 +326,16 @@ class Engine:
                 x.req.pending -= 1
             self._fail(x.req, f"step failed: {exc.kind}: {exc.message}", exc.kind)
 
-    def _on_token(self, req: GenRequest, token: int, logprobs: list[tuple[int, float]] | None) -> None:
+    def _take(self, req: GenRequest, token: int) -> None:
         if req.first_token_at is None:
             req.first_token_at = time.monotonic()
         req.output.append(token)
         self.tokens_generated += 1
         if req.constraint is not None:
             req.constraint.accept(token)
+
+    def _emit(self, req: GenRequest, token: int, logprobs: list[tuple[int, float]] | None) -> None:
+        """The output stage of a token just taken, and whether it ends the request."""
         if token in req.stop_token_ids:
             stop_token_out(req, token, logprobs)
             self._finish(req, "stop")

@@ -29,6 +29,7 @@ class EngineStats:
     leader_ms_per_step: float = 0.0  # the leader's own time per step (planning, frames, tokens)
     step_ms: float = 0.0  # time between consecutive step results
     rank_host_ms_per_step: float = 0.0
+    rank_mask_wait_ms_per_step: float = 0.0  # of it, waiting for late masks (late_masks.py)
     device_idle_ms_per_step: float = 0.0
     image_encodes: int = 0  # images the vision tower ran on
     image_reuses: int = 0  # images whose kept embeddings served again

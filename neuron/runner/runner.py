@@ -71,6 +71,7 @@ class PendingStep:
     gap: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
     drafts: list[list[int]] | None = None  # each sampled row's drafts (speculative decoding)
     proposals: list[list[int]] | None = None  # each seq's drafts from the MTP layer (StepSeq.propose)
+    mask_wait_ms: float = 0.0  # of host_ms, waiting for late masks
 
     def wait(self) -> tuple[list[int], list[list[tuple[int, float]]] | None, p.StepTimings,
                             list[list[int]] | None]:
@@ -98,8 +99,8 @@ class PendingStep:
                 if n:
                     top = list(zip(ids[r][: n - 1], values[r][: n - 1]))
                     logprobs[seq] = [(tokens[seq], chosen[r]), *top]
-        return (tokens, logprobs, p.StepTimings(forward_ms=device_ms, host_ms=self.host_ms, idle_ms=idle_ms),
-                drafted)
+        return (tokens, logprobs, p.StepTimings(forward_ms=device_ms, host_ms=self.host_ms, idle_ms=idle_ms,
+                                                mask_wait_ms=self.mask_wait_ms), drafted)
 
 
 class ModelRunner:
@@ -156,6 +157,7 @@ class ModelRunner:
         self.mtp = MtpDrafting(self) if getattr(model, "mtp", None) is not None else None
         self.images = RankImages(model, self.device) if getattr(model, "vision", None) is not None else None
         self._last_end: torch.cuda.Event | None = None
+        self._waited_ms = 0.0  # the step's wait for its late masks
         if self.cuda:
             self._outs = [torch.zeros(cfg.max_seqs, dtype=torch.int64).pin_memory() for _ in range(4)]
             self._out = 0
@@ -199,6 +201,7 @@ class ModelRunner:
         drafting = any(s.drafts for s in seqs)
         proposing = self.mtp is not None and any(s.propose for s in seqs)
         accepted = None
+        self._waited_ms = 0.0
         if self.stage_tokens is not None:
             self.stage_tokens.before_step([s.slot for s in seqs if s.tokens and s.tokens[0] < 0])
         bucket, ids, positions, slot_t, logits, argmax = self._forward(seqs, sampled)
@@ -250,20 +253,21 @@ class ModelRunner:
         return PendingStep(len(seqs), sampled, want, tokens, logprobs, ready, t0,
                            (time.perf_counter() - t0) * 1e3, gap,
                            [list(seqs[i].tokens[len(seqs[i].tokens) - seqs[i].drafts:]) if seqs[i].drafts else []
-                            for i in sampled] if drafting else None, proposals)
+                            for i in sampled] if drafting else None, proposals, self._waited_ms)
 
-    @staticmethod
-    def _masks(step_id: int, sampled: list[p.StepSeq], late: LateMasks | None) -> list[bytes | None]:
+    def _masks(self, step_id: int, sampled: list[p.StepSeq], late: LateMasks | None) -> list[bytes | None]:
         """Each sampled row's mask: its own, or the one that came later (waited for here)."""
         later = [s.slot for s in sampled if s.mask_later]
         if not later:
             return [s.allowed for s in sampled]
         if late is None:
             raise StepRejected("mask_later rows need a rank that takes StepMasks")
+        t0 = time.perf_counter()
         try:
             came = dict(zip(later, late.take(step_id, later)))
         except TimeoutError as exc:
             raise StepRejected(str(exc)) from None
+        self._waited_ms = (time.perf_counter() - t0) * 1e3
         return [came[s.slot] if s.mask_later else s.allowed for s in sampled]
 
     def forward_logits(self, seqs: list[p.StepSeq], every_position: bool = False) -> torch.Tensor:

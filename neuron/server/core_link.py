@@ -166,10 +166,23 @@ class CoreLink:
             if held is not None and not held[0].admitted.done():
                 held[0].cached_tokens = a.cached_tokens
                 held[0].admitted.set_result(True)
-        for t in o.tokens:
+        # Constrained requests' next masks first, out to the core at once: a step waits for them.
+        # The output stage (text, stop strings, events) after.
+        keys, masks, early = [], [], [False] * len(o.tokens)
+        for i, t in enumerate(o.tokens):
+            held = requests.get(t.key)
+            if held is not None and held[0].constraint is not None and not t.end and t.key not in keys:
+                held[0].constraint.accept(t.token)
+                keys.append(t.key)
+                masks.append(held[0].constraint.allowed())
+                early[i] = True
+        if keys:  # after any still batched: each request's masks must reach the core in order
+            (before, earlier), self._masks = self._masks, ([], [])
+            self.send(m.Masks(before + keys, earlier + masks))
+        for i, t in enumerate(o.tokens):
             held = requests.get(t.key)
             if held is not None:
-                self._token(t, *held)
+                self._token(t, *held, accepted=early[i])
         for f in o.finished:
             held = requests.get(f.key)
             if held is not None:
@@ -184,11 +197,11 @@ class CoreLink:
                 if not req.admitted.done():
                     req.admitted.set_exception(ApiError(r.status, r.code, r.message, retry_after=r.retry_after))
 
-    def _token(self, t: m.Token, req: GenRequest, model_id: str) -> None:
+    def _token(self, t: m.Token, req: GenRequest, model_id: str, accepted: bool = False) -> None:
         if req.first_token_at is None:
             req.first_token_at = time.monotonic()
         req.output.append(t.token)
-        if req.constraint is not None:
+        if req.constraint is not None and not accepted:
             req.constraint.accept(t.token)
         if t.end == 2:
             stop_token_out(req, t.token, t.logprobs)
@@ -197,7 +210,7 @@ class CoreLink:
             self._due()
             self._finish(t.key, (req, model_id), FinishEvent("stop", len(req.prompt), len(req.output),
                                                              cached_tokens=req.cached_tokens))
-        elif req.constraint is not None and not t.end:  # the core draws its next token with this
+        elif req.constraint is not None and not t.end and not accepted:  # the core draws its next token with this
             self._masks[0].append(t.key)
             self._masks[1].append(req.constraint.allowed())
             self._due()
