@@ -53,8 +53,8 @@ class ServerConfig:
     # the principal (after the key is checked). Empty: the key's name is.
     principal_header: str = ""
     # Processes that serve HTTP (templates, tokens, text, SSE) beside the one that runs the models
-    # (the engine core); 0: one process does both (docs/configuration.md#api-processes).
-    api_processes: int = 0
+    # (the engine core); 0: one process does both; "auto": from the CPUs (api_process_count).
+    api_processes: int | str = "auto"
 
 
 @dataclass
@@ -201,6 +201,10 @@ def _coerce(kind: Any, value: Any, where: str) -> Any:
         if isinstance(value, bool):
             return value
         raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if kind == int | str:  # a number or "auto"
+        if value == "auto":
+            return value
+        kind = int
     if kind in (int, float):
         if isinstance(value, bool):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
@@ -296,6 +300,24 @@ def _apply_env(cfg: Config, env: dict[str, str]) -> None:
         setattr(target, name, _coerce(hints[name], value, where))
 
 
+# "auto" API processes: none below AUTO_API_MIN_CPUS (a laptop, CI's 2 cores: the processes
+# would share the CPUs the ranks compute on), then one per AUTO_API_CPUS_EACH CPUs, at most
+# AUTO_API_MAX (4 held the engine core at 19-24% CPU from 128 to 512 streams on a 16-CPU H200
+# host: scripts/perf-gpu --api-processes 4).
+AUTO_API_MIN_CPUS = 8
+AUTO_API_CPUS_EACH = 4
+AUTO_API_MAX = 4
+
+
+def api_process_count(server: ServerConfig, cpus: int | None = None) -> int:
+    """How many API processes serve beside the engine core (0: one process does both)."""
+    if server.api_processes != "auto":
+        return int(server.api_processes)
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return 0 if cpus < AUTO_API_MIN_CPUS else min(AUTO_API_MAX, cpus // AUTO_API_CPUS_EACH)
+
+
 def validate(cfg: Config) -> None:
     for i, m in enumerate(cfg.models):
         if m.tensor_parallel < 1 or m.pipeline_parallel < 1:
@@ -332,8 +354,9 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"models[{i}].reasoning_parser must be one of {', '.join(REASONING_PARSERS)}")
     if cfg.server.stored_responses < 0:
         raise ConfigError("server.stored_responses must not be negative")
-    if not 0 <= cfg.server.api_processes <= 64:
-        raise ConfigError("server.api_processes must be in 0..64")
+    if cfg.server.api_processes != "auto" and not (isinstance(cfg.server.api_processes, int)
+                                                   and 0 <= cfg.server.api_processes <= 64):
+        raise ConfigError('server.api_processes must be "auto" or in 0..64')
     if cfg.debug.tap and not (cfg.debug.tap.startswith("ipc://") or cfg.debug.tap.startswith("tcp://127.")):
         raise ConfigError("debug.tap must be an ipc:// or tcp://127.x endpoint (the tap is local only)")
     if cfg.server.log_format not in ("text", "json"):

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import uvicorn
 
-from .config import Config, ConfigError, ModelEntry, load_config, validate
+from .config import Config, ConfigError, ModelEntry, api_process_count, load_config, validate
 from .logs import configure_logging
 from .shutdown import BACKSTOP_S, SAME_SIGNAL_S, SHUTDOWN_GRACE_S
 from .server.app import create_app
@@ -167,7 +167,7 @@ def uvicorn_config(app, cfg: Config) -> uvicorn.Config:
 
 
 async def serve(cfg: Config) -> int:
-    if cfg.server.api_processes:
+    if api_process_count(cfg.server):
         from .core.main import serve_core
 
         return await serve_core(cfg)

@@ -221,3 +221,16 @@ def test_sigterm_drains_every_api_process_then_everything_exits(server_tmp):
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(p) for p in pids)
+
+
+def test_auto_api_processes_follow_the_cpus_and_a_number_or_auto_is_all_it_takes():
+    from neuron.config import ConfigError, ServerConfig, api_process_count, load_config, validate
+
+    assert [api_process_count(ServerConfig(), cpus) for cpus in (2, 4, 7, 8, 12, 16, 64)] == [0, 0, 0, 2, 3, 4, 4]
+    assert load_config(None, env={}).server.api_processes == "auto"
+    cfg = load_config(None, env={"NEURON_SERVER__API_PROCESSES": "3"})
+    validate(cfg)
+    assert api_process_count(cfg.server, cpus=2) == 3  # a number is taken as it is
+    for bad in ("many", "65", "-1"):
+        with pytest.raises(ConfigError, match="(?i)api_processes"):
+            validate(load_config(None, env={"NEURON_SERVER__API_PROCESSES": bad}))

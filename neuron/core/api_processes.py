@@ -17,7 +17,7 @@ from typing import Callable
 
 import msgspec
 
-from ..config import Config
+from ..config import Config, api_process_count
 
 log = logging.getLogger("neuron.core")
 WATCH_S = 0.2
@@ -34,7 +34,7 @@ class ApiProcesses:
         self.cfg, self.endpoint, self.on_gone = cfg, endpoint, on_gone
         self.metrics_dir = runtime / "metrics"  # the API processes' counters (prometheus multiprocess mode)
         self.metrics_dir.mkdir(mode=0o700)
-        self.procs: list[subprocess.Popen | None] = [None] * cfg.server.api_processes
+        self.procs: list[subprocess.Popen | None] = [None] * api_process_count(cfg.server)
         self.deaths: list[list[float]] = [[] for _ in self.procs]
         self.closing = False
         self._task: asyncio.Task | None = None
