@@ -121,11 +121,12 @@ async def some_streams_leave(server, leave: int, stop: int, stay: int, max_token
     return [text for text, _ in done[:stop]], [text for text, _ in done[stop:]]
 
 
-@pytest.mark.parametrize("api_processes", [0, 2])
-def test_constrained_streams_that_leave_mid_answer_hold_up_no_step(server_tmp, tiny, api_processes):
+@pytest.mark.parametrize("api_processes,tp", [(0, 1), (2, 1), (0, 2)])
+def test_constrained_streams_that_leave_mid_answer_hold_up_no_step(server_tmp, tiny, api_processes, tp):
+    """With TP the masks go to the sampling rank only; the other ranks wait in its broadcast."""
     server = start_server(server_tmp, config=f'[server]\napi_processes = {api_processes}\n'
                                              f'[[models]]\nmodel = "{server_tmp / "tiny-tools"}"\nid = "{TINY}"\n'
-                                             'max_model_len = 1024\nmax_slots = 8\n')
+                                             f'max_model_len = 1024\nmax_slots = 8\ntensor_parallel = {tp}\n')
     try:
         t0 = time.monotonic()
         stopped, texts = asyncio.run(some_streams_leave(server, leave=3, stop=2, stay=3))
