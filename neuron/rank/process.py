@@ -24,6 +24,9 @@ from .deferred import Deferred
 log = logging.getLogger("neuron.rank")
 
 HEARTBEAT_S = 1.0
+# A folder: the device thread runs under cProfile, written there as rank<N>.prof at shutdown
+# (where a served rank's host time goes; scripts/profile-step profiles a bare runner).
+PROFILE_ENV = "NEURON_RANK_PROFILE"
 
 
 def _die_with_parent() -> None:
@@ -50,6 +53,7 @@ class RankProcess:
         self.worker = None
         self.parent = os.getppid()
         self.stopping = asyncio.Event()
+        self.profile = None  # the device thread's cProfile (PROFILE_ENV)
 
     async def send(self, frame: p.Frame) -> None:
         await self.sock.send(p.encode(frame))
@@ -60,6 +64,10 @@ class RankProcess:
         from .worker import DeviceWorker
         self.worker = await loop.run_in_executor(
             self.executor, DeviceWorker, self.rank, self.world, self.args.device, self.args.allow_faults)
+        if os.environ.get(PROFILE_ENV):
+            import cProfile
+            self.profile = cProfile.Profile()
+            await loop.run_in_executor(self.executor, self.profile.enable)  # the device thread's own
         beat = asyncio.create_task(self._heartbeat())
         try:
             while not self.stopping.is_set():
@@ -94,6 +102,9 @@ class RankProcess:
             return
         if isinstance(msg, p.Shutdown):
             await asyncio.get_running_loop().run_in_executor(self.executor, self.worker.close)
+            if self.profile is not None:
+                await asyncio.get_running_loop().run_in_executor(self.executor, self.profile.disable)
+                self.profile.dump_stats(os.path.join(os.environ[PROFILE_ENV], f"rank{self.rank}.prof"))
             await self.send(p.Bye(id=msg.id, epoch=msg.epoch))
             self.stopping.set()
             return
