@@ -187,11 +187,14 @@ class RankGroup:
         return result
 
     def send_masks(self, step_id: int, slots: list[int], masks: list[bytes]) -> None:
-        """The masks of a sent step's ``mask_later`` rows, to the sampling rank (no reply; a
-        group that failed drops them, its steps fail anyway)."""
+        """The masks of a sent step's ``mask_later`` rows, to the sampling rank, each distinct
+        one once (no reply; a group that failed drops them, its steps fail anyway)."""
         if self.failure is not None or self.sock is None:
             return
-        frame = p.encode(p.StepMasks(id=0, epoch=self.epoch, step_id=step_id, slots=slots, masks=masks))
+        distinct: dict[bytes, int] = {}
+        which = [distinct.setdefault(mask, len(distinct)) for mask in masks]
+        frame = p.encode(p.StepMasks(id=0, epoch=self.epoch, step_id=step_id, slots=slots, masks=list(distinct),
+                                     which=which))
         sent = self.sock.send_multipart([rank_identity(self.sampler), frame])
         sent.add_done_callback(lambda f: f.cancelled() or f.exception() is None
                                or self.fail(f"cannot send to rank {self.sampler}: {f.exception()}"))

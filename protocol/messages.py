@@ -219,12 +219,14 @@ class Step(Frame, tag="step"):
 
 
 class StepMasks(Frame, tag="step_masks"):
-    """The masks of a step's ``mask_later`` rows, by slot (b"": that row samples unconstrained,
-    its sequence has ended). Sent to the sampling rank only; no reply."""
+    """The masks of a step's ``mask_later`` rows: slot ``slots[i]`` takes ``masks[which[i]]``
+    (each distinct mask once: streams in the same grammar state share one; b"": that row samples
+    unconstrained, its sequence has ended). Sent to the sampling rank only; no reply."""
 
     step_id: int
     slots: list[int]
     masks: list[bytes]
+    which: list[int]
 
 
 class Free(Frame, tag="free"):

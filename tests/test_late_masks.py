@@ -27,21 +27,23 @@ from test_structured_output import MESSAGES, PERSON, SCHEMA_FORMAT, aclient
 
 def test_a_step_takes_its_masks_when_they_come_and_older_leftovers_go():
     box = LateMasks()
-    box.put(p.StepMasks(id=0, epoch=1, step_id=3, slots=[9], masks=[b"old"]))  # a step that never sampled
+    box.put(p.StepMasks(id=0, epoch=1, step_id=3, slots=[9], masks=[b"old"], which=[0]))  # a step that never sampled
     got: list = []
-    taker = threading.Thread(target=lambda: got.append(box.take(5, [1, 2], timeout=10)))
+    taker = threading.Thread(target=lambda: got.append(box.take(5, [1, 2, 7], timeout=10)))
     taker.start()
     time.sleep(0.2)
     assert taker.is_alive()  # waits: nothing for step 5 yet
-    box.put(p.StepMasks(id=0, epoch=1, step_id=5, slots=[2], masks=[b"two"]))
+    box.put(p.StepMasks(id=0, epoch=1, step_id=5, slots=[2, 7], masks=[b"two"], which=[0, 0]))
     time.sleep(0.1)
     assert taker.is_alive()  # slot 1's mask is still out
-    box.put(p.StepMasks(id=0, epoch=1, step_id=5, slots=[1], masks=[b""]))
+    box.put(p.StepMasks(id=0, epoch=1, step_id=5, slots=[1], masks=[b""], which=[0]))
     taker.join(5)
-    assert got == [[None, b"two"]]  # b"": that row samples unconstrained
+    assert got == [[None, b"two", b"two"]]  # b"": that row samples unconstrained; one mask, two rows
     assert not box._frames  # step 3's leftover went with step 5
     with pytest.raises(TimeoutError, match="slots \\[4\\]"):
         box.take(6, [4], timeout=0.2)
+    with pytest.raises(ValueError, match="name no mask"):
+        box.put(p.StepMasks(id=0, epoch=1, step_id=6, slots=[4], masks=[b"x"], which=[1]))
 
 
 def test_masks_on_some_rows_leave_the_others_alone():
@@ -52,6 +54,9 @@ def test_masks_on_some_rows_leave_the_others_alone():
         sampler.start(slot, p.Sampling(temperature=0.0, prompt_len=2))
     tokens = draw(sampler, logits, [0, 1, 2], [2, 2, 2], [None, mask_of({7, 40}), None])
     assert tokens[0] == tokens[2] == 3 and tokens[1] == max((7, 40), key=lambda t: float(logits[1, t]))
+    shared, other = mask_of({7, 40}), mask_of({11})  # rows in one grammar state share a mask
+    tokens = draw(sampler, logits, [0, 1, 2], [3, 3, 3], [shared, other, shared])
+    assert tokens == [max((7, 40), key=lambda t: float(logits[r, t])) if r != 1 else 11 for r in range(3)]
 
 
 @pytest.fixture(scope="module")

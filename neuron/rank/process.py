@@ -98,7 +98,10 @@ class RankProcess:
                                    device=self.args.device, pid=os.getpid()))
             return
         if isinstance(msg, p.StepMasks):  # the device thread may be waiting for it: not queued behind it
-            self.worker.late_masks.put(msg)
+            try:
+                self.worker.late_masks.put(msg)
+            except ValueError as exc:  # its step then fails, for want of the masks
+                log.warning("rank %d: dropped a step_masks frame: %s", self.rank, exc)
             return
         if isinstance(msg, p.Shutdown):
             await asyncio.get_running_loop().run_in_executor(self.executor, self.worker.close)

@@ -19,8 +19,10 @@ class LateMasks:
         self._frames: dict[int, dict[int, bytes]] = {}
 
     def put(self, msg: p.StepMasks) -> None:
+        if len(msg.which) != len(msg.slots) or not all(0 <= w < len(msg.masks) for w in msg.which):
+            raise ValueError(f"step {msg.step_id}: a step_masks frame whose rows name no mask")
         with self._cond:
-            self._frames.setdefault(msg.step_id, {}).update(zip(msg.slots, msg.masks))
+            self._frames.setdefault(msg.step_id, {}).update((s, msg.masks[w]) for s, w in zip(msg.slots, msg.which))
             while len(self._frames) > KEEP:
                 del self._frames[min(self._frames)]
             self._cond.notify_all()

@@ -268,6 +268,10 @@ class ModelRunner:
         except TimeoutError as exc:
             raise StepRejected(str(exc)) from None
         self._waited_ms = (time.perf_counter() - t0) * 1e3
+        size = 4 * ((self.vocab + 31) // 32)
+        wrong = [slot for slot, mask in came.items() if mask is not None and len(mask) != size]
+        if wrong:
+            raise StepRejected(f"step {step_id}: the masks of slots {wrong} do not match the vocabulary")
         return [came[s.slot] if s.mask_later else s.allowed for s in sampled]
 
     def forward_logits(self, seqs: list[p.StepSeq], every_position: bool = False) -> torch.Tensor:
