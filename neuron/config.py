@@ -53,7 +53,7 @@ class ServerConfig:
     # the principal (after the key is checked). Empty: the key's name is.
     principal_header: str = ""
     # Processes that serve HTTP (templates, tokens, text, SSE) beside the one that runs the models
-    # (the engine core); 0: one process does both; "auto": from the CPUs (api_process_count).
+    # (the engine core); 0: one process does both; "auto": core/api_processes.api_process_count.
     api_processes: int | str = "auto"
 
 
@@ -298,27 +298,6 @@ def _apply_env(cfg: Config, env: dict[str, str]) -> None:
         if name not in hints:
             raise ConfigError(f"environment variable {key} names no config key")
         setattr(target, name, _coerce(hints[name], value, where))
-
-
-# "auto" API processes: none without a GPU (CPU ranks compute on the cores the processes would
-# take, and are far from the leader's limit) or below AUTO_API_MIN_CPUS, then one per
-# AUTO_API_CPUS_EACH CPUs, at most AUTO_API_MAX (4 held the engine core at 19-25% CPU from 128 to
-# 512 streams on a 16-CPU H200 host: scripts/perf-gpu --api-processes 4).
-AUTO_API_MIN_CPUS = 8
-AUTO_API_CPUS_EACH = 4
-AUTO_API_MAX = 4
-
-
-def api_process_count(server: ServerConfig, cpus: int | None = None, gpus: int | None = None) -> int:
-    """How many API processes serve beside the engine core (0: one process does both)."""
-    if server.api_processes != "auto":
-        return int(server.api_processes)
-    if cpus is None:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if gpus is None:
-        from .devices import gpu_count
-        gpus = gpu_count()
-    return 0 if not gpus or cpus < AUTO_API_MIN_CPUS else min(AUTO_API_MAX, cpus // AUTO_API_CPUS_EACH)
 
 
 def validate(cfg: Config) -> None:

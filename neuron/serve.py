@@ -17,7 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import uvicorn
 
-from .config import Config, ConfigError, ModelEntry, api_process_count, load_config, validate
+from .config import Config, ConfigError, ModelEntry, load_config, validate
+from .core.api_processes import api_process_count
 from .logs import configure_logging
 from .shutdown import BACKSTOP_S, SAME_SIGNAL_S, SHUTDOWN_GRACE_S
 from .server.app import create_app

@@ -224,7 +224,8 @@ def test_sigterm_drains_every_api_process_then_everything_exits(server_tmp):
 
 
 def test_auto_api_processes_follow_the_cpus_and_a_number_or_auto_is_all_it_takes():
-    from neuron.config import ConfigError, ServerConfig, api_process_count, load_config, validate
+    from neuron.config import ConfigError, ServerConfig, load_config, validate
+    from neuron.core.api_processes import api_process_count
 
     assert [api_process_count(ServerConfig(), cpus, gpus=1) for cpus in (2, 4, 7, 8, 12, 16, 64)] == [0, 0, 0, 2, 3, 4, 4]
     assert api_process_count(ServerConfig(), 64, gpus=0) == 0  # CPU ranks need the cores

@@ -17,7 +17,7 @@ from typing import Callable
 
 import msgspec
 
-from ..config import Config, api_process_count
+from ..config import Config, ServerConfig
 
 log = logging.getLogger("neuron.core")
 WATCH_S = 0.2
@@ -27,6 +27,27 @@ RESTART_BACKOFF_S = (0.0, 0.5, 2.0, 5.0)  # by deaths within the last minute
 def identity(pid: int) -> bytes:
     """An API process's DEALER identity: the core knows who died by its pid."""
     return f"api-{pid}".encode()
+
+
+# "auto" API processes: none without a GPU (CPU ranks compute on the cores the processes would
+# take, and are far from the leader's limit) or below AUTO_API_MIN_CPUS, then one per
+# AUTO_API_CPUS_EACH CPUs, at most AUTO_API_MAX (4 held the engine core at 19-25% CPU from 128 to
+# 512 streams on a 16-CPU H200 host: scripts/perf-gpu --api-processes 4).
+AUTO_API_MIN_CPUS = 8
+AUTO_API_CPUS_EACH = 4
+AUTO_API_MAX = 4
+
+
+def api_process_count(server: ServerConfig, cpus: int | None = None, gpus: int | None = None) -> int:
+    """How many API processes serve beside the engine core (0: one process does both)."""
+    if server.api_processes != "auto":
+        return int(server.api_processes)
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if gpus is None:
+        from ..devices import gpu_count
+        gpus = gpu_count()
+    return 0 if not gpus or cpus < AUTO_API_MIN_CPUS else min(AUTO_API_MAX, cpus // AUTO_API_CPUS_EACH)
 
 
 class ApiProcesses:

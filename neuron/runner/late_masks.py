@@ -6,6 +6,7 @@ fails (the leader lost them: its engine answers the step's requests with the err
 from __future__ import annotations
 
 import threading
+import time
 
 import protocol as p
 
@@ -41,3 +42,24 @@ class LateMasks:
             for old in [k for k in self._frames if k < step_id]:
                 del self._frames[old]
         return [got[slot] or None for slot in slots]
+
+
+def row_masks(step_id: int, sampled: list[p.StepSeq], late: LateMasks | None, vocab: int
+              ) -> tuple[list[bytes | None], float]:
+    """Each sampled row's mask, its own or the one that came later (waited for here), and the ms
+    waited; ValueError when the later ones cannot be had or do not fit the vocabulary."""
+    later = [s.slot for s in sampled if s.mask_later]
+    if not later:
+        return [s.allowed for s in sampled], 0.0
+    if late is None:
+        raise ValueError("mask_later rows need a rank that takes StepMasks")
+    t0 = time.perf_counter()
+    try:
+        came = dict(zip(later, late.take(step_id, later)))
+    except TimeoutError as exc:
+        raise ValueError(str(exc)) from None
+    size = 4 * ((vocab + 31) // 32)
+    wrong = [slot for slot, mask in came.items() if mask is not None and len(mask) != size]
+    if wrong:
+        raise ValueError(f"step {step_id}: the masks of slots {wrong} do not match the vocabulary")
+    return [came[s.slot] if s.mask_later else s.allowed for s in sampled], (time.perf_counter() - t0) * 1e3

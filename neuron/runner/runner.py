@@ -28,7 +28,7 @@ from .attention import PagedAttention, PagedKvCache
 from .graphs import PREFILL_GRAPH_TOKENS, StepGraphs, graph_sizes
 from .images import RankImages
 from .eager import eager_inputs
-from .late_masks import LateMasks
+from .late_masks import LateMasks, row_masks
 from .inputs import DEVICE_TOKEN, StepRejected, check_step
 from .mtp import MtpDrafting
 from .sampler import DeviceSampler, upload
@@ -219,7 +219,7 @@ class ModelRunner:
         elif self.samples:
             last = [seqs[i].start_pos + len(seqs[i].tokens) - 1 for i in sampled]
             tokens, logprobs = self.sampler.sample(logits, rows_slots, slot_rows, last,
-                                                   self._masks(msg.step_id, [seqs[i] for i in sampled], late),
+                                                   self._row_masks(msg.step_id, [seqs[i] for i in sampled], late),
                                                    argmax if every_token_sampled else None)
         else:
             tokens, logprobs = torch.empty(len(sampled), dtype=torch.int64, device=self.device), None
@@ -255,24 +255,12 @@ class ModelRunner:
                            [list(seqs[i].tokens[len(seqs[i].tokens) - seqs[i].drafts:]) if seqs[i].drafts else []
                             for i in sampled] if drafting else None, proposals, self._waited_ms)
 
-    def _masks(self, step_id: int, sampled: list[p.StepSeq], late: LateMasks | None) -> list[bytes | None]:
-        """Each sampled row's mask: its own, or the one that came later (waited for here)."""
-        later = [s.slot for s in sampled if s.mask_later]
-        if not later:
-            return [s.allowed for s in sampled]
-        if late is None:
-            raise StepRejected("mask_later rows need a rank that takes StepMasks")
-        t0 = time.perf_counter()
+    def _row_masks(self, step_id: int, sampled: list[p.StepSeq], late: LateMasks | None) -> list[bytes | None]:
         try:
-            came = dict(zip(later, late.take(step_id, later)))
-        except TimeoutError as exc:
+            masks, self._waited_ms = row_masks(step_id, sampled, late, self.vocab)
+        except ValueError as exc:
             raise StepRejected(str(exc)) from None
-        self._waited_ms = (time.perf_counter() - t0) * 1e3
-        size = 4 * ((self.vocab + 31) // 32)
-        wrong = [slot for slot, mask in came.items() if mask is not None and len(mask) != size]
-        if wrong:
-            raise StepRejected(f"step {step_id}: the masks of slots {wrong} do not match the vocabulary")
-        return [came[s.slot] if s.mask_later else s.allowed for s in sampled]
+        return masks
 
     def forward_logits(self, seqs: list[p.StepSeq], every_position: bool = False) -> torch.Tensor:
         """The logits of a step without sampling (parity checks): [sampled seqs, V], or with
