@@ -335,7 +335,8 @@ class Engine:
             req.constraint.accept(token)
 
     def _emit(self, req: GenRequest, token: int, logprobs: list[tuple[int, float]] | None) -> None:
-        """The output stage of a token just taken, and whether it ends the request."""
+        """The output stage of a token just taken (text, stop strings, events); it may end the
+        request."""
         if token in req.stop_token_ids:
             stop_token_out(req, token, logprobs)
             self._finish(req, "stop")
