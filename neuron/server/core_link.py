@@ -168,11 +168,12 @@ class CoreLink:
                 held[0].admitted.set_result(True)
         # Constrained requests' next masks first, out to the core at once: a step waits for them.
         # The output stage (text, stop strings, events) after.
-        keys, masks, early = [], [], [False] * len(o.tokens)
+        keys, masks, early, seen = [], [], [False] * len(o.tokens), set()
         for i, t in enumerate(o.tokens):
             held = requests.get(t.key)
-            if held is not None and held[0].constraint is not None and not t.end and t.key not in keys:
+            if held is not None and held[0].constraint is not None and not t.end and t.key not in seen:
                 held[0].constraint.accept(t.token)
+                seen.add(t.key)
                 keys.append(t.key)
                 masks.append(held[0].constraint.allowed())
                 early[i] = True

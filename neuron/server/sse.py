@@ -12,15 +12,15 @@ import msgspec
 
 _encode = msgspec.json.Encoder().encode
 _RAW = ("\u0085", "\u2028", "\u2029")
+_RAW_BYTES = [(ch.encode(), f"\\u{ord(ch):04x}".encode()) for ch in _RAW]
 
 
 def json_line(payload: Any) -> bytes:
     """``payload`` as compact JSON without any character a line splitter breaks at."""
     out = _encode(payload)
-    for ch in _RAW:
-        raw = ch.encode()
+    for raw, escaped in _RAW_BYTES:
         if raw in out:
-            out = out.replace(raw, f"\\u{ord(ch):04x}".encode())
+            out = out.replace(raw, escaped)
     return out
 
 
