@@ -120,6 +120,26 @@ def test_decode_graphs_give_the_eager_tokens_on_one_gpu(tmp_path, llama_checkpoi
 
 
 @needs_gpu
+def test_a_full_decode_batch_has_a_prefill_graph_with_room_for_a_prompt_beside_it(tmp_path, qwen3_checkpoint):
+    """With 512 slots the prefill graphs go past 512 tokens: a full batch of decodes keeps room for
+    a prompt chunk (before, every such step ran eagerly), and steps of more than 512 prompt tokens
+    through them give the eager tokens."""
+    prompts = [[(7 * i + j) % 250 + 3 for j in range(200)] for i in range(3)]  # one step of 600 tokens
+    results = {}
+    for graphs in (True, False):
+        config = (f'[[models]]\nmodel = "{qwen3_checkpoint}"\nid = "ckpt"\ndtype = "float32"\n'
+                  f'max_model_len = 256\nmax_slots = 512\ncuda_graphs = {str(graphs).lower()}\n')
+        server = start_server(tmp_path, config=config, args=["--device", "cuda"])
+        try:
+            beside = httpx.get(f"{server.url}/models", timeout=10).json()["models"][0]["chunk_beside_decodes"]
+            assert beside is None if not graphs else beside["512"] >= 16, beside
+            results[graphs] = concurrent_greedy(server, prompts, 8)
+        finally:
+            assert server.stop() == 0
+    assert results[True] == results[False]
+
+
+@needs_gpu
 @pytest.mark.timeout(900)  # 30 models built and run; on a machine with no Triton cache, ~310 s
 def test_packed_weights_on_a_gpu_agree_with_their_dequantized_weights(tmp_path):
     """The Triton kernels for packed weights against the same model with every weight dequantized

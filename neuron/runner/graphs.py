@@ -25,6 +25,25 @@ log = logging.getLogger("neuron.runner")
 # Token buckets of the prefill graphs. A 50-token step launches ~300 kernels eagerly, about 20 ms
 # of host time around a few ms of device work.
 PREFILL_GRAPH_TOKENS = (32, 64, 128, 192, 256, 320, 384, 512)
+# Beyond them, buckets every PAST_STEP tokens up to a full batch of decodes and BESIDE_DECODES
+# prompt tokens (the engine's ``step_budget.WHOLE``): at 512 streams new prompts come nearly every
+# step, and each such step ran eagerly, 2 of 3 steps (NEURON_RANK_PROFILE, H200, Qwen3-8B shape).
+BESIDE_DECODES = 192
+PAST_STEP = 64
+
+
+def prefill_graph_sizes(cfg) -> list[int]:
+    """The token buckets of a runner config's prefill graphs: up to the longest prompt step
+    (``max_len``) and up to a full decode batch with a prompt chunk beside it, within
+    ``max_step_tokens``."""
+    max_seqs, max_len, max_step_tokens = cfg.max_seqs, cfg.max_len, cfg.max_step_tokens
+    need = min(max_step_tokens, max_seqs + BESIDE_DECODES)
+    sizes = [n for n in PREFILL_GRAPH_TOKENS if n <= min(max_step_tokens, max(max_len, need))]
+    n = PREFILL_GRAPH_TOKENS[-1]
+    while n < need:
+        n = min(n + PAST_STEP, need)
+        sizes.append(n)
+    return sizes
 
 
 def graph_sizes(max_seqs: int) -> list[int]:
@@ -180,6 +199,10 @@ class StepGraphs:
             snaps = [(i, at - s.start_pos, slot) for i, s in enumerate(seqs) for at, slot in s.snapshots]
             whole["states"][:], whole["chunks"][:], whole["conv_snaps"][:] = chunk_tables(
                 spans, snaps, self._pg_chunks, self._pg_snaps)
+        shape = r.attention.shape
+        size = self._work_size(bucket)
+        whole["work"][:size] = r.attention.kernels.prefill_work([len(s.tokens) for s in seqs], shape.gqa_repeat,
+                                                                shape.head_dim, r.device, size)
         rows = [r for i in sampled for r in range(ends[i] - seqs[i].drafts, ends[i] + 1)]  # drafts: each's row
         whole["rows"][:] = 0
         whole["rows"][: len(rows)] = rows
@@ -202,11 +225,18 @@ class StepGraphs:
                 "store": buf[3 * Tmax: 3 * Tmax + n], "spans": buf[4 * Tmax: 4 * Tmax + 4 * S].reshape(S, 4),
                 "rows": buf[4 * Tmax + 4 * S: at], "states": buf[at: at + 5 * S].reshape(5, S),
                 "chunks": buf[at + 5 * S: at + 5 * S + 3 * C].reshape(3, C),
-                "conv_snaps": buf[at + 5 * S + 3 * C: at + 5 * S + 3 * C + 4 * M].reshape(4, M)}
+                "conv_snaps": buf[at + 5 * S + 3 * C: at + 5 * S + 3 * C + 4 * M].reshape(4, M),
+                "work": buf[at + 5 * S + 3 * C + 4 * M: at + 5 * S + 3 * C + 4 * M + self._work_size(Tmax)]}
 
     def _pg_size(self) -> int:
         return 4 * self._pg_tokens + 9 * self.runner.cfg.max_seqs + self._pg_rows + 3 * self._pg_chunks \
-            + 4 * self._pg_snaps
+            + 4 * self._pg_snaps + self._work_size(self._pg_tokens)
+
+    def _work_size(self, n: int) -> int:
+        """The attention work list's items in the prefill graph of ``n`` tokens."""
+        r = self.runner
+        shape = r.attention.shape
+        return r.attention.kernels.prefill_work_size(n, r.cfg.max_seqs, shape.gqa_repeat, shape.head_dim, r.device)
 
     def _prefill_forward(self, n: int) -> tuple[torch.Tensor, torch.Tensor, None]:
         """The captured prefill step of ``n`` token rows over the static inputs."""
@@ -217,7 +247,7 @@ class StepGraphs:
         # few query tiles over thousands of keys, too few programs to keep the device busy.
         r.attention.meta = StepMeta(store_index=v["store"], decode_rows=v["ids"][:0],
                                     prefill_spans=v["spans"].to(torch.int32), prefill_max_n=n,
-                                    prefill_splits=4 if n <= 128 else 1,
+                                    prefill_splits=4 if n <= 128 else 1, prefill_work=v["work"][: self._work_size(n)],
                                     state_spans=StateSpans([], v["states"], n, [], v["chunks"], v["conv_snaps"])
                                     if r.states.slots else None)
         return ids, r.model.forward(ids, v["pos"], r.attention, v["rows"]), None
@@ -225,7 +255,7 @@ class StepGraphs:
     # ----------------------------------------------------------------------------- capture
     def _capture_prefill(self, pool) -> None:
         cfg, r = self.runner.cfg, self.runner
-        sizes = [n for n in PREFILL_GRAPH_TOKENS if n <= min(cfg.max_step_tokens, cfg.max_len)]
+        sizes = prefill_graph_sizes(cfg)
         if not sizes:
             return
         Tmax, S = sizes[-1], cfg.max_seqs

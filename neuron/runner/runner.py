@@ -25,7 +25,7 @@ import protocol as p
 from neuron.models.interface import KvState, Model
 
 from .attention import PagedAttention, PagedKvCache
-from .graphs import PREFILL_GRAPH_TOKENS, StepGraphs, graph_sizes
+from .graphs import StepGraphs, graph_sizes, prefill_graph_sizes
 from .images import RankImages
 from .eager import eager_inputs
 from .late_masks import LateMasks, row_masks
@@ -162,7 +162,7 @@ class ModelRunner:
             self._outs = [torch.zeros(cfg.max_seqs, dtype=torch.int64).pin_memory() for _ in range(4)]
             self._out = 0
         if self.cuda and model.comm.world > 1:
-            rows = max(graph_sizes(self.decode_rows) + list(PREFILL_GRAPH_TOKENS))
+            rows = max(graph_sizes(self.decode_rows) + prefill_graph_sizes(cfg))
             how = model.comm.use_peer_memory(rows, model.cfg.hidden_size, model.dtype, self.device, model.ops)
             log.info("rank %d: all-reduces of up to %d rows: %s", rank, rows, how)
         if self.cuda and cfg.cuda_graphs and model.capturable and self.triton:

@@ -11,6 +11,7 @@ import torch
 from neuron.models.ops import StateSpans
 
 from .attention import PagedAttention, PagedKvCache, PrefillSpan, StepMeta
+from .graphs import prefill_graph_sizes
 from .inputs import chunk_tables
 
 log = logging.getLogger("neuron.runner")
@@ -51,7 +52,7 @@ def kv_blocks(runner, kv_layers: int, state_bytes: int) -> int:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
-    n = max(1, min(cfg.max_step_tokens, cfg.max_len))
+    n = max(1, min(cfg.max_step_tokens, cfg.max_len), *prefill_graph_sizes(cfg))
     probe = PagedKvCache(kv_layers, -(-n // bs), bs, shape.n_kv, shape.head_dim, device, model.dtype)
     tables = torch.arange(probe.blocks, device=device, dtype=torch.int32)[None]
     attention = PagedAttention(probe, tables, shape, runner.triton, states=runner.states)
@@ -67,7 +68,8 @@ def kv_blocks(runner, kv_layers: int, state_bytes: int) -> int:
         attention.meta.prefill_max_n = n
     else:
         attention.meta.prefills = [PrefillSpan(0, n, rows)]
-    model.forward(torch.zeros(n, dtype=torch.long, device=device), rows, attention, rows[-1:])
+    # (a step past max_len is several sequences: positions stay within it)
+    model.forward(torch.zeros(n, dtype=torch.long, device=device), rows % max(1, cfg.max_len), attention, rows[-1:])
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before - probe.nbytes
     del probe, attention, tables, rows

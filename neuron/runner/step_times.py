@@ -15,7 +15,8 @@ ROUNDS = 5
 def measure(runner) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
     """([(decode graph batch, ms)], [(prefill graph tokens, ms)]), each the median of a few
     replays; both empty without prefill graphs. Every rank of a group runs it (the graphs'
-    collectives pair up). Slot 0 is left as after a prompt; the next sequence there starts anew."""
+    collectives pair up). The slots used are left as after a prompt; the next sequence in each
+    starts anew."""
     graphs = runner.step_graphs
     if not graphs.decode or not graphs.prefill:
         return [], []
@@ -23,15 +24,19 @@ def measure(runner) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
     prefill = []
     ids = torch.randint(0, runner.vocab, (max(graphs.prefill),), generator=torch.Generator().manual_seed(0))
     for n in sorted(graphs.prefill):
-        blocks = -(-(n + 1) // runner.bs)
-        if n + 1 > runner.cfg.max_len or blocks > runner.kv_blocks:
-            break
         # A prompt of n tokens replays the prefill graph of n with its inputs staged: the
-        # replays after it repeat that prompt.
-        seq = p.StepSeq(slot=0, tokens=ids[:n].tolist(), start_pos=0, sample=True,
-                        sampling=p.Sampling(temperature=0.0), blocks=list(range(blocks)),
-                        state=0 if runner.states.slots else -1)
-        pending = runner.step(p.Step(id=0, epoch=0, step_id=0, seqs=[seq]))
+        # replays after it repeat that prompt. Past max_len, several prompts make the n tokens.
+        seqs, start, block = [], 0, 0
+        while start < n:
+            take = min(n - start, runner.cfg.max_len - 1)
+            blocks = -(-(take + 1) // runner.bs)
+            seqs.append(p.StepSeq(slot=len(seqs), tokens=ids[start: start + take].tolist(), start_pos=0, sample=True,
+                                  sampling=p.Sampling(temperature=0.0), blocks=list(range(block, block + blocks)),
+                                  state=len(seqs) if runner.states.slots else -1))
+            start, block = start + take, block + blocks
+        if block > runner.kv_blocks or len(seqs) > min(runner.cfg.max_seqs, runner.states.slots or runner.cfg.max_seqs):
+            break
+        pending = runner.step(p.Step(id=0, epoch=0, step_id=0, seqs=seqs))
         if pending is not None:
             pending.wait()
         prefill.append((n, _replay_ms(runner, graphs.prefill[n][0])))
