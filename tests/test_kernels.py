@@ -106,15 +106,25 @@ def prefill_case(n_q, n_kv, hd, uniform, dtype, seed):
 # (6, 1): a group of 6, as the 27B hybrid's, whose tiles of (query, head) rows start mid-query
 @pytest.mark.parametrize("n_q,n_kv,hd,uniform", [(4, 2, 48, True), (4, 4, 64, True), (8, 2, 128, True),
                                                  (5, 2, 80, False), (6, 1, 32, True), (8, 1, 256, True)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype,work", [(torch.float32, False), (torch.float16, False), (torch.float32, True)])
 @pytest.mark.parametrize("splits", [1, 4])
-def test_paged_prefill_attends_each_chunk_causally_after_its_cached_prefix(n_q, n_kv, hd, uniform, dtype, splits):
+def test_paged_prefill_attends_each_chunk_causally_after_its_cached_prefix(n_q, n_kv, hd, uniform, dtype, splits,
+                                                                           work):
+    """``work``: over a prefill graph's work list (one program per tile there is), with two spans
+    of no tokens (a graph's table is padded) and items to spare."""
     q, kc, vc, tables, kv_of_q, repeat = prefill_case(n_q, n_kv, hd, uniform, dtype, seed=n_q * 100 + hd)
-    spans = torch.tensor(SPANS, dtype=torch.int32)
+    spans = torch.tensor(SPANS + [(0, 0, 0, 0)] * 2 if work else SPANS, dtype=torch.int32)
+    items = None
+    if work:
+        ns = spans[:, 1].tolist()
+        size = K.prefill_work_size(sum(ns), len(ns), repeat, hd, q.device)
+        items = torch.from_numpy(K.prefill_work(ns, repeat, hd, q.device, size))
+        assert (items >= 0).sum() < size
     scale = hd ** -0.5
     out = torch.full(q.shape, 7.0, dtype=dtype)
     K.paged_prefill(q, kc, vc, tables, spans, kv_of_q.int(), repeat, scale, max(n for _, n, _, _ in SPANS), out,
-                    splits)
+                    splits, items)
+    spans = spans[: len(SPANS)]
     ref = reference_prefill(q, kc, vc, tables, spans, kv_of_q, scale)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert (out[:99].double() - ref[:99]).abs().max() < tol

@@ -255,20 +255,27 @@ def _prefill_keys(q, m, lsum, acc, K, V, Tables, slot, kv_head, qpos, lo, hi, d,
 
 
 @triton.jit(do_not_specialize=["T"])  # one compiled kernel for every step length
-def _prefill_kernel(Q, K, V, Tables, Spans, KvOfQ, Out,
+def _prefill_kernel(Q, K, V, Tables, Spans, KvOfQ, Out, Work,
                     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_tab,
                     stride_ot, stride_oh, qk_scale,
                     GROUP: tl.constexpr, UNIFORM: tl.constexpr,
                     D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr,
                     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr,
-                    PartOut, PartML, T, NQ, PDL: tl.constexpr):
+                    PartOut, PartML, T, NQ, PDL: tl.constexpr, WORK: tl.constexpr, SPAN: tl.constexpr):
     """A tile is ``ROWS`` consecutive (query, head of the group) pairs of a chunk, whatever the
-    group's size: a group of 6 wastes no rows, as padding it to 8 would."""
+    group's size: a group of 6 wastes no rows, as padding it to 8 would. ``WORK``: each program's
+    (span, tile) is its item of ``Work`` (``prefill_work.py``), not its place in the grid."""
     grid_sync(PDL)  # before the early exit below: a program may finish only after it
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)  # the last tiles see the most keys: start them first
     head = tl.program_id(1)
-    span = tl.program_id(2) // SPLITS
-    split = tl.program_id(2) % SPLITS
+    if WORK:
+        item = tl.load(Work + tl.program_id(0))
+        span = tl.where(item >= 0, item // SPAN, 0)
+        tile = tl.where(item >= 0, item % SPAN, SPAN)  # padding: a tile past every chunk
+        split = tl.program_id(2)
+    else:
+        tile = tl.num_programs(0) - 1 - tl.program_id(0)  # the last tiles see the most keys: start them first
+        span = tl.program_id(2) // SPLITS
+        split = tl.program_id(2) % SPLITS
     row0 = tl.load(Spans + span * 4)
     n = tl.load(Spans + span * 4 + 1)
     slot = tl.load(Spans + span * 4 + 2)
@@ -343,6 +350,7 @@ def _prefill_merge(PartOut, PartML, Out, T, NQ, stride_ot, stride_oh, D: tl.cons
 
 # by head dim (64 for less, padded to a power of two): the tile's (query, head) rows, keys a step,
 # warps, stages; scripts/bench-kernels --prefill-ops
+WORK_SPAN = 1 << 20  # a work item of the prefill kernel is span * WORK_SPAN + tile (prefill_work.py)
 PREFILL_TILES = {64: (64, 64, 4, 3), 128: (128, 128, 8, 2), 256: (128, 64, 8, 2)}
 SMALL_TILES = {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 8, 3)}  # for GPUs of less shared memory
 
@@ -360,7 +368,7 @@ def prefill_tiles(d_pad: int, device: torch.device) -> tuple[int, int, int, int]
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                   spans: torch.Tensor, kv_of_q: torch.Tensor, gqa_repeat: int, scale: float, max_n: int,
-                  out: torch.Tensor | None = None, splits: int = 1) -> torch.Tensor:
+                  out: torch.Tensor | None = None, splits: int = 1, work: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of prompt chunks over the paged cache. q [T, n_q, hd] (rows may be
     strided); caches [blocks, block_size, n_kv, hd]; tables [rows, max_blocks] int32; ``spans``
     [S, 4] int32, one (first row in q, tokens n, table row, start position) per chunk: query i of
@@ -369,7 +377,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     ``splits`` > 1 (a power of two) divides each tile's keys into that many ranges run by their own programs and
     merged after (a short chunk after a long cached prefix would otherwise keep a few programs
     busy over thousands of keys); the merge writes every row of ``out``, so each row must then
-    be a chunk's or padding (a prefill graph's rows are)."""
+    be a chunk's or padding (a prefill graph's rows are). ``work``: the chunks' tiles as
+    ``prefill_work.prefill_work`` lists them (int64), one program each (a prefill graph's)."""
     T, n_q, D = q.shape
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and spans.dtype == torch.int32 and spans.is_contiguous()
     assert splits == pow2(splits)
@@ -378,7 +387,10 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     group = gqa_repeat if uniform else 1
     d_pad = pow2(D)
     rows, block_n, warps, stages = prefill_tiles(d_pad, q.device)
-    grid = (triton.cdiv(max(1, max_n) * group, rows), n_q // group, spans.shape[0] * splits)
+    if work is not None:
+        grid = (work.numel(), n_q // group, splits)
+    else:
+        grid = (triton.cdiv(max(1, max_n) * group, rows), n_q // group, spans.shape[0] * splits)
     part_out = part_ml = q  # unused without splits
     if splits > 1:
         part_out = torch.empty(splits, T, n_q, d_pad, device=q.device, dtype=torch.float32)
@@ -386,12 +398,13 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         part_ml[..., 0] = float("-inf")  # (max, sum) of a range no program writes: empty
         part_ml[..., 1] = 0.0
     _prefill_kernel[grid](
-        q, k_cache, v_cache, tables, spans, kv_of_q, out,
+        q, k_cache, v_cache, tables, spans, kv_of_q, out, spans if work is None else work,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
         out.stride(0), out.stride(1), scale * 1.4426950408889634,  # exp2 of log2(e) * x is exp(x)
         GROUP=group, UNIFORM=uniform, D=D, D_PAD=d_pad, BS=k_cache.shape[1], ROWS=rows, BLOCK_N=block_n,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLITS=splits,
-        PartOut=part_out, PartML=part_ml, T=T, NQ=n_q, num_warps=warps, num_stages=stages, **pdl_args(q.device))
+        PartOut=part_out, PartML=part_ml, T=T, NQ=n_q, WORK=work is not None, SPAN=WORK_SPAN, num_warps=warps, num_stages=stages,
+        **pdl_args(q.device))
     if splits > 1:
         _prefill_merge[(T, n_q)](part_out, part_ml, out, T, n_q, out.stride(0), out.stride(1), D=D, D_PAD=d_pad,
                                  SPLITS=splits, **pdl_args(q.device))

@@ -90,6 +90,7 @@ class StepMeta:
     prefill_spans: torch.Tensor | None = None
     prefill_max_n: int = 0
     prefill_splits: int = 1  # key ranges per tile (a prefill graph's rows are all chunks or padding)
+    prefill_work: torch.Tensor | None = None  # a prefill graph's: its chunks' tiles (kernels/prefill_work.py)
     # For recurrent layers: the step's sequences (their rows and state slots).
     state_spans: StateSpans | None = None
     images: Any = None  # a step with image sequences: runner.images.StepImages
@@ -151,7 +152,7 @@ class PagedAttention:
             out[meta.decode_rows] = self._decode(q[meta.decode_rows], kc, vc, meta)
         if meta.prefill_spans is not None:
             self.kernels.paged_prefill(q, kc, vc, self.tables, meta.prefill_spans, self.kv_of_q, s.gqa_repeat,
-                                       s.scale, meta.prefill_max_n, out, meta.prefill_splits)
+                                       s.scale, meta.prefill_max_n, out, meta.prefill_splits, meta.prefill_work)
         for span in meta.prefills:
             out[span.row: span.row + span.n] = self._prefill(q[span.row: span.row + span.n], kc, vc, span.keys)
         if meta.prefill_batch is not None:

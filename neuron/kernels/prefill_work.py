@@ -1,0 +1,39 @@
+"""The work list of a prefill graph's attention: a program per query tile of the step's chunks.
+
+A captured grid is fixed. Over every span by the longest chunk's tiles (the eager launch's grid)
+it held mostly programs that only exit: with 512 slots, ~90k a layer for a step of 704 tokens,
+and steps of 512 decodes beside a prompt ran slower than the decodes alone by more than the
+prompt's work. Over a list, a graph of T tokens launches at most a program per tile there can be.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .attention import WORK_SPAN, prefill_tiles
+from .launch import pow2
+
+
+def prefill_work_size(tokens: int, spans: int, gqa_repeat: int, head_dim: int, device: torch.device) -> int:
+    """Items of a prefill graph's work list (``prefill_work``): enough for any ``spans`` chunks
+    of ``tokens`` in all."""
+    rows = prefill_tiles(pow2(head_dim), device)[0]
+    return -(-tokens * max(1, gqa_repeat) // rows) + min(spans, tokens)
+
+
+def prefill_work(ns: np.ndarray, gqa_repeat: int, head_dim: int, device: torch.device, size: int) -> np.ndarray:
+    """The prefill kernel's work list for chunks of ``ns`` tokens (span i has ns[i]): one item
+    (span * WORK_SPAN + tile) per query tile of a chunk, the tiles that see the most keys first,
+    then -1 up to ``size``. A captured grid is fixed; over a list, it holds a program per tile
+    there is, where a grid of every span by the longest chunk's tiles held mostly programs that
+    only exit."""
+    rows = prefill_tiles(pow2(head_dim), device)[0]
+    counts = -(-np.asarray(ns, dtype=np.int64) * max(1, gqa_repeat) // rows)
+    total = int(counts.sum())
+    spans = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    tiles = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    order = np.argsort(-tiles, kind="stable")
+    out = np.full(size, -1, dtype=np.int64)
+    out[:total] = (spans * WORK_SPAN + tiles)[order]
+    return out
