@@ -26,6 +26,7 @@ def free_port() -> int:
 MEMORY = 0.9  # --gpu-memory-utilization
 DTYPE = "auto"  # --dtype
 API_PROCESSES = 0  # --api-processes
+PROFILE: Path | None = None  # --profile
 
 
 def serve(model: Path, tp: int, slots: int, max_len: int, device: str, log: Path,
@@ -40,6 +41,11 @@ def serve(model: Path, tp: int, slots: int, max_len: int, device: str, log: Path
         env["NEURON_MODELS__0__SPECULATIVE"] = speculative
     cmd = [sys.executable, "-m", "neuron.cli", "serve", "--model", str(model), "--port", str(port),
            "--tensor-parallel", str(tp), "--device", device]
+    if PROFILE is not None:  # the leader (or core) under cProfile, each rank's device thread too
+        PROFILE.mkdir(parents=True, exist_ok=True)
+        env["NEURON_RANK_PROFILE"] = str(PROFILE / f"ranks-{port}")
+        os.makedirs(env["NEURON_RANK_PROFILE"], exist_ok=True)
+        cmd[1:1] = ["-m", "cProfile", "-o", str(PROFILE / f"leader-{port}.prof")]
     # The server runs in a session of its own: a `timeout` that ends this script with SIGTERM
     # must unwind through the caller's stop(), or the server keeps the GPU's memory.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
