@@ -148,6 +148,7 @@ class GrammarConstraint:
 
     def accept(self, token: int) -> None:
         self.budget.remaining -= 1
+        self.budget.took(token)
         if token in self.tables.eos:
             return
         if not self.matcher.consume_token(token):

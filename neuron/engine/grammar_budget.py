@@ -15,7 +15,9 @@ tokens left minus the length of the shortest way from here to an output the gram
 
 The shortest way is found greedily over token classes (``VocabTables``): forced text whole, then
 closers, separators, plain text. It is an estimate of one fixed policy, and that same policy
-writes the ending, so the estimate is what the ending costs.
+writes the ending, so the estimate is what the ending costs. A way found is kept: while it still
+ends the output from where the output has got to (one ``validate_tokens`` call), it is the
+estimate and the ending, and no search runs.
 """
 
 from __future__ import annotations
@@ -157,27 +159,34 @@ def build_tables(tokenizer: llg.LLTokenizer, vocab: int, eos: list[int]) -> Voca
                        letter)
 
 
-def shortest_completion(matcher: llg.LLMatcher, tables: VocabTables, limit: int) -> int | None:
-    """Tokens the closing policy needs from ``matcher``'s state to an output the grammar accepts,
-    or None when it finds no end within ``limit`` (and LOOKAHEAD) tokens: a grammar it cannot
-    steer (an unbounded regex), or too far to tell. Forced text is taken whole and preferred tokens
-    are tried before any full mask, so this costs far less than a mask per token."""
+def shortest_path(matcher: llg.LLMatcher, tables: VocabTables, limit: int) -> list[int] | None:
+    """The tokens the closing policy takes from ``matcher``'s state to an output the grammar
+    accepts (EOS not included), or None when it finds no end within ``limit`` (and LOOKAHEAD)
+    tokens: a grammar it cannot steer (an unbounded regex), or too far to tell. Forced text is
+    taken whole and preferred tokens are tried before any full mask, so this costs far less than
+    a mask per token."""
     probe = matcher.deep_copy()
-    n = 0
-    while n <= min(limit, LOOKAHEAD):
+    path: list[int] = []
+    while len(path) <= min(limit, LOOKAHEAD):
         if probe.is_accepting():
-            return n
+            return path
         forced = probe.compute_ff_tokens()
         if forced:
             if not probe.consume_tokens(forced):
                 return None
-            n += len(forced)
+            path += forced
             continue
         token = tables.closing_token(probe)
         if token is None or not probe.consume_token(token):
             return None
-        n += 1
+        path.append(token)
     return None
+
+
+def shortest_completion(matcher: llg.LLMatcher, tables: VocabTables, limit: int) -> int | None:
+    """The length of ``shortest_path``."""
+    path = shortest_path(matcher, tables, limit)
+    return None if path is None else len(path)
 
 
 class Budget:
@@ -191,6 +200,23 @@ class Budget:
         self.cost: int | None = None
         self._checked = False
         self._since_check = phase % RECHECK_EVERY  # counts on from here after the first check
+        # The way out found at the last estimate. While it still ends the output (a check of a
+        # microsecond, where finding it took tens: inside a JSON string it holds for as long as
+        # the string runs), the estimate is its length, and the ending follows it.
+        self.path: list[int] | None = None
+        self._end = next((t for t in tables.eos if t < tables.vocab), None)
+
+    def took(self, token: int) -> None:
+        """``token`` was drawn: the way out goes on from its next token if it was the first."""
+        if self.path and self.path[0] == token:
+            self.path = self.path[1:]
+
+    def _path_holds(self, matcher: llg.LLMatcher, token: int | None = None) -> bool:
+        """Whether the way out still ends the output from here (after ``token``, if given)."""
+        if self.path is None or self._end is None:
+            return False
+        tokens = ([] if token is None else [token]) + self.path + [self._end]
+        return matcher.validate_tokens(tokens) == len(tokens)
 
     def mask(self, matcher: llg.LLMatcher) -> np.ndarray:
         """The mask for the next token: the grammar's, narrowed as the gap requires."""
@@ -201,7 +227,10 @@ class Budget:
             gap = None if cost is None else left - cost
             self.closing = gap is not None and gap <= SLACK
         if self.closing:
-            token = self.tables.closing_token(matcher)
+            if self._path_holds(matcher):
+                token = self.path[0] if self.path else None
+            else:
+                token = self.tables.closing_token(matcher)
             return self.tables.eos_mask if token is None else pack([token], self.tables.vocab)
         mask = self.tables.words(matcher.compute_bitmask())
         if matcher.is_accepting():
@@ -227,9 +256,14 @@ class Budget:
         return mask & ~pack(dead, self.tables.vocab) if dead else mask
 
     def _shortest(self, matcher: llg.LLMatcher, left: int) -> int | None:
+        if self._path_holds(matcher):  # a check at any turn: the sequence keeps its phase
+            self.cost = len(self.path)
+            self._since_check = 0 if self._since_check >= RECHECK_EVERY else self._since_check + 1
+            return self.cost
         near = self.cost is not None and left <= 2 * self.cost + MARGIN
         if not self._checked or self._since_check >= RECHECK_EVERY or near:
-            self.cost = shortest_completion(matcher, self.tables, left)
+            self.path = shortest_path(matcher, self.tables, left)
+            self.cost = None if self.path is None else len(self.path)
             if self._checked:  # the first check keeps the sequence's phase
                 self._since_check = 0
             self._checked = True
@@ -243,7 +277,15 @@ class Budget:
         if risky.any():
             ids = np.flatnonzero(unpack(risky, self.tables.vocab))
             if len(ids) <= TRY_AT_MOST:
+                holds = self._path_holds(matcher)
                 for t in ids.tolist():
+                    # No probe where the way out goes on after the token (it opens nothing), or
+                    # starts with it: a way of that length is known.
+                    known = len(self.path) - 1 if holds and self.path and t == self.path[0] else \
+                        len(self.path) if self._path_holds(matcher, t) else None
+                    if known is not None and left - 1 - known >= 2:
+                        keep.append(t)
+                        continue
                     probe = matcher.deep_copy()
                     if not probe.consume_token(t):
                         continue
