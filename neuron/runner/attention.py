@@ -91,6 +91,9 @@ class StepMeta:
     prefill_max_n: int = 0
     prefill_splits: int = 1  # key ranges per tile (a prefill graph's rows are all chunks or padding)
     prefill_work: torch.Tensor | None = None  # a prefill graph's: its chunks' tiles (kernels/prefill_work.py)
+    # A prefill graph's: where each of decode_rows goes in the output ([D], padding rows: a spare
+    # row T past the step's, dropped), after the prefill kernel has written every row.
+    decode_out: torch.Tensor | None = None
     # For recurrent layers: the step's sequences (their rows and state slots).
     state_spans: StateSpans | None = None
     images: Any = None  # a step with image sequences: runner.images.StepImages
@@ -147,12 +150,16 @@ class PagedAttention:
             out.int8_rows = rows
             return out
         # Zeros: a graph's padding rows belong to no span and must stay finite.
-        out = q.new_zeros(T, n_q, hd) if meta.prefill_spans is not None else q.new_empty(T, n_q, hd)
-        if meta.decode_rows.numel():
+        spare = int(meta.decode_out is not None)
+        out = q.new_zeros(T + spare, n_q, hd) if meta.prefill_spans is not None else q.new_empty(T, n_q, hd)
+        if meta.decode_rows.numel() and not spare:
             out[meta.decode_rows] = self._decode(q[meta.decode_rows], kc, vc, meta)
         if meta.prefill_spans is not None:
             self.kernels.paged_prefill(q, kc, vc, self.tables, meta.prefill_spans, self.kv_of_q, s.gqa_repeat,
                                        s.scale, meta.prefill_max_n, out, meta.prefill_splits, meta.prefill_work)
+        if spare:
+            out.index_copy_(0, meta.decode_out, self._decode(q.index_select(0, meta.decode_rows), kc, vc, meta))
+            out = out[:T]
         for span in meta.prefills:
             out[span.row: span.row + span.n] = self._prefill(q[span.row: span.row + span.n], kc, vc, span.keys)
         if meta.prefill_batch is not None:

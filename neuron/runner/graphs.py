@@ -201,8 +201,16 @@ class StepGraphs:
                 spans, snaps, self._pg_chunks, self._pg_snaps)
         shape = r.attention.shape
         size = self._work_size(bucket)
-        whole["work"][:size] = r.attention.kernels.prefill_work([len(s.tokens) for s in seqs], shape.gqa_repeat,
-                                                                shape.head_dim, r.device, size)
+        single = [len(s.tokens) == 1 for s in seqs]
+        whole["work"][:size] = r.attention.kernels.prefill_work([0 if one else len(s.tokens) for s, one in
+                                                                 zip(seqs, single)], shape.gqa_repeat, shape.head_dim,
+                                                                r.device, size)
+        decodes = whole["decodes"]
+        decodes[:] = ((0,), (bucket,), (r.scratch_row,), (1,))  # padding: the spare output row
+        picked = [(end, s.slot, s.start_pos + 1) for s, end, one in zip(seqs, ends, single) if one]
+        if picked:
+            decodes[0, : len(picked)], decodes[2, : len(picked)], decodes[3, : len(picked)] = zip(*picked)
+            decodes[1, : len(picked)] = decodes[0, : len(picked)]
         rows = [r for i in sampled for r in range(ends[i] - seqs[i].drafts, ends[i] + 1)]  # drafts: each's row
         whole["rows"][:] = 0
         whole["rows"][: len(rows)] = rows
@@ -226,11 +234,13 @@ class StepGraphs:
                 "rows": buf[4 * Tmax + 4 * S: at], "states": buf[at: at + 5 * S].reshape(5, S),
                 "chunks": buf[at + 5 * S: at + 5 * S + 3 * C].reshape(3, C),
                 "conv_snaps": buf[at + 5 * S + 3 * C: at + 5 * S + 3 * C + 4 * M].reshape(4, M),
-                "work": buf[at + 5 * S + 3 * C + 4 * M: at + 5 * S + 3 * C + 4 * M + self._work_size(Tmax)]}
+                "work": buf[at + 5 * S + 3 * C + 4 * M: at + 5 * S + 3 * C + 4 * M + self._work_size(Tmax)],
+                "decodes": buf[at + 5 * S + 3 * C + 4 * M + self._work_size(Tmax):
+                               at + 9 * S + 3 * C + 4 * M + self._work_size(Tmax)].reshape(4, S)}
 
     def _pg_size(self) -> int:
         return 4 * self._pg_tokens + 9 * self.runner.cfg.max_seqs + self._pg_rows + 3 * self._pg_chunks \
-            + 4 * self._pg_snaps + self._work_size(self._pg_tokens)
+            + 4 * self._pg_snaps + self._work_size(self._pg_tokens) + 4 * self.runner.cfg.max_seqs
 
     def _work_size(self, n: int) -> int:
         """The attention work list's items in the prefill graph of ``n`` tokens."""
@@ -245,7 +255,16 @@ class StepGraphs:
         ids = r.resolve(v["ids"], v["slot"])
         # Small steps split each tile's keys four ways: a question after a long cached prefix is a
         # few query tiles over thousands of keys, too few programs to keep the device busy.
-        r.attention.meta = StepMeta(store_index=v["store"], decode_rows=v["ids"][:0],
+        # Its one-token chunks (decodes) go through the decode kernel: as chunks of the prefill
+        # kernel, a tile of 128 (query, head) rows held 4, one program to an SM.
+        D = min(r.cfg.max_seqs, n)
+        rows, places, tables, ctx = v["decodes"][:, :D]
+        shape = r.attention.shape
+        splits = r.attention.kernels.decode_splits(D, shape.n_kv if shape.gqa_repeat else shape.n_q, r.cfg.max_len,
+                                                   r.sm_count)
+        r.attention.meta = StepMeta(store_index=v["store"], decode_rows=rows, decode_out=places,
+                                    decode_slots=tables, decode_ctx=ctx.to(torch.int32), decode_max_ctx=r.cfg.max_len,
+                                    decode_splits=splits,
                                     prefill_spans=v["spans"].to(torch.int32), prefill_max_n=n,
                                     prefill_splits=4 if n <= 128 else 1, prefill_work=v["work"][: self._work_size(n)],
                                     state_spans=StateSpans([], v["states"], n, [], v["chunks"], v["conv_snaps"])
@@ -273,6 +292,8 @@ class StepGraphs:
         whole["states"][2].fill_(r.states.scratch)
         whole["conv_snaps"][3].fill_(-1)
         whole["chunks"][2].fill_(-1)
+        whole["decodes"][2].fill_(r.scratch_row)
+        whole["decodes"][3].fill_(1)
         self._pstaged = [torch.zeros(self._pg_size(), dtype=torch.int64).pin_memory() for _ in range(4)]
         self._pstage = 0
         self._capture_each(sizes, self._prefill_forward, self.prefill, pool)
