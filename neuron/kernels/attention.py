@@ -8,7 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import grid_sync, pdl_args, pow2, shared_memory
+from .launch import grid_sync, pdl_args, pow2
+from .prefill_work import WORK_SPAN, prefill_tiles
 from .int8_rows import quantize_groups
 
 
@@ -346,24 +347,6 @@ def _prefill_merge(PartOut, PartML, Out, T, NQ, stride_ot, stride_oh, D: tl.cons
     lsum = tl.sum(tl.where(w > 0, ls * w, 0.0), 0)
     out = tl.where(lsum > 0, total / tl.where(lsum > 0, lsum, 1.0), 0.0)
     tl.store(Out + row.to(tl.int64) * stride_ot + head * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < D)
-
-
-# by head dim (64 for less, padded to a power of two): the tile's (query, head) rows, keys a step,
-# warps, stages; scripts/bench-kernels --prefill-ops
-WORK_SPAN = 1 << 20  # a work item of the prefill kernel is span * WORK_SPAN + tile (prefill_work.py)
-PREFILL_TILES = {64: (64, 64, 4, 3), 128: (128, 128, 8, 2), 256: (128, 64, 8, 2)}
-SMALL_TILES = {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 8, 3)}  # for GPUs of less shared memory
-
-
-def prefill_tiles(d_pad: int, device: torch.device) -> tuple[int, int, int, int]:
-    """``PREFILL_TILES``' setting for head dim ``d_pad``, or ``SMALL_TILES``' where its query tile
-    and its stages of key and value tiles (Triton's own count on an H200) would not fit the GPU's
-    shared memory with 8 KiB to spare (an A100's 163 KiB holds the 160 KiB of head dim 128 too
-    narrowly to trust)."""
-    d = min(max(d_pad, 64), 256)
-    rows, block_n, warps, stages = PREFILL_TILES[d]
-    need = (rows + 2 * stages * block_n) * d_pad * 2 + 8192
-    return PREFILL_TILES[d] if device.type != "cuda" or need <= shared_memory(device) else SMALL_TILES[d]
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,

@@ -1,4 +1,5 @@
-"""The work list of a prefill graph's attention: a program per query tile of the step's chunks.
+"""The prefill attention kernel's tiles, and in a prefill graph its work list: a program per
+query tile of the step's chunks.
 
 A captured grid is fixed. Over every span by the longest chunk's tiles (the eager launch's grid)
 it held mostly programs that only exit: with 512 slots, ~90k a layer for a step of 704 tokens,
@@ -11,8 +12,24 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .attention import WORK_SPAN, prefill_tiles
-from .launch import pow2
+from .launch import pow2, shared_memory
+
+WORK_SPAN = 1 << 20  # a work item is span * WORK_SPAN + tile
+# by head dim (64 for less, padded to a power of two): the tile's (query, head) rows, keys a step,
+# warps, stages; scripts/bench-kernels --prefill-ops
+PREFILL_TILES = {64: (64, 64, 4, 3), 128: (128, 128, 8, 2), 256: (128, 64, 8, 2)}
+SMALL_TILES = {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 8, 3)}  # for GPUs of less shared memory
+
+
+def prefill_tiles(d_pad: int, device: torch.device) -> tuple[int, int, int, int]:
+    """``PREFILL_TILES``' setting for head dim ``d_pad``, or ``SMALL_TILES``' where its query tile
+    and its stages of key and value tiles (Triton's own count on an H200) would not fit the GPU's
+    shared memory with 8 KiB to spare (an A100's 163 KiB holds the 160 KiB of head dim 128 too
+    narrowly to trust)."""
+    d = min(max(d_pad, 64), 256)
+    rows, block_n, warps, stages = PREFILL_TILES[d]
+    need = (rows + 2 * stages * block_n) * d_pad * 2 + 8192
+    return PREFILL_TILES[d] if device.type != "cuda" or need <= shared_memory(device) else SMALL_TILES[d]
 
 
 def prefill_work_size(tokens: int, spans: int, gqa_repeat: int, head_dim: int, device: torch.device) -> int:
