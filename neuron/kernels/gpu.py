@@ -15,7 +15,7 @@ from .moe import sparse_moe
 from .moe_packed import PackedExperts
 from .packed import GEMV_ROWS, dequantize, qlinear, reference_qlinear
 from .packed_gemm import GEMM_ROWS
-from .packed_scales import coarsen_scales, pair_scales
+from .packed_scales import coarsen_scales, pair_scales, unpack_modes
 from .prefill_work import prefill_work, prefill_work_size
 from .sampling import ARGMAX_CHUNK, greedy_tokens, resolve_tokens
 

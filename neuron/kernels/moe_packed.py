@@ -49,7 +49,7 @@ def expert_rows(U, S, e, n, k0, N, K, NS, stride_ue, stride_un, stride_se, BITS:
     """Expert ``e``'s rows ``n`` at columns ``k0 .. k0 + BK`` in float32 (0 past N and K)."""
     g = k0 // 32 + tl.arange(0, BK // 32)
     return weight_tile(U + e * stride_ue, S + e * stride_se, n, g, N, K, NS, stride_un, tl.float32, BITS, GS,
-                       False, False)
+                       False, False, False)
 
 
 @triton.jit

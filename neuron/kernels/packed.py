@@ -285,7 +285,7 @@ DEQUANT_BYTES = 256 << 20
 def qlinear(x: torch.Tensor, u: torch.Tensor, sm: torch.Tensor, bits: int,
             int8_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
             configs: dict[int, tuple[int, ...]] | None = None,
-            out_dtype: torch.dtype | None = None) -> torch.Tensor:
+            out_dtype: torch.dtype | None = None, unpack: str = "split") -> torch.Tensor:
     """``x`` [M, K] (bf16/fp16); ``u`` uint8 [N, K*bits/8]; ``sm`` the scale and offset of each
     group of 32 or 16, [N, K/32 or K/16, 2] (``pair_scales``) -> ``y`` [M, N] in ``x``'s dtype,
     or in ``out_dtype`` holding the same values (the LM head's float32 logits: up to
@@ -295,7 +295,8 @@ def qlinear(x: torch.Tensor, u: torch.Tensor, sm: torch.Tensor, bits: int,
     ``configs``: by rows of x (a power of two, at least 16 past ``GEMV_ROWS``), the config
     measured fastest for this weight (``runner/linear.tune_packed``): the decode kernel's
     (BLOCK_N, BLOCK_G, num_warps), or the tensor-core kernel's (BLOCK_N, BLOCK_K, num_warps,
-    num_stages), which may be the faster from 4 rows up; else ``GEMV_CONFIG``'s or ``GEMM_CONFIG``'s."""
+    num_stages), which may be the faster from 4 rows up; else ``GEMV_CONFIG``'s or ``GEMM_CONFIG``'s.
+    ``unpack``: how the tensor-core kernel unpacks W (``packed_scales.unpack_modes``)."""
     M, K = x.shape
     N = u.shape[0]
     words = scale_words(sm)
@@ -304,7 +305,7 @@ def qlinear(x: torch.Tensor, u: torch.Tensor, sm: torch.Tensor, bits: int,
     assert bits in (4, 8) and K % 32 == 0 and gs in (16, 32, 64, 128) and K % gs == 0 and u.shape[1] * 8 == K * bits
     x = x.contiguous()
     if M > GEMV_ROWS and out_dtype not in (None, x.dtype):
-        return qlinear(x, u, sm, bits, int8_rows, configs).to(out_dtype)
+        return qlinear(x, u, sm, bits, int8_rows, configs, unpack=unpack).to(out_dtype)
     y = torch.empty((M, N), device=x.device, dtype=out_dtype or x.dtype)
     config = (configs or {}).get(triton.next_power_of_2(M) if M <= GEMV_ROWS else max(16, triton.next_power_of_2(M)))
     tensor_cores = config is not None and len(config) >= 4 and out_dtype in (None, x.dtype)
@@ -323,7 +324,7 @@ def qlinear(x: torch.Tensor, u: torch.Tensor, sm: torch.Tensor, bits: int,
                                                   num_stages=1, **pdl_args(x.device))
         return y
     if M <= GEMM_ROWS:
-        return qgemm(x, u, words, bits, y, config if tensor_cores else None)
+        return qgemm(x, u, words, bits, y, config if tensor_cores else None, unpack)
     step = max(1, DEQUANT_BYTES // (K * x.element_size()))
     if N <= step:
         return torch.mm(x, dequantize(u, sm, bits, x.dtype).t(), out=y)

@@ -39,14 +39,19 @@ import triton.language as tl
 from .launch import INTERPRETED, grid_sync, multiprocessors, pdl_args
 
 
-def _asm(magic: str, one: str, minus: str) -> str:
-    """Four bytes of a 4-bit W ($4) as eight 16-bit floats times their scales (a word of each
-    byte's, two of it: $5..$8) plus their offsets ($9..$12): the low nibbles of bytes 0, 1 in $0
-    and 2, 3 in $1, the high nibbles so in $2 and $3. Bytes 0 and 1 are of one row of W, and 2 and
-    3 (of the MMA operand's layout, whose registers come in pairs along K), not all four. Two bytes
-    are spread to the halves of a word (``prmt``); a nibble OR-ed into the mantissa of ``magic``
-    (128 in bfloat16, 1024 in float16) is that float plus the nibble, exactly; an FMA takes
-    ``magic`` off, exactly; another scales it and adds the offset, rounding once."""
+def _asm(magic: str, one: str, split: bool) -> str:
+    """Four bytes of a 4-bit W ($4) as eight 16-bit floats, each ``(q - c) s + r`` rounded once
+    (``group_operands``: a word of each byte's for each of ``-(magic + c)`` $5..$8, the scale's
+    high part $9..$12, its low part $13..$16 and ``r`` $17..$20, two of it): the low nibbles of
+    bytes 0, 1 in $0 and 2, 3 in $1, the high nibbles so in $2 and $3. Bytes 0 and 1 are of one row
+    of W, and 2 and 3 (of the MMA operand's layout, whose registers come in pairs along K), not all
+    four. Two bytes are spread to the halves of a word (``prmt``); a nibble OR-ed into the mantissa
+    of ``magic`` (128 in bfloat16, 1024 in float16) is that float plus the nibble, exactly, as
+    Marlin's kernels do; an FMA takes ``magic + c`` off, exactly (``d = q - c``, a small integer).
+    With ``split`` (a scale the 16-bit type does not hold: AWQ's and GGUF's float16 scales in
+    bfloat16) ``p = d s_lo + r`` is exact (r = 0 for a zero point, ``d s_lo`` of few bits) and the
+    last FMA rounds ``d s_hi + p`` once; without, ``d s + r`` is rounded once: either way the
+    weight that the exact ``q s + m`` rounds to, with no scale or offset rounded on the way."""
     lines = []
     for pair, selector in ((0, "0x4140"), (1, "0x4342")):
         lines.append(f"prmt.b32 t, $4, 0, {selector};")
@@ -54,15 +59,20 @@ def _asm(magic: str, one: str, minus: str) -> str:
             if src == "h":
                 lines.append("shr.u32 h, t, 4;")
             lines.append(f"lop3.b32 v, {src}, 0x000F000F, {magic}, 0xEA;")
-            lines.append("fma.rn.{T}x2 v, v, one, minus;")
-            lines.append(f"fma.rn.{{T}}x2 ${out}, v, ${5 + 2 * pair}, ${9 + 2 * pair};")
-    return (f"{{ .reg .b32 t, h, v, one, minus; mov.b32 one, {one}; mov.b32 minus, {minus}; " + " ".join(lines)
-            + " }")
+            lines.append(f"fma.rn.{{T}}x2 v, v, one, ${5 + 2 * pair};")
+            if split:
+                lines.append(f"fma.rn.{{T}}x2 p, v, ${13 + 2 * pair}, ${17 + 2 * pair};")
+                lines.append(f"fma.rn.{{T}}x2 ${out}, v, ${9 + 2 * pair}, p;")
+            else:
+                lines.append(f"fma.rn.{{T}}x2 ${out}, v, ${9 + 2 * pair}, ${17 + 2 * pair};")
+    return f"{{ .reg .b32 t, h, v, p, one; mov.b32 one, {one}; " + " ".join(lines) + " }"
 
 
-_ASM_BF16 = tl.constexpr(_asm("0x43004300", "0x3F803F80", "0xC300C300").replace("{T}", "bf16"))
-_ASM_F16 = tl.constexpr(_asm("0x64006400", "0x3C003C00", "0xE400E400").replace("{T}", "f16"))
-_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 9))
+_ASM_BF16 = tl.constexpr(_asm("0x43004300", "0x3F803F80", False).replace("{T}", "bf16"))
+_ASM_F16 = tl.constexpr(_asm("0x64006400", "0x3C003C00", False).replace("{T}", "f16"))
+_ASM_BF16_SPLIT = tl.constexpr(_asm("0x43004300", "0x3F803F80", True).replace("{T}", "bf16"))
+_ASM_F16_SPLIT = tl.constexpr(_asm("0x64006400", "0x3C003C00", True).replace("{T}", "f16"))
+_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 17))
 # Four bytes of an 8-bit W ($2) as four 16-bit floats ($0: bytes 0, 1; $1: 2, 3) times their
 # scales ($3..$6) plus their offsets ($7..$10). bfloat16 has too few mantissa bits for a byte, so
 # a byte goes into a float32 (2^23 + byte, exactly), is scaled there and rounded in pairs;
@@ -103,6 +113,38 @@ def _scale_pairs(word, dt: tl.constexpr):
 
 
 @triton.jit
+def group_operands(word, dt: tl.constexpr):
+    """A 4-bit group's scale ``s`` and offset ``m`` (``pair_scales``' word) as ``_asm``'s four
+    operands, each an int32 word holding it twice in ``dt``: ``-(magic + c)``, ``s_hi``, ``s_lo``
+    and ``r``, with ``s = s_hi + s_lo`` exactly (a float16 scale is a bfloat16 and three bits
+    more) and ``q s + m = (q - c) s + r``. Float32 pairs (AWQ's and GPTQ's ``m = -s z``): ``c`` is
+    the zero point ``z``, ``r = 0``. Float16 pairs: ``c = 8``, so ``r = m + 8 s`` is 0 for Q4_0 and
+    the weight at q = 8 for in-situ q4 (a bfloat16 by construction: ``quant._q4_scales``); Q4_1's
+    arbitrary minimum leaves an ``r`` rounded to ``dt``, off by at most 2^-9 of it."""
+    s, m = unpair(word)
+    magic = 128.0 if dt == tl.bfloat16 else 1024.0
+    if word.dtype == tl.int64:
+        safe = tl.where(s == 0, 1.0, s)
+        ratio = tl.inline_asm_elementwise("div.full.f32 $0, $1, $2;", "=r,r,r", [-m, safe], dtype=tl.float32,
+                                          is_pure=True, pack=1)
+        c = tl.where(s == 0, 0.0, tl.minimum(tl.maximum(tl.floor(ratio + 0.5), -112.0), 112.0))
+    else:
+        c = tl.full(s.shape, 8.0, tl.float32)
+    r = m + c * s
+    s_hi = s.to(dt).to(tl.float32)
+    if dt == tl.bfloat16:
+        return tl.inline_asm_elementwise(
+            "cvt.rn.bf16x2.f32 $0, $4, $4; cvt.rn.bf16x2.f32 $1, $5, $5; cvt.rn.bf16x2.f32 $2, $6, $6; "
+            "cvt.rn.bf16x2.f32 $3, $7, $7;", "=r,=r,=r,=r,r,r,r,r", [-(magic + c), s_hi, s - s_hi, r],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise(
+            "cvt.rn.f16x2.f32 $0, $4, $4; cvt.rn.f16x2.f32 $1, $5, $5; cvt.rn.f16x2.f32 $2, $6, $6; "
+            "cvt.rn.f16x2.f32 $3, $7, $7;", "=r,=r,=r,=r,r,r,r,r", [-(magic + c), s_hi, s - s_hi, r],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+
+
+@triton.jit
 def unpair(word):
     """A scale and an offset from the word that holds both (``pair_scales``): two float16 in an
     int32 word, or two float32 in an int64 one; as float32."""
@@ -125,8 +167,10 @@ def _load(at, ok, EVEN: tl.constexpr):
 
 @triton.jit
 def weight_tile(u_ptr, sm_ptr, n, g, N, K, NS, stride_u, dt: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
-                ASM: tl.constexpr, EVEN: tl.constexpr):
-    """Rows ``n`` of W at groups ``g`` as a ``dt`` tile [rows, groups * 32], in K's order."""
+                ASM: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr):
+    """Rows ``n`` of W at groups ``g`` as a ``dt`` tile [rows, groups * 32], in K's order: each
+    weight the exact ``s q + m`` rounded once to ``dt``. ``SPLIT``: the scales are not all exact
+    in ``dt`` (``_asm``)."""
     j = tl.arange(0, 16)
     at = u_ptr + n[:, None, None] * stride_u + (g[:, None] * (4 * BITS) + j[None, :])[None, :, :]
     ok = (n[:, None, None] < N) & (g < K // 32)[None, :, None]
@@ -147,15 +191,21 @@ def weight_tile(u_ptr, sm_ptr, n, g, N, K, NS, stride_u, dt: tl.constexpr, BITS:
         w_lo = _unpack8(raw, sb, mb, dt)
         w_hi = _unpack8(_load(at + 16, ok, EVEN), sb, mb, dt)
     elif ASM:
-        s2, m2 = _scale_pairs(word, dt)
-        sb = tl.broadcast_to(s2[:, :, None], raw.shape)
-        mb = tl.broadcast_to(m2[:, :, None], raw.shape)
-        if dt == tl.bfloat16:
-            w_lo, w_hi = tl.inline_asm_elementwise(_ASM_BF16, _CONSTRAINTS, [raw, sb, mb],
+        negc, s_hi, s_lo, r = group_operands(word, dt)
+        ops = [raw, tl.broadcast_to(negc[:, :, None], raw.shape), tl.broadcast_to(s_hi[:, :, None], raw.shape),
+               tl.broadcast_to(s_lo[:, :, None], raw.shape), tl.broadcast_to(r[:, :, None], raw.shape)]
+        if dt == tl.bfloat16 and SPLIT:
+            w_lo, w_hi = tl.inline_asm_elementwise(_ASM_BF16_SPLIT, _CONSTRAINTS, ops,
                                                    dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        elif dt == tl.bfloat16:
+            w_lo, w_hi = tl.inline_asm_elementwise(_ASM_BF16, _CONSTRAINTS, ops, dtype=(tl.bfloat16, tl.bfloat16),
+                                                   is_pure=True, pack=4)
+        elif SPLIT:
+            w_lo, w_hi = tl.inline_asm_elementwise(_ASM_F16_SPLIT, _CONSTRAINTS, ops, dtype=(tl.float16, tl.float16),
+                                                   is_pure=True, pack=4)
         else:
-            w_lo, w_hi = tl.inline_asm_elementwise(_ASM_F16, _CONSTRAINTS, [raw, sb, mb],
-                                                   dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+            w_lo, w_hi = tl.inline_asm_elementwise(_ASM_F16, _CONSTRAINTS, ops, dtype=(tl.float16, tl.float16),
+                                                   is_pure=True, pack=4)
     else:
         s_lo, m_lo = unpair(word)
         if BITS == 8:
@@ -169,12 +219,9 @@ def weight_tile(u_ptr, sm_ptr, n, g, N, K, NS, stride_u, dt: tl.constexpr, BITS:
         else:
             s_hi = s_lo
             m_hi = m_lo
-        if dt == tl.float32:
-            w_lo = q_lo.to(tl.float32) * s_lo[:, :, None] + m_lo[:, :, None]
-            w_hi = q_hi.to(tl.float32) * s_hi[:, :, None] + m_hi[:, :, None]
-        else:
-            w_lo = q_lo.to(dt) * s_lo.to(dt)[:, :, None] + m_lo.to(dt)[:, :, None]
-            w_hi = q_hi.to(dt) * s_hi.to(dt)[:, :, None] + m_hi.to(dt)[:, :, None]
+        # in float32, rounded once to ``dt``: the weight the exact ``q s + m`` rounds to
+        w_lo = (q_lo.to(tl.float32) * s_lo[:, :, None] + m_lo[:, :, None]).to(dt)
+        w_hi = (q_hi.to(tl.float32) * s_hi[:, :, None] + m_hi[:, :, None]).to(dt)
     rows: tl.constexpr = raw.shape[0]
     cols: tl.constexpr = raw.shape[1] * 32
     return tl.reshape(tl.permute(tl.join(w_lo, w_hi), (0, 1, 3, 2)), (rows, cols))
@@ -194,7 +241,7 @@ def _unpack8(raw, sb, mb, dt: tl.constexpr):
 def _qgemm_kernel(x_ptr, u_ptr, sm_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, NS, stride_u, STEPS, SPLIT,
                   BITS: tl.constexpr, GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr,
-                  PDL: tl.constexpr):
+                  SPLIT_S: tl.constexpr, PDL: tl.constexpr):
     """Program (i, j, s): rows ``i * BLOCK_N ..`` of W (of y^T) times rows ``j * BLOCK_M ..`` of x,
     over ``STEPS`` steps of ``BLOCK_K`` columns from step ``s * STEPS``; with ``SPLIT_K`` (``SPLIT`` > 1) its
     float32 sum goes to ``part_ptr`` [SPLIT, M, N] and the tile's last part adds them up
@@ -211,7 +258,7 @@ def _qgemm_kernel(x_ptr, u_ptr, sm_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, NS, 
     for step in range(first, tl.minimum(first + STEPS, tl.cdiv(K, BLOCK_K))):
         k0 = step * BLOCK_K
         g = step * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
-        w = weight_tile(u_ptr, sm_ptr, n, g, N, K, NS, stride_u, dt, BITS, GS, ASM, EVEN)
+        w = weight_tile(u_ptr, sm_ptr, n, g, N, K, NS, stride_u, dt, BITS, GS, ASM, EVEN, SPLIT_S)
         kk = k0 + tl.arange(0, BLOCK_K)
         xt = tl.load(x_ptr + rm[None, :] * K + kk[:, None], mask=(rm[None, :] < M) & (kk[:, None] < K), other=0.0)
         if dt == tl.float32:
@@ -280,11 +327,13 @@ def default_split(N: int, M: int, K: int, config: tuple[int, ...], device: torch
 
 
 def qgemm(x: torch.Tensor, u: torch.Tensor, words: torch.Tensor, bits: int, y: torch.Tensor,
-          config: tuple[int, ...] | None = None) -> torch.Tensor:
+          config: tuple[int, ...] | None = None, unpack: str = "split") -> torch.Tensor:
     """``y`` [M, N] = ``x`` [M, K] times the packed W (``u`` [N, K * bits / 8], ``words``: its
     scales as ``scale_words`` gives them) transposed; ``config``: (BLOCK_N, BLOCK_K, num_warps,
     num_stages), and optionally the parts K is split into (else ``split_for``'s), else
-    ``GEMM_CONFIG``'s for M rows."""
+    ``GEMM_CONFIG``'s for M rows. ``unpack``: "fast", "split" or "float", as
+    ``packed_scales.unpack_modes`` gives it for W and x's dtype ("split" is exact for zero points
+    and in-situ q4, a fraction of an ulp off for arbitrary offsets)."""
     M, K = x.shape
     N = u.shape[0]
     NS = words.shape[1]
@@ -298,9 +347,10 @@ def qgemm(x: torch.Tensor, u: torch.Tensor, words: torch.Tensor, bits: int, y: t
     split = min(split, steps)
     assert split == 1 or tiles <= LOCKS, (tiles, LOCKS)
     part = torch.empty((split, M, N), device=x.device, dtype=torch.float32) if split > 1 else y
-    asm = not INTERPRETED and gs >= 32 and x.dtype in (torch.bfloat16, torch.float16)
+    asm = not INTERPRETED and gs >= 32 and x.dtype in (torch.bfloat16, torch.float16) and unpack != "float"
     _qgemm_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m), split)](
         x, u, words, y, part, _locks(x.device), M, N, K, NS, u.stride(0), triton.cdiv(steps, split), split, BITS=bits,
         GS=gs, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split > 1, ASM=asm,
-        EVEN=N % block_n == 0 and K % block_k == 0, num_warps=warps, num_stages=stages, **pdl_args(x.device))
+        EVEN=N % block_n == 0 and K % block_k == 0, SPLIT_S=unpack == "split", num_warps=warps, num_stages=stages,
+        **pdl_args(x.device))
     return y

@@ -53,10 +53,11 @@ class PackedLinear:
             self.d = self.dm = torch.empty(0, 0, dtype=torch.float16)
         if self.device.type == "cuda":  # the Triton kernels take each group's scale and offset side
             # by side (pair_scales), in float16, or float32 for the K-quants (exact)
-            from neuron.kernels.gpu import coarsen_scales, pair_scales
+            from neuron.kernels.gpu import coarsen_scales, pair_scales, unpack_modes
 
             scales = [torch.from_numpy(t if q.sup is not None else t.astype(np.float16)) for t in (q.s, q.m)]
             self.sm = coarsen_scales(pair_scales(*scales)).to(self.device)
+            self.unpack = unpack_modes(self.sm, self.bits)  # by activation dtype: packed_gemm.weight_tile
             self.s, self.m = self.sm[..., 0], self.sm[..., 1]
             self.d = self.dm = torch.empty(0, 0, dtype=torch.float16, device=self.device)
             self.u = self.u.to(self.device)
@@ -90,7 +91,7 @@ class PackedLinear:
             from neuron.kernels.gpu import qlinear
 
             y = qlinear(x.reshape(-1, self.k), self.u, self.sm, self.bits, getattr(x, "int8_rows", None),
-                        self.configs, out_dtype)
+                        self.configs, out_dtype, self.unpack.get(x.dtype, "float"))
             if self.bias is not None:
                 y = y + self.bias
             return y.view(*shape[:-1], self.n)

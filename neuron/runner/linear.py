@@ -160,7 +160,8 @@ def tune_packed(model, batch_sizes: list[int]) -> None:
 
             def run(config: tuple[int, ...] | None) -> None:
                 for p in parts:
-                    qlinear(x, p.u, p.sm, p.bits, rows, {block_m: config} if config else None)
+                    qlinear(x, p.u, p.sm, p.bits, rows, {block_m: config} if config else None,
+                            unpack=p.unpack.get(x.dtype, "float"))
 
             default = _graph_ms(lambda: run(None))
             if block_m > GEMV_ROWS:
