@@ -114,11 +114,31 @@ def pytest_unconfigure(config) -> None:
                 pass
 
 
+def own_kv_cache(config: str) -> str:
+    """``config`` with a KV cache of each model's own sequences (``max_slots`` x ``max_model_len``)
+    where it sets none: on a GPU shared by tests side by side (scripts/gpu-check --jobs), a cache
+    sized from the free memory would take what the others need."""
+    import tomllib
+
+    from neuron.config import ModelEntry
+
+    entries = tomllib.loads(config).get("models", [])
+    parts = config.split("[[models]]\n")
+    if len(parts) != len(entries) + 1:
+        return config
+    for i, entry in enumerate(entries):
+        if "kv_cache_tokens" not in entry:
+            slots = entry.get("max_slots", ModelEntry.max_slots)
+            length = entry.get("max_model_len", ModelEntry.max_model_len) or 4096
+            parts[i + 1] = f"kv_cache_tokens = {slots * length}\n" + parts[i + 1]
+    return "[[models]]\n".join(parts)
+
+
 def start_server(tmp: Path, *, config: str = "", args: list[str] = (), env: dict | None = None,
                  wait: float = 180, healthy: bool = True) -> Server:
     port = free_port()
     conf = tmp / f"neuron-{port}.toml"
-    conf.write_text(config)
+    conf.write_text(own_kv_cache(config) if os.environ.get("NEURON_TEST_KV_TOKENS") else config)
     log_path = tmp / f"server-{port}.log"
     cmd = [sys.executable, "-m", "neuron.cli", "serve", "--config", str(conf), "--port", str(port), *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,

@@ -94,6 +94,7 @@ def test_the_fp8_kernels_compute_the_torch_definition():
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available()
                     or __import__("torch").cuda.get_device_capability() < (8, 9), reason="no GPU with FP8 tensor cores")
 def test_the_compiled_fp8_kernels_on_a_gpu():

@@ -22,6 +22,14 @@ def _gpus() -> int:
 
 
 needs_gpu = pytest.mark.skipif(_gpus() < 1, reason="no NVIDIA GPU visible")
+# the tests of two GPUs: scripts/gpu-check --two-gpus runs them (`-m two_gpus`)
+two_gpus = [pytest.mark.two_gpus, pytest.mark.skipif(_gpus() < 2, reason="needs two NVIDIA GPUs")]
+
+
+def needs_two_gpus(test):
+    for mark in two_gpus:
+        test = mark(test)
+    return test
 
 
 @pytest.fixture(scope="module")
@@ -316,7 +324,7 @@ def test_publisher_quantized_checkpoints_on_a_gpu_agree_with_their_dequantized_w
     assert r.weight_bytes[0] < dense.weight_bytes[0] * 0.8, name  # kept packed (bf16 dense: 2 B a weight)
 
 
-@pytest.mark.skipif(_gpus() < 2, reason="needs two NVIDIA GPUs")
+@needs_two_gpus
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", ["fp8-block128", "fp8-rows"])
 def test_publisher_fp8_checkpoints_at_tp2_over_nccl_agree_with_their_dequantized_weights(tmp_path, name):
@@ -366,7 +374,7 @@ def test_publisher_fp8_checkpoints_at_tp2_over_nccl_agree_with_their_dequantized
     assert all(abs(b - held[1][0] / 2) < 0.1 * held[1][0] for b in held[2]), held
 
 
-@pytest.mark.skipif(_gpus() < 2, reason="needs two NVIDIA GPUs")
+@needs_two_gpus
 def test_decode_graphs_give_the_eager_tokens_at_tp2_over_nccl(tmp_path, qwen3_checkpoint):
     graph_and_eager(tmp_path, qwen3_checkpoint, 2)
 
@@ -377,18 +385,18 @@ def test_one_gpu_matches_the_cpu(tmp_path, checkpoint):
     assert greedy_tokens(tmp_path, checkpoint, ["--device", "cuda"]) == cpu
 
 
-@pytest.mark.skipif(_gpus() < 2, reason="needs two NVIDIA GPUs")
+@needs_two_gpus
 def test_two_gpus_over_nccl_match_the_cpu(tmp_path, checkpoint):
     cpu = greedy_tokens(tmp_path, checkpoint, ["--device", "cpu"])
     assert greedy_tokens(tmp_path, checkpoint, ["--device", "cuda", "--tensor-parallel", "2"]) == cpu
 
 
-@pytest.mark.skipif(_gpus() < 2, reason="needs two NVIDIA GPUs")
+@needs_two_gpus
 def test_decode_graphs_give_the_eager_tokens_in_two_pipeline_stages(tmp_path, qwen3_checkpoint):
     graph_and_eager(tmp_path, qwen3_checkpoint, 1, pp=2)
 
 
-@pytest.mark.skipif(_gpus() < 2, reason="needs two NVIDIA GPUs")
+@needs_two_gpus
 def test_pipeline_stages_on_two_gpus_match_the_cpu(tmp_path, checkpoint):
     """PP=2 over NCCL (a stage a GPU: its residual stream and the sampled tokens sent point to
     point) gives the CPU's greedy tokens, one request at a time and all at once."""
@@ -403,7 +411,7 @@ def test_pipeline_stages_on_two_gpus_match_the_cpu(tmp_path, checkpoint):
         assert server.stop() == 0
 
 
-@pytest.mark.skipif(_gpus() < 2, reason="needs two NVIDIA GPUs")
+@needs_two_gpus
 def test_killing_a_rank_while_its_peer_waits_in_an_all_reduce_recovers_the_group(tmp_path):
     import os
     import signal
@@ -551,9 +559,6 @@ def drafted_greedy(tmp, checkpoint, speculative: str, tp: int = 1) -> tuple[list
         assert server.stop() == 0
 
 
-two_gpus = pytest.mark.skipif(_gpus() < 2, reason="needs two NVIDIA GPUs")
-
-
 @needs_gpu
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("family, tp", [("llama", 1), ("hybrid", 1), pytest.param("llama", 2, marks=two_gpus),
@@ -583,7 +588,7 @@ def test_speculative_decoding_in_the_graphs_gives_the_plain_tokens(tmp_path, lla
             assert s["accepted_tokens"] == s["draft_tokens"] > 24, s
 
 
-@pytest.mark.skipif(_gpus() < 2, reason="needs two NVIDIA GPUs")
+@needs_two_gpus
 @pytest.mark.timeout(600)
 def test_the_hybrid_family_at_tp2_over_nccl_gives_the_eager_and_the_cpu_tokens(tmp_path, hybrid_checkpoint):
     graph_and_eager(tmp_path, hybrid_checkpoint, 2)

@@ -10,6 +10,8 @@ import socket
 
 import pytest
 
+pytestmark = [pytest.mark.gpu, pytest.mark.two_gpus]
+
 
 def _gpus() -> int:
     try:

@@ -138,7 +138,8 @@ def _step(runner, seqs):
     return tokens, drafted, pending.proposals
 
 
-ON_GPU = [("qwen3_5_text", "cuda")] if torch.cuda.is_available() else []
+ON_GPU = [pytest.param("qwen3_5_text", "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no NVIDIA GPU visible")])]
 
 
 @pytest.mark.parametrize("family, device", [(f, "cpu") for f in sorted(FIRST_TEXT)] + ON_GPU)

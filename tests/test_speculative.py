@@ -227,11 +227,12 @@ def test_pipeline_stages_refuse_drafts_by_name():
 # the rank's check
 
 
-ON_GPU = [("llama", "cuda"), ("qwen3_moe", "cuda")] if torch.cuda.is_available() else []
+GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no NVIDIA GPU visible")]
+ON_GPU = [pytest.param(("llama", "cuda"), marks=GPU), pytest.param(("qwen3_moe", "cuda"), marks=GPU)]
 
 
 @pytest.fixture(scope="module", params=[("llama", "cpu"), ("qwen3_moe", "cpu"), *ON_GPU],
-                ids=lambda p: "-".join(p))
+                ids=["llama-cpu", "qwen3_moe-cpu", "llama-cuda", "qwen3_moe-cuda"])
 def runner(request, tmp_path_factory):
     """A rank's runner of a small random model: on the CPU, and on a GPU where there is one (in
     float32 there, where the same sums in another order rarely flip a greedy token)."""
@@ -536,7 +537,7 @@ def hybrid(tmp_path_factory):
     return built("qwen3_5_text", tmp_path_factory)
 
 
-@pytest.mark.parametrize("device", ["cpu", *(["cuda"] if torch.cuda.is_available() else [])])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPU)])
 def test_the_recurrent_state_goes_on_from_the_last_accepted_draft(hybrid, device):
     """The step keeps the state after the input token and after each draft in scratch slots; the
     leader makes the one after the last accepted token the sequence's: decoding on from it gives
