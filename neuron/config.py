@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
@@ -74,6 +74,7 @@ class SpeculativeConfig:
 class ModelEntry:
     model: str = "SmolLM2-135M-Instruct"
     id: str = ""
+    aliases: list[str] = field(default_factory=list)  # more names it answers to: exact, or * globs (model_names.py)
     tensor_parallel: int = 1
     pipeline_parallel: int = 1  # stages of layers, each tensor_parallel ranks (docs/multihost.md)
     device: str = "auto"
@@ -178,8 +179,14 @@ class DebugConfig:
 
 
 @dataclass
+class LogConfig:
+    access: bool = True  # one line per request (method, path, status, principal, time, error): access_log.py
+
+
+@dataclass
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
+    log: LogConfig = field(default_factory=LogConfig)
     models: list[ModelEntry] = field(default_factory=lambda: [ModelEntry()])
     engine: EngineConfig = field(default_factory=EngineConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
@@ -249,9 +256,7 @@ def load_config(path: str | Path | None = None, env: dict[str, str] | None = Non
             raise ConfigError(f"cannot read config {path}: {exc}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path} is not valid TOML: {exc}") from None
-    sections: dict[str, type] = {"server": ServerConfig, "engine": EngineConfig, "http": HttpConfig,
-                                 "grammar": GrammarConfig, "templates": TemplateConfig, "timeouts": TimeoutConfig,
-                                 "runtime": RuntimeConfig, "cluster": ClusterConfig, "debug": DebugConfig}
+    sections: dict[str, type] = {f.name: type(getattr(Config(), f.name)) for f in fields(Config) if f.name != "models"}
     unknown = set(data) - set(sections) - {"models"}
     if unknown:
         raise ConfigError(f"unknown config sections: {', '.join(sorted(unknown))}")
@@ -334,6 +339,8 @@ def validate(cfg: Config) -> None:
                               "\"replay\", and that method needs it")
         if m.reasoning_parser not in REASONING_PARSERS:
             raise ConfigError(f"models[{i}].reasoning_parser must be one of {', '.join(REASONING_PARSERS)}")
+        if not all(isinstance(a, str) and 0 < len(a) <= 200 for a in m.aliases):
+            raise ConfigError(f"models[{i}].aliases must be names (or * globs) of 1 to 200 characters")
     if cfg.server.stored_responses < 0:
         raise ConfigError("server.stored_responses must not be negative")
     if cfg.server.api_processes != "auto" and not (isinstance(cfg.server.api_processes, int)

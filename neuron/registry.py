@@ -26,6 +26,7 @@ from .engine.engine import Engine
 from .engine.shape import Sizing
 from .engine.speculative import DraftError, DraftPolicy
 from .engine.step_budget import StepBudget
+from .model_names import clash, find
 from .kernels import isa
 from .engine.request import FinishEvent, GenRequest
 from .errors import ApiError
@@ -70,7 +71,7 @@ class Registry:
         self.draining = False
 
     def get(self, model_id: str) -> ModelHandle:
-        handle = self.models.get(model_id)
+        handle = find(self.models, model_id)
         if handle is None:
             raise ApiError(404, "model_not_found", f"model {model_id!r} is not loaded", param="model")
         return handle
@@ -118,6 +119,9 @@ class Registry:
         existing = self.models.get(model_id)
         if existing is not None and existing.status in ("loaded", "poisoned", "recovering"):
             return existing
+        taken = clash(model_id, entry.aliases, self.models)
+        if taken is not None:
+            raise ApiError(409, "model_name_taken", f"{taken!r} already names another loaded model", param="aliases")
         if op is None or op.kind != "load":  # type: ignore[attr-defined]
             op = self._op(model_id, "load", self._load(model_id, entry))
         try:

@@ -60,7 +60,12 @@ CASES = [
     Case("messages", {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
                                    *QUESTION]}, lambda o, b: inputs(o) > inputs(b)),
     Case("messages", {"messages": []}, None),
-    Case("messages", {"messages": [{"role": "system", "content": "x"}]}, None, "messages.0.role"),
+    Case("messages", {"messages": [*QUESTION, {"role": "system", "content": "Answer in French, in capitals."}]},
+         lambda o, b: text(o) != text(b)),  # a system turn where it stands (or folded into the user turn)
+    Case("messages", {"messages": [*QUESTION, {"role": "system", "content": [{"type": "image", "source": {}}]}]},
+         None, "messages.1.content.0.type"),
+    Case("messages", {"messages": [{"role": "user", "content": []}]}, None, "messages.0.content"),
+    Case("messages", {"messages": [{"role": "tool", "content": "x"}]}, None, "messages.0.role"),
     Case("messages", {"messages": [{"role": "user", "content": "x", "name": "bob"}]}, None, "messages.0.name"),
     Case("messages", {"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, None,
          "messages.0.content.0.type"),
@@ -101,12 +106,17 @@ CASES = [
          lambda o, b: [c["name"] for c in o["content"] if c["type"] == "tool_use"] == ["get_weather"], server="tiny"),
     Case("tool_choice", {"tools": [WEATHER_TOOL], "tool_choice": {"type": "sometimes"}}, None, "tool_choice.type"),
     Case("tool_choice", {"tools": [WEATHER_TOOL], "tool_choice": {"type": "tool", "name": "nope"}}, None),
-    Case("thinking", {"thinking": {"type": "enabled", "budget_tokens": 100}}, None, "thinking.type"),
+    Case("thinking", {"thinking": {"type": "enabled", "budget_tokens": 100}},  # no thinking markers: no effect,
+         lambda o, b: text(o) == text(b) and o["ignored"] == "thinking"),    # said in the header
+    Case("thinking", {"thinking": {"type": "adaptive", "display": "updates"}, "output_config": {"effort": "high"}},
+         lambda o, b: text(o) == text(b) and o["ignored"] == "thinking, output_config.effort"),
     Case("thinking", {"thinking": {"type": "disabled"}}, lambda o, b: text(o) == text(b)),
     Case("thinking", {"thinking": {"type": "between_tools"}}, None, "thinking.type"),
     Case("output_config", {"output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}, "max_tokens": 40},
          lambda o, b: set(json.loads(text(o))) == {"city"}),
-    Case("output_config", {"output_config": {"effort": "high"}}, None, "output_config.effort"),
+    Case("output_config", {"output_config": {"effort": "high"}},
+         lambda o, b: text(o) == text(b) and o["ignored"] == "output_config.effort"),
+    Case("output_config", {"output_config": {"effort": "extreme"}}, None, "output_config.effort"),
     Case("output_config", {"output_config": {"verbosity": "low"}}, None, "output_config.verbosity"),
     Case("output_format", {"output_format": {"type": "json_schema", "schema": SCHEMA}, "max_tokens": 40},
          lambda o, b: set(json.loads(text(o))) == {"city"}),
@@ -116,7 +126,14 @@ CASES = [
     Case("service_tier", {"service_tier": "priority"}, None),
     Case("speed", {"speed": "fast"}, None),
     Case("container", {"container": "container_1"}, None),
-    Case("context_management", {"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}}, None),
+    Case("context_management", {"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}},
+         lambda o, b: text(o) == text(b) and o["context_management"] == {"applied_edits": []}),  # below its trigger
+    Case("context_management", {"context_management": {"edits": []}},
+         lambda o, b: o["context_management"] == {"applied_edits": []}),
+    Case("context_management", {"context_management": {"edits": [{"type": "clear_everything"}]}}, None,
+         "context_management.edits.0.type"),
+    Case("safeguards", {"safeguards": [{"type": "dangerous_tool_use", "classifier_context": {"v": 1}}]},
+         lambda o, b: text(o) == text(b) and o["ignored"] == "safeguards"),
     Case("mcp_servers", {"mcp_servers": [{"type": "url", "url": "http://127.0.0.1:9", "name": "x"}]}, None),
     Case("diagnostics", {"diagnostics": {"previous_message_id": "msg_1"}}, None),
     Case("inference_geo", {"inference_geo": "us"}, None),
@@ -171,6 +188,7 @@ def test_the_field_is_honoured_or_refused_by_name(tp1, tiny, baselines, case):
                                                   if line.startswith("data: ") and "text_delta" in line)}
     else:
         out = r.json()
+    out["ignored"] = r.headers.get("x-neuron-ignored")
     if case.twin is not None:
         out["twin"] = post(server, {**base_body, **case.twin}).json()
     if case.field == "metadata":

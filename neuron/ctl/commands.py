@@ -40,6 +40,8 @@ def load(args: argparse.Namespace, daemon: Daemon) -> int:
             body[key] = getattr(args, key)
     if args.devices:
         body["devices"] = [int(d) for d in args.devices.split(",")]
+    if args.alias:
+        body["aliases"] = args.alias
     _, data = daemon.call("POST", "/models/load", admin=True, body=body, timeout=None)
     _print(data, args.json, f"loaded {data['id']} in {data['load_seconds']}s on {','.join(data['devices'])} "
                             f"({data['dtype']}, max_model_len {data['max_model_len']})")
@@ -130,6 +132,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = command("load", "load a model into the running daemon", load)
     p.add_argument("model", help="model id, HF repo id in the local cache, or a path inside [server] model_roots")
     p.add_argument("--id", help="the name clients will use (default: derived from MODEL)")
+    p.add_argument("--alias", action="append", help="another name it answers to, exact or a * glob "
+                   "(e.g. 'claude-*'); repeat for more")
     p.add_argument("--tensor-parallel", type=int)
     p.add_argument("--device", choices=["cpu", "cuda", "auto"])
     p.add_argument("--devices", help="GPU indices, comma-separated")

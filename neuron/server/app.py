@@ -27,6 +27,7 @@ from neuron.server.keys import KeyRing
 from neuron.server.errors import api_error_handler, http_error_handler, internal_error_handler, load_error_handler
 from neuron.server.metrics import Metrics
 from neuron.server.model_access import ModelAccess
+from neuron.server.access_log import AccessLog
 from neuron.server.request_id import HEADER, RequestIdMiddleware
 from neuron.server.request_trace import log_finish, trace_of
 from neuron.server.remote_models import RemoteRegistry
@@ -78,7 +79,7 @@ def create_app(cfg: Config, core: str | None = None) -> Starlette:
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
-        middleware=_middleware(cfg.server),
+        middleware=_middleware(cfg.server, cfg.log.access),
         exception_handlers={ApiError: api_error_handler, LoadError: load_error_handler,
                             HTTPException: http_error_handler, Exception: internal_error_handler},
     )
@@ -86,8 +87,10 @@ def create_app(cfg: Config, core: str | None = None) -> Starlette:
     return app
 
 
-def _middleware(server: ServerConfig) -> list[Middleware]:
+def _middleware(server: ServerConfig, access_log: bool) -> list[Middleware]:
     stack = [Middleware(RequestIdMiddleware)]
+    if access_log:  # inside the id's middleware: its lines carry the id
+        stack.append(Middleware(AccessLog))
     if server.cors_allow_origins:  # off by default: no origin may read our answers from a browser
         stack.append(Middleware(CORSMiddleware, allow_origins=server.cors_allow_origins,
                                 allow_methods=server.cors_allow_methods, allow_headers=server.cors_allow_headers,

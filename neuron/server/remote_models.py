@@ -15,6 +15,7 @@ import msgspec
 import protocol.api_core as m
 
 from neuron.config import Config, EngineConfig, ModelEntry
+from neuron.model_names import find
 from neuron.engine.shape import EngineStats
 from neuron.engine.request import GenRequest
 from neuron.errors import ApiError
@@ -93,7 +94,7 @@ class RemoteRegistry:
             raise RuntimeError(f"the engine core sent no state within {FIRST_STATE_S:.0f}s") from None
 
     def get(self, model_id: str) -> RemoteHandle:
-        handle = self.models.get(model_id)
+        handle = find(self.models, model_id)
         if handle is None:
             raise ApiError(404, "model_not_found", f"model {model_id!r} is not loaded", param="model")
         return handle

@@ -16,7 +16,7 @@ HEADER = "x-request-id"
 MAX_LEN = 128
 # What a log pipeline, a header and a shell all take without quoting.
 _UNSAFE = re.compile(r"[^A-Za-z0-9._:@/+=-]")
-_SCOPE_KEY = "neuron.request_id"
+SCOPE_KEY = "neuron.request_id"
 
 
 def sanitise(raw: str | None) -> str:
@@ -26,11 +26,11 @@ def sanitise(raw: str | None) -> str:
 
 def request_id(request: Request) -> str:
     """The id the middleware gave this request (a fresh one outside the middleware, as in tests)."""
-    return request.scope.get(_SCOPE_KEY) or sanitise(None)
+    return request.scope.get(SCOPE_KEY) or sanitise(None)
 
 
 def request_id_header(request: Request) -> dict[str, str]:
-    rid = request.scope.get(_SCOPE_KEY)
+    rid = request.scope.get(SCOPE_KEY)
     return {HEADER: rid} if rid else {}
 
 
@@ -48,7 +48,7 @@ class RequestIdMiddleware:
             return
         raw = next((v.decode("latin-1") for k, v in scope["headers"] if k == HEADER.encode()), None)
         rid = sanitise(raw)
-        scope[_SCOPE_KEY] = rid
+        scope[SCOPE_KEY] = rid
         token = request_id_var.set(rid)
 
         async def send_with_id(message: Message) -> None:

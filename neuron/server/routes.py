@@ -59,6 +59,10 @@ ROUTES: list[ApiRoute] = [
              "api", TokenizeRequest, TokenizeResponse),
     ApiRoute("POST", "/detokenize", tokenize_routes.detokenize, "Token ids to text", "tokens", "api",
              DetokenizeRequest, DetokenizeResponse),
+    ApiRoute("GET", "/", admin_routes.root, "What answers here (clients probe the base URL; HEAD too)",
+             "operations"),
+    ApiRoute("GET", "/api/hello", admin_routes.root, "The same: Claude Code probes it (HEAD) before a session",
+             "operations"),
     ApiRoute("GET", "/health", admin_routes.health, "200 when every model can serve, else 503 and why",
              "operations"),
     ApiRoute("GET", "/version", admin_routes.version, "The release, its git revision, torch, CUDA and the CPU "

@@ -130,6 +130,7 @@ class LoadRequest(msgspec.Struct, forbid_unknown_fields=True):
     quant: str | None = None
     max_model_len: int | None = None
     max_slots: int | None = None
+    aliases: list[str] | None = None  # more names it answers to (model_names.py)
 
 
 class UnloadRequest(msgspec.Struct):

@@ -49,6 +49,12 @@ def _devices(state: AppState) -> dict[str, list[dict]]:
     return {h.id: h.telemetry() for h in state.registry.models.values()}
 
 
+async def root(request: Request) -> Response:
+    """Clients probe the base URL (HEAD or GET /): 200 and what answers there."""
+    return JSONResponse({"name": "neuron", "version": neuron.__version__, "health": "/health",
+                         "apis": ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"]})
+
+
 async def version(request: Request) -> Response:
     """The release, its git revision, and what the ranks run: torch, CUDA, the CPU kernels' level."""
     state: AppState = request.app.state.neuron
@@ -98,7 +104,7 @@ async def load_model(request: Request) -> Response:
                            tensor_parallel=body.tensor_parallel, device=body.device, devices=body.devices or [],
                            dtype=body.dtype, quantize=body.quant or "",
                            max_model_len=body.max_model_len or base.max_model_len,
-                           max_slots=body.max_slots or base.max_slots)
+                           max_slots=body.max_slots or base.max_slots, aliases=body.aliases or [])
         validate(Config(models=[entry]))
     except ConfigError as exc:
         raise ApiError(400, "invalid_request", str(exc).replace("models[0].", "")) from None

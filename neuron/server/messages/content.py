@@ -1,4 +1,5 @@
-"""Anthropic content as chat messages: system blocks to the system message, text and base64
+"""Anthropic content as chat messages: system blocks to the system message (and ``system``
+messages inside ``messages`` to system messages where they stand: ``request.place_system``), text and base64
 image blocks to chat content, ``tool_use`` blocks to tool calls, ``tool_result`` blocks to tool
 messages (their images in a user turn after them), thinking to ``reasoning_content``; consecutive
 messages of one role are one turn, as Anthropic combines them. Each chat message and part keeps
@@ -119,10 +120,12 @@ def _turns(messages: list[dict[str, Any]]) -> list[tuple[str, list[tuple[str, di
         role = message.get("role")
         if role in ("ctx", "msg"):  # what Claude Code sends for context it adds (vllm#35372)
             role = "user"
-        if role not in ("user", "assistant"):
-            raise bad("a message's role must be user or assistant (system prompts go in system)", f"{param}.role")
-        only_keys(message, {"role", "content"}, param)
+        if role not in ("user", "assistant", "system"):  # system: a turn of instructions where it stands
+            raise bad("a message's role must be user, assistant or system", f"{param}.role")
+        only_keys(message, {"role", "content", "output_config"}, param)  # a turn's own effort: request.turn_effort
         content = _blocks(message.get("content"), f"{param}.content")
+        if not content:
+            raise bad("a message's content must not be empty", f"{param}.content")
         blocks = [(f"{param}.content.{j}", b) for j, b in enumerate(content)]
         if turns and turns[-1][0] == role:
             turns[-1][1].extend(blocks)
@@ -147,6 +150,8 @@ def chat_messages(system: str | list[dict[str, Any]] | None, messages: list[dict
             kind = block.get("type")
             if kind == "text":
                 parts.append(({"type": "text", "text": _text_of(block, param)}, param))
+            elif role == "system":
+                raise bad("a system message holds text blocks only", f"{param}.type")
             elif kind == "image":
                 if role != "user":
                     raise bad("only user messages may hold images", f"{param}.type")

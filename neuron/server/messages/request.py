@@ -3,19 +3,28 @@ that refuses unknown fields (as Anthropic's API does); the translation maps syst
 system message, content blocks to chat content, ``tool_use`` / ``tool_result`` blocks to tool
 calls and tool messages, tools and ``tool_choice`` to their chat forms, ``thinking`` and
 ``output_config.effort`` to the template's thinking switch and a thinking budget, and
-``output_config.format`` to ``response_format``. What neuron cannot honour is a 400 naming it."""
+``output_config.format`` to ``response_format``; ``context_management``'s edits are applied to the
+messages first (``context_edits``). What neuron cannot honour is a 400 naming it, except what every
+Claude client sends by default and has no effect on this model (thinking and effort on a model
+that does not think, ``safeguards``): those are answered, and named in the ``x-neuron-ignored``
+header and the request's log line (``Translation.ignored``)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
+from neuron.loader.template_worker import TemplateRenderer
+from neuron.loader.tokenizer import encode_ids
 from neuron.model_handle import ModelHandle
 from neuron.parsing.reasoning import reasoning_markers
 
 from neuron.server.messages.content import bad, chat_messages, check_cache_control, only_keys, unset
+from neuron.server.messages.context_edits import apply_edits
+from neuron.server.messages.system_turns import place_system
 from neuron.server.schemas import ChatRequest
 
 
@@ -36,7 +45,8 @@ class CountTokensRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
     user_profile_id: str | None = None
     workspace_id: str | None = None
     mcp_servers: list[Any] | None = None
-    context_management: dict[str, Any] | None = None
+    context_management: Any = None  # its edits are applied (context_edits.py)
+    safeguards: Any = None  # Claude Code's input to Anthropic's classifiers: answered without, and named
 
 
 class MessagesRequest(CountTokensRequest, forbid_unknown_fields=True, kw_only=True):
@@ -67,7 +77,6 @@ REFUSED = {
     "user_profile_id": (unset, "user profiles are not supported; metadata.user_id names the user in logs"),
     "workspace_id": (unset, "workspaces are not supported"),
     "mcp_servers": (unset, "MCP servers are not connected by neuron: run the tools in the client"),
-    "context_management": (unset, "context management (clearing earlier tool uses or thinking) is not supported"),
     "container": (unset, "code-execution containers are not supported"),
     "diagnostics": (unset, "cache diagnostics are not supported"),
     "inference_geo": (unset, "there is one place of inference: this server"),
@@ -92,6 +101,8 @@ class Translation:
     chat: ChatRequest
     origin: dict[str, str] = field(default_factory=dict)  # "messages.3.content.1" (chat) -> Anthropic's path
     show_thinking: bool = True
+    ignored: list[str] = field(default_factory=list)  # fields given that had no effect on this model
+    applied_edits: list[dict[str, Any]] | None = None  # context_management's, when it was given
 
 
 # ----------------------------------------------------------------------------- tools, thinking, output
@@ -116,6 +127,8 @@ def _tools(raw: list[dict[str, Any]] | None, forced: bool) -> list[dict[str, Any
                       "an input_schema and run it in the client", f"{param}.type")
         only_keys(tool, TOOL_KEYS, param)
         check_cache_control(tool, param)
+        if tool.get("defer_loading") is True:  # not loaded into the context until a tool search finds
+            continue  # it, and tool search is Anthropic's server tool: here it stays out of the prompt
         schema = tool.get("input_schema")
         if not isinstance(schema, dict) or schema.get("type") != "object":
             raise bad("input_schema must be a JSON schema of type 'object'", f"{param}.input_schema")
@@ -123,7 +136,6 @@ def _tools(raw: list[dict[str, Any]] | None, forced: bool) -> list[dict[str, Any
             raise bad("strict: tool inputs follow their schema only when tool_choice is 'any' or 'tool'",
                       f"{param}.strict")
         for key, why in (("input_examples", "input examples are not supported: put them in the description"),
-                         ("defer_loading", "tool search (deferred loading) is not supported"),
                          ("allowed_callers", "programmatic tool calling is not supported")):
             if not unset(tool.get(key)) and tool.get(key) is not False:
                 raise bad(why, f"{param}.{key}")
@@ -159,6 +171,7 @@ class Thinking:
     budget: int | None = None
     effort: str | None = None  # for a template that reads reasoning_effort
     show: bool = True
+    ignored: list[str] = field(default_factory=list)  # given, and of no effect on this model
 
 
 def _thinking(body: CountTokensRequest, handle: ModelHandle) -> Thinking:
@@ -176,13 +189,13 @@ def _thinking(body: CountTokensRequest, handle: ModelHandle) -> Thinking:
             raise bad("thinking must be an object with a type", "thinking")
         only_keys(raw, {"type", "budget_tokens", "display"}, "thinking")
         kind = raw.get("type")
-        if raw.get("display") not in (None, "summarized", "omitted"):
-            raise bad("thinking.display must be summarized or omitted", "thinking.display")
+        if raw.get("display") not in (None, "summarized", "omitted", "updates"):
+            raise bad("thinking.display must be summarized, updates or omitted", "thinking.display")
         out.show = raw.get("display") != "omitted"
         if kind in ("enabled", "adaptive"):
-            if not thinks:
-                raise bad("this model does not think: its chat template has no thinking markers", "thinking.type")
-            if switch:
+            if not thinks:  # every Claude client asks for it: answered without thinking, and said so
+                out.ignored.append("thinking")
+            elif switch:
                 out.kwargs["enable_thinking"] = True
         elif kind == "disabled":
             if switch:
@@ -195,23 +208,41 @@ def _thinking(body: CountTokensRequest, handle: ModelHandle) -> Thinking:
         if kind == "enabled":
             if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
                 raise bad("budget_tokens must be a whole number of tokens", "thinking.budget_tokens")
-            out.budget = budget
+            out.budget = budget if thinks else None
         elif budget is not None:
             raise bad(f"thinking of type {kind!r} takes no budget_tokens", "thinking.budget_tokens")
     config = body.output_config or {}
     only_keys(config, {"effort", "format"}, "output_config")
-    effort = config.get("effort")
+    effort, where = config.get("effort"), "output_config.effort"
+    turn = turn_effort(body.messages)
+    if turn is not None:
+        effort, where = turn
     if effort is not None:
         if effort not in EFFORT_BUDGET:
-            raise bad(f"effort must be one of {', '.join(EFFORT_BUDGET)}", "output_config.effort")
+            raise bad(f"effort must be one of {', '.join(EFFORT_BUDGET)}", where)
         if "reasoning_effort" in template:
             out.effort = {"xhigh": "high", "max": "high"}.get(effort, effort)
-        elif not thinks or kind == "disabled":
-            raise bad("effort sets how long the model thinks, and this model " +
-                      ("does not think" if not thinks else "has thinking disabled"), "output_config.effort")
+        elif not thinks or kind == "disabled":  # how long the model thinks: it does not, here
+            out.ignored.append(where)
         elif out.budget is None:
             out.budget = EFFORT_BUDGET[effort]
     return out
+
+
+def turn_effort(messages: list[Any]) -> tuple[str, str] | None:
+    """The last turn's own ``output_config.effort`` (Claude Code's per-turn control), with its
+    path: it sets the effort from that turn on, so the answer's."""
+    found = None
+    for i, message in enumerate(messages):
+        config = message.get("output_config") if isinstance(message, dict) else None
+        if config is None:
+            continue
+        if not isinstance(config, dict):
+            raise bad("a turn's output_config must be an object", f"messages.{i}.output_config")
+        only_keys(config, {"effort"}, f"messages.{i}.output_config")
+        if config.get("effort") is not None:
+            found = (config["effort"], f"messages.{i}.output_config.effort")
+    return found
 
 
 def _format(body: CountTokensRequest) -> dict[str, Any] | None:
@@ -239,7 +270,7 @@ CHAT_NAMES = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens",
               "continue_final_message": "messages", "add_generation_prompt": "messages"}
 
 
-def translate(body: CountTokensRequest, handle: ModelHandle) -> Translation:
+def translate(body: CountTokensRequest, handle: ModelHandle, templates: TemplateRenderer) -> Translation:
     """The chat request ``body`` runs as (on ``handle``'s template); every refusal names the
     Anthropic field."""
     for name, (fine, why) in REFUSED.items():
@@ -247,8 +278,17 @@ def translate(body: CountTokensRequest, handle: ModelHandle) -> Translation:
             raise bad(f"{name}: {why}", name)
     if body.cache_control is not None:
         check_cache_control({"cache_control": body.cache_control}, "request")
+    tokenizer = handle.spec.tokenizer.tokenizer
+
+    def tokens(text: str) -> int:
+        return len(encode_ids(tokenizer, text, False))
+
+    def total(edited: list[dict[str, Any]]) -> int:
+        return tokens(json.dumps([body.system, edited, body.tools], ensure_ascii=False))
+
+    raw_messages, applied = apply_edits(body.context_management, body.messages, tokens, total)
     origin: dict[str, str] = {}
-    messages = chat_messages(body.system, body.messages, origin)
+    messages = place_system(chat_messages(body.system, raw_messages, origin), origin, handle, templates)
     tool_choice, parallel = _tool_choice(body.tool_choice)
     tools = _tools(body.tools, forced=tool_choice == "required" or isinstance(tool_choice, dict))
     thinking = _thinking(body, handle)
@@ -274,7 +314,8 @@ def translate(body: CountTokensRequest, handle: ModelHandle) -> Translation:
         request = msgspec.convert(chat, ChatRequest)
     except msgspec.ValidationError as exc:
         raise bad(f"invalid request: {exc}", "messages") from None
-    return Translation(request, origin, thinking.show)
+    ignored = thinking.ignored + (["safeguards"] if not unset(body.safeguards) else [])
+    return Translation(request, origin, thinking.show, ignored, applied)
 
 
 def our_name(param: str | None, origin: dict[str, str]) -> str | None:

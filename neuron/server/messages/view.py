@@ -35,10 +35,13 @@ def anthropic_usage(choices: list[Choice]) -> dict[str, int]:
 
 
 class MessageView:
-    def __init__(self, model: str, show_thinking: bool = True) -> None:
+    def __init__(self, model: str, show_thinking: bool = True, context_end: bool = False,
+                 applied_edits: list[dict[str, Any]] | None = None) -> None:
         self.id = "msg_" + secrets.token_hex(12)
         self.model = model
         self.show_thinking = show_thinking
+        self.context_end = context_end  # max_tokens was cut to the context's room: "length" is its end
+        self.applied_edits = applied_edits  # context_management's, when the request had it
         self.blocks: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None
         self.arguments: dict[int, str] = {}  # a tool_use block's input as the model wrote it, by block
@@ -73,6 +76,7 @@ class MessageView:
             out += self._close()
             hit = choices[0].req.stop_matcher.hit
             self.stop_reason = "stop_sequence" if hit is not None and delta.reason == "stop" else \
+                "model_context_window_exceeded" if delta.reason == "length" and self.context_end else \
                 STOP_REASONS.get(delta.reason, "end_turn")
             self.stop_sequence = hit if self.stop_reason == "stop_sequence" else None
         return out
@@ -81,9 +85,11 @@ class MessageView:
         if failed is not None:
             return [event("error", anthropic_error(failed))]
         out = self._close()
-        out.append(event("message_delta", {"delta": {"stop_reason": self.stop_reason,
-                                                     "stop_sequence": self.stop_sequence},
-                                           "usage": anthropic_usage(choices)}))
+        last = {"delta": {"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence},
+                "usage": anthropic_usage(choices)}
+        if self.applied_edits is not None:
+            last["context_management"] = {"applied_edits": self.applied_edits}
+        out.append(event("message_delta", last))
         return out + [event("message_stop", {})]
 
     def body(self, folded: list[Folded], choices: list[Choice]) -> dict[str, Any]:
@@ -94,9 +100,12 @@ class MessageView:
 
     # the machine
     def _message(self, choices: list[Choice], content: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
-                "stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence,
-                "usage": anthropic_usage(choices)}
+        message = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
+                   "stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence,
+                   "usage": anthropic_usage(choices)}
+        if self.applied_edits is not None:
+            message["context_management"] = {"applied_edits": self.applied_edits}
+        return message
 
     def _start(self, block: dict[str, Any]) -> list[bytes]:
         self.blocks.append(block)

@@ -105,11 +105,19 @@ def _compile(handle: ModelHandle, compiler: Compiler, spec: GrammarSpec, param: 
 
 
 def plan_chat(body: ChatRequest, handle: ModelHandle, top: int | None, compiler: Compiler,
-              templates: TemplateRenderer) -> tuple[ChatPrompt, Callable[[], list[Choice]]]:
+              templates: TemplateRenderer, fit_context: bool = False) -> tuple[ChatPrompt, Callable[[], list[Choice]]]:
     """The prompt, and what makes the n choices: a forced tool call or the requested output
-    format as the grammar (not both), thinking and tool-call parsing per choice."""
+    format as the grammar (not both), thinking and tool-call parsing per choice. ``fit_context``
+    (Anthropic's rule): a ``max_tokens`` past the context's room runs with the room there is
+    (``plan.fitted``), and a prompt with no room is "prompt is too long"."""
     plan = chat_prompt(body, handle, templates)
     settings = settings_of(body, handle, top, 1, plan.shown)
+    if fit_context:
+        room = handle.max_len - len(plan.prompt.ids)
+        if room < 1:
+            raise _bad(f"prompt is too long: {len(plan.prompt.ids)} tokens > {handle.max_len - 1} maximum", "messages")
+        if settings.max_tokens is not None and settings.max_tokens > room:
+            settings.max_tokens, plan.fitted = room, True
     grammar = None
     wanted = output_grammar(body)
     if plan.tools is not None and plan.tools.forced:

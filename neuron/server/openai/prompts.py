@@ -41,6 +41,7 @@ class ChatPrompt:
     thinking: bool | None = None  # the template leaves the model inside its thinking
     echo: str = ""  # chat echo: the final assistant message that the answer continues
     shown: set[int] = field(default_factory=set)  # special tokens the answer's text must show
+    fitted: bool = False  # max_tokens was cut to the context's room (plan_chat's fit_context)
 
 
 IMAGE_PARTS = ("image_url", "input_image", "image")

@@ -8,6 +8,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from neuron.errors import ApiError
+from neuron.model_names import is_glob
 from neuron.registry import ModelHandle
 
 from neuron.server.openai.fields import refuse_unsupported
@@ -49,7 +50,7 @@ async def chat_completions(request: Request) -> Response:
         async with state.templates.lane(body.chat_template is not None):
             plan, build = await run(plan_chat, body, handle, top, state.compiler, state.templates)
     choices = build()  # GenRequests belong to the event loop
-    view = ChatView(model=handle.id, tokenizer=handle.spec.tokenizer.tokenizer, top_logprobs=top,
+    view = ChatView(model=body.model, tokenizer=handle.spec.tokenizer.tokenizer, top_logprobs=top,
                     return_token_ids=bool(body.return_token_ids), tokens_as_ids=bool(body.return_tokens_as_token_ids),
                     request_id=body.request_id)
     return await respond(request, state, handle, choices, Chunks(view, *_usage_options(body)), bool(body.stream),
@@ -70,7 +71,7 @@ async def completions(request: Request) -> Response:
             raise _bad("echo with logprobs needs prompt logprobs, which are not supported", "echo")
         build = await run(plan_completion, body, handle, top, state.compiler)
     choices = build()
-    view = CompletionView(model=handle.id, tokenizer=handle.spec.tokenizer.tokenizer, top_logprobs=top,
+    view = CompletionView(model=body.model, tokenizer=handle.spec.tokenizer.tokenizer, top_logprobs=top,
                           return_token_ids=bool(body.return_token_ids),
                           tokens_as_ids=bool(body.return_tokens_as_token_ids), request_id=body.request_id)
     return await respond(request, state, handle, choices, Chunks(view, *_usage_options(body)), bool(body.stream),
@@ -80,8 +81,10 @@ async def completions(request: Request) -> Response:
 async def list_models(request: Request) -> Response:
     state: AppState = request.app.state.neuron
     require_key(request, state, admin=False)
-    data = [{"id": h.id, "object": "model", "created": 0, "owned_by": "neuron",
-             "max_model_len": h.max_len, "status": h.status} for h in state.registry.models.values()]
+    data = [{"id": name, "object": "model", "created": 0, "owned_by": "neuron", "max_model_len": h.max_len,
+             "status": h.status, **({"root": h.id} if name != h.id else {})}
+            for h in state.registry.models.values()
+            for name in [h.id, *(a for a in h.entry.aliases if not is_glob(a))]]
     return JSONResponse({"object": "list", "data": data})
 
 
