@@ -69,6 +69,8 @@ def _keys_parser(sub: argparse._SubParsersAction) -> None:
     add.add_argument("--max-running", type=int, help="its running requests per model at most")
     add.add_argument("--max-waiting", type=int, help="its waiting requests per model at most (beyond: 429)")
     add.add_argument("--weight", type=float, help="its share against the other keys' (default 1)")
+    add.add_argument("--gateway", action="store_true", help="a gateway's key: its requests may name their "
+                     "account in [server] principal_header")
     add.set_defaults(run=_keys_add)
 
 
@@ -89,7 +91,7 @@ def _keys_add(args: argparse.Namespace) -> int:
         print("neuron: no keys file: pass --file, or set [server] api_keys_file", file=sys.stderr)
         return 2
     try:
-        key = add_key(path, args.name, args.max_running, args.max_waiting, args.weight)
+        key = add_key(path, args.name, args.max_running, args.max_waiting, args.weight, args.gateway)
     except (KeysFileError, OSError) as exc:
         print(f"neuron: {exc}", file=sys.stderr)
         return 1

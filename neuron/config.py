@@ -41,20 +41,15 @@ class ServerConfig:
     cors_allow_methods: list[str] = field(default_factory=lambda: ["GET", "POST", "OPTIONS"])
     cors_allow_headers: list[str] = field(default_factory=lambda: ["authorization", "content-type", "x-request-id"])
     stored_responses: int = 256
-    # A request's own ``chat_template`` is a program its sender runs on the daemon: off unless
-    # the operator trusts every key holder (vLLM's --trust-request-chat-template).
-    allow_request_chat_template: bool = False
-    # Named keys: a TOML file of [[keys]] (name, key_sha256, max_running, max_waiting, weight),
-    # re-read on SIGHUP; each key's name is the principal of fair share (docs/operations.md).
-    api_keys_file: str = ""
+    allow_request_chat_template: bool = False  # a request's template is a program run here: off unless trusted
+    api_keys_file: str = ""  # named keys: [[keys]] of name, key_sha256, caps, weight, gateway (server/keys.py)
     key_max_running: int = 0  # a key's running requests per model at most, unless its entry says (0: no cap)
     key_max_waiting: int = 0  # a key's waiting requests per model at most, unless its entry says (0: no cap)
-    # A header a trusted gateway in front sets to the account a request is for: its value is then
-    # the principal (after the key is checked). Empty: the key's name is.
-    principal_header: str = ""
-    # Processes that serve HTTP (templates, tokens, text, SSE) beside the one that runs the models
-    # (the engine core); 0: one process does both; "auto": core/api_processes.api_process_count.
-    api_processes: int | str = "auto"
+    principal_header: str = ""  # a gateway's header naming the account: believed from gateway keys, trusted_proxies
+    trusted_proxies: list[str] = field(default_factory=list)  # addresses whose principal_header is believed
+    max_principals: int = 100  # distinct principals named in /metrics; the rest are counted as "other"
+    metrics_public: bool = False  # true: /metrics needs no admin key
+    api_processes: int | str = "auto"  # HTTP processes beside the engine core; 0: none (core/api_processes.py)
 
 
 @dataclass

@@ -37,7 +37,8 @@ def keyed(server_tmp):
 
     checkpoint = make_checkpoint("llama", server_tmp / "tiny-keyed", seed=3, max_position_embeddings=8192)
     keys = server_tmp / "keys.toml"
-    keys.write_text(entry("alice", ALICE, max_running=32, max_waiting=4) + entry("bob", BOB))
+    keys.write_text(entry("alice", ALICE, max_running=32, max_waiting=4, gateway="true") + entry("bob", BOB))
+    keys.chmod(0o600)  # a keys file others can read is refused
     config = f"""
 [[models]]
 model = "{checkpoint}"
@@ -139,7 +140,7 @@ def test_a_reload_adds_and_removes_keys_while_requests_run(keyed):
     t.start()
     time.sleep(0.5)
     assert ask(keyed, CAROL).status_code == 401
-    keyed.keys.write_text(entry("alice", ALICE, max_running=32, max_waiting=4) + entry("carol", CAROL))
+    keyed.keys.write_text(entry("alice", ALICE, max_running=32, max_waiting=4, gateway="true") + entry("carol", CAROL))
     keyed.proc.send_signal(signal.SIGHUP)
     deadline = time.monotonic() + 10
     while ask(keyed, CAROL).status_code != 200:

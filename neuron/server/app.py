@@ -28,6 +28,7 @@ from neuron.server.errors import api_error_handler, http_error_handler, internal
 from neuron.server.metrics import Metrics
 from neuron.server.model_access import ModelAccess
 from neuron.server.access_log import AccessLog
+from neuron.server.cross_site import RefuseCrossSite
 from neuron.server.request_id import HEADER, RequestIdMiddleware
 from neuron.server.request_trace import log_finish, trace_of
 from neuron.server.remote_models import RemoteRegistry
@@ -41,7 +42,7 @@ log = logging.getLogger("neuron.server")
 def create_app(cfg: Config, core: str | None = None) -> Starlette:
     """``core``: the engine core's endpoint, in an API process (``[server] api_processes``); None:
     the models run in this process."""
-    metrics = Metrics()
+    metrics = Metrics(cfg.server.max_principals)
 
     def on_finish(model: str, req: GenRequest, fin: FinishEvent) -> None:
         trace = trace_of(req)
@@ -91,6 +92,7 @@ def _middleware(server: ServerConfig, access_log: bool) -> list[Middleware]:
     stack = [Middleware(RequestIdMiddleware)]
     if access_log:  # inside the id's middleware: its lines carry the id
         stack.append(Middleware(AccessLog))
+    stack.append(Middleware(RefuseCrossSite, allowed=server.cors_allow_origins))
     if server.cors_allow_origins:  # off by default: no origin may read our answers from a browser
         stack.append(Middleware(CORSMiddleware, allow_origins=server.cors_allow_origins,
                                 allow_methods=server.cors_allow_methods, allow_headers=server.cors_allow_headers,

@@ -98,7 +98,9 @@ class _EngineState:
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, max_principals: int = 100) -> None:
+        self.max_principals = max_principals  # named in the series; the rest count as "other"
+        self.named: set[str] = set()
         self.registry = r = CollectorRegistry()
         self.engines = _EngineState()
         r.register(self.engines)
@@ -137,8 +139,17 @@ class Metrics:
     def request_started(self, model: str) -> None:
         self.started.labels(model).inc()
 
+    def who(self, principal: str) -> str:
+        """``principal`` as a series' label: the first ``max_principals`` names, then "other"."""
+        if principal in self.named:
+            return principal
+        if len(self.named) < self.max_principals:
+            self.named.add(principal)
+            return principal
+        return "other"
+
     def request_rejected(self, principal: str, code: str) -> None:
-        self.principal_rejections.labels(principal, code).inc()
+        self.principal_rejections.labels(self.who(principal), code).inc()
 
     def request_finished(self, model: str, req: GenRequest, fin: FinishEvent, trace: RequestTrace | None) -> None:
         reason = "error" if fin.error else fin.reason
@@ -147,10 +158,11 @@ class Metrics:
         self.generation_tokens.labels(model).inc(fin.completion_tokens)
         self.request_prompt.labels(model).observe(fin.prompt_tokens)
         self.request_generation.labels(model).observe(fin.completion_tokens)
-        self.principal_requests.labels(req.principal).inc()
-        self.principal_prompt.labels(req.principal).inc(fin.prompt_tokens)
-        self.principal_cached.labels(req.principal).inc(fin.cached_tokens)
-        self.principal_generation.labels(req.principal).inc(fin.completion_tokens)
+        who = self.who(req.principal)
+        self.principal_requests.labels(who).inc()
+        self.principal_prompt.labels(who).inc(fin.prompt_tokens)
+        self.principal_cached.labels(who).inc(fin.cached_tokens)
+        self.principal_generation.labels(who).inc(fin.completion_tokens)
         self.e2e.labels(model).observe(time.monotonic() - req.arrival)
         if trace is None:
             return

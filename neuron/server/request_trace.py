@@ -13,6 +13,7 @@ from typing import Any
 from neuron.engine.request import FinishEvent, GenRequest, TokenEvent
 
 log = logging.getLogger("neuron.request")
+MAX_FIELD = 256  # characters of a client-given field in a log line
 
 
 class TracedEvents(asyncio.Queue):
@@ -58,8 +59,8 @@ def log_start(trace: RequestTrace, req: GenRequest, stream: bool, user: str | No
     fields: dict[str, Any] = {"request_id": trace.request_id, "model": trace.model, "route": trace.route,
                               "stream": stream, "prompt_tokens": len(req.prompt), "max_tokens": req.max_tokens,
                               "principal": req.principal}
-    if user:
-        fields["user"] = user
+    if user:  # the client's words: bounded, as every field of a log line is
+        fields["user"] = user if len(user) <= MAX_FIELD else user[:MAX_FIELD] + "…(cut)"
     if req.priority:
         fields["priority"] = req.priority
     log.info("request started", extra=fields)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import logging
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -21,6 +22,7 @@ from neuron.server.request_id import sanitise
 from neuron.server.keys import KeyRing, Principal
 from neuron.server.openai.response_store import ResponseStore
 
+log = logging.getLogger("neuron.server")
 PRINCIPAL = "neuron.principal"  # the request scope's key of its Principal
 ANONYMOUS = Principal("anonymous")
 
@@ -56,14 +58,33 @@ def require_key(request: Request, state: AppState, *, admin: bool) -> None:
         key = server.admin_api_key or server.api_key
         if key and not hmac.compare_digest(given.encode(), key.encode()):
             raise ApiError(401, "invalid_api_key", "missing or invalid API key")
+        if not key and (not state.keys.open or server.principal_header):  # fail closed: a named key
+            # or a gateway's account never opens the admin routes
+            raise ApiError(403, "admin_key_required", "admin routes need [server] admin_api_key (or api_key) "
+                           "where named keys or a principal header are set")
         return
     principal = ANONYMOUS if state.keys.open else state.keys.check(given)
     if principal is None:
         raise ApiError(401, "invalid_api_key", "missing or invalid API key")
     account = request.headers.get(server.principal_header, "") if server.principal_header else ""
-    if account:  # set by the trusted gateway in front: the account this request is for
-        principal = replace(principal, name=sanitise(account)[:64])
+    if account:
+        client = request.client.host if request.client else ""
+        if principal.gateway or client in server.trusted_proxies:  # the account this request is for
+            principal = replace(principal, name=sanitise(account)[:64])
+        else:
+            note_untrusted_header(principal.name, server.principal_header)
     request.scope[PRINCIPAL] = principal
+
+
+_UNTRUSTED: set[str] = set()
+
+
+def note_untrusted_header(name: str, header: str) -> None:
+    """A principal header from a key that is not a gateway's: ignored, and said once per key."""
+    if name not in _UNTRUSTED and len(_UNTRUSTED) < 10000:
+        _UNTRUSTED.add(name)
+        log.warning("%s from key %r ignored: only a key marked gateway = true (or [server] trusted_proxies) may "
+                    "name the account", header, name)
 
 
 def principal_of(request: Request) -> Principal:

@@ -80,7 +80,8 @@ def git_revision() -> str | None:
 
 async def metrics(request: Request) -> Response:
     state: AppState = request.app.state.neuron
-    require_key(request, state, admin=True)
+    if not state.cfg.server.metrics_public:
+        require_key(request, state, admin=True)
     await state.registry.refresh()
     return Response(state.metrics.render(state.registry.models), media_type="text/plain; version=0.0.4")
 

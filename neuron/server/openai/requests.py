@@ -157,6 +157,7 @@ def resolve_sampling(body: SamplingFields, handle: ModelHandle, prompt_len: int,
     _check(-2.0 <= pres <= 2.0, "presence_penalty", "presence_penalty must be in [-2, 2]")
     if body.seed is not None:
         _check(-(2**63) <= body.seed < 2**64, "seed", "seed is out of range")
+    _check(-(2**31) <= body.priority < 2**31, "priority", "priority must be in [-2^31, 2^31)")
     if top_k >= handle.spec.config.vocab_size:
         top_k = 0  # keeping every token is no filter at all
     return Sampling(temperature=temperature, top_p=top_p, top_k=max(top_k, 0), min_p=min_p,
