@@ -28,7 +28,7 @@ from neuron.server.errors import api_error_handler, http_error_handler, internal
 from neuron.server.metrics import Metrics
 from neuron.server.model_access import ModelAccess
 from neuron.server.access_log import AccessLog
-from neuron.server.cross_site import RefuseCrossSite
+from neuron.server.cross_site import CHANGES, RefuseCrossSite
 from neuron.server.request_id import HEADER, RequestIdMiddleware
 from neuron.server.request_trace import log_finish, trace_of
 from neuron.server.remote_models import RemoteRegistry
@@ -92,7 +92,8 @@ def _middleware(server: ServerConfig, access_log: bool) -> list[Middleware]:
     stack = [Middleware(RequestIdMiddleware)]
     if access_log:  # inside the id's middleware: its lines carry the id
         stack.append(Middleware(AccessLog))
-    stack.append(Middleware(RefuseCrossSite, allowed=server.cors_allow_origins))
+    changes = frozenset((r.method, r.path) for r in route_table() if r.method in CHANGES)
+    stack.append(Middleware(RefuseCrossSite, allowed=server.cors_allow_origins, routes=changes))
     if server.cors_allow_origins:  # off by default: no origin may read our answers from a browser
         stack.append(Middleware(CORSMiddleware, allow_origins=server.cors_allow_origins,
                                 allow_methods=server.cors_allow_methods, allow_headers=server.cors_allow_headers,

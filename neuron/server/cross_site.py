@@ -19,8 +19,8 @@ CHANGES = {"POST", "PUT", "PATCH", "DELETE"}
 FORM_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
 
 
-def refusal(scope: Scope, allowed: list[str]) -> ApiError | None:
-    if scope.get("method") not in CHANGES:
+def refusal(scope: Scope, allowed: list[str], routes: frozenset[tuple[str, str]]) -> ApiError | None:
+    if (scope.get("method"), scope.get("path")) not in routes:  # not a route that changes state: 404, 405, ...
         return None
     headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
     kind = headers.get("content-type", "").split(";")[0].strip().lower()
@@ -38,12 +38,13 @@ def refusal(scope: Scope, allowed: list[str]) -> ApiError | None:
 
 
 class RefuseCrossSite:
-    def __init__(self, app: ASGIApp, allowed: list[str]) -> None:
+    def __init__(self, app: ASGIApp, allowed: list[str], routes: frozenset[tuple[str, str]]) -> None:
         self.app = app
         self.allowed = allowed
+        self.routes = routes  # (method, path) of the routes that change state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        err = refusal(scope, self.allowed) if scope["type"] == "http" else None
+        err = refusal(scope, self.allowed, self.routes) if scope["type"] == "http" else None
         if err is None:
             await self.app(scope, receive, send)
             return
