@@ -132,6 +132,9 @@ CASES = [
          lambda o, b: o["context_management"] == {"applied_edits": []}),
     Case("context_management", {"context_management": {"edits": [{"type": "clear_everything"}]}}, None,
          "context_management.edits.0.type"),
+    Case("context_management", {"messages": ["not a message", *QUESTION], "context_management": {"edits": [
+        {"type": "clear_thinking_20251015"}, {"type": "clear_tool_uses_20250919",
+                                              "trigger": {"type": "input_tokens", "value": 0}}]}}, None, "messages[0]"),
     Case("safeguards", {"safeguards": [{"type": "dangerous_tool_use", "classifier_context": {"v": 1}}]},
          lambda o, b: text(o) == text(b) and o["ignored"] == "safeguards"),
     Case("mcp_servers", {"mcp_servers": [{"type": "url", "url": "http://127.0.0.1:9", "name": "x"}]}, None),

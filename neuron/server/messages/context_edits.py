@@ -37,9 +37,10 @@ def _count(value: dict[str, Any] | None, kind: str, default: int, param: str) ->
     return n
 
 
-def _blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
-    content = message.get("content")
-    return content if isinstance(content, list) else []
+def _blocks(message: Any) -> list[dict[str, Any]]:
+    """A message's blocks that are objects (the rest is refused by name later, when it is read)."""
+    content = message.get("content") if isinstance(message, dict) else None
+    return [b for b in content if isinstance(b, dict)] if isinstance(content, list) else []
 
 
 def _clear_thinking(messages: list[dict[str, Any]], edit: dict[str, Any], tokens: Callable[[str], int],
@@ -49,7 +50,7 @@ def _clear_thinking(messages: list[dict[str, Any]], edit: dict[str, Any], tokens
     if keep == "all":
         return None
     keep_n = _count(keep, "thinking_turns", 1, f"{param}.keep")
-    thinking_turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant"
+    thinking_turns = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"
                       and any(b.get("type") in ("thinking", "redacted_thinking") for b in _blocks(m))]
     cleared = thinking_turns[:max(0, len(thinking_turns) - keep_n)]
     if not cleared:
@@ -92,7 +93,7 @@ def _clear_tool_uses(messages: list[dict[str, Any]], edit: dict[str, Any], token
         for block in _blocks(m):
             if block.get("type") == "tool_use":
                 calls[block.get("id")] = block
-    results = [b for m in messages if m.get("role") == "user" for b in _blocks(m)
+    results = [b for m in messages if isinstance(m, dict) and m.get("role") == "user" for b in _blocks(m)
                if b.get("type") == "tool_result" and calls.get(b.get("tool_use_id"), {}).get("name") not in exclude
                and _result_text(b) != CLEARED]
     chosen = results[:max(0, len(results) - keep)]
