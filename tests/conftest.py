@@ -91,6 +91,16 @@ class Server:
         return self.proc.returncode
 
 
+def api_pids(server) -> dict[int, int]:
+    """index -> pid of the core's API processes."""
+    out = {}
+    for pid in children_of(server.proc.pid):
+        argv = _cmdline(pid).split(b"\0")
+        if b"neuron.server.api_process" in argv:
+            out[int(argv[argv.index(b"--index") + 1])] = pid
+    return out
+
+
 STARTED: list[subprocess.Popen] = []  # every server this run started, killed at its end if still up
 
 

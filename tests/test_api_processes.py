@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from conftest import DEFAULT_MODEL, _cmdline, alive, chat, children_of, greedy_ids, start_server
+from conftest import DEFAULT_MODEL, alive, api_pids, chat, greedy_ids, start_server
 
 SPLIT = """
 [server]
@@ -35,16 +35,6 @@ def split(server_tmp):
     server = start_server(server_tmp, config=SPLIT)
     yield server
     server.stop()
-
-
-def api_pids(server) -> dict[int, int]:
-    """index -> pid of the core's API processes."""
-    out = {}
-    for pid in children_of(server.proc.pid):
-        argv = _cmdline(pid).split(b"\0")
-        if b"neuron.server.api_process" in argv:
-            out[int(argv[argv.index(b"--index") + 1])] = pid
-    return out
 
 
 def served_by(server, request_id: str) -> int | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import random
 
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from neuron.engine.scheduler import Scheduler
@@ -33,6 +33,10 @@ def scheduler(slots: int) -> Scheduler:
 @given(weights=st.lists(st.integers(1, 4), min_size=2, max_size=4), seed=st.integers(0, 2**31),
        slots=st.integers(1, 6))
 def test_every_principals_share_of_admitted_work_converges_to_its_weight(weights, seed, slots):
+    # A principal with nothing running takes a slot from one running two or more: weights decide
+    # where every principal's share is a slot or more, or where there is only one slot to share.
+    assume(slots == 1 or slots * min(weights) >= sum(weights))
+
     async def main():
         rnd = random.Random(seed)
         s = scheduler(slots)
@@ -46,8 +50,8 @@ def test_every_principals_share_of_admitted_work_converges_to_its_weight(weights
                     waited[id(req)] = step
                     s.waiting.append(req)
             for req in s.admit():
-                work[req.principal] += len(req.prompt) + req.max_tokens
-                waited.pop(id(req))
+                if waited.pop(id(req), None) is not None:  # not a request that gave its slot up and came back
+                    work[req.principal] += len(req.prompt) + req.max_tokens
             for req in list(s.running):
                 if rnd.random() < 0.3:
                     s.release(req)
@@ -132,4 +136,31 @@ def test_idle_principals_are_forgotten_and_start_again_at_the_clock():
             order += s.admit()
             s.release(order[-1])
         assert order.index(late) <= 1  # back at the clock: not behind the agent's backlog
+    asyncio.run(main())
+
+
+def test_a_principal_with_nothing_running_takes_a_slot_from_the_one_running_the_most():
+    async def main():
+        s = scheduler(4)
+        heavy = [asking("agent", max_tokens=2000) for _ in range(6)]
+        s.waiting.extend(heavy)
+        assert s.admit() == heavy[:4]
+        s.schedule()
+        light = asking("bob", max_tokens=4)
+        s.waiting.append(light)
+        assert s.admit() == [light]  # at the next step, not when a stream ends
+        assert heavy[3] not in s.running and s.preemptions == 1  # the newest of the agent's four
+        assert [r for r in s.waiting][:1] == [heavy[3]]  # the agent's next, before its two never started
+        carol = asking("carol", max_tokens=4)
+        s.waiting.append(carol)
+        assert s.admit() == [carol] and heavy[2] not in s.running
+        dave = asking("dave", max_tokens=4)
+        s.waiting.append(dave)
+        assert s.admit() == [dave] and heavy[1] not in s.running  # four principals, a slot each
+        eve = asking("eve", max_tokens=4)
+        s.waiting.append(eve)
+        assert s.admit() == [] and s.preemptions == 3  # nobody runs two: she waits for a slot
+        s.release(light)
+        assert len(s.admit()) == 1 and len(s.running) == 4
+        assert sorted(r.principal for r in s.running) == sorted({r.principal for r in s.running})
     asyncio.run(main())

@@ -6,14 +6,16 @@ only from a gateway's key; the principals named in /metrics capped; integer fiel
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import re
+import time
 
 import httpx
 import pytest
 
-from conftest import start_server
+from conftest import api_pids, start_server
 from neuron.server.keys import KeysFileError, add_key, read_keys_file
 
 ALICE, BOB, GATE = "nk-alice-0123456789", "nk-bob-0123456789", "nk-gate-0123456789"
@@ -34,7 +36,7 @@ def tenants(tmp_path_factory):
     keys.chmod(0o600)
     server = start_server(tmp, config=f'[[models]]\nmodel = "{checkpoint}"\nid = "tiny"\nmax_model_len = 256\n'
                                       f'[server]\napi_keys_file = "{keys}"\nprincipal_header = "x-account-id"\n'
-                                      'max_principals = 3\nmetrics_public = true\n')
+                                      'max_principals = 3\nmetrics_public = true\napi_processes = 2\n')
     yield server
     server.stop()
 
@@ -46,8 +48,11 @@ def ask(server, key: str, headers: dict | None = None, **body) -> httpx.Response
 
 
 def principal_of(server, rid: str) -> str:
-    line = next(line for line in server.log().splitlines() if f"id={rid}" in line and "neuron.access" in line)
-    return re.search(r"principal=(\S+)", line).group(1)
+    deadline = time.monotonic() + 10  # an API process writes its access line after the answer
+    while not (lines := [line for line in server.log().splitlines() if f"id={rid}" in line and "neuron.access" in line]):
+        assert time.monotonic() < deadline, rid
+        time.sleep(0.05)
+    return re.search(r"principal=(\S+)", lines[0]).group(1)
 
 
 def test_admin_routes_are_closed_without_an_admin_key(tenants):
@@ -92,11 +97,70 @@ def test_the_principals_named_in_metrics_are_capped(tenants):
     assert len(named) <= 4 and "other" in named, named  # max_principals = 3, and "other"
 
 
-@pytest.mark.parametrize("value", [2**64, -(2**63) - 1, 2**31])
-def test_an_integer_out_of_range_is_a_400_naming_it(tenants, value):
-    r = ask(tenants, ALICE, priority=value)
-    assert r.status_code == 400, r.text
-    assert r.json()["error"]["param"] == "priority"
+BIG = 2**70
+INTEGERS = ["max_tokens", "max_completion_tokens", "top_k", "seed", "n", "best_of", "min_tokens",
+            "truncate_prompt_tokens", "prompt_logprobs", "priority", "max_repetition_pattern_size",
+            "min_repetition_pattern_size", "repetition_min_count", "thinking_token_budget"]
+# Too large is no harm for these: the most there is (top_k past the vocabulary keeps every token,
+# truncation past the prompt keeps it whole); too large a budget is the context's 400.
+AT_MOST = {"top_k": 200, "truncate_prompt_tokens": 200, "max_tokens": "messages", "max_completion_tokens": "messages",
+           "max_output_tokens": "input"}
+
+
+def test_every_integer_field_out_of_range_is_a_400_naming_it(tenants):
+    for route, body, fields in (("completions", {"prompt": "Hi"}, [*INTEGERS, "logprobs"]),
+                                ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}]},
+                                 [*INTEGERS, "top_logprobs"]),
+                                ("responses", {"input": "Hi"}, ["max_output_tokens", "max_tool_calls"])):
+        for field in fields:
+            for value in (BIG, -BIG, 2**64, -(2**63) - 1):
+                r = httpx.post(f"{tenants.base}/{route}", timeout=60, headers={"authorization": f"Bearer {ALICE}"},
+                               json={"model": "tiny", "max_tokens": 2, **body, field: value})
+                if value > 0 and field in AT_MOST:
+                    want = AT_MOST[field]
+                    assert r.status_code == want if want == 200 else r.json()["error"]["param"] == want, (field, r.text)
+                    continue
+                assert r.status_code == 400 and r.json()["error"]["param"] == field, (route, field, value, r.text)
+    for value in (-1, 2**31):
+        assert ask(tenants, ALICE, priority=value if value > 0 else -(2**31) - 1).status_code == 400
+
+
+def api_rss(server) -> int:
+    """The API processes' resident memory, in bytes."""
+    pids = list(api_pids(server).values())
+    assert len(pids) == 2
+    return sum(int(open(f"/proc/{pid}/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") for pid in pids)
+
+
+def test_failing_requests_cost_the_api_processes_no_memory(tenants):
+    body = {"model": "tiny", "prompt": "The lighthouse keeper " * 20, "max_tokens": 2, "priority": 2**64}
+    with httpx.Client(base_url=tenants.base, timeout=60, headers={"authorization": f"Bearer {ALICE}"}) as client:
+        def fail(n: int) -> None:
+            for _ in range(n):
+                assert client.post("/completions", json=body).status_code == 400
+        fail(300)  # the allocator's pools settle
+        before = api_rss(tenants)
+        fail(2000)
+        grown = api_rss(tenants) - before
+    assert grown < 8 << 20, f"{grown / 2**20:.1f} MiB for 2,000 refused requests"
+
+
+def test_a_request_the_core_link_cannot_send_leaves_nothing_behind():
+    """The leak behind the 500s: a request kept before it was encoded stayed kept forever."""
+    from neuron.server.core_link import CoreLink
+    from test_blocks import request
+
+    async def main():
+        link = CoreLink("ipc:///nonexistent/neuron-core.sock", on_models=None)
+        try:
+            req = request(4, 2)
+            req.priority = 2**64  # past what the wire carries
+            with pytest.raises(OverflowError):
+                link.submit("tiny", req)
+            assert not link.requests and not link.key_of
+        finally:
+            link.close()
+    asyncio.run(main())
 
 
 def test_keys_add_checks_before_it_writes(tmp_path):

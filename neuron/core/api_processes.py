@@ -5,6 +5,7 @@ again when one dies; its requests are aborted in the core by ``on_gone``."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import shutil
@@ -74,7 +75,9 @@ class ApiProcesses:
                                  "--core", self.endpoint, "--index", str(index)], stdin=subprocess.PIPE,
                                 env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir)})
         assert proc.stdin is not None
-        proc.stdin.write(msgspec.json.encode(self.cfg))  # never argv: it may hold keys
+        # Each names its share of max_principals in /metrics: the series of all of them add up.
+        server = dataclasses.replace(self.cfg.server, max_principals=self.cfg.server.max_principals // len(self.procs))
+        proc.stdin.write(msgspec.json.encode(dataclasses.replace(self.cfg, server=server)))  # never argv: keys
         proc.stdin.close()
         return proc
 

@@ -17,7 +17,8 @@ from .image_cache import ImageCache
 from .late_masks import LateMasks
 from .outputs import finish_out, stop_token_out, token_out
 from .request import FinishEvent, GenRequest
-from .scheduler import Planned, Scheduler
+from .planned import Planned
+from .scheduler import Scheduler
 from .shape import EngineStats, Sizing
 
 log = logging.getLogger("neuron.engine")

@@ -3,7 +3,9 @@ principal, ordered by ``priority`` then arrival, and between the queues start-ti
 Each principal has a pass, its admitted work (prompt plus token budget) divided by its weight; the
 next request comes from the principal with the lowest pass, among those under their cap of running
 requests. A principal that starts waiting again begins at the current virtual time (the pass of
-the last admission), so idle time is not banked. Preempted requests had started: they go first."""
+the last admission), so idle time is not banked. Preempted requests had started: they go first,
+except one that gave its slot to a principal with nothing running (``slot_victim``): that one goes
+back to the head of its own principal's queue, its admission already paid."""
 
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ class FairQueue:
         self.clock = 0.0
         self._arrivals = itertools.count()
         self._size = 0
+        self.paid: set[int] = set()  # requests that gave their slot up: their admission was paid
 
     def __len__(self) -> int:
         return self._size
@@ -62,6 +65,14 @@ class FairQueue:
         for req in reqs:
             self.append(req)
 
+    def requeue(self, req: GenRequest) -> None:
+        """A running request gave its slot up for another principal: it is its principal's next,
+        already paid for (it pays nothing when it starts again)."""
+        self.passes.setdefault(req.principal, self.clock)
+        heapq.heappush(self.queues.setdefault(req.principal, []), (float("-inf"), next(self._arrivals), req))
+        self.paid.add(id(req))
+        self._size += 1
+
     def appendleft(self, req: GenRequest) -> None:
         self.front.appendleft(req)
         self._size += 1
@@ -75,16 +86,18 @@ class FairQueue:
             heapq.heapify(queue)
             if not queue:
                 del self.queues[req.principal]
+        self.paid.discard(id(req))
         self._size -= 1
 
-    def next(self, running: Counter) -> GenRequest | None:
-        """The request to admit next, or None: every waiting principal is at its cap."""
+    def next(self, running: Counter, idle: bool = False) -> GenRequest | None:
+        """The request to admit next, or None: every waiting principal is at its cap. ``idle``:
+        only from a principal with nothing running (one that may take a slot from another)."""
         if self.front:
-            return self.front[0]
+            return None if idle else self.front[0]
         best: tuple[tuple[float, int], str] | None = None
         for name, queue in self.queues.items():
             head = queue[0][2]
-            if head.max_running and running[name] >= head.max_running:
+            if (head.max_running and running[name] >= head.max_running) or (idle and running[name]):
                 continue
             key = (self.passes[name], queue[0][1])
             if best is None or key < best[0]:
@@ -107,7 +120,23 @@ class FairQueue:
         name = req.principal
         queue = self.queues[name]
         heapq.heappop(queue)
-        self.clock = self.passes[name]
-        self.passes[name] += cost(req) / req.weight
+        if id(req) in self.paid:
+            self.paid.discard(id(req))
+        else:
+            self.clock = self.passes[name]
+            self.passes[name] += cost(req) / req.weight
         if not queue:
             del self.queues[name]
+
+
+def slot_victim(running: list[GenRequest], waiting: GenRequest) -> GenRequest | None:
+    """Every slot is taken and ``waiting`` (the next in fair order) has no request running: the
+    newest request of the principal running the most, if that is at least two, gives up its slot
+    (``Scheduler.admit``). A principal keeps one running request; nobody waits for a whole stream."""
+    counts = Counter(r.principal for r in running)
+    if counts[waiting.principal] or not counts:
+        return None
+    most = max(counts.values())
+    if most < 2:
+        return None
+    return max((r for r in running if counts[r.principal] == most), key=lambda r: r.order)

@@ -8,7 +8,9 @@ each when a slot is free, its prompt's blocks fit and, where the model keeps per
 state slot is free (it waits otherwise); a decode that needs a block when none is free preempts
 the newest running request of the principal holding the most blocks, which gives back its blocks
 and its state slot, goes back to the front of the queue and is recomputed later (its client sees
-nothing but a pause).
+nothing but a pause). A principal with nothing running that waits while every slot is taken gets
+one at the next step: the newest request of the principal running the most (two or more) gives
+its slot up the same way, and waits at the head of its own principal's queue.
 
 Steps overlap: the next step is planned while the last is still running. A decode whose input
 token is still in flight (``pending``) is sent as ``-1``, which the rank resolves on the device.
@@ -18,39 +20,19 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter, deque
-from dataclasses import dataclass, field
 
 from .blocks import BlockManager, OutOfBlocks, chain_hash
-from .fair import FairQueue
+from .fair import FairQueue, slot_victim
+from .draft_planning import DEVICE_TOKEN, DraftPlanning
+from .planned import Planned
 from .request import GenRequest
-from .speculative import NO_MATCH_PAUSE, DraftPolicy, Speculation, may_draft
+from .speculative import DraftPolicy, Speculation, may_draft
 from .state_cache import StateCache
 from .step_budget import StepBudget, prompt_takes
 
-DEVICE_TOKEN = -1
 
 
-@dataclass
-class Planned:
-    req: GenRequest
-    tokens: list[int]
-    start_pos: int
-    sample: bool
-    blocks: list[int]  # table entries the rank has not seen yet, from entry ``block_start``
-    block_start: int
-    start: bool  # the sequence's first step in its slot: the rank resets the slot's sampler
-    run: int  # the request's run it belongs to (a preemption starts a new one)
-    state_from: int = -1  # with ``start``: the snapshot slot the sequence's state starts from
-    kv_from: int = -1  # with ``start``: the cached partial block its first block starts as
-    snapshots: list[tuple[int, int]] = field(default_factory=list)  # (position, slot) the step keeps
-    drafts: int = 0  # of ``tokens``, the last ones are guesses for the rank to check (speculative)
-    # With drafts, for a model with recurrent state: the slots that take the state after the input
-    # token and each draft but the last (the state to go on from if the next draft is rejected).
-    draft_states: list[int] = field(default_factory=list)
-    propose: int = 0  # drafts the rank's MTP layer guesses after the step (StepSeq.propose)
-
-
-class Scheduler:
+class Scheduler(DraftPlanning):
     def __init__(self, max_slots: int, max_len: int, num_blocks: int, block_size: int, max_batch_tokens: int,
                  prefill_chunk: int, prefill_chunk_decoding: int | None = None,
                  cache_key: bytes | None = None, state_slots: int = 0, state_snapshots: int = 0,
@@ -87,14 +69,17 @@ class Scheduler:
         """Give slots and blocks to waiting requests: preempted first, then in fair order."""
         admitted = []
         running = Counter(r.principal for r in self.running)
-        while self.waiting and self.free_slots:
-            req = self.waiting.next(running)
+        while self.waiting:
+            full = not self.free_slots
+            req = self.waiting.next(running, idle=full)
             if req is None:
                 break
             if req.cancelled or req.finished:
                 self.waiting.remove(req)
                 continue
             if req.pending:  # preempted with a token in flight: recompute once it is known
+                break
+            if full and not self._yield_slot(req, running):
                 break
             tokens = req.keyed()
             # The longest cached prefix of whole blocks; the last token is always computed, since
@@ -138,6 +123,18 @@ class Scheduler:
             self.running.append(req)
             admitted.append(req)
         return admitted
+
+    def _yield_slot(self, req: GenRequest, running: Counter) -> bool:
+        """No slot is free for ``req``: if its principal has nothing running and another runs
+        several, that one's newest request gives its slot (and blocks) up, when they are enough
+        for ``req``'s prompt, and waits at the head of its own queue."""
+        victim = slot_victim(self.running, req)
+        if victim is None or self.blocks.blocks_for(len(req.keyed())) > \
+                self.blocks.free_count + len(victim.blocks) - len(self.running) + 1:
+            return False
+        self._preempt(victim, requeue=True)
+        running[victim.principal] -= 1
+        return True
 
     def release(self, req: GenRequest, keep: bool = False) -> None:
         """The request is done (finished, aborted or failed): its slot and blocks are free now.
@@ -225,7 +222,7 @@ class Scheduler:
             if closing and req.confirmed >= req.computed:
                 self._close(req)
 
-    def _preempt(self, req: GenRequest) -> None:
+    def _preempt(self, req: GenRequest, requeue: bool = False) -> None:
         self.running.remove(req)
         self.free_slots.append(req.slot)
         self._unpin(req)
@@ -235,7 +232,7 @@ class Scheduler:
         req.preempted += 1
         req.run += 1
         self.preemptions += 1
-        self.waiting.appendleft(req)
+        self.waiting.requeue(req) if requeue else self.waiting.appendleft(req)
 
     # ----------------------------------------------------------------------------- planning
     def schedule(self, group: int = 0, groups: int = 1) -> list[Planned]:
@@ -245,7 +242,7 @@ class Scheduler:
         (by slot)."""
         budget = self.max_batch_tokens
         plan: list[Planned] = []
-        if self._awaiting_drafter():
+        if self.awaiting_drafter():
             return plan
         for req in list(self.running):  # decodes are never held back by the budget
             if req.slot < 0 or req.slot % groups != group or not self._may_decode(req):  # -1: preempted here
@@ -258,8 +255,8 @@ class Scheduler:
         if self.speculative and len(plan) <= self.speculative.decodes:
             rows = len(plan)
             for x in plan:
-                rows += self._draft(x, self.speculative.rows - rows)
-                self._propose(x)
+                rows += self.draft(x, self.speculative.rows - rows)
+                self.propose(x)
         self.clock += bool(plan)
         # Beside running decodes a step takes a smaller prompt chunk: it sets their latency.
         chunk = self._chunk_beside(sum(len(x.tokens) for x in plan)) if plan else self.prefill_chunk
@@ -269,96 +266,13 @@ class Scheduler:
             known = req.prompt + req.output
             last = req.computed + n == len(known)
             plan.append(self._plan(req, known[req.computed: req.computed + n], last and self._may_sample(req)))
-            self._propose(plan[-1])
+            self.propose(plan[-1])
         return plan
 
     def _chunk_beside(self, rows: int) -> int:
         if self.step_budget is not None:
             return self.step_budget.chunk(rows) or self.prefill_chunk_decoding
         return self.prefill_chunk_decoding
-
-    def _awaiting_drafter(self) -> bool:
-        """A sequence that drafts next has its input token in flight (the lookup needs it): the
-        next step waits for it, whole (a step without it would split the batch in two, each
-        half a step of its own)."""
-        spec = self.speculative
-        if spec is None or len(self.running) > spec.decodes or (self.states.num_slots and not self.states.spare):
-            return False
-        return any(req.pending and req.spec is not None and req.spec.waits(self.clock, req.prompt, req.output)
-                   for req in self.running)
-
-    def _draft(self, x: Planned, rows: int) -> int:
-        """Drafts after a planned decode whose input token is known (speculative decoding), as
-        many as its request's drafting gives, its limits and the step's ``rows`` leave room for
-        and free blocks hold (beyond one in hand for each running sequence: drafts never
-        preempt). Returns how many."""
-        req = x.req
-        if req.spec is None or rows <= 0 or x.tokens[0] == DEVICE_TOKEN or not req.spec.active(self.clock):
-            return 0
-        known = len(req.prompt) + len(req.output)
-        room = min(req.max_tokens - len(req.output) - 1, self.max_len - known - 1, rows, self.speculative.room(known))
-        drafts = req.spec.drafts(req.prompt + req.output, room, self.clock)
-        if not drafts:
-            return 0
-        need = self.blocks.blocks_for(req.computed + len(drafts)) - len(req.blocks)
-        if need > 0:
-            if need > self.blocks.free_count - len(self.running):
-                return 0
-            self.blocks.grow(req.blocks, req.computed + len(drafts))
-        if self.states.num_slots:  # recurrent state: kept after each point a rejection may come
-            while len(x.draft_states) < len(drafts) and (slot := self.states.scratch()) is not None:
-                x.draft_states.append(slot)
-            drafts = drafts[: len(x.draft_states)]
-            if not drafts:  # no slot free: as if nothing matched
-                req.spec.pause(self.clock, NO_MATCH_PAUSE)
-                return 0
-        x.tokens = x.tokens + drafts
-        x.drafts = len(drafts)
-        x.blocks = req.blocks[x.block_start:]
-        req.sent_blocks = len(req.blocks)
-        req.computed += len(drafts)
-        return len(drafts)
-
-    def _propose(self, x: Planned) -> None:
-        """With the MTP drafter, a planned step of a drafting sequence runs the rank's MTP layer
-        over its tokens (a prompt chunk's fill its cache) and, where it draws, asks for as many
-        drafts as the next step may carry, with blocks held for the rows that guess them (beyond
-        one in hand for each running sequence). The last step of a pause asks too (it still
-        overlaps), so the step that ends it drafts."""
-        req = x.req
-        if req.spec is None or getattr(req.spec.index, "pauses", True) or not req.spec.active(self.clock + 1):
-            return
-        x.propose = min(req.spec.width, self.speculative.room(req.computed)) if x.sample else req.spec.most
-        if not x.propose:
-            return
-        need = self.blocks.blocks_for(req.computed + x.propose - 1) - len(req.blocks) if x.sample else 0
-        if 0 < need <= self.blocks.free_count - len(self.running):
-            self.blocks.grow(req.blocks, req.computed + x.propose - 1)
-            x.blocks = req.blocks[x.block_start:]
-            req.sent_blocks = len(req.blocks)
-
-    def drafts_checked(self, x: Planned, accepted: int) -> None:
-        """A step's reply for a planned decode with drafts: ``accepted`` held. The positions of
-        the others are not the sequence's (their K/V is written over later)."""
-        req = x.req
-        if req.spec is not None:
-            req.spec.checked(x.drafts, accepted, self.clock)
-        unused = x.drafts - accepted
-        x.tokens = x.tokens[: len(x.tokens) - unused]
-        scratch = x.draft_states
-        if x.run == req.run and (req.slot >= 0 or req in self.closing):
-            req.computed -= unused
-            if unused and scratch:  # the state after the last accepted token is the sequence's now
-                scratch = list(scratch)
-                req.states[0], scratch[accepted] = scratch[accepted], req.states[0]
-        self.states.unscratch(scratch)
-
-    def step_snapshots(self, x: Planned) -> list[tuple[int, int]]:
-        """The (position, slot) state snapshots a planned sequence's step takes: the prefix
-        cache's, and with drafts of a model with recurrent state, one after each draft point."""
-        if not x.draft_states:
-            return x.snapshots
-        return x.snapshots + [(x.start_pos + 1 + j, slot) for j, slot in enumerate(x.draft_states)]
 
     def _may_sample(self, req: GenRequest) -> bool:
         drawn = len(req.output) + req.pending

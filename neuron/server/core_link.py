@@ -74,15 +74,18 @@ class CoreLink:
 
     # ----------------------------------------------------------------------------- requests
     def submit(self, model_id: str, req: GenRequest) -> None:
+        """Hand ``req`` to the core. Encoded before it is kept: a request that cannot be sent
+        (an error, a 500) leaves nothing behind here."""
         key = next(self._keys)
-        self.requests[key] = (req, model_id)
-        self.key_of[req] = key
         images = [m.Image(i.key, i.data, i.grid, i.tokens, i.offset) for i in req.images]
         constrained = req.constraint is not None
-        self.send(m.Submit(key, model_id, req.request_id, req.prompt, req.sampling, req.max_tokens,
-                           sorted(req.stop_token_ids), req.principal, req.weight, req.max_running, req.max_waiting,
-                           req.priority, req.cache_salt, images, constrained,
-                           req.constraint.allowed() if constrained else None))
+        data = m.encode(m.Submit(key, model_id, req.request_id, req.prompt, req.sampling, req.max_tokens,
+                                 sorted(req.stop_token_ids), req.principal, req.weight, req.max_running,
+                                 req.max_waiting, req.priority, req.cache_salt, images, constrained,
+                                 req.constraint.allowed() if constrained else None))
+        self.requests[key] = (req, model_id)
+        self.key_of[req] = key
+        self.sock.send(data).add_done_callback(_retrieved)
 
     def abort(self, req: GenRequest) -> None:
         key = self.key_of.get(req)

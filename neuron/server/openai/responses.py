@@ -350,6 +350,8 @@ async def create_response(request: Request) -> Response:
         for name, (fine, why) in REFUSED.items():
             if not fine(getattr(body, name)):
                 raise _bad(f"{name}: {why}", name)
+        if body.max_tool_calls is not None and not 0 <= body.max_tool_calls < 2**31:
+            raise _bad("max_tool_calls must be in [0, 2^31)", "max_tool_calls")
         store: ResponseStore = state.responses
         history: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
