@@ -77,9 +77,11 @@ class Call(ApiFrame, tag="call"):
 
 
 class Hello(ApiFrame, tag="hello"):
-    """An API process is up; the core answers with the models' state."""
+    """An API process is up; the core answers with the models' state. ``token``: the one the core
+    gave it on stdin for this run; a peer without it is not heard."""
 
     pid: int
+    token: str = ""
 
 
 class Synced(ApiFrame, tag="synced"):

@@ -45,7 +45,7 @@ def children_of(pid: int) -> list[int]:
     return [int(x) for x in out.split()]
 
 
-def _cmdline(pid: int) -> bytes:
+def cmdline(pid: int) -> bytes:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
@@ -78,7 +78,7 @@ class Server:
 
     def rank_pids(self) -> list[int]:
         """The leader's rank processes (not its grammar-compiling workers)."""
-        return [pid for pid in children_of(self.proc.pid) if b"neuron.rank" in _cmdline(pid)]
+        return [pid for pid in children_of(self.proc.pid) if b"neuron.rank" in cmdline(pid)]
 
     def stop(self, timeout: float = 30) -> int:
         if self.proc.poll() is None:
@@ -95,7 +95,7 @@ def api_pids(server) -> dict[int, int]:
     """index -> pid of the core's API processes."""
     out = {}
     for pid in children_of(server.proc.pid):
-        argv = _cmdline(pid).split(b"\0")
+        argv = cmdline(pid).split(b"\0")
         if b"neuron.server.api_process" in argv:
             out[int(argv[argv.index(b"--index") + 1])] = pid
     return out

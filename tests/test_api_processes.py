@@ -159,6 +159,37 @@ class Stream(threading.Thread):
         self.started.set()
 
 
+def test_a_peer_without_the_runs_token_is_not_heard_and_not_waited_for(split):
+    """Another program of the same user on the core's socket: it says Hello with no token and never
+    acknowledges a models' state. A load and an unload do not wait for it."""
+    import zmq
+
+    import protocol.api_core as m
+    from conftest import cmdline
+
+    argv = cmdline(next(iter(api_pids(split).values()))).split(b"\0")
+    endpoint = argv[argv.index(b"--core") + 1].decode()
+    ctx = zmq.Context()
+    rogue = ctx.socket(zmq.DEALER)
+    rogue.setsockopt(zmq.IDENTITY, b"rogue")
+    rogue.setsockopt(zmq.LINGER, 0)
+    rogue.connect(endpoint)
+    try:
+        for frame in (m.Hello(4242), m.Hello(4242, "0" * 32), m.Call(1, "models")):
+            rogue.send(m.encode(frame))
+        for path, body in (("/models/load", {"model": "SmolLM2-135M-Instruct", "id": "rogue-test", "max_model_len": 256}),
+                           ("/models/unload", {"model": "rogue-test"})):
+            t0 = time.monotonic()
+            r = httpx.post(f"{split.url}{path}", json=body, timeout=120)
+            assert r.status_code == 200 and time.monotonic() - t0 < 20, (path, r.text, time.monotonic() - t0)
+        assert not rogue.poll(200), "the core answered a peer without the token"
+        assert "(b'rogue') has not shown this run's token" in split.log()
+        assert "did not apply the models' state" not in split.log()  # nobody was waited for
+    finally:
+        rogue.close()
+        ctx.term()
+
+
 def test_a_killed_api_process_ends_only_its_streams_and_comes_back(split):
     streams: list[Stream] = []
     by_process: dict[int, list[Stream]] = {}

@@ -151,7 +151,7 @@ def test_a_request_the_core_link_cannot_send_leaves_nothing_behind():
     from test_blocks import request
 
     async def main():
-        link = CoreLink("ipc:///nonexistent/neuron-core.sock", on_models=None)
+        link = CoreLink("ipc:///nonexistent/neuron-core.sock", "token", on_models=None)
         try:
             req = request(4, 2)
             req.priority = 2**64  # past what the wire carries

@@ -52,8 +52,8 @@ def api_process_count(server: ServerConfig, cpus: int | None = None, gpus: int |
 
 
 class ApiProcesses:
-    def __init__(self, cfg: Config, endpoint: str, on_gone: Callable[[bytes], int], runtime: Path) -> None:
-        self.cfg, self.endpoint, self.on_gone = cfg, endpoint, on_gone
+    def __init__(self, cfg: Config, endpoint: str, token: str, on_gone: Callable[[bytes], int], runtime: Path) -> None:
+        self.cfg, self.endpoint, self.token, self.on_gone = cfg, endpoint, token, on_gone
         self.metrics_dir = runtime / "metrics"  # the API processes' counters (prometheus multiprocess mode)
         self.metrics_dir.mkdir(mode=0o700)
         self.procs: list[subprocess.Popen | None] = [None] * api_process_count(cfg.server)
@@ -77,7 +77,8 @@ class ApiProcesses:
         assert proc.stdin is not None
         # Each names its share of max_principals in /metrics: the series of all of them add up.
         server = dataclasses.replace(self.cfg.server, max_principals=self.cfg.server.max_principals // len(self.procs))
-        proc.stdin.write(msgspec.json.encode(dataclasses.replace(self.cfg, server=server)))  # never argv: keys
+        # Never argv: the config may hold keys, and the token is this run's proof to the core.
+        proc.stdin.write(self.token.encode() + b"\n" + msgspec.json.encode(dataclasses.replace(self.cfg, server=server)))
         proc.stdin.close()
         return proc
 

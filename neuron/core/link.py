@@ -4,12 +4,17 @@ One ROUTER; each API process is a DEALER peer named by its identity. A ``Submit`
 request of the model's Engine whose ``sink`` is its API process's box: what the engine emits
 for it during a turn (admission, drawn tokens, its end) goes out as one ``Outputs`` frame per API
 process when the turn yields. An API process that goes away takes only its own requests: they
-are aborted and their KV blocks freed at the next step."""
+are aborted and their KV blocks freed at the next step. A peer is heard only once it has said
+Hello with this run's token, which the core gave each API process on its stdin: another program
+of the same user on the socket is dropped, and a load never waits for it (nor more than
+``SYNC_S`` for anyone)."""
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
+import secrets
 from typing import Awaitable, Callable
 
 import msgspec
@@ -24,6 +29,8 @@ from ..errors import ApiError
 
 log = logging.getLogger("neuron.core")
 Caller = Callable[[bytes, m.Call], Awaitable[tuple[int, bytes]]]
+SYNC_S = 5.0  # how long a load or unload waits for the API processes to know of it
+STRANGERS_LOGGED = 64
 
 
 class Box:
@@ -123,6 +130,8 @@ def refusal(key: int, exc: BaseException) -> m.Refused:
 class ApiLink:
     def __init__(self, models: Callable[[], dict], snapshot: Callable[[], m.Models], ctx: zmq.asyncio.Context,
                  endpoint: str, caller: Caller) -> None:
+        self.token = secrets.token_hex(16)  # this run's: the API processes get it on stdin
+        self.strangers: set[bytes] = set()  # peers heard without it (logged once each, up to STRANGERS_LOGGED)
         self.models = models  # model id -> ModelHandle, the registry's
         self.snapshot = snapshot  # the models' state as API processes see it
         self.caller = caller
@@ -181,6 +190,9 @@ class ApiLink:
                 continue
             box = self.boxes.get(ident)
             if box is None:
+                if not (isinstance(msg, m.Hello) and hmac.compare_digest(msg.token.encode(), self.token.encode())):
+                    self._stranger(ident)
+                    continue
                 box = self.boxes[ident] = Box(self, ident)
             try:
                 self._handle(box, msg)
@@ -190,6 +202,14 @@ class ApiLink:
                     box.requests.pop(msg.key, None)
                     box.refused.append(refusal(msg.key, exc))
                     box.due()
+
+    def _stranger(self, ident: bytes) -> None:
+        """A frame from a peer that never said Hello with this run's token: dropped."""
+        self.dropped += 1
+        if ident not in self.strangers and len(self.strangers) < STRANGERS_LOGGED:
+            self.strangers.add(ident)
+            log.warning("a peer on the core's socket (%r) has not shown this run's token: its frames are dropped",
+                        ident[:64])
 
     def _handle(self, box: Box, msg: m.ApiFrame) -> None:
         ident = box.ident
@@ -252,14 +272,16 @@ class ApiLink:
             status, body = 500, error_body(ApiError(500, "internal_error", f"{type(exc).__name__}: {exc}"))
         self.send(ident, m.Answer(call.id, status, body))
 
-    async def sync(self, frame: m.Models, timeout: float = 30.0) -> None:
+    async def sync(self, frame: m.Models, timeout: float = SYNC_S) -> None:
         """Send every API process the models' new state and wait until each has applied it (a
         model a load just answered for is then known to whichever process the next request hits)."""
         self.broadcast(frame)
         deadline = asyncio.get_running_loop().time() + timeout
         while any(self.synced.get(i, -1) < frame.version for i in self.boxes):
             if asyncio.get_running_loop().time() > deadline:
-                log.warning("API processes did not apply the models' state %d in %.0fs", frame.version, timeout)
+                late = [i.decode(errors="replace") for i in self.boxes if self.synced.get(i, -1) < frame.version]
+                log.warning("API processes %s did not apply the models' state %d in %.0fs: going on without them",
+                            ", ".join(late), frame.version, timeout)
                 return
             await asyncio.sleep(0.01)
 

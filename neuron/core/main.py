@@ -42,7 +42,7 @@ class Core:
         self.registry = Registry(cfg, templates=self.templates)
         self.link = ApiLink(lambda: self.registry.models, self.snapshot, self.registry.ctx,
                             ipc_endpoint(self.registry.runtime, "api"), self.call)
-        self.processes = ApiProcesses(cfg, self.link.endpoint, self.link.gone, self.registry.runtime)
+        self.processes = ApiProcesses(cfg, self.link.endpoint, self.link.token, self.link.gone, self.registry.runtime)
         self.starting, self.draining, self.closing = True, False, False
         self.startup_error: str | None = None
         self.responses = ResponseStore(cfg.server.stored_responses)  # /v1/responses of every API process

@@ -1,6 +1,7 @@
 """An API process (``[server] api_processes``): HTTP on the server's port (a socket of its own in
 the port's SO_REUSEPORT group), the models in the engine core (``python -m
-neuron.server.api_process --core ENDPOINT``; the config comes as JSON on stdin). It leaves when
+neuron.server.api_process --core ENDPOINT``; the core's token for the run and the config come
+on stdin). It leaves when
 the core says so, or when the core is gone."""
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ class ApiServer(NeuronServer):
         pass
 
 
-async def serve_api(cfg: Config, core: str) -> int:
+async def serve_api(cfg: Config, core: str, token: str) -> int:
     planning_threads()
-    app = create_app(cfg, core=core)
+    app = create_app(cfg, core=core, core_token=token)
     state = app.state.neuron
     registry: RemoteRegistry = state.registry
     server = ApiServer(uvicorn_config(app, cfg), state)
@@ -66,13 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--core", required=True)
     parser.add_argument("--index", type=int, default=0)
     args = parser.parse_args(argv)
-    cfg = msgspec.json.decode(sys.stdin.buffer.read(), type=Config)
+    token, _, config = sys.stdin.buffer.read().partition(b"\n")  # the core's token for this run, then the config
+    cfg = msgspec.json.decode(config, type=Config)
     configure_logging(cfg.server.log_level, cfg.server.log_format, process=f"api-{args.index}")
     try:
         import uvloop
-        return uvloop.run(serve_api(cfg, args.core))
+        return uvloop.run(serve_api(cfg, args.core, token.decode()))
     except ImportError:
-        return asyncio.run(serve_api(cfg, args.core))
+        return asyncio.run(serve_api(cfg, args.core, token.decode()))
 
 
 if __name__ == "__main__":

@@ -39,9 +39,9 @@ from neuron.server.state import AppState
 log = logging.getLogger("neuron.server")
 
 
-def create_app(cfg: Config, core: str | None = None) -> Starlette:
-    """``core``: the engine core's endpoint, in an API process (``[server] api_processes``); None:
-    the models run in this process."""
+def create_app(cfg: Config, core: str | None = None, core_token: str = "") -> Starlette:
+    """``core``: the engine core's endpoint, in an API process (``[server] api_processes``), and
+    ``core_token`` the token it gave this one; None: the models run in this process."""
     metrics = Metrics(cfg.server.max_principals)
 
     def on_finish(model: str, req: GenRequest, fin: FinishEvent) -> None:
@@ -51,7 +51,7 @@ def create_app(cfg: Config, core: str | None = None) -> Starlette:
 
     templates = TemplateRenderer(cfg.templates, cfg.server.allow_request_chat_template)
     registry = Registry(cfg, on_finish=on_finish, templates=templates) if core is None else \
-        RemoteRegistry(cfg, core, on_finish)
+        RemoteRegistry(cfg, core, core_token, on_finish)
     state = AppState(cfg=cfg, registry=registry, metrics=metrics,
                      compiler=GrammarCompiler(cfg.grammar), templates=templates,
                      body_budget=BodyBudget(cfg.http.max_inflight_body_bytes),

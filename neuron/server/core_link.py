@@ -31,8 +31,9 @@ OnFinish = Callable[[str, GenRequest, FinishEvent], None]
 
 
 class CoreLink:
-    def __init__(self, endpoint: str, on_models: Callable[[m.Models], Awaitable[None]],
+    def __init__(self, endpoint: str, token: str, on_models: Callable[[m.Models], Awaitable[None]],
                  on_finish: OnFinish | None = None) -> None:
+        self.token = token  # this run's, from the core: it hears us only with it
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         for opt, value in ((zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0)):
@@ -59,7 +60,7 @@ class CoreLink:
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._receive(), name="core-link"),
                        asyncio.create_task(self._apply_models(), name="core-models")]
-        self.send(m.Hello(os.getpid()))
+        self.send(m.Hello(os.getpid(), self.token))
 
     def close(self) -> None:
         for task in self._tasks:

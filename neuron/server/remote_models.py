@@ -70,9 +70,9 @@ class RemoteHandle:
 
 
 class RemoteRegistry:
-    def __init__(self, cfg: Config, endpoint: str, on_finish: OnFinish | None = None) -> None:
+    def __init__(self, cfg: Config, endpoint: str, token: str, on_finish: OnFinish | None = None) -> None:
         self.cfg = cfg
-        self.link = CoreLink(endpoint, self._apply, on_finish)
+        self.link = CoreLink(endpoint, token, self._apply, on_finish)
         self.models: dict[str, RemoteHandle] = {}
         self.cluster = None
         self.state: Any = None  # the AppState whose starting / draining flags the core sets
