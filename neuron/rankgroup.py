@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("neuron.group")
 
 # A watchdog check this late (seconds past its period) follows a stall of the leader's own loop.
+WATCHDOG_S = 0.25  # how often the watchdog checks the ranks' heartbeats
 WATCHDOG_LATE_S = 0.5
 
 _epochs = itertools.count(1)
@@ -305,14 +306,17 @@ class RankGroup:
         code = await proc.wait()
         self.fail(f"rank {rank} (pid {proc.pid}) exited with code {code}")
 
+    async def watchdog_wait(self) -> None:
+        """The watchdog's wait between checks (a test stalls the loop inside it)."""
+        await asyncio.sleep(WATCHDOG_S)
+
     async def _watchdog(self) -> None:
-        period = 0.25
         woke = time.monotonic()
         while self.failure is None:
-            await asyncio.sleep(period)
+            await self.watchdog_wait()
             now, last = time.monotonic(), woke
             woke = now
-            if now - last > period + WATCHDOG_LATE_S:
+            if now - last > WATCHDOG_S + WATCHDOG_LATE_S:
                 # This loop did not run for a while (a long synchronous stretch, such as tokenizing a
                 # huge prompt, or a starved CPU), and this check may run right after it, before the
                 # loop has read the heartbeats that wait in the socket: a rank that beat all along

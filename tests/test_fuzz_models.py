@@ -4,7 +4,7 @@ every type in every key, arrays and objects nested thousands deep, counts in the
 overwritten, files cut short).
 
 Every file either loads or is refused with a LoadError (an HTTP 4xx naming the problem), within
-a second; nothing else may come out: no TypeError, RecursionError, IndexError, OSError or
+a second of CPU time; nothing else may come out: no TypeError, RecursionError, IndexError, OSError or
 MemoryError, which the server would turn into a 500. The seed is fixed, so every run tries the
 same files."""
 
@@ -29,7 +29,7 @@ SEED = 20261127
 SETTINGS = dict(database=None, deadline=None, phases=[Phase.explicit, Phase.generate],
                 suppress_health_check=list(HealthCheck), print_blob=False)
 N = 250  # examples per kind of file
-MAX_S = 1.0
+MAX_S = 1.0  # of this process's CPU time: what the load costs, not what else the machine runs
 
 DEEP = 100_000
 
@@ -40,12 +40,12 @@ def source(tmp_path_factory) -> Path:
 
 
 def loads_or_refuses(ref: Path) -> None:
-    t0 = time.monotonic()
+    t0 = time.process_time()
     try:
         load_spec(str(ref))
     except LoadError as exc:
         assert 400 <= exc.status < 500 and exc.message
-    took = time.monotonic() - t0
+    took = time.process_time() - t0
     assert took < MAX_S, f"{took:.2f}s"
 
 

@@ -43,35 +43,30 @@ def test_a_stalled_leader_loop_does_not_fail_its_live_ranks(tmp_path):
     assert frozen is not None and "heartbeat" in frozen
 
 
-def test_a_stall_just_before_the_watchdog_checks_does_not_fail_its_live_ranks(tmp_path, monkeypatch):
+def test_a_stall_just_before_the_watchdog_checks_does_not_fail_its_live_ranks(tmp_path):
     """The race the first test leaves to chance: the loop stalls in the very step in which the
     watchdog then checks, with no read of the socket between them (seen in the suite: tokenizing a
     4 MiB prompt on the loop, 'rank 0 sent no heartbeat for 5.6s', the model sent to recovery). The
     stall is put inside the watchdog's own wait, after it ends; the rank's heartbeats meanwhile sit
     unread, as they did there."""
-    import neuron.rankgroup as rankgroup
+    class Stalling(RankGroup):
+        checks = 0
 
-    real_sleep = asyncio.sleep
-    waits = []
-
-    async def sleep(delay, *args, **kwargs):
-        await real_sleep(delay, *args, **kwargs)
-        if delay == 0.25:  # the watchdog's period (no other wait of this module or this test is 0.25)
-            waits.append(delay)
-            if len(waits) == 6:
+        async def watchdog_wait(self) -> None:
+            await super().watchdog_wait()
+            self.checks += 1
+            if self.checks == 6:
                 time.sleep(2.5)
 
     async def main() -> tuple[str | None, int]:
         ctx = zmq.asyncio.Context()
-        group = RankGroup(model_id="stall", devices=["cpu"], ctx=ctx, runtime_dir=tmp_path,
-                          timeouts=TimeoutConfig(heartbeat_timeout_s=1.0))
+        group = Stalling(model_id="stall", devices=["cpu"], ctx=ctx, runtime_dir=tmp_path,
+                         timeouts=TimeoutConfig(heartbeat_timeout_s=1.0))
         await group.start()
-        monkeypatch.setattr(rankgroup.asyncio, "sleep", sleep)
         try:
-            await real_sleep(6.0)  # the stall, then checks that come after reads
-            return group.failure, len(waits)
+            await asyncio.sleep(6.0)  # the stall, then checks that come after reads
+            return group.failure, group.checks
         finally:
-            monkeypatch.setattr(rankgroup.asyncio, "sleep", real_sleep)
             group.kill()
             await group.close_after_failure()
             ctx.destroy(linger=0)
