@@ -24,15 +24,13 @@ from .config import Config, ModelEntry, engine_sizes
 from .devices import choose_devices, default_dtype
 from .engine.engine import Engine
 from .engine.shape import Sizing
-from .engine.speculative import DraftError, DraftPolicy
 from .engine.step_budget import StepBudget
 from .model_names import clash, find
 from .kernels import isa
 from .engine.request import FinishEvent, GenRequest
 from .errors import ApiError
-from .loader.chat_template import TemplateError
-from .loader.errors import BadModelConfig, LoadError
-from .loader.spec import ModelSpec, load_spec, model_id_for
+from .loader.errors import LoadError
+from .loader.spec import load_spec, model_id_for
 from .loader.template_worker import TemplateRenderer
 from .models import families
 from .models.sharding import ShardingError
@@ -40,6 +38,7 @@ from .models.sharding import ShardingError
 from .leader_sockets import CurveGate, TapMirror
 from .model_handle import ModelHandle
 from .rankgroup import GroupFailed, RankError, RankGroup
+from .speculation import draft_policy, speculation_refused
 
 QUANT_GROUP = 32  # models.quant.GROUP, without importing torch in the leader
 
@@ -138,7 +137,7 @@ class Registry:
             spec = await asyncio.to_thread(load_spec, entry.model, model_id=model_id,
                                            hf_cache=self.cfg.runtime.hf_cache or None, roots=self.cfg.server.model_roots)
             if self.templates is not None:
-                await asyncio.to_thread(self._probe_template, spec)
+                await asyncio.to_thread(self.templates.check_model, spec)
         except LoadError:
             await asyncio.to_thread(heap.trim)  # what reading the refused files took
             raise
@@ -196,23 +195,6 @@ class Registry:
                  f", CPU kernels {handle.cpu_isa}" if handle.cpu_isa else "")
         return handle
 
-    def _probe_template(self, spec: ModelSpec) -> None:
-        info = spec.tokenizer
-        assert self.templates is not None
-        try:
-            self.templates.probe(info.chat_template, info.bos_token,
-                                 info.token(info.eos_token_ids[0]) if info.eos_token_ids else None)
-        except TemplateError as exc:
-            raise BadModelConfig(f"model {spec.id!r}: {exc}") from None
-
-    @staticmethod
-    async def _log_progress(handle: ModelHandle, group: RankGroup, every_s: float = 5.0) -> None:
-        while True:
-            await asyncio.sleep(every_s)
-            done = sum(group.loaded_bytes.values())
-            if done:
-                log.info("%s: loading, %.2f GB of weights read", handle.id, done / 1e9)
-
     async def _start_group(self, handle: ModelHandle) -> RankGroup:
         remote = None
         if self.cluster is not None:
@@ -228,7 +210,7 @@ class Registry:
                           curve=self.curve, remote=remote, pipeline=handle.entry.pipeline_parallel)
         spec, entry, z = handle.spec, handle.entry, handle.engine.sizing
         handle.loading = group
-        progress = asyncio.create_task(self._log_progress(handle, group))
+        progress = asyncio.create_task(log_progress(handle, group))
         gpu = handle.devices[0].startswith("cuda")
         # On the CPU the KV cache holds every slot at full length unless told otherwise; on a GPU
         # it takes what the memory left after the weights allows.
@@ -403,24 +385,10 @@ class Registry:
             pass
 
 
-def draft_policy(model_id: str, entry: ModelEntry, gpu: bool, vocab: int) -> DraftPolicy | None:
-    s = entry.speculative
-    if not s.method:
-        return None
-    try:
-        return DraftPolicy.build(s.method, s.tokens, gpu, vocab, entry.max_slots, s.replay)
-    except DraftError as exc:
-        raise LoadError(f"model {model_id!r}: speculative decoding: {exc}") from None
-
-
-def speculation_refused(entry: ModelEntry, spec: ModelSpec | None = None) -> str:
-    """Why a model cannot draft (speculative decoding) yet, or "": pipeline stages pass one token
-    a sequence between them; ``mtp`` needs the checkpoint's MTP layer."""
-    if entry.pipeline_parallel > 1:
-        return "is not supported yet with pipeline stages"
-    if entry.speculative.method == "mtp" and spec is not None:
-        refused = getattr(families.family(spec.config.family), "mtp_refused", None)
-        if refused is None:
-            return f"needs a checkpoint with MTP layers, and the {spec.config.family} family has none"
-        return refused(spec.config, spec.files.tensor_names if spec.files.format == "safetensors" else None)
-    return ""
+async def log_progress(handle: ModelHandle, group: RankGroup, every_s: float = 5.0) -> None:
+    """A log line every ``every_s`` while a model's weights are read."""
+    while True:
+        await asyncio.sleep(every_s)
+        done = sum(group.loaded_bytes.values())
+        if done:
+            log.info("%s: loading, %.2f GB of weights read", handle.id, done / 1e9)

@@ -7,7 +7,6 @@ and `neuron status` showing them."""
 from __future__ import annotations
 
 import hashlib
-import json
 import signal
 import subprocess
 import sys

@@ -244,7 +244,7 @@ def test_mtp_is_refused_by_name_where_the_checkpoint_has_no_mtp_layer(tmp_path_f
 
     from neuron.config import ModelEntry, SpeculativeConfig
     from neuron.loader.spec import load_spec
-    from neuron.registry import speculation_refused
+    from neuron.speculation import speculation_refused
 
     entry = ModelEntry(speculative=SpeculativeConfig(method="mtp", tokens=2))
     _, ckpt, _ = plain("qwen3_next", tmp_path_factory)

@@ -215,7 +215,7 @@ def test_snapshots_leave_the_drafts_state_slots_free_while_they_can_evict_instea
 
 def test_pipeline_stages_refuse_drafts_by_name():
     from neuron.config import ModelEntry, SpeculativeConfig
-    from neuron.registry import speculation_refused
+    from neuron.speculation import speculation_refused
 
     entry = ModelEntry(speculative=SpeculativeConfig("ngram", 4))
     assert speculation_refused(entry) == ""

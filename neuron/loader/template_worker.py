@@ -22,6 +22,7 @@ from neuron import sandbox
 from neuron.config import TemplateConfig
 
 from .chat_template import TemplateError, TemplateTooLarge, render_chat
+from .errors import BadModelConfig
 
 MODULE = "neuron.loader.template_worker"
 RECYCLE_RSS_BYTES = 256 << 20  # a worker this large after a job is replaced
@@ -153,3 +154,12 @@ class TemplateRenderer:
 
 if __name__ == "__main__":
     sandbox.serve(_handle)
+
+    def check_model(self, spec) -> None:
+        """``probe`` of a model's template (a ``ModelSpec``'s): BadModelConfig naming the model."""
+        info = spec.tokenizer
+        try:
+            self.probe(info.chat_template, info.bos_token,
+                       info.token(info.eos_token_ids[0]) if info.eos_token_ids else None)
+        except TemplateError as exc:
+            raise BadModelConfig(f"model {spec.id!r}: {exc}") from None
