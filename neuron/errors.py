@@ -29,3 +29,11 @@ def _type_for(status: int) -> str:
 
 class GroupFailed(Exception):
     """A model's rank group can no longer serve; it must be respawned."""
+
+
+class RankError(Exception):
+    """A rank answered with ``error{kind, message}``."""
+
+    def __init__(self, rank: int, kind: str, message: str) -> None:
+        super().__init__(f"rank {rank}: {kind}: {message}")
+        self.rank, self.kind, self.message = rank, kind, message

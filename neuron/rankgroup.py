@@ -24,11 +24,12 @@ import zmq
 import zmq.asyncio
 
 import protocol as p
-from protocol.sockets import CURVE_ENV, bind_router, identity_rank, ipc_endpoint, rank_identity
+from protocol.sockets import bind_router, identity_rank, ipc_endpoint, rank_identity
 
 from .config import TimeoutConfig
-from .errors import GroupFailed
-from .leader_sockets import CurveGate, TapMirror, free_port
+from .errors import GroupFailed, RankError
+from .leader_sockets import CurveGate, TapMirror
+from .rank_start import join_collective, rank_env
 
 if TYPE_CHECKING:
     from .cluster.head import Remote
@@ -41,14 +42,6 @@ WATCHDOG_LATE_S = 0.5
 
 _epochs = itertools.count(1)
 _ids = itertools.count(1)
-
-
-class RankError(Exception):
-    """A rank answered with ``error{kind, message}``."""
-
-    def __init__(self, rank: int, kind: str, message: str) -> None:
-        super().__init__(f"rank {rank}: {kind}: {message}")
-        self.rank, self.kind, self.message = rank, kind, message
 
 
 @dataclass
@@ -109,9 +102,7 @@ class RankGroup:
         self.sock, self.endpoint = bind_router(self.ctx, self.endpoint, server_keys)
         self._tasks.append(asyncio.create_task(self._receive(), name=f"recv-{self.model_id}"))
         backend = "nccl" if self.devices[0].startswith("cuda") else "gloo"
-        env = dict(os.environ)
-        if server_keys and client_keys:
-            env.update(zip(CURVE_ENV, (k.decode() for k in (server_keys[0], *client_keys))))
+        env = rank_env(backend, len(self.devices), server_keys, client_keys)
         if self.remote is not None:
             from .cluster.netif import collective_env
 
@@ -120,10 +111,6 @@ class RankGroup:
             r = self.remote  # its JoinFailed is a GroupFailed
             self.remote_paths = await r.head.join(self.epoch, r.model, r.fingerprint, self.endpoint, self.world,
                                                   len(self.devices), self.fail)
-        if backend == "gloo":
-            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // len(self.devices))))
-        else:  # a GPU rank's host work is launches: idle OpenMP threads would only spin beside it
-            env.setdefault("OMP_NUM_THREADS", "4")
         for rank, device in enumerate(self.devices):
             cmd = [sys.executable, "-m", "neuron.rank", "--endpoint", self.endpoint, "--rank", str(rank),
                    "--world", str(self.world), "--epoch", str(self.epoch), "--device", device]
@@ -137,18 +124,7 @@ class RankGroup:
                  self.epoch, self.pids)
         await self._wait_for(self._all_connected(), self.timeouts.spawn_s, "ranks to connect")
         self._tasks.append(asyncio.create_task(self._watchdog()))
-        pongs = await self.broadcast(lambda i: p.Ping(id=i, epoch=self.epoch), self.timeouts.control_s)
-        for rank, pong in pongs.items():
-            if not isinstance(pong, p.Pong) or pong.rank != rank or pong.world != self.world:
-                raise GroupFailed(f"rank {rank} answered ping with {pong!r}")
-        rendezvous = f"tcp://{self.host}:{free_port(self.host)}"
-        await self.broadcast_each(lambda i, r: p.InitDist(
-            id=i, epoch=self.epoch, backend=backend, rendezvous=rendezvous, world=self.world, rank=r,
-            timeout_s=self.timeouts.control_s), self.timeouts.control_s)
-        sums = await self.broadcast(lambda i: p.SanityCheck(id=i, epoch=self.epoch), self.timeouts.control_s)
-        bad = {r: s.observed for r, s in sums.items() if s.observed != self.world}
-        if bad:
-            raise GroupFailed(f"sanity check failed: all-reduce of ones gave {bad}, expected {self.world}")
+        await join_collective(self, backend)
 
     async def _all_connected(self) -> None:
         while len(self.last_seen) < self.world:

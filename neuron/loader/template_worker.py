@@ -151,10 +151,6 @@ class TemplateRenderer:
     def close(self) -> None:
         self._pool.close()
 
-
-if __name__ == "__main__":
-    sandbox.serve(_handle)
-
     def check_model(self, spec) -> None:
         """``probe`` of a model's template (a ``ModelSpec``'s): BadModelConfig naming the model."""
         info = spec.tokenizer
@@ -163,3 +159,7 @@ if __name__ == "__main__":
                        info.token(info.eos_token_ids[0]) if info.eos_token_ids else None)
         except TemplateError as exc:
             raise BadModelConfig(f"model {spec.id!r}: {exc}") from None
+
+
+if __name__ == "__main__":
+    sandbox.serve(_handle)
