@@ -2,7 +2,7 @@
 // function takes the addresses and sizes of its operands as integers (neuron/kernels/cpu.py
 // checks the tensors and passes them) and runs without the GIL, as torch's own ops do, so a rank's
 // socket loop answers pings and sends heartbeats while its device thread is inside a kernel.
-// Built once per level by neuron/kernels/build.py as neuron.kernels._cpu_<level>; no torch here.
+// Built once per level by setup.py (its extension()) as neuron.kernels._cpu_<level>; no torch here.
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

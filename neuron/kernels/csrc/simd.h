@@ -6,7 +6,7 @@
 // program too (tests/csrc/kernel_check.cpp), under emulation for a level the machine lacks.
 //
 // Exactly one of NEURON_ISA_AVX512, NEURON_ISA_AVX2, NEURON_ISA_NEON, NEURON_ISA_PORTABLE is
-// defined by the build (neuron/kernels/build.py), with the compiler flags that level needs.
+// defined by the build (setup.py, one extension per level), with the compiler flags that level needs.
 
 #pragma once
 
