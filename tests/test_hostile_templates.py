@@ -41,6 +41,7 @@ allow_request_chat_template = true
 
 [templates]
 render_timeout_s = 1.0
+render_memory_bytes = 536870912
 {extra}
 """
 

@@ -175,7 +175,8 @@ def check_sequence(body: SamplingFields, handle: ModelHandle, settings: Settings
         asked = len(prompt) + (max_tokens or 0)
         raise ApiError(400, "context_length_exceeded",
                        f"this model's maximum context length is {limit} tokens; the request needs {asked} "
-                       f"({len(prompt)} in the prompt + {max_tokens or 0} to generate)", param="messages")
+                       f"({len(prompt)} in the prompt + {max_tokens or 0} to generate)",
+                       param="prompt" if hasattr(body, "prompt") else "messages")
     return resolve_sampling(body, handle, len(prompt), settings, body.seed, [])
 
 
