@@ -34,8 +34,8 @@ def scheduler(slots: int) -> Scheduler:
        slots=st.integers(1, 6))
 def test_every_principals_share_of_admitted_work_converges_to_its_weight(weights, seed, slots):
     # A principal with nothing running takes a slot from one running two or more: weights decide
-    # where every principal's share is a slot or more, or where there is only one slot to share.
-    assume(slots == 1 or slots * min(weights) >= sum(weights))
+    # where every principal's share is more than a slot, or where there is only one slot to share.
+    assume(slots == 1 or slots * min(weights) > sum(weights))
 
     async def main():
         rnd = random.Random(seed)
