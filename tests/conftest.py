@@ -115,6 +115,13 @@ def pytest_configure(config) -> None:
         signal.signal(signal.SIGTERM, interrupted)
 
 
+def pytest_runtest_logreport(report) -> None:
+    """With NEURON_TEST_SHOW_FAILURES set (scripts/gpu-check sets it), a failure's report is
+    printed the moment it arrives, so a run cut off by its time limit still shows why tests failed."""
+    if report.failed and os.environ.get("NEURON_TEST_SHOW_FAILURES"):
+        print(f"\n---- FAILURE {report.nodeid} ({report.when})\n{report.longreprtext}\n----", flush=True)
+
+
 def pytest_unconfigure(config) -> None:
     for proc in STARTED:
         if proc.poll() is None:

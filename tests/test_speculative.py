@@ -260,9 +260,9 @@ class GraphSpy:
         for name in ("replay", "replay_prefill"):
             real = getattr(graphs, name)
 
-            def spy(seqs, *args, real=real):
+            def spy(seqs, *args, real=real, **kwargs):
                 self.replays += any(s.drafts for s in seqs)
-                return real(seqs, *args)
+                return real(seqs, *args, **kwargs)
             setattr(graphs, name, spy)
 
 

@@ -43,16 +43,45 @@ def kv_blocks(runner, kv_layers: int, state_bytes: int) -> int:
     cfg, model, bs = runner.cfg, runner.model, runner.bs
     shape = model.attention_shape
     per_block = PagedKvCache.bytes_per_block(kv_layers, bs, shape.n_kv, shape.head_dim, model.dtype)
+    peak = largest_step_peak(runner, kv_layers) if runner.cuda and per_block else 0
     if cfg.kv_tokens or not runner.cuda or not per_block:  # (no layer keeps K/V: blocks only count positions)
         tokens = cfg.kv_tokens or cfg.max_seqs * runner.max_blocks * bs
         return max(1, -(-tokens // bs))
     device = runner.device
-    # What one step of the largest size needs beyond the weights, measured on a throwaway cache.
+    if getattr(model, "vision", None) is not None:  # an image's tower run must fit too, on every rank
+        peak = max(peak, tower_peak(model, device))
+    free, total = torch.cuda.mem_get_info(device)
+    sampler_bytes = 6 * (cfg.max_seqs + 1) * runner.vocab  # penalty state, if any sequence wants it
+    budget = total * cfg.memory_fraction - (total - free) - peak - sampler_bytes - (256 << 20)
+    blocks = int(budget // per_block)
+    if blocks < runner.max_blocks:
+        raise torch.OutOfMemoryError(
+            f"the KV cache would hold {max(0, blocks) * bs} tokens, less than one sequence of "
+            f"max_model_len={cfg.max_len} ({runner.states.slots} state slots): raise gpu_memory_utilization, "
+            f"lower max_model_len or max_slots")
+    log.info("rank %d: KV cache of %d blocks (%d tokens, %.2f GiB), %.2f GiB of per-sequence state; a %d-token "
+             "step peaks at %.2f GiB", runner.rank, blocks, blocks * bs, blocks * per_block / 2**30,
+             state_bytes / 2**30, largest_step(cfg), peak / 2**30)
+    return blocks
+
+
+def largest_step(cfg) -> int:
+    return max(1, min(cfg.max_step_tokens, cfg.max_len), *prefill_graph_sizes(cfg))
+
+
+def largest_step_peak(runner, kv_layers: int) -> int:
+    """Bytes beyond the weights that one eager step of the largest size takes, measured on a
+    throwaway cache. Run whether or not the cache is sized by it (``kv_tokens``): it also
+    compiles the eager prompt path's kernels, which no graph capture reaches, so the first prompt
+    longer than every prefill graph compiles nothing."""
+    cfg, model, bs = runner.cfg, runner.model, runner.bs
+    shape = model.attention_shape
+    device = runner.device
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
-    n = max(1, min(cfg.max_step_tokens, cfg.max_len), *prefill_graph_sizes(cfg))
+    n = largest_step(cfg)
     probe = PagedKvCache(kv_layers, -(-n // bs), bs, shape.n_kv, shape.head_dim, device, model.dtype)
     tables = torch.arange(probe.blocks, device=device, dtype=torch.int32)[None]
     attention = PagedAttention(probe, tables, shape, runner.triton, states=runner.states)
@@ -74,21 +103,7 @@ def kv_blocks(runner, kv_layers: int, state_bytes: int) -> int:
     peak = torch.cuda.max_memory_allocated(device) - before - probe.nbytes
     del probe, attention, tables, rows
     torch.cuda.empty_cache()
-    if getattr(model, "vision", None) is not None:  # an image's tower run must fit too, on every rank
-        peak = max(peak, tower_peak(model, device))
-    free, total = torch.cuda.mem_get_info(device)
-    sampler_bytes = 6 * (cfg.max_seqs + 1) * runner.vocab  # penalty state, if any sequence wants it
-    budget = total * cfg.memory_fraction - (total - free) - peak - sampler_bytes - (256 << 20)
-    blocks = int(budget // per_block)
-    if blocks < runner.max_blocks:
-        raise torch.OutOfMemoryError(
-            f"the KV cache would hold {max(0, blocks) * bs} tokens, less than one sequence of "
-            f"max_model_len={cfg.max_len} ({runner.states.slots} state slots): raise gpu_memory_utilization, "
-            f"lower max_model_len or max_slots")
-    log.info("rank %d: KV cache of %d blocks (%d tokens, %.2f GiB), %.2f GiB of per-sequence state; a %d-token "
-             "step peaks at %.2f GiB", runner.rank, blocks, blocks * bs, blocks * per_block / 2**30,
-             state_bytes / 2**30, n, peak / 2**30)
-    return blocks
+    return peak
 
 
 def tower_peak(model, device: torch.device) -> int:
