@@ -164,6 +164,8 @@ def start_server(tmp: Path, *, config: str = "", args: list[str] = (), env: dict
     server = Server(proc, f"http://127.0.0.1:{port}", log_path)
     if not healthy:
         return server
+    if os.environ.get("NEURON_TEST_KV_TOKENS"):  # servers side by side (gpu-check --jobs): loads share the cores
+        wait *= 2
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
         if proc.poll() is not None:
