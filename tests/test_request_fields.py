@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -300,3 +301,41 @@ def test_a_malformed_body_names_the_field_too(tp1):
                    timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
     assert msgspec.json.decode(b'{"model": "m", "prompt": [[1, 2], [3]]}', type=CompletionRequest).prompt == [[1, 2], [3]]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("chat/completions", {"messages": [{"role": "user", "content": QUESTION}]}),
+    ("completions", {"prompt": QUESTION}),
+    ("responses", {"input": QUESTION, "max_output_tokens": 2, "store": False}),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_fields_no_protocol_has_are_answered_and_named_in_a_header_and_the_log(tp1, path, body, stream):
+    """A field neither vLLM's nor OpenAI's protocol has (a typo among them) changes nothing, and
+    the answer says so: ``x-neuron-ignored`` lists them in the body's order, and the log line."""
+    base = {"model": DEFAULT_MODEL, **body, "stream": stream, "temperature": 0}
+    if path != "responses":
+        base |= {"max_tokens": 2, "ignore_eos": True}
+    plain = httpx.post(f"{tp1.base}/{path}", json=base, timeout=60)
+    assert plain.status_code == 200, plain.text
+    assert "x-neuron-ignored" not in plain.headers
+    typo = httpx.post(f"{tp1.base}/{path}", json={**base, "max_token": 50, "frobnicate": {"deep": [1, {"x": 2}]}},
+                      timeout=60)
+    assert typo.status_code == 200, typo.text
+    assert typo.headers["x-neuron-ignored"] == "max_token, frobnicate"
+    if not stream:  # the typo had no effect: the same tokens (max_token would have allowed 50)
+        tokens = [(out["usage"].get("completion_tokens", out["usage"].get("output_tokens")), answer_text(out))
+                  for out in (typo.json(), plain.json())]
+        assert tokens[0] == tokens[1] and tokens[0][0] <= 2, tokens
+    rid = typo.headers["x-request-id"]
+    deadline = time.monotonic() + 10
+    while not (lines := [x for x in tp1.log().splitlines() if rid in x and "no effect on" in x]):
+        assert time.monotonic() < deadline, f"no log line names the ignored fields of {rid}"
+        time.sleep(0.1)
+    assert "max_token, frobnicate" in lines[0], lines[0]
+
+
+def answer_text(out: dict) -> str:
+    if "output" in out:  # a response
+        return "".join(part["text"] for item in out["output"] if item["type"] == "message" for part in item["content"])
+    choice = out["choices"][0]
+    return choice["text"] if "text" in choice else choice["message"]["content"]

@@ -1,6 +1,7 @@
 """OpenAI request bodies as msgspec Structs, with every field of vLLM's chat and completions
-protocols. Unknown fields are ignored; a field vLLM has and we do not honour is refused by
-``neuron.server.fields`` with a 400 that names it; wrong types are a 400 that names the field."""
+protocols. Unknown fields change nothing and are named in ``x-neuron-ignored`` (``ignored.py``);
+a field vLLM has and we do not honour is refused by ``openai/fields.py`` with a 400 that names
+it; wrong types are a 400 that names the field."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from neuron.errors import ApiError
-from neuron.server.request_id import request_id
+from neuron.server.ignored import say_ignored
 
 from neuron.server.messages.errors import in_anthropic_envelope
 from neuron.server.messages.request import CountTokensRequest, MessagesRequest, Translation, our_name, translate
@@ -28,7 +28,6 @@ from neuron.server.openai.routes import serving
 from neuron.server.state import AppState, require_key
 
 _TRANSLATION = "neuron.messages.translation"
-IGNORED_HEADER = "x-neuron-ignored"  # the request's fields that had no effect on this model
 log = logging.getLogger("neuron.server")
 
 
@@ -67,30 +66,20 @@ async def _translated(request: Request, kind: type) -> AsyncIterator[tuple]:
         yield state, body, handle, translation, run
 
 
-def _say_ignored(request: Request, response: Response, ignored: list[str], model: str) -> Response:
-    """Fields given that had no effect on this model: in the ``x-neuron-ignored`` header and a log
-    line, never silently."""
-    if ignored:
-        response.headers[IGNORED_HEADER] = ", ".join(ignored)
-        log.info("%s %s: no effect on %s: %s", request.method, request.url.path, model, ", ".join(ignored),
-                 extra={"request_id": request_id(request)})
-    return response
-
-
 async def _create_message(request: Request) -> Response:
     async with _translated(request, MessagesRequest) as (state, body, handle, translation, run):
         plan, build = await run(plan_chat, translation.chat, handle, None, state.compiler, state.templates, True)
     choices = build()
     view = MessageView(body.model, translation.show_thinking, plan.fitted, translation.applied_edits)
     response = await respond(request, state, handle, choices, view, bool(body.stream), translation.chat.user)
-    return _say_ignored(request, response, translation.ignored, handle.id)
+    return say_ignored(request, response, translation.ignored, handle.id)
 
 
 async def _count_tokens(request: Request) -> Response:
     async with _translated(request, CountTokensRequest) as (state, _, handle, translation, run):
         plan = await run(chat_prompt, translation.chat, handle, state.templates)
     response = JSONResponse({"input_tokens": len(plan.prompt.ids)})
-    return _say_ignored(request, response, translation.ignored, handle.id)
+    return say_ignored(request, response, translation.ignored, handle.id)
 
 
 create_message = in_anthropic_envelope(_create_message, _rename)

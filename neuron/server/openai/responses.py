@@ -19,6 +19,7 @@ from neuron.server.openai.generation import KEEPALIVE, respond, usage
 from neuron.server.openai.routes import serving
 from neuron.server.openai.planning import plan_chat
 from neuron.server.sse import json_text
+from neuron.server.ignored import unknown_fields, say_ignored
 from neuron.server.openai.requests import decode_json, read_body
 from neuron.server.openai.response_store import ResponseStore
 from neuron.server.state import AppState, require_key
@@ -199,6 +200,7 @@ async def create_response(request: Request) -> Response:
     async with state.body_budget.hold(len(data)) as run:
         body = decode_json(data, ResponsesRequest)
         handle = serving(state, body.model)
+        ignored = unknown_fields(data, ResponsesRequest)
         for name, (fine, why) in REFUSED.items():
             if not fine(getattr(body, name)):
                 raise bad_request(f"{name}: {why}", name)
@@ -225,7 +227,7 @@ async def create_response(request: Request) -> Response:
     response = await respond(request, state, handle, choices, view, bool(body.stream))
     if body.store is not False:
         _store_when_done(response, store, view, conversation)
-    return response
+    return say_ignored(request, response, ignored, handle.id)
 
 
 def _store_when_done(response: Response, store: ResponseStore, view: ResponseView,

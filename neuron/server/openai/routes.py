@@ -14,6 +14,7 @@ from neuron.registry import ModelHandle
 from neuron.server.openai.fields import refuse_unsupported
 from neuron.server.openai.generation import Chunks, respond
 from neuron.server.openai.planning import plan_chat, plan_completion
+from neuron.server.ignored import unknown_fields, say_ignored
 from neuron.server.openai.requests import decode_json, read_body
 from neuron.server.schemas import ChatRequest, CompletionRequest, SamplingFields
 from neuron.server.state import AppState, require_key
@@ -41,6 +42,7 @@ async def chat_completions(request: Request) -> Response:
     async with state.body_budget.hold(len(data)) as run:
         body = decode_json(data, ChatRequest)
         handle = serving(state, body.model)
+        ignored = unknown_fields(data, ChatRequest)
         refuse_unsupported(body)
         if body.top_logprobs and not body.logprobs:
             raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
@@ -53,8 +55,9 @@ async def chat_completions(request: Request) -> Response:
     view = ChatView(model=body.model, tokenizer=handle.spec.tokenizer.tokenizer, top_logprobs=top,
                     return_token_ids=bool(body.return_token_ids), tokens_as_ids=bool(body.return_tokens_as_token_ids),
                     request_id=body.request_id)
-    return await respond(request, state, handle, choices, Chunks(view, *_usage_options(body)), bool(body.stream),
-                         body.user)
+    response = await respond(request, state, handle, choices, Chunks(view, *_usage_options(body)),
+                             bool(body.stream), body.user)
+    return say_ignored(request, response, ignored, handle.id)
 
 
 async def completions(request: Request) -> Response:
@@ -64,6 +67,7 @@ async def completions(request: Request) -> Response:
     async with state.body_budget.hold(len(data)) as run:
         body = decode_json(data, CompletionRequest)
         handle = serving(state, body.model)
+        ignored = unknown_fields(data, CompletionRequest)
         refuse_unsupported(body)
         top = body.logprobs
         _check_common(body, top, "logprobs")
@@ -74,8 +78,9 @@ async def completions(request: Request) -> Response:
     view = CompletionView(model=body.model, tokenizer=handle.spec.tokenizer.tokenizer, top_logprobs=top,
                           return_token_ids=bool(body.return_token_ids),
                           tokens_as_ids=bool(body.return_tokens_as_token_ids), request_id=body.request_id)
-    return await respond(request, state, handle, choices, Chunks(view, *_usage_options(body)), bool(body.stream),
-                         body.user)
+    response = await respond(request, state, handle, choices, Chunks(view, *_usage_options(body)),
+                             bool(body.stream), body.user)
+    return say_ignored(request, response, ignored, handle.id)
 
 
 async def list_models(request: Request) -> Response:
