@@ -332,6 +332,12 @@ def test_fields_no_protocol_has_are_answered_and_named_in_a_header_and_the_log(t
         assert time.monotonic() < deadline, f"no log line names the ignored fields of {rid}"
         time.sleep(0.1)
     assert "max_token, frobnicate" in lines[0], lines[0]
+    # a name is the client's text: non-ASCII and control characters escaped, many names cut short
+    odd = {"na\u00efve\u0004": 1, "\U0001f600": 2, "x" * 100: 0, **{f"k{i}": i for i in range(20)}}
+    r = httpx.post(f"{tp1.base}/{path}", json={**base, **odd}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-neuron-ignored"] == ("na\\u00efve\\u0004, \\ud83d\\ude00, " + "x" * 64 + ", "
+                                             + ", ".join(f"k{i}" for i in range(13)) + ", and 7 more")
 
 
 def answer_text(out: dict) -> str:

@@ -5,6 +5,7 @@ the Messages API names the fields that mean nothing for the model at hand."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import msgspec
@@ -16,6 +17,7 @@ from neuron.server.request_id import request_id
 IGNORED_HEADER = "x-neuron-ignored"
 log = logging.getLogger("neuron.server")
 _KEYS = msgspec.json.Decoder(dict[str, msgspec.Raw])  # the top level's keys; values left unparsed
+NAMED, NAME_CHARS = 16, 64  # at most this many names, each cut to this many characters
 
 
 def unknown_fields(data: bytes, kind: type[msgspec.Struct]) -> list[str]:
@@ -26,9 +28,13 @@ def unknown_fields(data: bytes, kind: type[msgspec.Struct]) -> list[str]:
 
 
 def say_ignored(request: Request, response: Response, ignored: list[str], model: str) -> Response:
-    """``ignored`` in the ``x-neuron-ignored`` header and a log line (nothing when it is empty)."""
+    """``ignored`` in the ``x-neuron-ignored`` header and a log line (nothing when it is empty).
+    A name is a client's own text: written as JSON escapes its non-ASCII and control characters
+    (a header is Latin-1 without controls), cut to ``NAME_CHARS``, at most ``NAMED`` of them."""
     if ignored:
-        response.headers[IGNORED_HEADER] = ", ".join(ignored)
-        log.info("%s %s: no effect on %s: %s", request.method, request.url.path, model, ", ".join(ignored),
+        names = [json.dumps(name)[1:-1][:NAME_CHARS] for name in ignored[:NAMED]]
+        said = ", ".join(names) + (f", and {len(ignored) - NAMED} more" if len(ignored) > NAMED else "")
+        response.headers[IGNORED_HEADER] = said
+        log.info("%s %s: no effect on %s: %s", request.method, request.url.path, model, said,
                  extra={"request_id": request_id(request)})
     return response
