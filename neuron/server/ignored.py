@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+from functools import cache
 
 import msgspec
 from starlette.requests import Request
@@ -23,8 +24,13 @@ NAMED, NAME_CHARS = 16, 64  # at most this many names, each cut to this many cha
 def unknown_fields(data: bytes, kind: type[msgspec.Struct]) -> list[str]:
     """The body's top-level keys that ``kind`` has no field for, in the body's order. Called after
     the body decoded as ``kind``, so ``data`` is a JSON object."""
-    known = set(kind.__struct_encode_fields__)
+    known = _fields(kind)
     return [key for key in _KEYS.decode(data) if key not in known]
+
+
+@cache
+def _fields(kind: type[msgspec.Struct]) -> frozenset[str]:
+    return frozenset(kind.__struct_encode_fields__)
 
 
 def say_ignored(request: Request, response: Response, ignored: list[str], model: str) -> Response:

@@ -6,7 +6,6 @@ accepted as Anthropic's clients send them."""
 
 from __future__ import annotations
 
-import logging
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
@@ -28,7 +27,6 @@ from neuron.server.openai.routes import serving
 from neuron.server.state import AppState, require_key
 
 _TRANSLATION = "neuron.messages.translation"
-log = logging.getLogger("neuron.server")
 
 
 class CountTokensResponse(msgspec.Struct):
