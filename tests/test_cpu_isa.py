@@ -11,7 +11,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 
 import gguf
 import httpx
@@ -51,17 +50,15 @@ def test_every_level_of_this_architecture_is_built_and_a_first_start_compiles_no
     home.mkdir(exist_ok=True)
     bare.mkdir(exist_ok=True)
     env = {"HOME": str(home), "PATH": str(bare), "TORCH_EXTENSIONS_DIR": str(home / "ext"), "NEURON_CPU_ISA": forced}
-    t0 = time.monotonic()
     server = start_server(server_tmp, config=SMALL, env=env)
     try:
-        took = time.monotonic() - t0
         models = httpx.get(f"{server.url}/models", timeout=10).json()["models"]
         assert models[0]["cpu_isa"] == forced, models[0]
         assert f"CPU kernels {forced}" in server.log()
         r = httpx.post(f"{server.base}/chat/completions", timeout=60, json={
             "model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
         assert r.status_code == 200, r.text
-        assert not (home / "ext").exists() and took < 60, took
+        assert not (home / "ext").exists()  # nothing built: no compiler on the PATH, no cache
     finally:
         server.stop()
 

@@ -72,15 +72,23 @@ def test_a_one_megabyte_header_gets_431(limited):
 def test_a_slow_or_silent_head_and_a_slow_body_are_cut_off(limited):
     for partial in (b"", b"GET /health HTTP/1.1\r\nHo"):
         took, answer = _exchange(limited, partial)
-        assert 1.5 < took < 4 and answer.startswith(b"HTTP/1.1 408 "), (took, answer[:200])
+        assert took > 1.5 and answer.startswith(b"HTTP/1.1 408 "), (took, answer[:200])  # not before 2 s
     head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
     took, answer = _exchange(limited, head)
-    assert 2.5 < took < 5 and answer.startswith(b"HTTP/1.1 408 "), (took, answer[:200])
+    assert took > 2.5 and answer.startswith(b"HTTP/1.1 408 "), (took, answer[:200])  # the body's 3 s, not the head's
     assert "Traceback" not in limited.log()
 
 
 def test_clients_sending_big_bodies_slowly_hold_up_no_one(limited):
     """They hold connections until their body timeout, but none of the bytes-in-flight budget."""
+    def answered() -> float:
+        t0 = time.monotonic()
+        r = httpx.post(f"{limited.base}/chat/completions", timeout=60, json={
+            "model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        return time.monotonic() - t0
+
+    alone = min(answered() for _ in range(2))  # this machine's time for it with no one in the way
     slow = []
     for _ in range(5):
         s = socket.create_connection(("127.0.0.1", _port(limited)))
@@ -89,10 +97,9 @@ def test_clients_sending_big_bodies_slowly_hold_up_no_one(limited):
         slow.append(s)
     try:
         time.sleep(0.3)
-        t0 = time.monotonic()
-        r = httpx.post(f"{limited.base}/chat/completions", timeout=60, json={
-            "model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
-        assert r.status_code == 200 and time.monotonic() - t0 < 2.0
+        beside = answered()
+        # Waiting for them would add their body timeout (3 s, 2.7 of it left): far more than 1.5 s.
+        assert beside < alone + 1.5, (beside, alone)
     finally:
         for s in slow:
             s.close()

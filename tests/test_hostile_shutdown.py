@@ -98,12 +98,12 @@ def test_a_second_signal_exits_at_once(server_tmp):
     server.proc.send_signal(signal.SIGTERM)
     time.sleep(1.0)
     assert server.proc.poll() is None  # draining: the streams still run
-    t0 = time.monotonic()
     server.proc.send_signal(signal.SIGINT)
     server.proc.wait(10)
-    assert time.monotonic() - t0 < 3
     for t in threads:
         t.join(30)
+    # Gone before either stream could end: 1,500 tokens each, and neither says it reached them.
+    assert all(lines and not any('"finish_reason":"length"' in ln.replace(" ", "") for ln in lines) for lines in out)
     deadline = time.monotonic() + 5
     while any(alive(pid) for pid in ranks) and time.monotonic() < deadline:
         time.sleep(0.1)

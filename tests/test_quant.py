@@ -74,7 +74,7 @@ def test_the_cpu_kernel_computes_what_the_dequantized_float32_weight_computes(na
 def test_the_cpu_kernel_lets_the_other_threads_run_while_it_computes():
     """A rank's socket loop (heartbeats, pings) shares the process with the device thread, so a
     kernel must not hold the GIL while it computes: here a thread that sleeps 1 ms at a time
-    never waits for a call of the kernel (one of 0.2 s or more) to end before it wakes. The call
+    never waits for a call of the kernel to end before it wakes. The call
     is made about 0.4 s long where the machine allows: on two cores the kernel's threads can keep
     the sleeper off both for tens of ms (one run saw a 68 ms gap in a 217 ms call)."""
     import threading
@@ -99,7 +99,8 @@ def test_the_cpu_kernel_lets_the_other_threads_run_while_it_computes():
         gaps.append(now - last)
         last = now
     worker.join()
-    assert took >= 0.2 and len(gaps) > 10 and max(gaps) < took / 4, (took, max(gaps), len(gaps))
+    # A call of 20 ms or more (a 32768-row call takes longer on any CPU): 20 sleeps of 1 ms fit in it.
+    assert took >= 0.02 and len(gaps) > 10 and max(gaps) < took / 4, (took, max(gaps), len(gaps))
 
 
 def test_bfloat16_activations_go_through_the_float32_kernel():
