@@ -38,12 +38,12 @@ def _consistent(server) -> list[str]:
         time.sleep(0.2)
 
 
-@pytest.mark.timeout(900)  # 10 rounds of rank starts: about 30 s on a 2-core machine, minutes on a busy one
+@pytest.mark.timeout(900)  # 7 rounds of rank starts: about 30 s on a 2-core machine, minutes on a busy one
 def test_interleaved_load_and_unload_of_one_id_never_orphan_a_rank(server_tmp):
     server = start_server(server_tmp, config=SMALL)
     rng = random.Random(7)
     streams: list = []
-    for round_ in range(10):
+    for round_ in range(7):  # seed 7: three rounds with a stream, five with a load racing the drain
         answers: dict[str, httpx.Response] = {}
         loader = threading.Thread(target=lambda: answers.__setitem__(
             "load", httpx.post(f"{server.url}/models/load", json=EXTRA, timeout=120)))
