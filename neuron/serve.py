@@ -48,7 +48,7 @@ class NeuronServer(uvicorn.Server):
             self._exit_now(f"second signal ({signal.Signals(sig).name})", 1)
         self._first_signal, self._first_at = sig, time.monotonic()
         self.app_state.draining = True
-        self.app_state.registry.stop_admission()
+        self.app_state.engine_client.stop_admission()
         loop = asyncio.get_event_loop()
         self._drain = loop.create_task(self._drain_then_exit())
         timeout = self.app_state.cfg.server.drain_timeout_s
@@ -59,20 +59,20 @@ class NeuronServer(uvicorn.Server):
 
     def _exit_now(self, why: str, code: int) -> None:
         log.warning("%s: killing the ranks and exiting now", why)
-        self.app_state.registry.kill_all()  # the grammar workers leave by themselves with the leader
+        self.app_state.engine_client.kill_all()  # the grammar workers leave by themselves with the leader
         for handler in logging.getLogger().handlers:
             handler.flush()
         os._exit(code)
 
     async def _drain_then_exit(self) -> None:
-        registry = self.app_state.registry
+        client = self.app_state.engine_client
         timeout = self.app_state.cfg.server.drain_timeout_s
         log.info("draining in-flight requests (up to %.0fs)", timeout)
-        if not await registry.drain(timeout):
+        if not await client.drain(timeout):
             log.warning("drain deadline passed; ending what is left with an error")
-            registry.abort_all("the server is shutting down")
+            client.abort_all("the server is shutting down")
             # The streams write their last event and [DONE]; the queued get their 503.
-            await registry.drain(SHUTDOWN_GRACE_S)
+            await client.drain(SHUTDOWN_GRACE_S)
         self.should_exit = True
 
     def fail_startup(self, message: str) -> None:

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from conftest import DEFAULT_MODEL, TINY
-from neuron.server.openai.response_store import ResponseStore
+from neuron.response_store import ResponseStore
 from test_tool_calls import TIME, TOOLS
 
 FLAT_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]

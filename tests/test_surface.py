@@ -138,7 +138,7 @@ def test_openapi_documents_exactly_the_routes_the_app_serves(ops, spec):
     try:
         served = {(m.lower(), r.path) for r in app.routes if isinstance(r, Route) for m in r.methods if m != "HEAD"}
     finally:
-        asyncio.run(app.state.neuron.registry.shutdown())
+        asyncio.run(app.state.neuron.engine_client.shutdown())
     documented = {(m, p) for p, item in spec["paths"].items() for m in item}
     assert documented == served
     assert {"/tokenize", "/detokenize", "/openapi.json", "/v1/chat/completions", "/models/load"} <= set(spec["paths"])

@@ -24,7 +24,7 @@ from ..errors import ApiError
 from ..loader.errors import LoadError
 from ..loader.template_worker import TemplateRenderer
 from ..registry import Registry
-from ..server.openai.response_store import ResponseStore
+from ..response_store import ResponseStore
 from ..shutdown import BACKSTOP_S, SAME_SIGNAL_S, SHUTDOWN_GRACE_S
 from .api_processes import ApiProcesses
 from .link import ApiLink

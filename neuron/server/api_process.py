@@ -20,7 +20,7 @@ from neuron.core.port import port_socket
 from neuron.logs import configure_logging
 from neuron.serve import NeuronServer, planning_threads, uvicorn_config
 from neuron.server.app import create_app
-from neuron.server.remote_models import RemoteRegistry
+from neuron.server.core_client import CoreClient
 
 log = logging.getLogger("neuron.server")
 PARENT_WATCH_S = 0.5
@@ -37,9 +37,9 @@ async def serve_api(cfg: Config, core: str, token: str) -> int:
     planning_threads()
     app = create_app(cfg, core=core, core_token=token)
     state = app.state.neuron
-    registry: RemoteRegistry = state.registry
+    client: CoreClient = state.engine_client
     server = ApiServer(uvicorn_config(app, cfg), state)
-    registry.on_closing = lambda: setattr(server, "should_exit", True)
+    client.on_closing = lambda: setattr(server, "should_exit", True)
     loop = asyncio.get_running_loop()
     if hasattr(signal, "SIGHUP"):
         loop.add_signal_handler(signal.SIGHUP, state.keys.reload)
@@ -49,13 +49,12 @@ async def serve_api(cfg: Config, core: str, token: str) -> int:
         while os.getppid() == parent:
             await asyncio.sleep(PARENT_WATCH_S)
         log.error("the engine core is gone; leaving")
-        registry.link.fail_all("the engine core is gone")
+        client.link.fail_all("the engine core is gone")
         server.should_exit = True
 
     watcher = loop.create_task(watch_parent())
-    registry.state = state
     try:
-        await registry.first_state()  # only then into the port's group: the kernel hands us clients at once
+        await client.first_state()  # only then into the port's group: the kernel hands us clients at once
         await server.serve(sockets=[port_socket(cfg, listening=True)])
     finally:
         watcher.cancel()

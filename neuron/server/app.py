@@ -1,5 +1,6 @@
 """The Starlette application: the route table over one shared AppState, behind the request-id
-and (when configured) CORS middleware."""
+and (when configured) CORS middleware. The engine is an ``EngineClient``
+(``protocol/engine_client.py``): the models in this process, or in the engine core."""
 
 from __future__ import annotations
 
@@ -13,14 +14,13 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route
 
-from neuron import heap
 from neuron.config import Config, ServerConfig
 from neuron.engine.grammar_worker import GrammarCompiler
 from neuron.engine.request import FinishEvent, GenRequest
 from neuron.errors import ApiError
 from neuron.loader.errors import LoadError
 from neuron.loader.template_worker import TemplateRenderer
-from neuron.registry import Registry
+from neuron.local_client import LocalClient
 
 from neuron.server.body_budget import BodyBudget
 from neuron.server.keys import KeyRing
@@ -31,9 +31,8 @@ from neuron.server.access_log import AccessLog
 from neuron.server.cross_site import CHANGES, RefuseCrossSite
 from neuron.server.request_id import HEADER, RequestIdMiddleware
 from neuron.server.request_trace import log_finish, trace_of
-from neuron.server.remote_models import RemoteRegistry
+from neuron.server.core_client import CoreClient
 from neuron.server.routes import route_table
-from neuron.server.openai.response_store import CoreResponses, ResponseStore
 from neuron.server.state import AppState
 
 log = logging.getLogger("neuron.server")
@@ -50,29 +49,23 @@ def create_app(cfg: Config, core: str | None = None, core_token: str = "") -> St
         log_finish(model, req, fin, trace)
 
     templates = TemplateRenderer(cfg.templates, cfg.server.allow_request_chat_template)
-    registry = Registry(cfg, on_finish=on_finish, templates=templates) if core is None else \
-        RemoteRegistry(cfg, core, core_token, on_finish)
-    state = AppState(cfg=cfg, registry=registry, metrics=metrics,
+    client = LocalClient(cfg, on_finish=on_finish, templates=templates) if core is None else \
+        CoreClient(cfg, core, core_token, on_finish)
+    state = AppState(cfg=cfg, engine_client=client, metrics=metrics,
                      compiler=GrammarCompiler(cfg.grammar), templates=templates,
                      body_budget=BodyBudget(cfg.http.max_inflight_body_bytes),
-                     access=ModelAccess.from_config(cfg),
-                     responses=ResponseStore(cfg.server.stored_responses) if core is None else CoreResponses(registry.link),
+                     access=ModelAccess.from_config(cfg), responses=client.responses(cfg),
                      keys=KeyRing(cfg.server.api_key, cfg.server.api_keys_file, cfg.server.key_max_running,
                                   cfg.server.key_max_waiting))
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
-        if isinstance(registry, RemoteRegistry):  # the core loads the models and says when they serve
-            registry.state = state
-            registry.start()
-            task = asyncio.create_task(asyncio.sleep(0))
-        else:
-            task = asyncio.create_task(_load_startup_models(state))
+        task = asyncio.create_task(client.start(state))
         try:
             yield
         finally:
             task.cancel()
-            await state.registry.shutdown()
+            await client.shutdown()
             state.compiler.close()
             templates.close()
 
@@ -99,21 +92,3 @@ def _middleware(server: ServerConfig, access_log: bool) -> list[Middleware]:
                                 allow_methods=server.cors_allow_methods, allow_headers=server.cors_allow_headers,
                                 expose_headers=[HEADER], max_age=600))
     return stack
-
-
-async def _load_startup_models(state: AppState) -> None:
-    try:
-        for entry in state.cfg.models:
-            await state.registry.load(entry)
-    except Exception as exc:  # a bug too ends the startup, said, never a server that waits forever
-        state.startup_error = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
-        if isinstance(exc, (LoadError, ApiError)):
-            log.error("startup model failed to load: %s", state.startup_error)
-        else:
-            log.exception("startup model failed to load: %s", state.startup_error)
-        if state.on_startup_failure is not None:
-            state.on_startup_failure(state.startup_error)
-        return
-    state.starting = False
-    heap.settle_collector()
-    log.info("ready: %s", ", ".join(state.registry.models))

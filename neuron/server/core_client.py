@@ -1,7 +1,9 @@
-"""The models as an API process sees them: the engine core's, mirrored from its ``Models``
-frames. Each has the spec a route plans with (tokenizer, template, config: read here from the
-same files) and an engine that hands requests to the core. The admin operations (load, unload,
-a fault) are calls to the core."""
+"""An API process's ``EngineClient`` (``protocol/engine_client.py``): the models run in the
+engine core, known here from its ``Models`` frames. Each has the spec a route plans with
+(tokenizer, template, config: read here from the same files) and an engine that hands requests
+to the core. The admin operations (load, unload, a fault) and the stored responses are calls to
+the core; draining and the ranks are the core's (it drains every API process, then tells us to
+leave)."""
 
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ REFRESH_S = 2.0
 FIRST_STATE_S = 60.0
 
 
-class RemoteEngine:
+class CoreEngine:
     """A model's engine as the routes use it; the requests run in the core."""
 
     def __init__(self, model_id: str, cfg: EngineConfig, link: CoreLink) -> None:
@@ -46,12 +48,12 @@ class RemoteEngine:
 
 
 @dataclass
-class RemoteHandle:
+class CoreModel:
     id: str
     entry: ModelEntry
     spec: ModelSpec
     max_len: int
-    engine: RemoteEngine
+    engine: CoreEngine
     status: str = "loading"
     error: str | None = None
     described: dict = field(default_factory=dict)
@@ -69,31 +71,39 @@ class RemoteHandle:
         return self.ranks
 
 
-class RemoteRegistry:
+class CoreClient:
     def __init__(self, cfg: Config, endpoint: str, token: str, on_finish: OnFinish | None = None) -> None:
         self.cfg = cfg
         self.link = CoreLink(endpoint, token, self._apply, on_finish)
-        self.models: dict[str, RemoteHandle] = {}
+        self.models: dict[str, CoreModel] = {}
         self.cluster = None
         self.state: Any = None  # the AppState whose starting / draining flags the core sets
         self.version = -1
         self.on_closing = None  # called when the core says every API process must leave
         self.known = asyncio.Event()  # the core's first Models frame is applied
 
-    def start(self) -> None:
+    def connect(self) -> None:
         if not self.link.started:
             self.link.start()
+
+    async def start(self, state) -> None:
+        """``state`` follows the core's: its starting, draining and startup error."""
+        self.state = state
+        self.connect()
+
+    def responses(self, cfg: Config) -> CoreResponses:
+        return CoreResponses(self.link)
 
     async def first_state(self) -> None:
         """Until the models are known: a process that took connections before would answer 404
         for a model that serves. A core that sends nothing within FIRST_STATE_S is an error."""
-        self.start()
+        self.connect()
         try:
             await asyncio.wait_for(self.known.wait(), FIRST_STATE_S)
         except TimeoutError:
             raise RuntimeError(f"the engine core sent no state within {FIRST_STATE_S:.0f}s") from None
 
-    def get(self, model_id: str) -> RemoteHandle:
+    def get(self, model_id: str) -> CoreModel:
         handle = find(self.models, model_id)
         if handle is None:
             raise ApiError(404, "model_not_found", f"model {model_id!r} is not loaded", param="model")
@@ -111,7 +121,7 @@ class RemoteRegistry:
         while self.version < version:
             await asyncio.sleep(0.005)
 
-    async def load(self, entry: ModelEntry) -> RemoteHandle:
+    async def load(self, entry: ModelEntry) -> CoreModel:
         described = msgspec.json.decode(await self.link.call("load", msgspec.json.encode(entry)))
         handle = self.get(described["id"])
         handle.described = described
@@ -124,6 +134,23 @@ class RemoteRegistry:
     async def inject_fault(self, model_id: str, rank: int, kind: str) -> str:
         body = msgspec.json.encode({"model": model_id, "rank": rank, "kind": kind})
         return msgspec.json.decode(await self.link.call("fault", body, timeout=15.0))
+
+    # The drain is the core's: it stops admitting, waits, and ends what is left for every API
+    # process (whose streams end in band as its Outputs say), then tells each to leave.
+    def stop_admission(self) -> None:
+        pass
+
+    async def drain(self, timeout: float) -> bool:
+        deadline = asyncio.get_running_loop().time() + timeout
+        while self.link.requests and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        return not self.link.requests
+
+    def abort_all(self, reason: str) -> None:
+        self.link.fail_all(reason)
+
+    def kill_all(self) -> None:
+        pass  # the ranks are the core's
 
     async def shutdown(self) -> None:
         self.link.fail_all("the server is shutting down")
@@ -143,8 +170,8 @@ class RemoteRegistry:
                 except Exception as exc:
                     log.error("model %r: its files cannot be read here: %s", ms.id, exc)
                     continue
-                handle = self.models[ms.id] = RemoteHandle(ms.id, entry, spec, ms.max_len,
-                                                           RemoteEngine(ms.id, self.cfg.engine, self.link))
+                handle = self.models[ms.id] = CoreModel(ms.id, entry, spec, ms.max_len,
+                                                           CoreEngine(ms.id, self.cfg.engine, self.link))
             handle.status, handle.error, handle.max_len = ms.status, ms.error, ms.max_len
             handle.described = msgspec.json.decode(ms.described) if ms.described else {}
             handle.ranks = msgspec.json.decode(ms.telemetry)
@@ -170,3 +197,24 @@ class Described:
 
     def describe(self) -> dict:
         return self.described
+
+
+class CoreResponses:
+    """The store of an API process (``[server] api_processes``): the engine core keeps one
+    ``ResponseStore`` for all of them, so a response stored through one process is found
+    through any. ``put`` goes out at once (before the response's last frames), ``fetch`` asks."""
+
+    def __init__(self, link) -> None:
+        self.link = link
+        self._sent: set[asyncio.Task] = set()
+
+    def put(self, response_id: str, messages: list[dict[str, Any]], response: dict[str, Any]) -> None:
+        body = msgspec.json.encode({"id": response_id, "messages": messages, "response": response})
+        task = asyncio.ensure_future(self.link.call("response_put", body, timeout=30.0))
+        self._sent.add(task)
+        task.add_done_callback(lambda t: self._sent.discard(t) or t.cancelled() or t.exception())
+
+    async def fetch(self, response_id: str) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
+        found = msgspec.json.decode(await self.link.call("response_get", msgspec.json.encode(response_id),
+                                                         timeout=30.0))
+        return None if found is None else (found[0], found[1])

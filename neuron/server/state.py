@@ -1,4 +1,4 @@
-"""What every route shares: the config, the Registry, metrics, and whether we are draining."""
+"""What every route shares: the config, the engine client, metrics, and whether we are draining."""
 
 from __future__ import annotations
 
@@ -9,18 +9,19 @@ from typing import Callable
 
 from starlette.requests import Request
 
+from protocol.engine_client import EngineClient
+
 from neuron.config import Config
 from neuron.engine.grammar_worker import GrammarCompiler
 from neuron.errors import ApiError
 from neuron.loader.template_worker import TemplateRenderer
-from neuron.registry import Registry
+from neuron.response_store import ResponseStore
 
 from neuron.server.body_budget import BodyBudget
 from neuron.server.metrics import Metrics
 from neuron.server.model_access import ModelAccess
 from neuron.server.request_id import sanitise
 from neuron.server.keys import KeyRing, Principal
-from neuron.server.openai.response_store import ResponseStore
 
 log = logging.getLogger("neuron.server")
 PRINCIPAL = "neuron.principal"  # the request scope's key of its Principal
@@ -30,7 +31,7 @@ ANONYMOUS = Principal("anonymous")
 @dataclass
 class AppState:
     cfg: Config
-    registry: Registry
+    engine_client: EngineClient
     metrics: Metrics
     compiler: GrammarCompiler
     templates: TemplateRenderer

@@ -24,9 +24,9 @@ from neuron.server.state import AppState, require_key
 
 async def health(request: Request) -> Response:
     state: AppState = request.app.state.neuron
-    await state.registry.refresh()
-    models = {h.id: h.status for h in state.registry.models.values()}
-    cluster = state.registry.cluster.describe() if state.registry.cluster is not None else None
+    await state.engine_client.refresh()
+    models = {h.id: h.status for h in state.engine_client.models.values()}
+    cluster = state.engine_client.cluster.describe() if state.engine_client.cluster is not None else None
     extra = {"cluster": cluster} if cluster is not None else {}
     extra["devices"] = _devices(state)
     if state.draining:
@@ -46,7 +46,7 @@ async def health(request: Request) -> Response:
 
 
 def _devices(state: AppState) -> dict[str, list[dict]]:
-    return {h.id: h.telemetry() for h in state.registry.models.values()}
+    return {h.id: h.telemetry() for h in state.engine_client.models.values()}
 
 
 async def root(request: Request) -> Response:
@@ -59,7 +59,7 @@ async def version(request: Request) -> Response:
     """The release, its git revision, and what the ranks run: torch, CUDA, the CPU kernels' level."""
     state: AppState = request.app.state.neuron
     models = {}
-    for h in state.registry.models.values():
+    for h in state.engine_client.models.values():
         ranks = h.telemetry()
         models[h.id] = {"torch": ranks[0]["torch"] if ranks else None, "cuda": ranks[0].get("cuda") if ranks else None,
                         "cpu_isa": h.cpu_isa, "devices": [r["device"] for r in ranks]}
@@ -82,22 +82,22 @@ async def metrics(request: Request) -> Response:
     state: AppState = request.app.state.neuron
     if not state.cfg.server.metrics_public:
         require_key(request, state, admin=True)
-    await state.registry.refresh()
-    return Response(state.metrics.render(state.registry.models), media_type="text/plain; version=0.0.4")
+    await state.engine_client.refresh()
+    return Response(state.metrics.render(state.engine_client.models), media_type="text/plain; version=0.0.4")
 
 
 async def list_models(request: Request) -> Response:
     state: AppState = request.app.state.neuron
     require_key(request, state, admin=True)
-    await state.registry.refresh()
-    return JSONResponse({"models": [h.describe() for h in state.registry.models.values()]})
+    await state.engine_client.refresh()
+    return JSONResponse({"models": [h.describe() for h in state.engine_client.models.values()]})
 
 
 async def load_model(request: Request) -> Response:
     state: AppState = request.app.state.neuron
     require_key(request, state, admin=True)
     body = await read_json(request, LoadRequest, state.cfg.server.max_body_bytes)
-    registered = {h.id: h.entry.model for h in state.registry.models.values()}
+    registered = {h.id: h.entry.model for h in state.engine_client.models.values()}
     allowed = await asyncio.to_thread(state.access.check, body.model, registered)  # it may look at the disk
     base = ModelEntry()
     try:
@@ -110,7 +110,7 @@ async def load_model(request: Request) -> Response:
     except ConfigError as exc:
         raise ApiError(400, "invalid_request", str(exc).replace("models[0].", "")) from None
     try:
-        handle = await state.registry.load(entry)
+        handle = await state.engine_client.load(entry)
     except (LoadError, ApiError) as exc:  # an engine core in another process answers with an ApiError
         err = from_load_error(exc) if isinstance(exc, LoadError) else exc
         # Said with the name the client gave: a cache snapshot's path is none of its business.
@@ -123,7 +123,7 @@ async def unload_model(request: Request) -> Response:
     state: AppState = request.app.state.neuron
     require_key(request, state, admin=True)
     body = await read_json(request, UnloadRequest, state.cfg.server.max_body_bytes)
-    outcome = await state.registry.unload(body.model, state.cfg.server.drain_timeout_s)
+    outcome = await state.engine_client.unload(body.model, state.cfg.server.drain_timeout_s)
     return JSONResponse({"model": body.model, "status": "unloaded", "cancelled_load": outcome == "load_cancelled"})
 
 
@@ -134,5 +134,5 @@ async def inject_fault(request: Request) -> Response:
     if not state.cfg.debug.fault_injection:
         raise ApiError(404, "not_found", "fault injection is disabled")
     body = await read_json(request, FaultRequest, state.cfg.server.max_body_bytes)
-    armed = await state.registry.inject_fault(body.model, body.rank, body.kind)
+    armed = await state.engine_client.inject_fault(body.model, body.rank, body.kind)
     return JSONResponse({"model": body.model, "rank": body.rank, "kind": body.kind, "armed": armed})

@@ -19,7 +19,7 @@ import msgspec
 
 from neuron.loader.template_worker import TemplateRenderer
 from neuron.loader.tokenizer import encode_ids
-from neuron.model_handle import ModelHandle
+from protocol.engine_client import ModelView
 from neuron.parsing.reasoning import reasoning_markers
 
 from neuron.server.messages.content import bad, chat_messages, check_cache_control, only_keys, unset
@@ -174,7 +174,7 @@ class Thinking:
     ignored: list[str] = field(default_factory=list)  # given, and of no effect on this model
 
 
-def _thinking(body: CountTokensRequest, handle: ModelHandle) -> Thinking:
+def _thinking(body: CountTokensRequest, handle: ModelView) -> Thinking:
     """``thinking`` and ``output_config.effort`` on this model: its template's ``enable_thinking``
     switch where it has one, else (a model that always thinks) a budget of 0 to turn it off; the
     budget from ``budget_tokens``, or from the effort."""
@@ -270,7 +270,7 @@ CHAT_NAMES = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens",
               "continue_final_message": "messages", "add_generation_prompt": "messages"}
 
 
-def translate(body: CountTokensRequest, handle: ModelHandle, templates: TemplateRenderer) -> Translation:
+def translate(body: CountTokensRequest, handle: ModelView, templates: TemplateRenderer) -> Translation:
     """The chat request ``body`` runs as (on ``handle``'s template); every refusal names the
     Anthropic field."""
     for name, (fine, why) in REFUSED.items():

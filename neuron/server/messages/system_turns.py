@@ -12,13 +12,13 @@ from typing import Any
 
 from neuron.loader.chat_template import TemplateError
 from neuron.loader.template_worker import TemplateRenderer
-from neuron.model_handle import ModelHandle
+from protocol.engine_client import ModelView
 
 _PROBE = ("\u2063probe-user-1\u2063", "\u2063probe-system\u2063", "\u2063probe-user-2\u2063")
 _TAKES: dict[str, bool] = {}  # template digest -> takes a system message mid-conversation
 
 
-def takes_mid_system(handle: ModelHandle, templates: TemplateRenderer) -> bool:
+def takes_mid_system(handle: ModelView, templates: TemplateRenderer) -> bool:
     info = handle.spec.tokenizer
     template = info.chat_template or ""
     key = hashlib.sha256(template.encode()).hexdigest()
@@ -51,7 +51,7 @@ def _renumber(origin: dict[str, str], mapping: dict[int, int]) -> dict[str, str]
     return out
 
 
-def place_system(messages: list[dict[str, Any]], origin: dict[str, str], handle: ModelHandle,
+def place_system(messages: list[dict[str, Any]], origin: dict[str, str], handle: ModelView,
                  templates: TemplateRenderer) -> list[dict[str, Any]]:
     """``messages`` (chat messages, the top-level system first) with their later system turns
     where the template takes them; ``origin`` is renumbered to match."""

@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from neuron.engine.request import FinishEvent, GenRequest
 from neuron.errors import ApiError
-from neuron.registry import ModelHandle
+from protocol.engine_client import ModelView
 
 from neuron.server.openai.choices import Choice, Delta, Merged
 from neuron.server.errors import envelope
@@ -35,7 +35,7 @@ def _unavailable(fin: FinishEvent) -> ApiError:
     return ApiError(503, code, fin.error or "generation failed", retry_after=5)
 
 
-def abort_all(handle: ModelHandle, choices: list[Choice]) -> None:
+def abort_all(handle: ModelView, choices: list[Choice]) -> None:
     for c in choices:
         handle.engine.abort(c.req)
 
@@ -58,7 +58,7 @@ async def until_disconnect(request: Request, aw: Awaitable[T], on_gone: Callable
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
-async def start(request: Request, state: AppState, handle: ModelHandle, choices: list[Choice], stream: bool,
+async def start(request: Request, state: AppState, handle: ModelView, choices: list[Choice], stream: bool,
                 user: str | None = None) -> bool:
     """Submit every sequence and wait until all are admitted; False if the client left. Each
     sequence is traced under the request's id (its log lines, queue time, TTFT, ITL)."""
@@ -145,7 +145,7 @@ class Chunks:
         return KEEPALIVE
 
 
-async def respond(request: Request, state: AppState, handle: ModelHandle, choices: list[Choice], view: StreamView,
+async def respond(request: Request, state: AppState, handle: ModelView, choices: list[Choice], view: StreamView,
                   stream: bool, user: str | None = None) -> Response:
     if not await start(request, state, handle, choices, stream, user):
         return Response(status_code=499)
@@ -193,7 +193,7 @@ def data(obj: dict[str, Any]) -> bytes:
     return b"data: " + json_line(obj) + b"\n\n"
 
 
-async def _sse(handle: ModelHandle, choices: list[Choice], view: StreamView) -> AsyncIterator[str | bytes]:
+async def _sse(handle: ModelView, choices: list[Choice], view: StreamView) -> AsyncIterator[str | bytes]:
     events = Merged(choices)
     failed: FinishEvent | None = None
     try:

@@ -10,7 +10,7 @@ from neuron.engine.constraints import AfterMarker, AllOf, AllowedTokens, BannedS
 from neuron.engine.grammar import Compiler, GrammarError, GrammarSpec, grammars_for
 from neuron.errors import ApiError
 from neuron.loader.template_worker import TemplateRenderer
-from neuron.registry import ModelHandle
+from protocol.engine_client import ModelView
 
 from neuron.server.openai.choices import Choice
 from neuron.server.openai.prompts import ChatPrompt, Prompt, chat_prompt, completion_prompts
@@ -26,7 +26,7 @@ def _bad(message: str, param: str) -> ApiError:
     return ApiError(400, "invalid_request", message, param=param)
 
 
-def _constraint_factory(body: SamplingFields, handle: ModelHandle, grammar: tuple[str, str] | None,
+def _constraint_factory(body: SamplingFields, handle: ModelView, grammar: tuple[str, str] | None,
                         after: str | None, thinking: Callable[[], Constraint] | None = None
                         ) -> Callable[[int, int], Constraint | None] | None:
     """Makes each sequence's constraint from its token budget: the grammar (compiled once here),
@@ -61,7 +61,7 @@ def _constraint_factory(body: SamplingFields, handle: ModelHandle, grammar: tupl
     return make
 
 
-def _thinking_budget(body: ChatRequest, handle: ModelHandle, plan: ChatPrompt) -> Callable[[], Constraint] | None:
+def _thinking_budget(body: ChatRequest, handle: ModelView, plan: ChatPrompt) -> Callable[[], Constraint] | None:
     """``thinking_token_budget``: what bounds each sequence's thinking, or None (no budget, or
     the template closed the thinking in the prompt)."""
     budget = body.thinking_token_budget
@@ -83,7 +83,7 @@ def _thinking_budget(body: ChatRequest, handle: ModelHandle, plan: ChatPrompt) -
     return lambda: ThinkingBudget(budget, start, end, end_ids, vocab, lambda t: decode([t]), thinking)
 
 
-def _bad_word_sequences(body: SamplingFields, handle: ModelHandle) -> list[list[int]]:
+def _bad_word_sequences(body: SamplingFields, handle: ModelView) -> list[list[int]]:
     words = body.bad_words or []
     if len(words) > 256 or not all(isinstance(w, str) and w.strip() for w in words):
         raise _bad("bad_words must be at most 256 non-empty strings", "bad_words")
@@ -95,7 +95,7 @@ def _bad_word_sequences(body: SamplingFields, handle: ModelHandle) -> list[list[
     return sequences
 
 
-def _compile(handle: ModelHandle, compiler: Compiler, spec: GrammarSpec, param: str) -> tuple[str, str]:
+def _compile(handle: ModelView, compiler: Compiler, spec: GrammarSpec, param: str) -> tuple[str, str]:
     info = handle.spec.tokenizer
     grammars = grammars_for(info.tokenizer, handle.spec.config.vocab_size, info.eos_token_ids)
     try:
@@ -104,7 +104,7 @@ def _compile(handle: ModelHandle, compiler: Compiler, spec: GrammarSpec, param: 
         raise _bad(f"{param}: {exc}", param) from None
 
 
-def plan_chat(body: ChatRequest, handle: ModelHandle, top: int | None, compiler: Compiler,
+def plan_chat(body: ChatRequest, handle: ModelView, top: int | None, compiler: Compiler,
               templates: TemplateRenderer, fit_context: bool = False) -> tuple[ChatPrompt, Callable[[], list[Choice]]]:
     """The prompt, and what makes the n choices: a forced tool call or the requested output
     format as the grammar (not both), thinking and tool-call parsing per choice. ``fit_context``
@@ -162,7 +162,7 @@ def _tool_parser(plan: ChatPrompt) -> ToolCallParser | None:
     return parser
 
 
-def plan_completion(body: CompletionRequest, handle: ModelHandle, top: int | None,
+def plan_completion(body: CompletionRequest, handle: ModelView, top: int | None,
                     compiler: Compiler) -> Callable[[], list[Choice]]:
     """What makes the choices of every prompt, indexed prompt by prompt (n each)."""
     prompts: list[Prompt] = completion_prompts(body, handle)

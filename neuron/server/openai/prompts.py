@@ -13,7 +13,7 @@ from neuron.errors import ApiError
 from neuron.loader.chat_template import TemplateError
 from neuron.loader.template_worker import TemplateRenderer
 from neuron.loader.tokenizer import TokenizerInfo, encode_ids
-from neuron.registry import ModelHandle
+from protocol.engine_client import ModelView
 
 from neuron.parsing.reasoning import ThinkMarkers, reasoning_markers, starts_thinking
 from neuron.server.schemas import ChatRequest, CompletionRequest
@@ -104,7 +104,7 @@ def _render(templates: TemplateRenderer, info: TokenizerInfo, template: str | No
             from None
 
 
-def chat_prompt(body: ChatRequest, handle: ModelHandle, templates: TemplateRenderer) -> ChatPrompt:
+def chat_prompt(body: ChatRequest, handle: ModelView, templates: TemplateRenderer) -> ChatPrompt:
     info = handle.spec.tokenizer
     entry = handle.entry
     from_client = body.chat_template is not None
@@ -157,7 +157,7 @@ def chat_prompt(body: ChatRequest, handle: ModelHandle, templates: TemplateRende
     return out
 
 
-def completion_prompts(body: CompletionRequest, handle: ModelHandle) -> list[Prompt]:
+def completion_prompts(body: CompletionRequest, handle: ModelView) -> list[Prompt]:
     """One prompt per string or token-id list of ``prompt``."""
     raw = body.prompt
     vocab = handle.spec.config.vocab_size

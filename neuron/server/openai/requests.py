@@ -18,7 +18,7 @@ from neuron.engine.detokenizer import Detokenizer
 from neuron.engine.request import GenRequest, ImageInput, TokenConstraint
 from neuron.engine.stops import StopMatcher
 from neuron.errors import ApiError
-from neuron.model_handle import ModelHandle
+from protocol.engine_client import ModelView
 from protocol import Sampling
 
 from neuron.server.schemas import SamplingFields
@@ -85,7 +85,7 @@ class Settings:
     shown: frozenset[int] | bool  # special tokens shown in the text
 
 
-def settings_of(body: SamplingFields, handle: ModelHandle, top: int | None, sequences: int,
+def settings_of(body: SamplingFields, handle: ModelView, top: int | None, sequences: int,
                 shown: set[int] | None = None) -> Settings:
     """``top``: top logprobs asked (None: no logprobs); ``sequences``: prompts x n."""
     vocab = handle.spec.config.vocab_size
@@ -121,7 +121,7 @@ def settings_of(body: SamplingFields, handle: ModelHandle, top: int | None, sequ
                     0 if top is None else top + 1, visible)
 
 
-def truncate(body: SamplingFields, handle: ModelHandle, ids: list[int]) -> list[int]:
+def truncate(body: SamplingFields, handle: ModelView, ids: list[int]) -> list[int]:
     """``truncate_prompt_tokens``: keep that many prompt tokens (-1: the context), the last ones
     unless ``truncation_side`` is "right"."""
     k = body.truncate_prompt_tokens
@@ -134,7 +134,7 @@ def truncate(body: SamplingFields, handle: ModelHandle, ids: list[int]) -> list[
     return ids[:k] if body.truncation_side == "right" else ids[len(ids) - k:]
 
 
-def resolve_sampling(body: SamplingFields, handle: ModelHandle, prompt_len: int, settings: Settings,
+def resolve_sampling(body: SamplingFields, handle: ModelView, prompt_len: int, settings: Settings,
                      seed: int | None, eos: list[int]) -> Sampling:
     def pick(name: str) -> Any:
         value = getattr(body, name)
@@ -167,7 +167,7 @@ def resolve_sampling(body: SamplingFields, handle: ModelHandle, prompt_len: int,
                     min_tokens=settings.min_tokens, stop_token_ids=sorted(set(eos) | set(settings.stop_token_ids)))
 
 
-def check_sequence(body: SamplingFields, handle: ModelHandle, settings: Settings, prompt: list[int]) -> Sampling:
+def check_sequence(body: SamplingFields, handle: ModelView, settings: Settings, prompt: list[int]) -> Sampling:
     """Refuse what ``make_request`` would refuse (it runs on the event loop; this need not)."""
     limit = handle.max_len
     max_tokens = settings.max_tokens
@@ -180,7 +180,7 @@ def check_sequence(body: SamplingFields, handle: ModelHandle, settings: Settings
     return resolve_sampling(body, handle, len(prompt), settings, body.seed, [])
 
 
-def make_request(body: SamplingFields, handle: ModelHandle, settings: Settings, prompt: list[int], choice: int,
+def make_request(body: SamplingFields, handle: ModelView, settings: Settings, prompt: list[int], choice: int,
                  constraint: Callable[[int, int], TokenConstraint | None] | None = None,
                  images: Sequence[ImageInput] = ()) -> GenRequest:
     """The GenRequest of one sequence: ``choice`` is its index among the n of its prompt (a

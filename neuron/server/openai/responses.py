@@ -21,7 +21,7 @@ from neuron.server.openai.planning import plan_chat
 from neuron.server.sse import json_text
 from neuron.server.ignored import unknown_fields, say_ignored
 from neuron.server.openai.requests import decode_json, read_body
-from neuron.server.openai.response_store import ResponseStore
+from neuron.response_store import ResponseStore
 from neuron.server.state import AppState, require_key
 from neuron.parsing.tool_calls import CallStart
 from neuron.server.openai.views import Folded

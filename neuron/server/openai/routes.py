@@ -9,7 +9,7 @@ from starlette.responses import JSONResponse, Response
 
 from neuron.errors import ApiError
 from neuron.model_names import is_glob
-from neuron.registry import ModelHandle
+from protocol.engine_client import ModelView
 
 from neuron.server.openai.fields import refuse_unsupported
 from neuron.server.openai.generation import Chunks, respond
@@ -22,10 +22,10 @@ from neuron.server.openai.views import ChatView, CompletionView
 
 
 
-def serving(state: AppState, model: str) -> ModelHandle:
+def serving(state: AppState, model: str) -> ModelView:
     if state.draining:
         raise ApiError(503, "shutting_down", "the server is shutting down")
-    handle = state.registry.get(model)
+    handle = state.engine_client.get(model)
     if handle.status != "loaded":
         raise ApiError(503, "model_unavailable", f"model {model!r} is {handle.status}", retry_after=5)
     return handle
@@ -88,7 +88,7 @@ async def list_models(request: Request) -> Response:
     require_key(request, state, admin=False)
     data = [{"id": name, "object": "model", "created": 0, "owned_by": "neuron", "max_model_len": h.max_len,
              "status": h.status, **({"root": h.id} if name != h.id else {})}
-            for h in state.registry.models.values()
+            for h in state.engine_client.models.values()
             for name in [h.id, *(a for a in h.entry.aliases if not is_glob(a))]]
     return JSONResponse({"object": "list", "data": data})
 

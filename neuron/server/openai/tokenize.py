@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from neuron.errors import ApiError
-from neuron.model_handle import ModelHandle
+from protocol.engine_client import ModelView
 
 from neuron.server.openai.prompts import chat_prompt, completion_prompts
 from neuron.server.openai.requests import decode_json, read_body, read_json
@@ -24,10 +24,10 @@ def _json(body: msgspec.Struct) -> Response:
     return Response(msgspec.json.encode(body), media_type="application/json")
 
 
-def _model(state: AppState, name: str | None) -> ModelHandle:
+def _model(state: AppState, name: str | None) -> ModelView:
     if name is not None:
-        return state.registry.get(name)
-    models = list(state.registry.models.values())
+        return state.engine_client.get(name)
+    models = list(state.engine_client.models.values())
     if len(models) != 1:
         raise ApiError(400, "invalid_request", f"model is required when {len(models)} models are loaded",
                        param="model")
