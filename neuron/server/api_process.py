@@ -53,6 +53,7 @@ async def serve_api(cfg: Config, core: str, token: str) -> int:
         server.should_exit = True
 
     watcher = loop.create_task(watch_parent())
+    client.state = state  # the core's first Models frame says whether the models serve yet
     try:
         await client.first_state()  # only then into the port's group: the kernel hands us clients at once
         await server.serve(sockets=[port_socket(cfg, listening=True)])
