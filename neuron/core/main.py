@@ -28,7 +28,7 @@ from ..response_store import ResponseStore
 from ..shutdown import BACKSTOP_S, SAME_SIGNAL_S, SHUTDOWN_GRACE_S
 from .api_processes import ApiProcesses
 from .link import ApiLink
-from .port import port_socket
+from ..http_port import port_socket
 
 log = logging.getLogger("neuron.core")
 BROADCAST_S = 0.5  # how often the API processes hear the models' state (and stats) unasked

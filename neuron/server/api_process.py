@@ -16,11 +16,11 @@ import sys
 import msgspec
 
 from neuron.config import Config
-from neuron.core.port import port_socket
+from neuron.http_port import port_socket
 from neuron.logs import configure_logging
-from neuron.serve import NeuronServer, planning_threads, uvicorn_config
 from neuron.server.app import create_app
 from neuron.server.core_client import CoreClient
+from neuron.server.http_server import NeuronServer, planning_threads, uvicorn_config
 
 log = logging.getLogger("neuron.server")
 PARENT_WATCH_S = 0.5

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from ..config import Config
+from .config import Config
 
 
 def port_socket(cfg: Config, listening: bool) -> socket.socket:
