@@ -83,6 +83,7 @@ class Settings:
     logit_bias: list[tuple[int, float]]
     logprobs: int  # for the rank: 0 none, k: the chosen token and the k - 1 most likely
     shown: frozenset[int] | bool  # special tokens shown in the text
+    sampling: Sampling = Sampling()  # resolved and checked once a request; each sequence's adds its own
 
 
 def settings_of(body: SamplingFields, handle: ModelView, top: int | None, sequences: int,
@@ -117,8 +118,10 @@ def settings_of(body: SamplingFields, handle: ModelView, top: int | None, sequen
     _check(body.truncate_prompt_tokens is None or body.truncate_prompt_tokens >= -1, "truncate_prompt_tokens",
            "truncate_prompt_tokens must be -1 or positive")
     visible: frozenset[int] | bool = True if not body.skip_special_tokens else frozenset(shown or ())
-    return Settings(n, max_tokens, param, stops, stop_ids, body.min_tokens, bias,
-                    0 if top is None else top + 1, visible)
+    settings = Settings(n, max_tokens, param, stops, stop_ids, body.min_tokens, bias, 0 if top is None else top + 1,
+                        visible)
+    settings.sampling = resolve_sampling(body, handle, settings)
+    return settings
 
 
 def truncate(body: SamplingFields, handle: ModelView, ids: list[int]) -> list[int]:
@@ -134,8 +137,10 @@ def truncate(body: SamplingFields, handle: ModelView, ids: list[int]) -> list[in
     return ids[:k] if body.truncation_side == "right" else ids[len(ids) - k:]
 
 
-def resolve_sampling(body: SamplingFields, handle: ModelView, prompt_len: int, settings: Settings,
-                     seed: int | None, eos: list[int]) -> Sampling:
+def resolve_sampling(body: SamplingFields, handle: ModelView, settings: Settings) -> Sampling:
+    """The request's sampling, its defaults the model's (``generation_config.json``) or ours,
+    every value checked; a sequence's own (its prompt's length, its seed, the end tokens) are
+    ``sequence_sampling``'s."""
     def pick(name: str) -> Any:
         value = getattr(body, name)
         if value is None:
@@ -161,14 +166,20 @@ def resolve_sampling(body: SamplingFields, handle: ModelView, prompt_len: int, s
     if top_k >= handle.spec.config.vocab_size:
         top_k = 0  # keeping every token is no filter at all
     return Sampling(temperature=temperature, top_p=top_p, top_k=max(top_k, 0), min_p=min_p,
-                    seed=None if seed is None else seed % (2**63),
                     frequency_penalty=freq, presence_penalty=pres, repetition_penalty=rep,
-                    prompt_len=prompt_len, logprobs=settings.logprobs, logit_bias=settings.logit_bias,
-                    min_tokens=settings.min_tokens, stop_token_ids=sorted(set(eos) | set(settings.stop_token_ids)))
+                    logprobs=settings.logprobs, logit_bias=settings.logit_bias, min_tokens=settings.min_tokens,
+                    stop_token_ids=sorted(set(settings.stop_token_ids)))
 
 
-def check_sequence(body: SamplingFields, handle: ModelView, settings: Settings, prompt: list[int]) -> Sampling:
-    """Refuse what ``make_request`` would refuse (it runs on the event loop; this need not)."""
+def sequence_sampling(settings: Settings, prompt_len: int, seed: int | None, eos: list[int]) -> Sampling:
+    return msgspec.structs.replace(settings.sampling, prompt_len=prompt_len,
+                                   seed=None if seed is None else seed % (2**63),
+                                   stop_token_ids=sorted(set(eos) | set(settings.stop_token_ids)))
+
+
+def check_sequence(body: SamplingFields, handle: ModelView, settings: Settings, prompt: list[int]) -> None:
+    """A prompt that, with what it may generate, fits the model's context; the planners check
+    each before ``make_request`` makes its sequences (on the event loop)."""
     limit = handle.max_len
     max_tokens = settings.max_tokens
     if len(prompt) >= limit or (max_tokens is not None and len(prompt) + max_tokens > limit):
@@ -177,7 +188,6 @@ def check_sequence(body: SamplingFields, handle: ModelView, settings: Settings, 
                        f"this model's maximum context length is {limit} tokens; the request needs {asked} "
                        f"({len(prompt)} in the prompt + {max_tokens or 0} to generate)",
                        param="prompt" if hasattr(body, "prompt") else "messages")
-    return resolve_sampling(body, handle, len(prompt), settings, body.seed, [])
 
 
 def make_request(body: SamplingFields, handle: ModelView, settings: Settings, prompt: list[int], choice: int,
@@ -186,15 +196,15 @@ def make_request(body: SamplingFields, handle: ModelView, settings: Settings, pr
     """The GenRequest of one sequence: ``choice`` is its index among the n of its prompt (a
     seeded request derives seed + choice, as vLLM does); ``constraint`` makes its constraint
     from its token budget and a number of its own (the same for the same request, in any
-    process)."""
-    check_sequence(body, handle, settings, prompt)
+    process). The planner checked ``prompt`` (``check_sequence``) and the sampling
+    (``settings_of``)."""
     info = handle.spec.tokenizer
     eos = [] if body.ignore_eos else list(info.eos_token_ids)
     seed = None if body.seed is None else body.seed + choice
     budget = settings.max_tokens if settings.max_tokens is not None else handle.max_len - len(prompt)
     req = GenRequest(
         prompt=prompt,
-        sampling=resolve_sampling(body, handle, len(prompt), settings, seed, eos),
+        sampling=sequence_sampling(settings, len(prompt), seed, eos),
         max_tokens=budget,
         stop=settings.stops,
         stop_token_ids=frozenset(eos) | frozenset(settings.stop_token_ids),
