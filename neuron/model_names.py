@@ -7,6 +7,8 @@ from __future__ import annotations
 import fnmatch
 from typing import Any, Iterable, TypeVar
 
+from neuron.errors import ApiError
+
 H = TypeVar("H")
 GLOB = set("*?[")
 
@@ -27,6 +29,14 @@ def find(models: dict[str, H], name: str) -> H | None:
         if any(is_glob(a) and fnmatch.fnmatchcase(name, a) for a in _aliases(handle)):
             return handle
     return None
+
+
+def served(models: dict[str, H], name: str) -> H:
+    """``find``'s model, or the 404 a route answers when none serves under ``name``."""
+    handle = find(models, name)
+    if handle is None:
+        raise ApiError(404, "model_not_found", f"model {name!r} is not loaded", param="model")
+    return handle
 
 
 def _aliases(handle: Any) -> list[str]:

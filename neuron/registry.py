@@ -25,7 +25,7 @@ from .devices import choose_devices, default_dtype
 from .engine.engine import Engine
 from .engine.shape import Sizing
 from .engine.step_budget import StepBudget
-from .model_names import clash, find
+from .model_names import clash, served
 from .kernels import isa
 from .engine.request import FinishEvent, GenRequest
 from .errors import ApiError
@@ -70,10 +70,7 @@ class Registry:
         self.draining = False
 
     def get(self, model_id: str) -> ModelHandle:
-        handle = find(self.models, model_id)
-        if handle is None:
-            raise ApiError(404, "model_not_found", f"model {model_id!r} is not loaded", param="model")
-        return handle
+        return served(self.models, model_id)
 
     async def refresh(self) -> None:
         """Nothing to fetch: the models are this process's own (an API process's mirror is not)."""

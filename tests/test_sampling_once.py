@@ -5,7 +5,6 @@ tokens). The default model's real spec (tokenizer, config) plans the requests.""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
 
 import msgspec
 import pytest
@@ -14,28 +13,17 @@ from conftest import DEFAULT_MODEL
 from neuron.config import EngineConfig, GrammarConfig, ModelEntry
 from neuron.engine.grammar_worker import GrammarCompiler
 from neuron.errors import ApiError
-from neuron.loader.spec import ModelSpec, load_spec
+from neuron.loader.spec import load_spec
+from neuron.server.core_client import CoreEngine, CoreModel
 from neuron.server.openai import planning, requests
 from neuron.server.schemas import CompletionRequest
 
 
-@dataclass
-class Engine:
-    cfg: EngineConfig = field(default_factory=EngineConfig)
-
-
-@dataclass
-class Model:
-    spec: ModelSpec
-    id: str = DEFAULT_MODEL
-    entry: ModelEntry = field(default_factory=ModelEntry)
-    max_len: int = 2048
-    engine: Engine = field(default_factory=Engine)
-
-
 @pytest.fixture(scope="module")
-def model() -> Model:
-    return Model(load_spec(DEFAULT_MODEL))
+def model() -> CoreModel:
+    """The default model as an API process holds it (its engine's requests would go to the core)."""
+    return CoreModel(DEFAULT_MODEL, ModelEntry(), load_spec(DEFAULT_MODEL), 2048,
+                     CoreEngine(DEFAULT_MODEL, EngineConfig(), link=None))
 
 
 def completion(**fields) -> CompletionRequest:

@@ -17,10 +17,9 @@ import msgspec
 import protocol.api_core as m
 
 from neuron.config import Config, EngineConfig, ModelEntry
-from neuron.model_names import find
+from neuron.model_names import served
 from neuron.engine.shape import EngineStats
 from neuron.engine.request import GenRequest
-from neuron.errors import ApiError
 from neuron.loader.spec import ModelSpec, load_spec
 
 from neuron.server.core_link import CoreLink, OnFinish
@@ -104,10 +103,7 @@ class CoreClient:
             raise RuntimeError(f"the engine core sent no state within {FIRST_STATE_S:.0f}s") from None
 
     def get(self, model_id: str) -> CoreModel:
-        handle = find(self.models, model_id)
-        if handle is None:
-            raise ApiError(404, "model_not_found", f"model {model_id!r} is not loaded", param="model")
-        return handle
+        return served(self.models, model_id)
 
     async def refresh(self) -> None:
         """The core's latest: its answer comes after the ``Models`` frame it sends first. A core
