@@ -91,6 +91,14 @@ def _call_for_template(call: dict[str, Any], param: str) -> dict[str, Any]:
     return {**call, "type": call.get("type", "function"), "function": {**fn, "arguments": args}}
 
 
+def _shows_tools(text: str, messages: list[dict[str, Any]], tools: ToolPlan) -> bool:
+    """Whether the template certainly rendered the tools: each tool's name appears in ``text``
+    more often than anywhere in the conversation. Where not, the caller renders again without
+    tools to find out; so a template that shows tools costs one render, not two."""
+    said = json.dumps(messages, ensure_ascii=False)
+    return all(text.count(name) > said.count(name) for name in tools.names)
+
+
 def _render(templates: TemplateRenderer, info: TokenizerInfo, template: str | None, from_client: bool,
             messages: list[dict[str, Any]], *, tools: list | None, documents: list | None,
             add_generation_prompt: bool, extra: dict[str, Any]) -> str:
@@ -134,7 +142,7 @@ def chat_prompt(body: ChatRequest, handle: ModelView, templates: TemplateRendere
                        extra=extra)
 
     text = render(messages, tools.tools if tools else None)
-    if tools is not None and text == render(messages, None):
+    if tools is not None and not _shows_tools(text, messages, tools) and text == render(messages, None):
         # The template ignores tools: our own tool prompt, in the syntax it asks for.
         tools.syntax = "hermes"
         text = render(with_tool_prompt(messages, tools.tools), None)
