@@ -10,6 +10,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
+import msgspec
+
 from protocol import MAX_DRAFTS
 
 
@@ -193,53 +195,53 @@ class Config:
     debug: DebugConfig = field(default_factory=DebugConfig)
 
 
-def _coerce(kind: Any, value: Any, where: str) -> Any:
-    if kind is bool:
-        if isinstance(value, str):
-            if value.lower() in ("1", "true", "yes", "on"):
-                return True
-            if value.lower() in ("0", "false", "no", "off", ""):
-                return False
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{where}: expected true or false, got {value!r}")
-    if kind == int | str:  # a number or "auto"
-        if value == "auto":
-            return value
-        kind = int
-    if kind in (int, float):
-        if isinstance(value, bool):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
-        try:
-            return kind(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{where}: expected {kind.__name__}, got {value!r}") from None
-    if kind is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
-        return value
-    if kind in (list[int], list[str]):
-        if isinstance(value, str):  # from the environment: comma-separated
-            value = [v.strip() for v in value.split(",") if v.strip()]
-        if not isinstance(value, list):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
-        return [_coerce(kind.__args__[0], v, where) for v in value]
-    if kind is SpeculativeConfig:
-        if isinstance(value, str):  # from the environment: method=ngram,tokens=4
-            value = dict(part.split("=", 1) if "=" in part else (part, "") for part in value.split(",") if part)
-        return _fill(kind, value, where)
-    raise ConfigError(f"{where}: unsupported type")
+def _converted(kind: Any, value: Any, where: str, strict: bool = True) -> Any:
+    """``value`` as ``kind`` by ``msgspec.convert`` (``strict``: TOML's own types; else the
+    environment's strings read as numbers where a number is wanted); its complaint as ours."""
+    try:
+        return msgspec.convert(value, kind, strict=strict)
+    except msgspec.ValidationError as exc:
+        text, _, at = str(exc).partition(" - at `$")
+        raise ConfigError(f"{where}{at.rstrip('`')}: {text[:1].lower()}{text[1:].replace('`', '')}") from None
 
 
-def _fill(cls: type, data: dict[str, Any], where: str) -> Any:
+def _check_keys(cls: type, data: Any, where: str) -> None:
+    """A table of ``cls``'s keys only, and the same for each table inside it (msgspec would
+    silently drop a misspelt key)."""
     if not isinstance(data, dict):
         raise ConfigError(f"[{where}] must be a table")
     hints = get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(data) - known
+    unknown = set(data) - set(hints)
     if unknown:
-        raise ConfigError(f"[{where}] has unknown keys: {', '.join(sorted(unknown))} (known: {', '.join(sorted(known))})")
-    return cls(**{k: _coerce(hints[k], v, f"{where}.{k}") for k, v in data.items()})
+        raise ConfigError(f"[{where}] has unknown keys: {', '.join(sorted(unknown))} (known: {', '.join(sorted(hints))})")
+    for key, value in data.items():
+        if dataclasses.is_dataclass(hints[key]):
+            _check_keys(hints[key], value, f"{where}.{key}")
+
+
+def _fill(cls: type, data: Any, where: str, strict: bool = True) -> Any:
+    return _check_keys(cls, data, where) or _converted(cls, data, where, strict)
+
+
+BOOL_WORDS = {**dict.fromkeys(("1", "true", "yes", "on"), True), **dict.fromkeys(("0", "false", "no", "off", ""), False)}
+
+
+def _from_env(kind: Any, value: str, where: str) -> Any:
+    """An environment variable's text as ``kind``: true/false as on/off/yes/no/1/0 too, lists
+    comma-separated, a speculative setting as ``method=ngram,tokens=4``, "auto" where a number
+    may be that."""
+    if kind is bool:
+        if value.lower() not in BOOL_WORDS:
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        return BOOL_WORDS[value.lower()]
+    if kind == int | str:
+        return "auto" if value == "auto" else _converted(int, value, where, strict=False)
+    if kind in (list[int], list[str]):
+        return _converted(kind, [v.strip() for v in value.split(",") if v.strip()], where, strict=False)
+    if kind is SpeculativeConfig:
+        table = dict(part.split("=", 1) if "=" in part else (part, "") for part in value.split(",") if part)
+        return _fill(kind, table, where, strict=False)
+    return _converted(kind, value, where, strict=False)
 
 
 def load_config(path: str | Path | None = None, env: dict[str, str] | None = None) -> Config:
@@ -276,7 +278,7 @@ def _apply_torchrun_env(cluster: ClusterConfig, env: dict[str, str]) -> None:
     hints = get_type_hints(ClusterConfig)
     for key, name in TORCHRUN_ENV.items():
         if env.get(key, "").strip():
-            setattr(cluster, name, _coerce(hints[name], env[key].strip(), key))
+            setattr(cluster, name, _from_env(hints[name], env[key].strip(), key))
 
 
 def _apply_env(cfg: Config, env: dict[str, str]) -> None:
@@ -297,7 +299,7 @@ def _apply_env(cfg: Config, env: dict[str, str]) -> None:
         hints = get_type_hints(type(target))
         if name not in hints:
             raise ConfigError(f"environment variable {key} names no config key")
-        setattr(target, name, _coerce(hints[name], value, where))
+        setattr(target, name, _from_env(hints[name], value, where))
 
 
 def validate(cfg: Config) -> None:
