@@ -210,7 +210,8 @@ def test_a_tool_round_trip(tiny, choice, stream):
                {"role": "user", "content": results}]
     answer = ask(model=TINY, max_tokens=6, messages=history, tools=TOOLS, tool_choice={"type": "none"})
     # Sampled (Anthropic's default temperature is 1): the random model may draw its end token.
-    assert not tool_uses(answer) and answer.stop_reason in ("max_tokens", "end_turn") and text_of(answer)
+    assert not tool_uses(answer) and answer.stop_reason in ("max_tokens", "end_turn")
+    assert text_of(answer) or answer.stop_reason == "end_turn"  # an end token drawn first leaves no text
     # The tool's result reached the prompt: the same conversation without it is shorter.
     assert answer.usage.input_tokens > ask(model=TINY, max_tokens=1, messages=question).usage.input_tokens + 20
 

@@ -19,11 +19,10 @@ from neuron.server.ignored import say_ignored
 from neuron.server.messages.errors import in_anthropic_envelope
 from neuron.server.messages.request import CountTokensRequest, MessagesRequest, Translation, our_name, translate
 from neuron.server.messages.view import MessageView
-from neuron.server.openai.generation import respond
-from neuron.server.openai.planning import plan_chat
+from neuron.server.chat_pipeline import ChatTurn, serve_chat, serving
 from neuron.server.openai.prompts import chat_prompt
 from neuron.server.openai.requests import decode_json, read_body
-from neuron.server.openai.routes import serving
+from protocol.engine_client import ModelView
 from neuron.server.state import AppState, require_key
 
 _TRANSLATION = "neuron.messages.translation"
@@ -64,13 +63,19 @@ async def _translated(request: Request, kind: type) -> AsyncIterator[tuple]:
         yield state, body, handle, translation, run
 
 
+async def _message_turn(request: Request, body: MessagesRequest, handle: ModelView, data: bytes, run) -> ChatTurn:
+    """The Messages API's adapter: the body translated into a chat (tools, thinking, system turns,
+    context edits), Anthropic's rule for max_tokens past the context, Anthropic's events."""
+    state: AppState = request.app.state.neuron
+    translation = await run(translate, body, handle, state.templates)
+    request.scope[_TRANSLATION] = translation  # the envelope names a failing field as the body did
+    return ChatTurn(translation.chat, translation.ignored, fit_context=True,
+                    view=lambda plan, choices: MessageView(body.model, translation.show_thinking, plan.fitted,
+                                                           translation.applied_edits))
+
+
 async def _create_message(request: Request) -> Response:
-    async with _translated(request, MessagesRequest) as (state, body, handle, translation, run):
-        plan, build = await run(plan_chat, translation.chat, handle, None, state.compiler, state.templates, True)
-    choices = build()
-    view = MessageView(body.model, translation.show_thinking, plan.fitted, translation.applied_edits)
-    response = await respond(request, state, handle, choices, view, bool(body.stream), translation.chat.user)
-    return say_ignored(request, response, translation.ignored, handle.id)
+    return await serve_chat(request, MessagesRequest, _decode, _message_turn)
 
 
 async def _count_tokens(request: Request) -> Response:

@@ -15,14 +15,14 @@ from starlette.responses import JSONResponse, Response
 from neuron.errors import ApiError
 
 from neuron.server.openai.choices import Choice, Delta
-from neuron.server.openai.generation import KEEPALIVE, respond, usage
-from neuron.server.openai.routes import serving
-from neuron.server.openai.planning import plan_chat
+from neuron.server.chat_pipeline import ChatTurn, serve_chat
+from neuron.server.openai.generation import KEEPALIVE, usage
 from neuron.server.sse import json_text
-from neuron.server.ignored import unknown_fields, say_ignored
-from neuron.server.openai.requests import decode_json, read_body
+from neuron.server.ignored import unknown_fields
+from neuron.server.openai.requests import decode_json
 from neuron.response_store import ResponseStore
 from neuron.server.state import AppState, require_key
+from protocol.engine_client import ModelView
 from neuron.parsing.tool_calls import CallStart
 from neuron.server.openai.views import Folded
 from neuron.server.openai.responses_request import REFUSED, ResponsesRequest, as_chat, bad_request
@@ -193,41 +193,47 @@ def _our_name(param: str | None) -> str | None:
     return _CHAT_NAMES.get(head, head) + dot + rest
 
 
-async def create_response(request: Request) -> Response:
-    state: AppState = request.app.state.neuron
-    require_key(request, state, admin=False)
-    data = await read_body(request, state.cfg.server.max_body_bytes)
-    async with state.body_budget.hold(len(data)) as run:
-        body = decode_json(data, ResponsesRequest)
-        handle = serving(state, body.model)
-        ignored = unknown_fields(data, ResponsesRequest)
-        for name, (fine, why) in REFUSED.items():
-            if not fine(getattr(body, name)):
-                raise bad_request(f"{name}: {why}", name)
-        if body.max_tool_calls is not None and not 0 <= body.max_tool_calls < 2**31:
-            raise bad_request("max_tool_calls must be in [0, 2^31)", "max_tool_calls")
-        store: ResponseStore = state.responses
-        history: list[dict[str, Any]] = []
-        if body.previous_response_id is not None:
-            found = await store.fetch(body.previous_response_id)
-            if found is None:
-                raise ApiError(404, "not_found", f"no stored response {body.previous_response_id!r}",
-                               param="previous_response_id")
-            history = list(found[0])
-        try:
-            chat, conversation = as_chat(body, history)
-            _, build = await run(plan_chat, chat, handle, None, state.compiler, state.templates)
-        except ApiError as exc:
-            exc.param = _our_name(exc.param)
-            raise
-    choices = build()
-    if body.max_tool_calls is not None and choices[0].tools is not None:
-        choices[0].tools.max_calls = body.max_tool_calls
+async def _response_turn(request: Request, body: ResponsesRequest, handle: ModelView, data: bytes, run) -> ChatTurn:
+    """The Responses API's adapter: the earlier turns of ``previous_response_id`` and the input as
+    a chat, errors named as the body names them, the turn stored once its output is complete."""
+    ignored = unknown_fields(data, ResponsesRequest)
+    for name, (fine, why) in REFUSED.items():
+        if not fine(getattr(body, name)):
+            raise bad_request(f"{name}: {why}", name)
+    if body.max_tool_calls is not None and not 0 <= body.max_tool_calls < 2**31:
+        raise bad_request("max_tool_calls must be in [0, 2^31)", "max_tool_calls")
+    store: ResponseStore = request.app.state.neuron.responses
+    history: list[dict[str, Any]] = []
+    if body.previous_response_id is not None:
+        found = await store.fetch(body.previous_response_id)
+        if found is None:
+            raise ApiError(404, "not_found", f"no stored response {body.previous_response_id!r}",
+                           param="previous_response_id")
+        history = list(found[0])
+    try:
+        chat, conversation = as_chat(body, history)
+    except ApiError as exc:
+        exc.param = _our_name(exc.param)
+        raise
     view = ResponseView(body, handle.id)
-    response = await respond(request, state, handle, choices, view, bool(body.stream))
-    if body.store is not False:
-        _store_when_done(response, store, view, conversation)
-    return say_ignored(request, response, ignored, handle.id)
+
+    def made(plan, choices: list[Choice]) -> ResponseView:
+        if body.max_tool_calls is not None and choices[0].tools is not None:
+            choices[0].tools.max_calls = body.max_tool_calls
+        return view
+
+    def after(response: Response, choices: list[Choice]) -> None:
+        if body.store is not False:
+            _store_when_done(response, store, view, conversation)
+
+    def rename(exc: ApiError) -> None:
+        exc.param = _our_name(exc.param)
+
+    return ChatTurn(chat, ignored, rename=rename, view=made, after=after)
+
+
+async def create_response(request: Request) -> Response:
+    return await serve_chat(request, ResponsesRequest, decode_json, _response_turn)
 
 
 def _store_when_done(response: Response, store: ResponseStore, view: ResponseView,

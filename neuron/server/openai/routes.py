@@ -12,8 +12,9 @@ from neuron.model_names import is_glob
 from protocol.engine_client import ModelView
 
 from neuron.server.openai.fields import refuse_unsupported
+from neuron.server.chat_pipeline import ChatTurn, serve_chat, serving
 from neuron.server.openai.generation import Chunks, respond
-from neuron.server.openai.planning import plan_chat, plan_completion
+from neuron.server.openai.planning import plan_completion
 from neuron.server.ignored import unknown_fields, say_ignored
 from neuron.server.openai.requests import decode_json, read_body
 from neuron.server.schemas import ChatRequest, CompletionRequest, SamplingFields
@@ -22,42 +23,26 @@ from neuron.server.openai.views import ChatView, CompletionView
 
 
 
-def serving(state: AppState, model: str) -> ModelView:
-    if state.draining:
-        raise ApiError(503, "shutting_down", "the server is shutting down")
-    handle = state.engine_client.get(model)
-    if handle.status != "loaded":
-        raise ApiError(503, "model_unavailable", f"model {model!r} is {handle.status}", retry_after=5)
-    return handle
-
-
 def _bad(message: str, param: str) -> ApiError:
     return ApiError(400, "invalid_request", message, param=param)
 
 
-async def chat_completions(request: Request) -> Response:
-    state: AppState = request.app.state.neuron
-    require_key(request, state, admin=False)
-    data = await read_body(request, state.cfg.server.max_body_bytes)
-    async with state.body_budget.hold(len(data)) as run:
-        body = decode_json(data, ChatRequest)
-        handle = serving(state, body.model)
-        ignored = unknown_fields(data, ChatRequest)
-        refuse_unsupported(body)
-        if body.top_logprobs and not body.logprobs:
-            raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
-        top = (body.top_logprobs or 0) if body.logprobs else None
-        _check_common(body, top, "top_logprobs")
-        # Templating, tokenizing and compiling grammars take a while: off the event loop.
-        async with state.templates.lane(body.chat_template is not None):
-            plan, build = await run(plan_chat, body, handle, top, state.compiler, state.templates)
-    choices = build()  # GenRequests belong to the event loop
+async def _chat_turn(request: Request, body: ChatRequest, handle: ModelView, data: bytes, run) -> ChatTurn:
+    """Chat completions' adapter: the body is the chat request."""
+    refuse_unsupported(body)
+    if body.top_logprobs and not body.logprobs:
+        raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    _check_common(body, top, "top_logprobs")
     view = ChatView(model=body.model, tokenizer=handle.spec.tokenizer.tokenizer, top_logprobs=top,
                     return_token_ids=bool(body.return_token_ids), tokens_as_ids=bool(body.return_tokens_as_token_ids),
                     request_id=body.request_id)
-    response = await respond(request, state, handle, choices, Chunks(view, *_usage_options(body)),
-                             bool(body.stream), body.user)
-    return say_ignored(request, response, ignored, handle.id)
+    return ChatTurn(body, unknown_fields(data, ChatRequest), top,
+                    view=lambda plan, choices: Chunks(view, *_usage_options(body)))
+
+
+async def chat_completions(request: Request) -> Response:
+    return await serve_chat(request, ChatRequest, decode_json, _chat_turn)
 
 
 async def completions(request: Request) -> Response:
