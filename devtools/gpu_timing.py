@@ -26,20 +26,6 @@ def graph_ms(fn, reps: int = 20) -> float:
     return start.elapsed_time(end) / reps / 5
 
 
-def eager_ms(fn, reps: int = 20) -> float:
-    """The same for a call that cannot be captured (it syncs with the host): ``reps`` calls in a
-    row after three warm ones."""
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
-
-
 def copies(nbytes: int, cache_bytes: float = 240e6) -> int:
     """How many copies of a weight of ``nbytes`` make every call read it from memory (240 MB:
     four times an H200's L2 cache)."""

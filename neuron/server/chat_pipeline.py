@@ -7,8 +7,9 @@ the response, the ignored fields named."""
 
 from __future__ import annotations
 
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -54,14 +55,22 @@ class ChatTurn:
 Adapter = Callable[[Request, Any, ModelView, bytes, Run], Awaitable[ChatTurn]]
 
 
-async def serve_chat(request: Request, kind: type, decode: Callable[[bytes, type], Any], to_chat: Adapter) -> Response:
-    """``kind``: the surface's body type, ``decode`` its decoder; ``to_chat`` its adapter."""
+@asynccontextmanager
+async def admitted(request: Request, kind: type, decode: Callable[[bytes, type], Any]) -> AsyncIterator[tuple]:
+    """A generation request's first steps, within the body budget: the key checked, the body
+    read and decoded as ``kind``, its model served. Yields (state, body bytes, body, model, the
+    runner of work off the event loop)."""
     state: AppState = request.app.state.neuron
     require_key(request, state, admin=False)
     data = await read_body(request, state.cfg.server.max_body_bytes)
     async with state.body_budget.hold(len(data)) as run:
         body = decode(data, kind)
-        handle = serving(state, body.model)
+        yield state, data, body, serving(state, body.model), run
+
+
+async def serve_chat(request: Request, kind: type, decode: Callable[[bytes, type], Any], to_chat: Adapter) -> Response:
+    """``kind``: the surface's body type, ``decode`` its decoder; ``to_chat`` its adapter."""
+    async with admitted(request, kind, decode) as (state, data, body, handle, run):
         turn = await to_chat(request, body, handle, data, run)
         try:
             # Templating, tokenizing and compiling grammars take a while: off the event loop.

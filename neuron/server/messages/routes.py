@@ -19,11 +19,11 @@ from neuron.server.ignored import say_ignored
 from neuron.server.messages.errors import in_anthropic_envelope
 from neuron.server.messages.request import CountTokensRequest, MessagesRequest, Translation, our_name, translate
 from neuron.server.messages.view import MessageView
-from neuron.server.chat_pipeline import ChatTurn, serve_chat, serving
+from neuron.server.chat_pipeline import ChatTurn, admitted, serve_chat
 from neuron.server.openai.prompts import chat_prompt
-from neuron.server.openai.requests import decode_json, read_body
+from neuron.server.openai.requests import decode_json
 from protocol.engine_client import ModelView
-from neuron.server.state import AppState, require_key
+from neuron.server.state import AppState
 
 _TRANSLATION = "neuron.messages.translation"
 
@@ -52,12 +52,7 @@ def _decode(data: bytes, kind: type):
 async def _translated(request: Request, kind: type) -> AsyncIterator[tuple]:
     """Within the body budget: the state, the body, its model, its chat translation, and the
     runner of work off the event loop."""
-    state: AppState = request.app.state.neuron
-    require_key(request, state, admin=False)
-    data = await read_body(request, state.cfg.server.max_body_bytes)
-    async with state.body_budget.hold(len(data)) as run:
-        body = _decode(data, kind)
-        handle = serving(state, body.model)
+    async with admitted(request, kind, _decode) as (state, _, body, handle, run):
         translation = await run(translate, body, handle, state.templates)
         request.scope[_TRANSLATION] = translation
         yield state, body, handle, translation, run

@@ -12,11 +12,11 @@ from neuron.model_names import is_glob
 from protocol.engine_client import ModelView
 
 from neuron.server.openai.fields import refuse_unsupported
-from neuron.server.chat_pipeline import ChatTurn, serve_chat, serving
+from neuron.server.chat_pipeline import ChatTurn, admitted, serve_chat
 from neuron.server.openai.generation import Chunks, respond
 from neuron.server.openai.planning import plan_completion
 from neuron.server.ignored import unknown_fields, say_ignored
-from neuron.server.openai.requests import decode_json, read_body
+from neuron.server.openai.requests import decode_json
 from neuron.server.schemas import ChatRequest, CompletionRequest, SamplingFields
 from neuron.server.state import AppState, require_key
 from neuron.server.openai.views import ChatView, CompletionView
@@ -46,12 +46,7 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def completions(request: Request) -> Response:
-    state: AppState = request.app.state.neuron
-    require_key(request, state, admin=False)
-    data = await read_body(request, state.cfg.server.max_body_bytes)
-    async with state.body_budget.hold(len(data)) as run:
-        body = decode_json(data, CompletionRequest)
-        handle = serving(state, body.model)
+    async with admitted(request, CompletionRequest, decode_json) as (state, data, body, handle, run):
         ignored = unknown_fields(data, CompletionRequest)
         refuse_unsupported(body)
         top = body.logprobs
