@@ -41,22 +41,3 @@ def test_packed_products_on_a_gpu_are_the_exact_weights_rounded_once():
             failed.append(r)
     assert not failed
     assert sum(r.get("configs", 0) > 2 for r in rows) >= 3  # the tuner's configs ran
-
-
-@needs_gpu
-@pytest.mark.parametrize("scheme", ["q4", "q8_0"])
-def test_in_situ_quantization_on_the_gpu_gives_the_cpu_s_integers_and_scales(scheme):
-    """A rank quantizes in situ on its GPU: the same integers and scales as the CPU computes, on
-    weights of every magnitude (groups near 0, far from 0, constant, tiny)."""
-    import numpy as np
-
-    from neuron.models.quant import quantize
-
-    g = torch.Generator().manual_seed(5)
-    w = torch.randn(512, 1024, generator=g) * torch.logspace(-6, 2, 512)[:, None]
-    w[::7] += torch.randn(74, 1, generator=g) * 40  # groups far from 0
-    w[3::11, :64] = 0.125  # constant groups
-    w = w.to(torch.bfloat16)
-    cpu, gpu = quantize(w, scheme), quantize(w, scheme, torch.device("cuda"))
-    for name in ("u", "s", "m"):
-        assert np.array_equal(getattr(cpu, name), getattr(gpu, name)), name
