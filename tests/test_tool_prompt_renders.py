@@ -79,3 +79,16 @@ def test_a_template_that_ignores_them_gets_our_tool_prompt(model, templates, mes
     assert templates.calls == [[TOOL], None, None]
     assert "# Tools" in out.prompt.text and '"name": "get_weather"' in out.prompt.text
     assert out.tools is not None and out.tools.syntax == "hermes"
+
+
+def test_so_many_tools_that_counting_names_would_cost_more_take_the_second_render(model, templates):
+    """Thousands of tools in a few MB of text: name counting would scan names x text (a hostile
+    body's quadratic), so the template is rendered again without them instead."""
+    many = [{"type": "function", "function": {"name": f"tool_{i}", "parameters": {"type": "object"}}}
+            for i in range(4000)]
+    templates.calls.clear()
+    body = msgspec.convert({"model": DEFAULT_MODEL, "messages": PLAIN, "tools": many, "chat_template": SHOWS},
+                           ChatRequest)
+    out = chat_prompt(body, model, templates)
+    assert len(templates.calls) == 2 and templates.calls[1] is None
+    assert '"name": "tool_3999"' in out.prompt.text and "# Tools" not in out.prompt.text

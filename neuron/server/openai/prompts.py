@@ -91,12 +91,19 @@ def _call_for_template(call: dict[str, Any], param: str) -> dict[str, Any]:
     return {**call, "type": call.get("type", "function"), "function": {**fn, "arguments": args}}
 
 
+SHOWS_TOOLS_WORK = 50_000_000  # characters _shows_tools may scan (names x text): ~0.05 s
+
+
 def _shows_tools(text: str, messages: list[dict[str, Any]], tools: ToolPlan) -> bool:
     """Whether the template certainly rendered the tools: each tool's name appears in ``text``
     more often than anywhere in the conversation. Where not, the caller renders again without
-    tools to find out; so a template that shows tools costs one render, not two."""
+    tools to find out; so a template that shows tools costs one render, not two. A request of
+    so many tools that the scan would cost more than a render takes the render."""
     said = json.dumps(messages, ensure_ascii=False)
-    return all(text.count(name) > said.count(name) for name in tools.names)
+    names = tools.names
+    if len(names) * (len(text) + len(said)) > SHOWS_TOOLS_WORK:
+        return False
+    return all(text.count(name) > said.count(name) for name in names)
 
 
 def _render(templates: TemplateRenderer, info: TokenizerInfo, template: str | None, from_client: bool,
