@@ -25,6 +25,7 @@ from neuron.server.schemas import ChatRequest
 from neuron.server.state import AppState, require_key
 from protocol.engine_client import ModelView
 
+
 def serving(state: AppState, model: str) -> ModelView:
     """The model a request names, if it is loaded and the server is not shutting down."""
     if state.draining:
@@ -43,11 +44,11 @@ class ChatTurn:
     """What an adapter makes of its body: the chat request, and how the pipeline treats it."""
 
     chat: ChatRequest
+    view: Callable[[ChatPrompt, list[Choice]], StreamView]  # the surface's wire format, once planned
     ignored: list[str] = field(default_factory=list)  # the body's fields no surface knows (x-neuron-ignored)
     top: int | None = None  # top logprobs a token
     fit_context: bool = False  # Anthropic's rule: max_tokens cut to the context's room (plan_chat)
     rename: Callable[[ApiError], None] | None = None  # an error's param in the surface's own names
-    view: Callable[[ChatPrompt, list[Choice]], StreamView] | None = None  # the surface's wire format
     after: Callable[[Response, list[Choice]], None] | None = None  # once the response exists (a store)
 
 
@@ -82,7 +83,6 @@ async def serve_chat(request: Request, kind: type, decode: Callable[[bytes, type
                 turn.rename(exc)
             raise
     choices = build()  # the engine's requests belong to the event loop
-    assert turn.view is not None
     response = await respond(request, state, handle, choices, turn.view(plan, choices), bool(turn.chat.stream),
                              turn.chat.user)
     if turn.after is not None:

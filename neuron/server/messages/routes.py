@@ -53,20 +53,25 @@ async def _translated(request: Request, kind: type) -> AsyncIterator[tuple]:
     """Within the body budget: the state, the body, its model, its chat translation, and the
     runner of work off the event loop."""
     async with admitted(request, kind, _decode) as (state, _, body, handle, run):
-        translation = await run(translate, body, handle, state.templates)
-        request.scope[_TRANSLATION] = translation
-        yield state, body, handle, translation, run
+        yield state, body, handle, await _translation(request, body, handle, run), run
+
+
+async def _translation(request: Request, body: CountTokensRequest, handle: ModelView, run) -> Translation:
+    """The body as a chat, off the event loop; kept in the request's scope so that the envelope
+    names a failing field as the body did."""
+    state: AppState = request.app.state.neuron
+    translation = await run(translate, body, handle, state.templates)
+    request.scope[_TRANSLATION] = translation
+    return translation
 
 
 async def _message_turn(request: Request, body: MessagesRequest, handle: ModelView, data: bytes, run) -> ChatTurn:
     """The Messages API's adapter: the body translated into a chat (tools, thinking, system turns,
     context edits), Anthropic's rule for max_tokens past the context, Anthropic's events."""
-    state: AppState = request.app.state.neuron
-    translation = await run(translate, body, handle, state.templates)
-    request.scope[_TRANSLATION] = translation  # the envelope names a failing field as the body did
-    return ChatTurn(translation.chat, translation.ignored, fit_context=True,
-                    view=lambda plan, choices: MessageView(body.model, translation.show_thinking, plan.fitted,
-                                                           translation.applied_edits))
+    translation = await _translation(request, body, handle, run)
+    return ChatTurn(translation.chat, lambda plan, choices: MessageView(body.model, translation.show_thinking,
+                                                                        plan.fitted, translation.applied_edits),
+                    translation.ignored, fit_context=True)
 
 
 async def _create_message(request: Request) -> Response:

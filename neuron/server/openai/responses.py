@@ -229,7 +229,7 @@ async def _response_turn(request: Request, body: ResponsesRequest, handle: Model
     def rename(exc: ApiError) -> None:
         exc.param = _our_name(exc.param)
 
-    return ChatTurn(chat, ignored, rename=rename, view=made, after=after)
+    return ChatTurn(chat, made, ignored, rename=rename, after=after)
 
 
 async def create_response(request: Request) -> Response:

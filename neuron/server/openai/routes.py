@@ -37,8 +37,8 @@ async def _chat_turn(request: Request, body: ChatRequest, handle: ModelView, dat
     view = ChatView(model=body.model, tokenizer=handle.spec.tokenizer.tokenizer, top_logprobs=top,
                     return_token_ids=bool(body.return_token_ids), tokens_as_ids=bool(body.return_tokens_as_token_ids),
                     request_id=body.request_id)
-    return ChatTurn(body, unknown_fields(data, ChatRequest), top,
-                    view=lambda plan, choices: Chunks(view, *_usage_options(body)))
+    return ChatTurn(body, lambda plan, choices: Chunks(view, *_usage_options(body)), unknown_fields(data, ChatRequest),
+                    top)
 
 
 async def chat_completions(request: Request) -> Response:
