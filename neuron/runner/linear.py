@@ -44,8 +44,7 @@ class SkinnyLinear:
         return y if out_dtype is None else y.to(out_dtype)
 
 
-def event_ms(fn, reps: int = 20) -> float:
-    """GPU milliseconds per call of ``fn``: ``reps`` calls in a row, after three warm ones."""
+def _time(fn, reps: int = 20) -> float:
     for _ in range(3):
         fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -79,9 +78,9 @@ def tune(model, batch_sizes: list[int]) -> None:
                 flip[0] ^= 1
                 return f(weights[flip[0]])
 
-            best = event_ms(lambda: run(lambda w: torch.nn.functional.linear(x, w)))
+            best = _time(lambda: run(lambda w: torch.nn.functional.linear(x, w)))
             for config in kernels.GEMV_CONFIGS:
-                ms = event_ms(lambda: run(lambda w: kernels.gemv(x, w, config)))
+                ms = _time(lambda: run(lambda w: kernels.gemv(x, w, config)))
                 if ms < best * 0.97:  # a clear win only
                     best, plan[m] = ms, config
         plans[shape] = plan
