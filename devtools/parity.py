@@ -84,7 +84,8 @@ class DenseView:
 
 
 def open_source(fmt: str, paths: list[str], config: ModelConfig, quant: str | None = None,
-                dense: bool = False, checkpoint_quant: Any = None) -> Any:
+                dense: bool = False, checkpoint_quant: Any = None, device: Any = None) -> Any:
+    """``device``: where in-situ quantization runs, as a rank does (its GPU; None: the CPU)."""
     if fmt == "gguf":
         from neuron.loader.gguf_open import open_gguf
 
@@ -100,7 +101,7 @@ def open_source(fmt: str, paths: list[str], config: ModelConfig, quant: str | No
     if quant:
         from neuron.loader.insitu import QuantizingSource
 
-        src = QuantizingSource(src, quant)
+        src = QuantizingSource(src, quant, device)
     return DenseView(src) if dense else src
 
 
@@ -115,9 +116,10 @@ def build(job: ParityJob, world: int = 1, rank: int = 0) -> tuple[Any, float]:
     from neuron.runner.runner import ModelRunner, RunnerConfig
 
     t0 = time.perf_counter()
-    src = open_source(job.fmt, job.paths, job.config, job.quant, job.dense, job.checkpoint_quant)
     dtype = getattr(torch, job.dtype)
     device = torch.device(f"cuda:{rank}") if job.device == "cuda" else torch.device("cpu")
+    src = open_source(job.fmt, job.paths, job.config, job.quant, job.dense, job.checkpoint_quant,
+                      device if device.type == "cuda" else None)
     # A dense reference of packed weights splits where the packed model does (on whole quant
     # groups): split elsewhere, in-situ quantization would group its columns differently.
     quantized = getattr(src, "quantized", False) or (job.dense and bool(job.quant))

@@ -22,10 +22,12 @@ def quantizable(name: str) -> bool:
 
 
 class QuantizingSource:
-    def __init__(self, src, scheme: str) -> None:
+    """``device``: where the integer schemes quantize (the rank's GPU; None: the CPU)."""
+
+    def __init__(self, src, scheme: str, device: torch.device | None = None) -> None:
         if scheme not in SCHEMES:
             raise ValueError(f"unknown quantization {scheme!r} (known: {', '.join(SCHEMES)})")
-        self.src, self.scheme = src, scheme
+        self.src, self.scheme, self.device = src, scheme, device
         self.quantized = True
 
     def has(self, name: str) -> bool:
@@ -36,7 +38,7 @@ class QuantizingSource:
         if own is not None and (q := own(name, dim=dim, part=part)) is not None:
             return q
         w = self._float(name, dim, part) if self.scheme != "fp8" else None
-        return quantize(w, self.scheme) if w is not None else None
+        return quantize(w, self.scheme, self.device) if w is not None else None
 
     def get_fp8(self, name: str, *, dim: int | None = None, part: range | None = None) -> Fp8Weight | None:
         own = getattr(self.src, "get_fp8", None)
@@ -79,7 +81,7 @@ class QuantizingSource:
             flat = w.reshape(-1, w.shape[-1])
             if self.scheme == "fp8":
                 return quantize_fp8(flat).dequantize().view(w.shape)
-            return torch.from_numpy(quantize(flat, self.scheme).dequantize()).view(w.shape)
+            return torch.from_numpy(quantize(flat, self.scheme, self.device).dequantize()).view(w.shape)
         f = self.get_fp8(name, dim=dim, part=part)
         if f is not None:
             return f.dequantize()

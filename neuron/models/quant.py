@@ -257,21 +257,26 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------------- in situ
 
 
-def quantize(w: torch.Tensor, scheme: str) -> QuantWeight:
+def quantize(w: torch.Tensor, scheme: str, device: torch.device | None = None) -> QuantWeight:
     """Quantize a float weight [N, K] (K a multiple of 32) with ``scheme``; scales are rounded
     first (to float16, and for q4 to what bfloat16 holds too), so every packed form holds exactly
-    what this returns."""
-    x = w.detach().float().cpu().reshape(w.shape[0], -1, GROUP)
+    what this returns. ``device``: where to compute it (a rank's GPU: its load's in-situ
+    quantization, a sixth of the time on the host's cores; the result comes back to the host)."""
+    x = w.detach().to(device or "cpu").float().reshape(w.shape[0], -1, GROUP)
     if scheme == "q8_0":
         d = _round_f16(x.abs().amax(-1) / 127)
         q = torch.round(x / torch.where(d == 0, 1, d)[..., None]).clamp(-127, 127)
-        return QuantWeight((q + 128).to(torch.uint8).reshape(w.shape).numpy(), d.numpy(), (-128 * d).numpy(), 8,
+        return QuantWeight(_host((q + 128).to(torch.uint8).reshape(w.shape)), _host(d), _host(-128 * d), 8,
                            "q8_0 (in situ)")
     if scheme == "q4":
         s, m = _q4_scales(x.amin(-1), x.amax(-1))
         q = torch.round((x - m[..., None]) / torch.where(s == 0, 1, s)[..., None]).clamp(0, 15)
-        return QuantWeight(q.to(torch.uint8).reshape(w.shape).numpy(), s.numpy(), m.numpy(), 4, "q4 (in situ)")
+        return QuantWeight(_host(q.to(torch.uint8).reshape(w.shape)), _host(s), _host(m), 4, "q4 (in situ)")
     raise ValueError(f"unknown quantization {scheme!r} (known: {', '.join(SCHEMES)})")
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    return t.cpu().numpy()
 
 
 def _q4_scales(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -294,7 +299,9 @@ def _q4_scales(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 def _exponent(v: torch.Tensor) -> torch.Tensor:
-    return torch.floor(torch.log2(v.abs().clamp(min=2**-126)))
+    """floor(log2 |v|), exactly (frexp), so every device computes the same grids: log2 rounds a
+    value just under a power of two up to it, and the CPU and a GPU do not round alike."""
+    return (torch.frexp(v.abs().clamp(min=2**-126))[1] - 1).to(v.dtype)
 
 
 def _on_both_grids(v: torch.Tensor, m: torch.Tensor) -> torch.Tensor:

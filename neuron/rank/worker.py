@@ -152,7 +152,7 @@ class DeviceWorker:
             from neuron.loader.insitu import QuantizingSource
             if msg.quant not in SCHEMES:
                 raise RankFailure("bad_request", f"unknown quant {msg.quant!r} (known: {', '.join(SCHEMES)})")
-            src = QuantizingSource(src, msg.quant)
+            src = QuantizingSource(src, msg.quant, self.device if self.device.type == "cuda" else None)
         packed = packed_kernel_for(self.device, dtype) and bool(getattr(src, "quantized", False))
         if getattr(src, "quantized", False) and not packed:
             log.warning("rank %d: %s's quantized weights are dequantized to %s on %s (the packed kernels take "
