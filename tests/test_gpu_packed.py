@@ -41,3 +41,55 @@ def test_packed_products_on_a_gpu_are_the_exact_weights_rounded_once():
             failed.append(r)
     assert not failed
     assert sum(r.get("configs", 0) > 2 for r in rows) >= 3  # the tuner's configs ran
+
+
+@needs_gpu
+@pytest.mark.parametrize("scheme", ["q4", "q8_0"])
+def test_in_situ_quantization_on_the_gpu_gives_the_cpu_s_integers_and_scales(scheme):
+    """A rank quantizes in situ on its GPU: the same integers and scales as the CPU computes, on
+    weights of every magnitude (groups near 0, far from 0, constant, tiny)."""
+    import numpy as np
+
+    from neuron.models.quant import quantize
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(512, 1024, generator=g) * torch.logspace(-6, 2, 512)[:, None]
+    w[::7] += torch.randn(74, 1, generator=g) * 40  # groups far from 0
+    w[3::11, :64] = 0.125  # constant groups
+    w = w.to(torch.bfloat16)
+    cpu, gpu = quantize(w, scheme), quantize(w, scheme, torch.device("cuda"))
+    for name in ("u", "s", "m"):
+        assert np.array_equal(getattr(cpu, name), getattr(gpu, name)), name
+
+
+@needs_gpu
+def test_a_second_load_takes_every_tuner_choice_from_the_tuning_cache(tmp_path, monkeypatch):
+    """The tuner times the candidates at the first load of a q4 model and writes its choices; the
+    second load of the same model times nothing and gives every packed weight the same configs."""
+    from test_quant import config_of
+
+    from devtools.checkpoints import make_checkpoint
+    from devtools.parity import ParityJob, build
+    from neuron.models.tp_linear import packed_parts
+    from neuron.runner import linear
+
+    monkeypatch.setenv("NEURON_CACHE_DIR", str(tmp_path / "cache"))
+    d = make_checkpoint("qwen3", tmp_path / "qwen3", seed=31)
+    paths = [str(p) for p in sorted(d.glob("*.safetensors"))]
+    job = ParityJob("q4", "safetensors", paths, config_of("safetensors", paths), [[1, 2, 3]] * 8,
+                    dtype="bfloat16", quant="q4", device="cuda")
+    timings = []
+    for name in ("_time", "_graph_ms"):  # counted on the way to the real timers
+        real = getattr(linear, name)
+        monkeypatch.setattr(linear, name, lambda *a, real=real, **kw: timings.append(1) or real(*a, **kw))
+    loads = []
+    for _ in range(2):
+        before = len(timings)
+        runner, _ = build(job)
+        loads.append(([dict(p.configs) for p in packed_parts(runner.model)], len(timings) - before))
+        del runner
+        torch.cuda.empty_cache()
+    (first, timed), (second, again) = loads
+    assert timed > 0 and again == 0
+    assert first == second
+    assert len(list((tmp_path / "cache" / "tuning").glob("*.json"))) == 1

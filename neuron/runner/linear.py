@@ -6,12 +6,15 @@ for packed weights, the decode kernel's config for one row of x that ran fastest
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
 from neuron.models.tp_linear import Linear
 
 from neuron.kernels import gpu as kernels
+
+from .tune_cache import Choice, TuneCache
 
 log = logging.getLogger("neuron.runner")
 
@@ -56,7 +59,39 @@ def _time(fn, reps: int = 20) -> float:
     return start.elapsed_time(end) / reps
 
 
-def tune(model, batch_sizes: list[int]) -> None:
+def tune_all(model, batch_sizes: list[int], rank: int) -> None:
+    """Every tuner over ``model``'s products, its choices kept in the tuning cache (tune_cache.py)."""
+    t0, cache = time.perf_counter(), TuneCache.for_device(model.device)
+    tune(model, batch_sizes, cache)
+    tune_packed(model, batch_sizes, cache)
+    tune_fp8(model, cache)
+    cache.save()
+    log.info("rank %d: kernels tuned in %.1f s (%d choices from the tuning cache %s, %d timed)", rank,
+             time.perf_counter() - t0, cache.hits, cache.path or "(off)", cache.misses)
+
+
+def choose(cache: TuneCache | None, key: str, candidates, ms) -> tuple[Choice, tuple[float, float] | None]:
+    """The config for ``key``: the tuning cache's, else the fastest of ``candidates`` by ``ms``
+    (of a config; None: the default) where it beats the default by 3% (None where none does).
+    Returns it and, when timed, the (best, default) milliseconds."""
+    found, choice = cache.lookup(key, candidates) if cache is not None else (False, None)
+    if found:
+        return choice, None
+    default = ms(None)
+    best, config = min((ms(c), c) for c in candidates)
+    choice = config if best < 0.97 * default else None
+    if cache is not None:
+        cache.record(key, choice)
+    return choice, (best, default)
+
+
+def _timed(times: tuple[float, float] | None, parts: int = 1) -> str:
+    if times is None:
+        return "from the tuning cache"
+    return f"{1000 * times[0] / parts:.1f} us (default {1000 * times[1] / parts:.1f} us)"
+
+
+def tune(model, batch_sizes: list[int], cache: TuneCache | None = None) -> None:
     """Time cuBLAS against each skinny-GEMM config for every projection shape and batch size up
     to 16; wrap the projections where a config won."""
     slots = [(owner, name) for owner, name in model.tunable()
@@ -74,15 +109,17 @@ def tune(model, batch_sizes: list[int]) -> None:
             x = torch.randn(m, shape[1], device=weights[0].device, dtype=weights[0].dtype)
             flip = [0]
 
-            def run(f):
-                flip[0] ^= 1
-                return f(weights[flip[0]])
+            def run(config: Config | None) -> float:
+                def once():
+                    flip[0] ^= 1
+                    w = weights[flip[0]]
+                    return torch.nn.functional.linear(x, w) if config is None else kernels.gemv(x, w, config)
+                return _time(once)
 
-            best = _time(lambda: run(lambda w: torch.nn.functional.linear(x, w)))
-            for config in kernels.GEMV_CONFIGS:
-                ms = _time(lambda: run(lambda w: kernels.gemv(x, w, config)))
-                if ms < best * 0.97:  # a clear win only
-                    best, plan[m] = ms, config
+            key = f"skinny {shape[0]}x{shape[1]} {x.dtype} rows {m}"
+            choice, _ = choose(cache, key, kernels.GEMV_CONFIGS, run)
+            if choice is not None:
+                plan[m] = choice
         plans[shape] = plan
         if plan:
             log.info("skinny GEMM for %dx%d at batch %s (cuBLAS otherwise)", shape[0], shape[1],
@@ -135,7 +172,7 @@ def _graph_ms(fn, reps: int = 10) -> float:
     return start.elapsed_time(end) / reps
 
 
-def tune_packed(model, batch_sizes: list[int]) -> None:
+def tune_packed(model, batch_sizes: list[int], cache: TuneCache | None = None) -> None:
     """For every packed weight shape and every decode batch of up to ``GEMM_ROWS`` rows (its
     rows rounded up to a power of two, as the kernels' ``BLOCK_M``; at least 16 past
     ``GEMV_ROWS``), time the candidate configs of the kernels for that many rows over all the
@@ -153,7 +190,8 @@ def tune_packed(model, batch_sizes: list[int]) -> None:
         by_shape.setdefault((part.n, part.k, part.bits, part.sm.shape[1], part.sm.dtype), []).append(part)
     blocks = sorted({triton.next_power_of_2(b) if b <= GEMV_ROWS else max(16, triton.next_power_of_2(b))
                      for b in batch_sizes if b <= GEMM_ROWS})
-    for (n, k, bits, _, _), parts in by_shape.items():
+    for (n, k, bits, groups, sm_dtype), parts in by_shape.items():
+        unpack = parts[0].unpack.get(model.dtype, "float")
         for block_m in blocks:
             x = torch.randn(block_m, k, device=model.device, dtype=model.dtype)
             rows = quantize_rows(x) if block_m <= GEMV_ROWS else None
@@ -163,20 +201,19 @@ def tune_packed(model, batch_sizes: list[int]) -> None:
                     qlinear(x, p.u, p.sm, p.bits, rows, {block_m: config} if config else None,
                             unpack=p.unpack.get(x.dtype, "float"))
 
-            default = _graph_ms(lambda: run(None))
             if block_m > GEMV_ROWS:
                 candidates = split_candidates(n, k, block_m, model.device)
             elif block_m >= 4:
                 candidates = PACKED_BATCH_CANDIDATES + GEMM_CANDIDATES
             else:
                 candidates = PACKED_CANDIDATES if block_m == 1 else PACKED_BATCH_CANDIDATES
-            best, config = min((_graph_ms(lambda: run(c)), c) for c in candidates)
-            if best < 0.97 * default:
+            key = f"packed {n}x{k} int{bits} groups {groups} {sm_dtype} {unpack} {x.dtype} rows {block_m}"
+            choice, times = choose(cache, key, candidates, lambda c: _graph_ms(lambda: run(c)))
+            if choice is not None:
                 for p in parts:
-                    p.configs[block_m] = config
-            log.info("packed product of %dx%d int%d at %d row(s): %s, %.1f us (default %.1f us)", n, k, bits,
-                     block_m, config if best < 0.97 * default else "default", 1000 * best / len(parts),
-                     1000 * default / len(parts))
+                    p.configs[block_m] = choice
+            log.info("packed product of %dx%d int%d at %d row(s): %s, %s", n, k, bits, block_m,
+                     choice or "default", _timed(times, len(parts)))
 
 
 def split_candidates(n: int, k: int, rows: int, device: torch.device) -> list[tuple[int, ...]]:
@@ -192,7 +229,7 @@ def split_candidates(n: int, k: int, rows: int, device: torch.device) -> list[tu
     return out
 
 
-def tune_fp8(model) -> None:
+def tune_fp8(model, cache: TuneCache | None = None) -> None:
     """For every FP8 weight shape on the FP8 tensor cores, time the fused decode kernel's
     candidate tile configs at one row over all the model's weights of that shape in a row (a
     config holds for every row count up to ``FUSED_ROWS``: they share its tiles); where one beats
@@ -204,17 +241,16 @@ def tune_fp8(model) -> None:
     for part in model.linears()[0]:
         if isinstance(part, Fp8Linear) and part.kernel is not None:
             by_shape.setdefault((part.n, part.k, part.kernel), []).append(part)
-    for (n, k, _), parts in by_shape.items():
+    for (n, k, kernel), parts in by_shape.items():
         x = torch.randn(1, k, device=model.device, dtype=model.dtype)
 
         def run(config) -> None:
             for p in parts:
                 fp8_linear(x, p.values, p.scale_t, *p.kernel, config=config)
 
-        default = _graph_ms(lambda: run(None))
-        best, config = min((_graph_ms(lambda: run(c)), c) for c in FUSED_CANDIDATES)
-        if best < 0.97 * default:
+        key = f"fp8 {n}x{k} {kernel} {x.dtype} rows 1"
+        choice, times = choose(cache, key, FUSED_CANDIDATES, lambda c: _graph_ms(lambda: run(c)))
+        if choice is not None:
             for p in parts:
-                p.fused_config = config
-        log.info("FP8 decode of %dx%d at 1 row: %s, %.1f us (default %.1f us)", n, k,
-                 config if best < 0.97 * default else "default", 1000 * best / len(parts), 1000 * default / len(parts))
+                p.fused_config = choice
+        log.info("FP8 decode of %dx%d at 1 row: %s, %s", n, k, choice or "default", _timed(times, len(parts)))

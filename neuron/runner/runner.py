@@ -166,10 +166,8 @@ class ModelRunner:
             how = model.comm.use_peer_memory(rows, model.cfg.hidden_size, model.dtype, self.device, model.ops)
             log.info("rank %d: all-reduces of up to %d rows: %s", rank, rows, how)
         if self.cuda and cfg.cuda_graphs and model.capturable and self.triton:
-            from .linear import tune, tune_fp8, tune_packed
-            tune(model, graph_sizes(self.decode_rows))
-            tune_packed(model, graph_sizes(self.decode_rows))
-            tune_fp8(model)
+            from .linear import tune_all
+            tune_all(model, graph_sizes(self.decode_rows), rank)
             try:
                 self.step_graphs.capture()
             except RuntimeError as exc:  # e.g. a collective the driver cannot capture: run eagerly
