@@ -264,7 +264,7 @@ def quantize(w: torch.Tensor, scheme: str, device: torch.device | None = None) -
     quantization, a sixth of the time on the host's cores; the result comes back to the host)."""
     x = w.detach().to(device or "cpu").float().reshape(w.shape[0], -1, GROUP)
     if scheme == "q8_0":
-        d = _round_f16(x.abs().amax(-1) / 127)
+        d = _round_f16(_over(x.abs().amax(-1), 127))
         q = torch.round(x / torch.where(d == 0, 1, d)[..., None]).clamp(-127, 127)
         return QuantWeight(_host((q + 128).to(torch.uint8).reshape(w.shape)), _host(d), _host(-128 * d), 8,
                            "q8_0 (in situ)")
@@ -273,6 +273,12 @@ def quantize(w: torch.Tensor, scheme: str, device: torch.device | None = None) -
         q = torch.round((x - m[..., None]) / torch.where(s == 0, 1, s)[..., None]).clamp(0, 15)
         return QuantWeight(_host(q.to(torch.uint8).reshape(w.shape)), _host(s), _host(m), 4, "q4 (in situ)")
     raise ValueError(f"unknown quantization {scheme!r} (known: {', '.join(SCHEMES)})")
+
+
+def _over(t: torch.Tensor, d: float) -> torch.Tensor:
+    """``t / d`` correctly rounded on every device: CUDA divides by a Python number as a product
+    with its reciprocal (one bit off at times), by a tensor on the device truly."""
+    return t / torch.tensor(d, dtype=t.dtype, device=t.device)
 
 
 def _host(t: torch.Tensor) -> np.ndarray:
@@ -285,14 +291,14 @@ def _q4_scales(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.
     int4 kernel took when the GPU ran it (before the int8-activation kernel replaced it); kept so
     that in-situ q4 weights quantize as before. The weight at q = 8 is rounded to a grid that both
     allow (a few 1/1000 of a step)."""
-    s = _round_f16(((hi - lo) / 15).to(torch.bfloat16).float())
+    s = _round_f16(_over(hi - lo, 15).to(torch.bfloat16).float())
     zero = _on_both_grids(lo + 8 * s, lo)
     m = zero - 8 * s
     far = _round_f16(m) != m
     if far.any():  # |m| > ~30 s, a group far from 0: s on the float16 grid of m, wide enough for it
         grid = torch.exp2(_exponent(lo[far]) - 9)
         slack = torch.exp2(_exponent(lo[far] + 8 * s[far]) - 7)  # the weight at q = 8 moves by <= half of this
-        s_far = torch.ceil((hi[far] - lo[far] + slack) / 15 / grid) * grid
+        s_far = torch.ceil(_over(hi[far] - lo[far] + slack, 15) / grid) * grid
         zero_far = _on_both_grids((lo[far] + hi[far] + s_far) / 2, lo[far])  # the middle, where q = 7.5
         s[far], m[far] = s_far, zero_far - 8 * s_far
     return s, m  # a group that still misses (tiny and far from 0) keeps its matrix off the int4 kernel
