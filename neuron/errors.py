@@ -1,4 +1,5 @@
-"""Errors as values with a kind; one mapping to HTTP status lives in ``neuron.server.errors``."""
+"""Errors as values with a kind; one mapping to HTTP status lives in ``neuron.server.errors``. Why a
+model cannot be loaded (``LoadError`` and its kinds) is raised by the loaders and the families alike."""
 
 from __future__ import annotations
 
@@ -37,3 +38,39 @@ class RankError(Exception):
     def __init__(self, rank: int, kind: str, message: str) -> None:
         super().__init__(f"rank {rank}: {kind}: {message}")
         self.rank, self.kind, self.message = rank, kind, message
+
+
+# ------------------------------------------------------------------ why a model cannot be loaded
+
+
+class LoadError(Exception):
+    """Why a model cannot be loaded; each kind maps to one HTTP status on ``/models/load``."""
+
+    status = 400
+    code = "invalid_model"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class ModelNotFound(LoadError):
+    status = 404
+    code = "model_not_found"
+
+
+class UnsupportedModel(LoadError):
+    status = 422
+    code = "unsupported_model"
+
+
+class BadModelConfig(LoadError):
+    status = 422
+    code = "invalid_model_config"
+
+
+class BadModelFile(LoadError):
+    """A file of the model that is malformed, too large, or resolves outside where it may."""
+
+    status = 422
+    code = "invalid_model"

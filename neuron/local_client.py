@@ -7,8 +7,7 @@ import logging
 
 from . import heap
 from .config import Config
-from .errors import ApiError
-from .loader.errors import LoadError
+from .errors import ApiError, LoadError
 from .registry import Registry
 from .response_store import ResponseStore
 

@@ -28,8 +28,7 @@ from .engine.step_budget import StepBudget
 from .model_names import clash, served
 from .kernels import isa
 from .engine.request import FinishEvent, GenRequest
-from .errors import ApiError
-from .loader.errors import LoadError
+from .errors import ApiError, LoadError
 from .loader.spec import load_spec, model_id_for
 from .loader.template_worker import TemplateRenderer
 from .models import families

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .config import ModelEntry
 from .engine.speculative import DraftError, DraftPolicy
-from .loader.errors import LoadError
+from .errors import LoadError
 from .loader.spec import ModelSpec
 from .models import families
 

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from devtools import gguf_edit as ge
 from devtools.checkpoints import make_checkpoint
-from neuron.loader.errors import LoadError
+from neuron.errors import LoadError
 from neuron.loader.spec import load_spec
 
 SEED = 20261127

@@ -79,3 +79,20 @@ def test_no_import_circle_between_modules():
         if node not in state:
             visit(node, [])
     assert not circles, circles
+
+
+# Rooms a room must not reach up into: the models know tensors and weight sources, not files,
+# engines or HTTP; the kernels know only tensors.
+BELOW = {"neuron.models": ("neuron.loader", "neuron.engine", "neuron.server", "neuron.core", "neuron.runner"),
+         "neuron.kernels": ("neuron.models", "neuron.loader", "neuron.engine", "neuron.server", "neuron.core",
+                            "neuron.runner")}
+
+
+def test_the_lower_rooms_import_nothing_from_the_rooms_above_them():
+    up = []
+    for name, path in modules().items():
+        for room, above in BELOW.items():
+            if name == room or name.startswith(room + "."):
+                up += [f"{name} -> {module}" for module, _ in imports(name, path)
+                       if any(module == a or module.startswith(a + ".") for a in above)]
+    assert not up, up

@@ -209,7 +209,7 @@ def test_a_malformed_hybrid_config_is_refused_by_name_before_any_rank_starts(tmp
     """load_spec is what the leader runs on /models/load: its LoadError is the 422 the client gets."""
     import shutil
 
-    from neuron.loader.errors import LoadError
+    from neuron.errors import LoadError
     from neuron.loader.spec import load_spec
 
     _, ckpt, _ = built("qwen3_5_text", tmp_path_factory)

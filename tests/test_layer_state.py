@@ -176,7 +176,7 @@ async def _scheduler_state_slots() -> None:
 
 
 def test_a_family_module_that_cannot_be_imported_is_a_clear_refusal(monkeypatch):
-    from neuron.loader.errors import UnsupportedModel
+    from neuron.errors import UnsupportedModel
     from neuron.loader.model_config import config_from_hf
 
     for name in ("no_such_family_module", "json"):  # missing, and a module without MODEL_TYPES

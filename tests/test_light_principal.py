@@ -1,5 +1,5 @@
 """A light principal is served within seconds whatever another does, against a real server on the
-CPU: one key holds every slot with 2,000-token streams; another key's short request starts at the
+CPU: one key holds every slot with 600-token streams; another key's short request starts at the
 next step (the newest stream gives its slot up, and is recomputed later), and the heavy streams
 still end with the same tokens (one prompt: the recomputed one the same as those never stopped)."""
 
@@ -15,7 +15,7 @@ import pytest
 from conftest import json_log, start_server
 
 HEAVY, LIGHT, ADMIN = "nk-heavy-0123456789", "nk-light-0123456789", "admin-key-0123"
-SLOTS, LONG = 4, 2000
+SLOTS, LONG = 4, 600
 
 
 def entry(name: str, key: str) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from neuron.loader.chat_template import CHATML, TemplateError, render_chat
-from neuron.loader.errors import ModelNotFound
+from neuron.errors import ModelNotFound
 from neuron.loader.resolve import DEFAULT_MODEL, default_model_path, hf_cache_dirs, resolve_model
 from neuron.loader.spec import load_spec
 from devtools.checkpoints import CHAT_TEMPLATE, make_checkpoint

@@ -256,7 +256,7 @@ def test_the_server_serves_them_packed_and_names_the_format(tmp_path, checkpoint
 def test_a_desc_act_share_that_cuts_a_32_column_run_is_refused_naming_it():
     """Columns of a group scattered in runs of 16: the whole matrix reads (sorted by group), a
     share of half its columns cannot keep one scale per 32 columns and says so."""
-    from neuron.loader.errors import LoadError
+    from neuron.errors import LoadError
     from neuron.loader.published import PublishedSource
     from neuron.loader.prequantized import checkpoint_quant
 

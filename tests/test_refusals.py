@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from neuron.loader.errors import BadModelConfig, BadModelFile, LoadError, ModelNotFound, UnsupportedModel
+from neuron.errors import BadModelConfig, BadModelFile, LoadError, ModelNotFound, UnsupportedModel
 from neuron.loader.spec import load_spec
 from neuron.models.sharding import ShardingError, check_plan
 from devtools.checkpoints import make_checkpoint

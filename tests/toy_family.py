@@ -14,7 +14,7 @@ from typing import Any
 
 from protocol import ModelConfig
 
-from neuron.loader.errors import BadModelConfig, UnsupportedModel
+from neuron.errors import BadModelConfig, UnsupportedModel
 from neuron.models.sharding import ShardingError
 
 MODEL_TYPES = ("toy_recurrent",)

@@ -20,8 +20,7 @@ from protocol.sockets import ipc_endpoint
 
 from .. import heap
 from ..config import Config, ModelEntry
-from ..errors import ApiError
-from ..loader.errors import LoadError
+from ..errors import ApiError, LoadError
 from ..loader.template_worker import TemplateRenderer
 from ..registry import Registry
 from ..response_store import ResponseStore

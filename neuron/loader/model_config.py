@@ -11,7 +11,7 @@ from protocol import ModelConfig
 from neuron.models import families
 from neuron.models.families.common import clean_scaling
 
-from .errors import BadModelConfig, UnsupportedModel
+from neuron.errors import BadModelConfig, UnsupportedModel
 
 _GGUF_ARCH = {"llama": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import BadModelConfig, BadModelFile
+from neuron.errors import BadModelConfig, BadModelFile
 
 MAX_METADATA_BYTES = 256 << 20  # a tokenizer.json of a 256k vocabulary is ~35 MB
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from protocol import CheckpointQuant
 
-from .errors import UnsupportedModel
+from neuron.errors import UnsupportedModel
 
 # What a user can load instead, named in every refusal.
 INSTEAD = ("FP8 (block, per-row or per-tensor scales; fp8 and compressed-tensors), AWQ (GEMM, 4 bits) and GPTQ "

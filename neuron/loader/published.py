@@ -31,7 +31,7 @@ from neuron.models.fp8 import Fp8Weight
 from neuron.models.quant import GROUP, QuantWeight, SuperScales
 from protocol import CheckpointQuant
 
-from .errors import LoadError
+from neuron.errors import LoadError
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 

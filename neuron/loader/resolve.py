@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ModelNotFound
+from neuron.errors import ModelNotFound
 from .model_dir import ModelDir, real_path
 from .safetensors_files import INDEX, check_safetensors_header, safetensors_files
 

@@ -6,7 +6,7 @@ import json
 import struct
 from pathlib import Path
 
-from .errors import BadModelConfig, BadModelFile
+from neuron.errors import BadModelConfig, BadModelFile
 from .model_dir import ModelDir
 
 INDEX = "model.safetensors.index.json"

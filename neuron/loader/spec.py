@@ -12,7 +12,7 @@ import msgspec
 
 from protocol import CheckpointQuant, ModelConfig
 
-from .errors import BadModelConfig, BadModelFile, LoadError
+from neuron.errors import BadModelConfig, BadModelFile, LoadError
 from .model_config import check_counts, config_from_gguf, config_from_hf, missing_tensors, required_tensors
 from .prequantized import checkpoint_quant
 from .model_dir import read_bounded

@@ -22,7 +22,7 @@ from neuron import sandbox
 from neuron.config import TemplateConfig
 
 from .chat_template import TemplateError, TemplateTooLarge, render_chat
-from .errors import BadModelConfig
+from neuron.errors import BadModelConfig
 
 MODULE = "neuron.loader.template_worker"
 RECYCLE_RSS_BYTES = 256 << 20  # a worker this large after a job is replaced

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import BadModelConfig
+from neuron.errors import BadModelConfig
 from .model_dir import ModelDir
 
 VISION_TYPES = ("qwen3_5", "qwen3_5_moe")

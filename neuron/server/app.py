@@ -17,8 +17,7 @@ from starlette.routing import Route
 from neuron.config import Config, ServerConfig
 from neuron.engine.grammar_worker import GrammarCompiler
 from neuron.engine.request import FinishEvent, GenRequest
-from neuron.errors import ApiError
-from neuron.loader.errors import LoadError
+from neuron.errors import ApiError, LoadError
 from neuron.loader.template_worker import TemplateRenderer
 from neuron.local_client import LocalClient
 

@@ -8,8 +8,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from neuron.errors import ApiError
-from neuron.loader.errors import LoadError
+from neuron.errors import ApiError, LoadError
 
 from neuron.server.request_id import HEADER, request_id_header
 

@@ -26,7 +26,7 @@ import importlib
 import os
 from types import ModuleType
 
-from neuron.loader.errors import UnsupportedModel
+from neuron.errors import UnsupportedModel
 
 BUILT_IN: dict[str, str] = {
     "llama": "neuron.models.families.llama",

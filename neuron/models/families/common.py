@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from neuron.loader.errors import UnsupportedModel
+from neuron.errors import UnsupportedModel
 
 ROPE_SCALINGS = ("linear", "llama3", "yarn")  # what neuron.models.layers.rope_inv_freq computes
 

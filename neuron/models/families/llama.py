@@ -7,7 +7,7 @@ from typing import Any
 
 from protocol import ModelConfig
 
-from neuron.loader.errors import BadModelConfig, UnsupportedModel
+from neuron.errors import BadModelConfig, UnsupportedModel
 
 from ..sharding import check_plan, sparse_layer
 from .common import rope_of

@@ -13,7 +13,7 @@ import msgspec
 
 from protocol import ModelConfig
 
-from neuron.loader.errors import BadModelConfig, UnsupportedModel
+from neuron.errors import BadModelConfig, UnsupportedModel
 
 from ..sharding import ShardingError, check_plan, sparse_layer
 

@@ -13,8 +13,7 @@ from starlette.responses import JSONResponse, Response
 
 import neuron
 from neuron.config import Config, ConfigError, ModelEntry, validate
-from neuron.errors import ApiError
-from neuron.loader.errors import LoadError
+from neuron.errors import ApiError, LoadError
 
 from neuron.server.errors import from_load_error
 from neuron.server.openai.requests import read_json

@@ -11,8 +11,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from neuron.errors import ApiError
-from neuron.loader.errors import LoadError
+from neuron.errors import ApiError, LoadError
 
 from neuron.server.errors import from_load_error
 from neuron.server.request_id import request_id
