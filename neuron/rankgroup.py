@@ -13,7 +13,6 @@ import itertools
 import logging
 import os
 import signal
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +28,7 @@ from protocol.sockets import bind_router, identity_rank, ipc_endpoint, rank_iden
 from .config import TimeoutConfig
 from .errors import GroupFailed, RankError
 from .leader_sockets import CurveGate, TapMirror
+from .rank_forks import RankProc, spawn_rank
 from .rank_start import join_collective, rank_env
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ class RankGroup:
             self.host = "127.0.0.1"
             self.endpoint = "tcp://127.0.0.1" if curve else ipc_endpoint(runtime_dir, f"group-{self.epoch}.sock")
         self.sock: zmq.asyncio.Socket | None = None
-        self.procs: list[asyncio.subprocess.Process] = []
+        self.procs: list[RankProc] = []
         self.pids: list[int] = []
         self.last_seen: dict[int, float] = {}
         self.busy_step: dict[int, int] = {}
@@ -112,16 +112,16 @@ class RankGroup:
             self.remote_paths = await r.head.join(self.epoch, r.model, r.fingerprint, self.endpoint, self.world,
                                                   len(self.devices), self.fail)
         for rank, device in enumerate(self.devices):
-            cmd = [sys.executable, "-m", "neuron.rank", "--endpoint", self.endpoint, "--rank", str(rank),
-                   "--world", str(self.world), "--epoch", str(self.epoch), "--device", device]
+            args = ["--endpoint", self.endpoint, "--rank", str(rank), "--world", str(self.world),
+                    "--epoch", str(self.epoch), "--device", device]
             if self.allow_faults:
-                cmd.append("--allow-faults")
-            proc = await asyncio.create_subprocess_exec(*cmd, env=env, stdin=asyncio.subprocess.DEVNULL)
+                args.append("--allow-faults")
+            proc = await spawn_rank(args, env, device)
             self.procs.append(proc)
             self.pids.append(proc.pid)
             self._tasks.append(asyncio.create_task(self._watch_exit(rank, proc)))
-        log.info("%s: spawned %d rank(s) of %d here (epoch %d, pids %s)", self.model_id, len(self.devices), self.world,
-                 self.epoch, self.pids)
+        log.info("%s: spawned %d rank(s) of %d here (epoch %d, pids %s, endpoint %s)", self.model_id, len(self.devices),
+                 self.world, self.epoch, self.pids, self.endpoint)
         await self._wait_for(self._all_connected(), self.timeouts.spawn_s, "ranks to connect")
         self._tasks.append(asyncio.create_task(self._watchdog()))
         await join_collective(self, backend)
@@ -278,7 +278,7 @@ class RankGroup:
         if self.on_failure is not None:
             self.on_failure(self, reason)
 
-    async def _watch_exit(self, rank: int, proc: asyncio.subprocess.Process) -> None:
+    async def _watch_exit(self, rank: int, proc: RankProc) -> None:
         code = await proc.wait()
         self.fail(f"rank {rank} (pid {proc.pid}) exited with code {code}")
 

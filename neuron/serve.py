@@ -14,6 +14,8 @@ import sys
 
 from .config import Config, ConfigError, ModelEntry, load_config, validate
 from .core.api_processes import api_process_count
+from .devices import gpu_count
+from . import rank_forks
 from .logs import configure_logging
 from .server.app import create_app
 from .server.http_server import NeuronServer, planning_threads, uvicorn_config
@@ -96,6 +98,8 @@ def _keys_file_refusal(cfg: Config) -> str | None:
 
 
 async def serve(cfg: Config) -> int:
+    if not gpu_count():  # CPU ranks: torch imported for them while the daemon starts
+        rank_forks.warm()
     if api_process_count(cfg.server):
         from .core.main import serve_core
 

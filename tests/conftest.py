@@ -40,6 +40,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rank_processes(parent: int) -> list[int]:
+    """The rank processes ``parent`` started: forked by its zygote (``neuron/rank_forks.py``),
+    or its own ``python -m neuron.rank`` children where it could not fork them."""
+    out = []
+    for pid in children_of(parent):
+        argv = cmdline(pid).split(b"\0")
+        if b"neuron.rank.zygote" in argv:
+            out += children_of(pid)
+        elif b"neuron.rank" in argv:
+            out.append(pid)
+    return out
+
+
 def children_of(pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
     return [int(x) for x in out.split()]
@@ -78,7 +91,7 @@ class Server:
 
     def rank_pids(self) -> list[int]:
         """The leader's rank processes (not its grammar-compiling workers)."""
-        return [pid for pid in children_of(self.proc.pid) if b"neuron.rank" in cmdline(pid)]
+        return rank_processes(self.proc.pid)
 
     def stop(self, timeout: float = 30) -> int:
         if self.proc.poll() is None:

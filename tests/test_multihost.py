@@ -18,8 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import (DEFAULT_MODEL, ROOT, SMALL, alive, children_of, concurrent_greedy_ids, free_port,
-                      greedy_ids, start_server)
+from conftest import (DEFAULT_MODEL, ROOT, SMALL, alive, concurrent_greedy_ids, free_port, greedy_ids,
+                      rank_processes, start_server)
 from devtools import netns
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about rain.", "List three fruits.",
@@ -214,14 +214,7 @@ class Group:
         return self
 
     def node_ranks(self) -> list[int]:
-        out = []
-        for pid in children_of(self.node.pid):  # ip netns exec execs; the supervisor is the node
-            try:
-                if b"neuron.rank" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    out.append(pid)
-            except OSError:
-                pass
-        return out
+        return rank_processes(self.node.pid)  # ip netns exec execs; the supervisor is the node
 
     def health(self) -> dict:
         return httpx.get(f"{self.head.url}/health", timeout=5).json()

@@ -4,6 +4,7 @@ and the keys never show up in logs or error messages."""
 from __future__ import annotations
 
 import os
+import re
 import stat
 import time
 
@@ -67,10 +68,10 @@ def test_keys_never_appear_in_logs(keyed):
 
 
 def test_rank_sockets_live_in_a_private_directory(keyed):
-    pid = httpx.get(f"{keyed.url}/models", headers={"Authorization": f"Bearer {ADMIN_KEY}"},
-                    timeout=10).json()["models"][0]["pids"][0]
-    cmdline = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
-    endpoint = cmdline[cmdline.index(b"--endpoint") + 1].decode()
+    # The rank is forked by the zygote (its command line is the zygote's): the leader logs where
+    # its ranks connect.
+    endpoint = re.search(r"spawned 1 rank\(s\) of 1 here \(epoch \d+, pids \[\d+\], endpoint (\S+)\)",
+                         keyed.log()).group(1)
     assert endpoint.startswith("ipc://")
     directory = os.path.dirname(endpoint[len("ipc://"):])
     assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
@@ -81,7 +82,9 @@ def test_tcp_rank_endpoints_are_curve_encrypted_and_admit_only_the_leaders_ranks
 
     import protocol as p
 
-    server = start_server(server_tmp, config=SMALL + '\n[runtime]\ntransport = "tcp"\n')
+    # Each rank its own python (not forked), so that its command line and starting environment
+    # are its own to read here: how the keys reach a rank is what this looks at.
+    server = start_server(server_tmp, config=SMALL + '\n[runtime]\ntransport = "tcp"\n', env={"NEURON_RANK_FORKS": "0"})
     try:
         info = httpx.get(f"{server.url}/models", timeout=10).json()["models"][0]
         cmdline = open(f"/proc/{info['pids'][0]}/cmdline", "rb").read().split(b"\0")

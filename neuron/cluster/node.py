@@ -33,6 +33,7 @@ from .fingerprint import VERSION, model_fingerprint
 from .head import ORDERS_EVERY_S, keep_alive, node_identity
 from .keys import GroupKey, read_key
 from .netif import collective_env
+from ..rank_forks import RankProc, spawn_rank, warm
 
 log = logging.getLogger("neuron.node")
 
@@ -49,7 +50,7 @@ class Refused(Exception):
 @dataclass
 class Ranks:
     order: c.GroupOrder
-    procs: dict[int, asyncio.subprocess.Process] = field(default_factory=dict)
+    procs: dict[int, RankProc] = field(default_factory=dict)
 
 
 class NodeSupervisor:
@@ -79,6 +80,8 @@ class NodeSupervisor:
             self.env.setdefault(name, value)
 
     async def run(self, stop: asyncio.Event) -> int:
+        if any(d == "cpu" for d in self.devices):  # torch imported for the ranks while the node dials the head
+            warm()
         self.sock.connect(f"tcp://{self.head}")
         log.info("node %d: dialling the head at %s (%d rank(s) per group on %s)", self.node_rank, self.head,
                  self.local, self.devices)
@@ -189,12 +192,12 @@ class NodeSupervisor:
 
     async def _spawn(self, ranks: Ranks, rank: int, device: str) -> None:
         o = ranks.order
-        cmd = [sys.executable, "-m", "neuron.rank", "--endpoint", o.endpoint, "--rank", str(rank),
-               "--world", str(o.world), "--epoch", str(o.epoch), "--device", device]
+        args = ["--endpoint", o.endpoint, "--rank", str(rank), "--world", str(o.world), "--epoch", str(o.epoch),
+                "--device", device]
         env = dict(self.env)
         if device == "cpu":
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.local)))
-        proc = await asyncio.create_subprocess_exec(*cmd, env=env, stdin=asyncio.subprocess.DEVNULL)
+        proc = await spawn_rank(args, env, device)
         ranks.procs[rank] = proc
         log.info("node %d: started rank %d of epoch %d (pid %d) on %s", self.node_rank, rank, o.epoch, proc.pid, device)
 

@@ -1,0 +1,75 @@
+"""Ranks forked from a warm zygote (neuron/rank_forks.py, neuron/rank/zygote.py): a group's ranks
+are children of one process that imported torch once, they answer as ranks started fresh do, and
+the zygote's death takes its ranks with it and the model recovers on a new one. Where forks are
+turned off (``NEURON_RANK_FORKS=0``) each rank is its own ``python -m neuron.rank``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+
+from conftest import DEFAULT_MODEL, alive, children_of, cmdline, greedy_ids, start_server
+
+CONFIG = f"""
+[[models]]
+model = "{DEFAULT_MODEL}"
+max_model_len = 512
+max_slots = 2
+"""
+
+
+def describe(server) -> dict:
+    return httpx.get(f"{server.url}/models", timeout=10).json()["models"][0]
+
+
+def zygotes(server) -> list[int]:
+    return [pid for pid in children_of(server.proc.pid) if b"neuron.rank.zygote" in cmdline(pid).split(b"\0")]
+
+
+def test_a_group_s_ranks_are_forked_by_one_zygote_and_its_death_is_recovered_from(server_tmp):
+    server = start_server(server_tmp, config=CONFIG, args=["--tensor-parallel", "2"])
+    try:
+        want = greedy_ids(server, "What is the capital of France?")
+        (zygote,) = zygotes(server)
+        old = describe(server)
+        assert sorted(children_of(zygote)) == sorted(old["pids"]) and len(old["pids"]) == 2
+        os.kill(zygote, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            info = describe(server)
+            if info["status"] == "loaded" and info["epoch"] != old["epoch"]:
+                break
+            time.sleep(0.2)
+        assert info["epoch"] != old["epoch"] and info["recoveries"] == old["recoveries"] + 1, info
+        assert not any(alive(pid) for pid in old["pids"])  # they died with it
+        assert "rank zygote" in server.log() and "exited with code -9" in server.log()
+        (again,) = zygotes(server)
+        assert again != zygote and sorted(children_of(again)) == sorted(info["pids"])
+        assert greedy_ids(server, "What is the capital of France?") == want
+    finally:
+        server.stop()
+
+
+def test_with_forks_off_each_rank_is_its_own_python(server_tmp):
+    server = start_server(server_tmp, config=CONFIG, args=["--tensor-parallel", "2"], env={"NEURON_RANK_FORKS": "0"})
+    try:
+        pids = describe(server)["pids"]
+        assert not zygotes(server) and set(pids) <= set(children_of(server.proc.pid))
+        assert all(b"neuron.rank" in cmdline(pid).split(b"\0") for pid in pids)
+        assert len(greedy_ids(server, "What is the capital of France?")) > 0
+    finally:
+        server.stop()
+
+
+def test_forked_ranks_over_tcp_get_their_curve_keys_through_the_zygote_s_pipe_only(server_tmp):
+    server = start_server(server_tmp, config=CONFIG + '\n[runtime]\ntransport = "tcp"\n')
+    try:
+        assert len(greedy_ids(server, "What is the capital of France?")) > 0  # the keys reached the rank
+        (zygote,) = zygotes(server)
+        for pid in (zygote, *describe(server)["pids"]):  # in no process's starting environment
+            assert b"CURVE" not in open(f"/proc/{pid}/environ", "rb").read()
+    finally:
+        server.stop()
