@@ -1,9 +1,9 @@
 """Starting rank processes: a CPU rank forked from a warm zygote (``neuron/rank/zygote.py``, torch
 imported once per leader) where Linux offers pidfds, else each its own ``python -m neuron.rank``
-(GPU ranks too, for now). Either
-way the caller gets a process with ``pid``, ``returncode``, ``wait()`` and ``send_signal()``. The
-zygote is started with the leader (``warm``) so that its import overlaps the leader's own start;
-if it dies, its ranks die with it (each reported as killed) and the next rank starts a new one."""
+(GPU ranks too, for now). Either way the caller gets a process with ``pid``, ``returncode``,
+``wait()`` and ``send_signal()``. The zygote is started with the daemon (``warm``) so that its
+import overlaps the daemon's own start; if it dies, its ranks die with it (each reported as
+killed) and the next rank starts a new one."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ class Zygote:
         for pid, rank in self.ranks.items():  # PR_SET_PDEATHSIG: each is being killed, if not dead
             try:
                 fd = os.pidfd_open(pid)
-            except ProcessLookupError:
+            except OSError:  # gone already
                 rank.exited(-signal.SIGKILL)
                 continue
 
@@ -131,7 +131,21 @@ _zygotes: dict[asyncio.AbstractEventLoop, tuple[Zygote, asyncio.Lock]] = {}
 
 
 def forks_available() -> bool:
-    return hasattr(os, "pidfd_open") and sys.platform == "linux" and os.environ.get("NEURON_RANK_FORKS", "1") != "0"
+    """Linux with pidfds the zygote may open (a container's seccomp profile may refuse them)."""
+    global _pidfds
+    if os.environ.get("NEURON_RANK_FORKS", "1") == "0" or not hasattr(os, "pidfd_open"):
+        return False
+    if _pidfds is None:
+        try:
+            os.close(os.pidfd_open(os.getpid()))
+            _pidfds = True
+        except OSError as exc:
+            log.info("ranks start as their own python processes: no pidfds here (%s)", exc)
+            _pidfds = False
+    return _pidfds
+
+
+_pidfds: bool | None = None
 
 
 def warm() -> tuple[Zygote, asyncio.Lock] | None:
