@@ -17,9 +17,9 @@ import pytest
 
 from conftest import ROOT
 from neuron.config import GrammarConfig
-from neuron.engine.grammar import GrammarError, GrammarSpec, close_objects, grammars_for
-from neuron.engine.grammar_worker import GrammarCompiler
-from neuron.engine.grammar_budget import unpack
+from neuron.server.grammar.grammars import GrammarError, GrammarSpec, close_objects, grammars_for
+from neuron.server.grammar.worker import GrammarCompiler
+from neuron.server.grammar.budget import unpack
 from devtools.checkpoints import EOS_TOKEN, build_tokenizer
 
 COMPILER = GrammarCompiler(GrammarConfig())
@@ -102,7 +102,7 @@ def test_streams_that_start_together_take_turns_to_re_estimate_their_way_out(tin
     way of more than a ninth of them (every stream every ninth step, each at its own phase, and
     only where the way out it found before no longer holds), where all 64 at once made every
     ninth step 22 ms long."""
-    from neuron.engine import grammar_budget
+    from neuron.server.grammar import budget as grammar_budget
 
     tk, grammars = tiny
     grammar = grammars.check(GrammarSpec("json_schema", NESTED), COMPILER)
@@ -134,7 +134,7 @@ def test_a_way_out_that_still_holds_is_checked_not_searched_for_again(tiny, monk
     checks it each step (a microsecond) rather than search again (tens of them, and 64 streams'
     searches made steps of 13-17 ms on a 2-core box), and the ending it writes is that way, so
     the output is whole JSON at its max_tokens."""
-    from neuron.engine import grammar_budget
+    from neuron.server.grammar import budget as grammar_budget
 
     tk, grammars = tiny
     grammar = grammars.check(GrammarSpec("json_schema", {"type": "object", "properties": {"text": {"type": "string"}},
@@ -248,8 +248,8 @@ def test_the_grammar_engine_runs_without_torch():
         "        if name.split('.')[0] == 'torch': raise ImportError('torch on the leader')\n"
         "sys.meta_path.insert(0, Block())\n"
         "from neuron.config import GrammarConfig\n"
-        "from neuron.engine.grammar import GrammarSpec, grammars_for\n"
-        "from neuron.engine.grammar_worker import GrammarCompiler\n"
+        "from neuron.server.grammar.grammars import GrammarSpec, grammars_for\n"
+        "from neuron.server.grammar.worker import GrammarCompiler\n"
         "from devtools.checkpoints import build_tokenizer\n"
         "tk = build_tokenizer()\n"
         "g = grammars_for(tk, tk.get_vocab_size(), [tk.token_to_id('<|im_end|>')])\n"

@@ -172,7 +172,7 @@ def test_a_grammar_worker_busy_when_the_leader_dies_leaves_too(tmp_path):
     code = (
         "import os, subprocess, sys, time\n"
         "env = {**os.environ, 'NEURON_SANDBOX_PARENT': str(os.getpid())}\n"
-        "w = subprocess.Popen([sys.executable, '-m', 'neuron.engine.grammar_worker'], stdin=subprocess.PIPE, env=env)\n"
+        "w = subprocess.Popen([sys.executable, '-m', 'neuron.server.grammar.worker'], stdin=subprocess.PIPE, env=env)\n"
         "holder = subprocess.Popen(['sleep', '30'], pass_fds=[w.stdin.fileno()])\n"
         "print(w.pid, holder.pid, flush=True)\n"
         "time.sleep(60)\n"

@@ -89,7 +89,7 @@ def test_a_decode_graphs_argmax_is_the_greedy_draw_unless_the_logits_are_changed
 
 
 def test_a_thinking_budget_forces_the_end_marker_once_spent():
-    from neuron.engine.constraints import ThinkingBudget
+    from neuron.server.grammar.constraints import ThinkingBudget
 
     words = {1: b"<think>", 2: b"a", 3: b"b", 4: b"</", 5: b"think>", 6: b"ok", 7: b"\xff</think>", 8: b" "}
 

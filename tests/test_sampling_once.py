@@ -11,7 +11,7 @@ import pytest
 
 from conftest import DEFAULT_MODEL
 from neuron.config import EngineConfig, GrammarConfig, ModelEntry
-from neuron.engine.grammar_worker import GrammarCompiler
+from neuron.server.grammar.worker import GrammarCompiler
 from neuron.errors import ApiError
 from neuron.loader.spec import load_spec
 from neuron.server.core_client import CoreEngine, CoreModel

@@ -15,7 +15,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route
 
 from neuron.config import Config, ServerConfig
-from neuron.engine.grammar_worker import GrammarCompiler
+from neuron.server.grammar.worker import GrammarCompiler
 from neuron.engine.request import FinishEvent, GenRequest
 from neuron.errors import ApiError, LoadError
 from neuron.loader.template_worker import TemplateRenderer

@@ -12,7 +12,7 @@ from starlette.requests import Request
 from protocol.engine_client import EngineClient
 
 from neuron.config import Config
-from neuron.engine.grammar_worker import GrammarCompiler
+from neuron.server.grammar.worker import GrammarCompiler
 from neuron.errors import ApiError
 from neuron.loader.template_worker import TemplateRenderer
 from neuron.response_store import ResponseStore

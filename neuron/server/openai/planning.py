@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from neuron.engine.constraints import AfterMarker, AllOf, AllowedTokens, BannedSequences, Constraint, ThinkingBudget
-from neuron.engine.grammar import Compiler, GrammarError, GrammarSpec, grammars_for
+from neuron.server.grammar.constraints import (AfterMarker, AllOf, AllowedTokens, BannedSequences, Constraint,
+                                              ThinkingBudget)
+from neuron.server.grammar.grammars import Compiler, GrammarError, GrammarSpec, grammars_for
 from neuron.errors import ApiError
 from neuron.loader.template_worker import TemplateRenderer
 from protocol.engine_client import ModelView

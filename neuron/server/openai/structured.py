@@ -8,7 +8,7 @@ import json
 from dataclasses import replace
 from typing import Any
 
-from neuron.engine.grammar import JSON_WHITESPACE, GrammarSpec
+from neuron.server.grammar.grammars import JSON_WHITESPACE, GrammarSpec
 from neuron.errors import ApiError
 
 from neuron.server.schemas import SamplingFields

@@ -9,7 +9,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from .grammar_budget import pack
+from .budget import pack
 
 
 class Constraint(Protocol):

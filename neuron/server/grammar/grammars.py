@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import llguidance as llg
 from tokenizers import Tokenizer
 
-from .grammar_budget import Budget, VocabTables, build_tables
+from .budget import Budget, VocabTables, build_tables
 
 log = logging.getLogger("neuron.grammar")
 

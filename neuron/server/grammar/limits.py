@@ -9,7 +9,7 @@ from typing import Any
 
 from neuron.config import GrammarConfig
 
-from .grammar import GrammarError, GrammarSpec
+from .grammars import GrammarError, GrammarSpec
 
 
 def _depth(value: Any, limit: int) -> int:

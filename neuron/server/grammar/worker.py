@@ -3,7 +3,7 @@
 llguidance is native code: a grammar whose rules chain thousands deep overflows its stack and
 kills the process (SIGSEGV, nothing logged), and some inputs make it panic or run long. So every
 grammar a client sends is first compiled by a worker process (``python -m
-neuron.engine.grammar_worker``): the JSON schema, regex, choice or Lark text turned into
+neuron.server.grammar.worker``): the JSON schema, regex, choice or Lark text turned into
 llguidance's grammar, checked against the model's tokenizer, a matcher built and its first mask
 computed. The worker runs each job on a thread whose stack is a quarter of the leader's, under an
 address-space limit, and is killed past the time limit (``neuron.sandbox``). Only a grammar that
@@ -24,8 +24,8 @@ import msgspec
 from neuron import sandbox
 from neuron.config import GrammarConfig
 
-from .grammar import Grammars, GrammarError, GrammarSpec
-from .grammar_limits import check_limits
+from .grammars import Grammars, GrammarError, GrammarSpec
+from .limits import check_limits
 
 # The leader builds matchers and masks on threads with at least this much stack (its main
 # thread's RLIMIT_STACK, default 8 MiB); the worker gets a quarter of the smallest of them.
@@ -67,7 +67,7 @@ def leader_stack_bytes() -> int:
 def _compile(tokenizers: dict[str, Any], job: Job) -> Done:
     import llguidance as llg
 
-    from .grammar import to_lark_grammar
+    from .grammars import to_lark_grammar
 
     tokenizer = tokenizers.get(job.tokenizer_key)
     if tokenizer is None:
@@ -119,7 +119,7 @@ class GrammarCompiler:
     def __init__(self, limits: GrammarConfig, remembered: int = 256) -> None:
         self.limits = limits
         stack = max(MIN_WORKER_STACK, leader_stack_bytes() // 4)
-        self._pool = sandbox.WorkerPool("neuron.engine.grammar_worker", workers=limits.compile_workers,
+        self._pool = sandbox.WorkerPool("neuron.server.grammar.worker", workers=limits.compile_workers,
                                         memory_bytes=limits.compile_memory_bytes,
                                         env={"NEURON_GRAMMAR_STACK": str(stack)})
         self._lock = threading.Lock()
