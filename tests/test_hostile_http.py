@@ -153,18 +153,24 @@ def _rss_mb(pid: int) -> float:
 
 
 def test_health_answers_within_a_second_while_16_clients_post_the_largest_body(limited):
+    """Sixteen 4 MiB conversations sent to /tokenize, which renders and tokenizes every one
+    whole (a chat completion of one is refused before it is tokenized: it cannot fit the context,
+    ``test_prompt_bound.py``), while /health is probed."""
     text = ("The quick brown fox jumps over the lazy dog. " * 100_000)[: 4 * 1024 * 1024 - 200]
     # Encoded once: sixteen threads encoding 4 MiB of JSON would hold this process's GIL, and the
     # probe below would time them rather than the server.
-    body = json.dumps({"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": text}],
-                       "max_tokens": 4}).encode()
+    body = json.dumps({"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": text}]}).encode()
+    refused = httpx.post(f"{limited.base}/chat/completions", content=body, timeout=60,
+                         headers={"content-type": "application/json"})
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
+    assert "bytes" in refused.json()["error"]["message"]  # by its size, not its tokens
     rss_before = _rss_mb(limited.proc.pid)
     statuses: list[int] = []
     posting = threading.Event()
 
     def post() -> None:
         posting.set()
-        statuses.append(httpx.post(f"{limited.base}/chat/completions", content=body, timeout=300,
+        statuses.append(httpx.post(f"{limited.url}/tokenize", content=body, timeout=300,
                                    headers={"content-type": "application/json"}).status_code)
 
     threads = [threading.Thread(target=post) for _ in range(16)]
@@ -179,7 +185,7 @@ def test_health_answers_within_a_second_while_16_clients_post_the_largest_body(l
         time.sleep(0.2)
     for t in threads:
         t.join()
-    assert statuses == [400] * 16  # each prompt is longer than the model's context
+    assert statuses == [200] * 16
     assert len(waits) >= 5 and max(waits) < 1.0, (len(waits), max(waits))
     # The heap is trimmed once the last share of the budget comes back, which may be just after
     # the last answer was sent.

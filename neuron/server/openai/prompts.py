@@ -106,6 +106,41 @@ def _shows_tools(text: str, messages: list[dict[str, Any]], tools: ToolPlan) -> 
     return all(text.count(name) > said.count(name) for name in names)
 
 
+# A prompt is refused unread where even the vocabulary's longest tokens could not fit it: a token
+# stands for at most as many bytes as its own string holds in UTF-8 (byte-level BPE's characters
+# and SentencePiece's "<0x41>" and "\u2581" hold more), so a prompt of more bytes than PROMPT_SLACK x
+# that x the context has more tokens than the context holds. The slack covers normalizers that
+# shrink a text before it is cut (NFC, stripped accents). A 4 MiB prompt no longer costs the
+# leader seconds of tokenizing to learn that it does not fit.
+PROMPT_SLACK = 4
+_longest: dict[int, tuple[Any, int]] = {}
+
+
+def longest_token_bytes(tokenizer) -> int:
+    """The UTF-8 length of the longest token string of ``tokenizer``'s vocabulary (its own once)."""
+    held = _longest.get(id(tokenizer))
+    if held is None or held[0] is not tokenizer:
+        vocab = tokenizer.get_vocab(with_added_tokens=True)
+        held = _longest[id(tokenizer)] = (tokenizer, max((len(t.encode("utf-8", "surrogatepass")) for t in vocab),
+                                                         default=1))
+    return held[1]
+
+
+def encode_prompt(info: TokenizerInfo, text: str, add_special_tokens: bool, max_len: int | None,
+                  param: str) -> list[int]:
+    """``text``'s token ids, or 400 ``context_length_exceeded`` before tokenizing where its bytes
+    alone say it cannot fit ``max_len`` tokens (None: no bound, as ``/tokenize`` counts any text)."""
+    if max_len is None:
+        return encode_ids(info.tokenizer, text, add_special_tokens)
+    bound = PROMPT_SLACK * longest_token_bytes(info.tokenizer) * max_len
+    if 4 * len(text) > bound and (size := len(text.encode("utf-8", "surrogatepass"))) > bound:
+        raise ApiError(400, "context_length_exceeded",
+                       f"this model's maximum context length is {max_len} tokens; a prompt of {size} bytes holds "
+                       f"more (no token of this vocabulary is longer than {longest_token_bytes(info.tokenizer)} "
+                       f"bytes)", param=param)
+    return encode_ids(info.tokenizer, text, add_special_tokens)
+
+
 def _render(templates: TemplateRenderer, info: TokenizerInfo, template: str | None, from_client: bool,
             messages: list[dict[str, Any]], *, tools: list | None, documents: list | None,
             add_generation_prompt: bool, extra: dict[str, Any]) -> str:
@@ -119,7 +154,8 @@ def _render(templates: TemplateRenderer, info: TokenizerInfo, template: str | No
             from None
 
 
-def chat_prompt(body: ChatRequest, handle: ModelView, templates: TemplateRenderer) -> ChatPrompt:
+def chat_prompt(body: ChatRequest, handle: ModelView, templates: TemplateRenderer, *, fit: bool = True) -> ChatPrompt:
+    """``fit``: refuse unread a prompt that cannot fit the context (``encode_prompt``)."""
     info = handle.spec.tokenizer
     entry = handle.entry
     from_client = body.chat_template is not None
@@ -158,7 +194,7 @@ def chat_prompt(body: ChatRequest, handle: ModelView, templates: TemplateRendere
         at = text.rfind(final)
         _check(at >= 0, "continue_final_message", "the template does not show the final message as given")
         text = text[: at + len(final)]
-    encoded = encode_ids(info.tokenizer, text, body.add_special_tokens)
+    encoded = encode_prompt(info, text, body.add_special_tokens, handle.max_len if fit else None, "messages")
     ids, images = reader.expand(encoded if body.add_special_tokens else _with_bos(info, encoded))
     markers = reasoning_markers(getattr(entry, "reasoning_parser", "auto"), template)
     out = ChatPrompt(Prompt(ids, text, images), tools, markers, starts_thinking(text, markers) if markers else None)
@@ -172,8 +208,8 @@ def chat_prompt(body: ChatRequest, handle: ModelView, templates: TemplateRendere
     return out
 
 
-def completion_prompts(body: CompletionRequest, handle: ModelView) -> list[Prompt]:
-    """One prompt per string or token-id list of ``prompt``."""
+def completion_prompts(body: CompletionRequest, handle: ModelView, *, fit: bool = True) -> list[Prompt]:
+    """One prompt per string or token-id list of ``prompt``; ``fit`` as ``chat_prompt``'s."""
     raw = body.prompt
     vocab = handle.spec.config.vocab_size
     info = handle.spec.tokenizer
@@ -191,7 +227,7 @@ def completion_prompts(body: CompletionRequest, handle: ModelView) -> list[Promp
         param = "prompt" if len(items) == 1 else f"prompt.{i}"
         if isinstance(item, str):
             _check(item != "", param, "a prompt must not be empty")
-            ids = encode_ids(info.tokenizer, item, body.add_special_tokens)
+            ids = encode_prompt(info, item, body.add_special_tokens, handle.max_len if fit else None, param)
             prompts.append(Prompt(_with_bos(info, ids) if body.add_special_tokens else ids, item))
             continue
         _check(bool(item) and all(isinstance(t, int) and not isinstance(t, bool) for t in item), param,

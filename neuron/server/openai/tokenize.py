@@ -5,6 +5,7 @@ code as the completion routes: a conversation's ``count`` is what its chat compl
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import msgspec
 from starlette.requests import Request
@@ -57,12 +58,12 @@ async def tokenize(request: Request) -> Response:
                                chat_template_kwargs=body.chat_template_kwargs,
                                add_generation_prompt=body.add_generation_prompt,
                                add_special_tokens=bool(body.add_special_tokens))
-            ids = (await run(chat_prompt, chat, handle, state.templates)).prompt.ids
+            ids = (await run(functools.partial(chat_prompt, fit=False), chat, handle, state.templates)).prompt.ids
         else:
             _check_prompt(body.prompt)
             text = CompletionRequest(model=handle.id, prompt=body.prompt or "",
                                      add_special_tokens=body.add_special_tokens is not False)
-            ids = (await run(completion_prompts, text, handle))[0].ids
+            ids = (await run(functools.partial(completion_prompts, fit=False), text, handle))[0].ids
     tk = handle.spec.tokenizer.tokenizer
     strs = [tk.id_to_token(i) for i in ids] if body.return_token_strs else None
     return _json(TokenizeResponse(count=len(ids), max_model_len=handle.max_len, tokens=ids, token_strs=strs))
