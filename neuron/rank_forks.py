@@ -30,8 +30,13 @@ class ForkedRank:
         return await asyncio.shield(self._exited)
 
     def send_signal(self, sig: int) -> None:
+        """As asyncio's: nothing once it has exited, also when the zygote reaped it and its
+        report is still on the way."""
         if self.returncode is None:
-            os.kill(self.pid, sig)
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
