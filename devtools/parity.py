@@ -85,7 +85,8 @@ class DenseView:
 
 def open_source(fmt: str, paths: list[str], config: ModelConfig, quant: str | None = None,
                 dense: bool = False, checkpoint_quant: Any = None, device: Any = None) -> Any:
-    """``device``: where in-situ quantization runs, as a rank does (its GPU; None: the CPU)."""
+    """``device``: where in-situ quantization and the unpacking of published integers run, as a
+    rank does (its GPU; None: the CPU)."""
     if fmt == "gguf":
         from neuron.loader.gguf_open import open_gguf
 
@@ -97,7 +98,7 @@ def open_source(fmt: str, paths: list[str], config: ModelConfig, quant: str | No
         if checkpoint_quant is not None:
             from neuron.loader.published import PublishedSource
 
-            src = PublishedSource(src, checkpoint_quant)
+            src = PublishedSource(src, checkpoint_quant, device)
     if quant:
         from neuron.loader.insitu import QuantizingSource
 

@@ -58,8 +58,62 @@ def test_in_situ_quantization_on_the_gpu_gives_the_cpu_s_integers_and_scales(sch
     w[3::11, :64] = 0.125  # constant groups
     w = w.to(torch.bfloat16)
     cpu, gpu = quantize(w, scheme), quantize(w, scheme, torch.device("cuda"))
+    assert gpu.u.is_cuda, "the GPU's integers stay on it"
+    gpu = gpu.on_host()
     for name in ("u", "s", "m"):
         assert np.array_equal(getattr(cpu, name), getattr(gpu, name)), name
+
+
+@needs_gpu
+@pytest.mark.parametrize("scheme", ["q4", "q8_0"])
+def test_a_packed_matrix_built_from_the_gpu_s_integers_is_the_host_built_one(scheme):
+    """In-situ integers stay on the GPU and are packed there: the same packed words, scale pairs
+    and unpack modes as a matrix built from the host's integers, a fused one whose parts came from
+    both included (a vocabulary padded with host zero rows)."""
+    import numpy as np
+
+    from neuron.models.packed_linear import PackedLinear
+    from neuron.models.quant import QuantWeight, concat_rows, quantize
+
+    cuda = torch.device("cuda")
+    w = (torch.randn(384, 512, generator=torch.Generator().manual_seed(6)) * 0.05).to(torch.bfloat16)
+    zeros = QuantWeight(np.zeros((64, 512), np.uint8), np.zeros((64, 16), np.float32),
+                        np.zeros((64, 16), np.float32), 4 if scheme == "q4" else 8, "")
+    host = PackedLinear(concat_rows([quantize(w[:256], scheme), quantize(w[256:], scheme), zeros]), None,
+                        torch.bfloat16, cuda)
+    parts = [quantize(w[:256], scheme, cuda), quantize(w[256:], scheme, cuda), zeros]
+    device = PackedLinear(concat_rows(parts), None, torch.bfloat16, cuda)
+    assert torch.equal(host.u, device.u) and torch.equal(host.sm, device.sm)
+    assert host.unpack == device.unpack
+    x = torch.randn(5, 512, device=cuda, dtype=torch.bfloat16)
+    assert torch.equal(host(x), device(x))
+
+
+@needs_gpu
+@pytest.mark.parametrize("fmt", ["awq", "gptq4", "gptq8", "gptq4-act"])
+def test_published_integers_unpacked_on_the_gpu_pack_as_the_host_s_do(tmp_path, fmt):
+    """A rank unpacks an AWQ or GPTQ checkpoint's words on its GPU: whole weights and shares of
+    rows and of columns give the same packed matrices as the host's unpacking, and the same floats."""
+    from test_published_quant import FORMATS, write_quantized
+
+    from devtools.checkpoints import make_checkpoint
+    from neuron.loader.published import PublishedSource
+    from neuron.loader.safetensors_source import SafetensorsSource
+    from neuron.loader.spec import load_spec
+    from neuron.models.packed_linear import PackedLinear
+
+    cuda = torch.device("cuda")
+    d = write_quantized(make_checkpoint("qwen3", tmp_path / "qwen3", seed=17), tmp_path / fmt, *FORMATS[fmt])
+    spec = load_spec(str(d))
+    files = SafetensorsSource(spec.files.paths)
+    host, gpu = PublishedSource(files, spec.checkpoint_quant), PublishedSource(files, spec.checkpoint_quant, cuda)
+    for name in ("model.layers.1.self_attn.o_proj.weight", "model.layers.0.mlp.gate_proj.weight"):
+        for share in ({}, {"dim": 0, "part": range(16, 48)}, {"dim": 1, "part": range(32, 64)}):
+            a, b = host.get_quant(name, **share), gpu.get_quant(name, **share)
+            assert not torch.is_tensor(a.u) and b.u.is_cuda
+            pa, pb = PackedLinear(a, None, torch.bfloat16, cuda), PackedLinear(b, None, torch.bfloat16, cuda)
+            assert torch.equal(pa.u, pb.u) and torch.equal(pa.sm, pb.sm) and pa.unpack == pb.unpack, (name, share)
+            assert torch.equal(host.get(name, **share), gpu.get(name, **share)), (name, share)
 
 
 @needs_gpu

@@ -124,6 +124,22 @@ def test_in_situ_quantization_rounds_each_weight_to_its_groups_grid(scheme, bits
     assert np.array_equal(q.s, q.s.astype(np.float16).astype(np.float32))  # the scales the kernel stores
 
 
+def test_a_quant_weight_held_as_tensors_packs_and_fuses_as_its_numpy_form_does():
+    """A rank's GPU keeps its in-situ integers as tensors: fused with a file's Q6_K part (scales per
+    16, numpy) and packed, the matrix computes and dequantizes as the all-numpy one does."""
+    from neuron.models.quant import QuantWeight, concat_rows
+
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(7)) * 0.05
+    q = quantize(w, "q8_0")
+    held = QuantWeight(*(torch.from_numpy(a) for a in (q.u, q.s, q.m)), q.bits, q.source)
+    k6 = decode_blocks(raw_tensor("Q6_K", (32, 256), np.random.default_rng(8)), gguf.GGMLQuantizationType.Q6_K)
+    want, got = concat_rows([q, k6]), concat_rows([held, k6])
+    assert torch.is_tensor(got.u) and got.group == 16
+    assert np.array_equal(want.dequantize(), got.dequantize())
+    x = torch.randn(3, 256)
+    assert torch.equal(PackedLinear(want, None)(x), PackedLinear(got, None)(x))
+
+
 # ---------------------------------------------------------------------------- tensor-parallel splits
 
 

@@ -38,7 +38,8 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 def unpack_awq(words: torch.Tensor) -> torch.Tensor:
     """int32 [R, W] -> uint8 [R, 8 W] in column order."""
-    nibbles = (words[..., None] >> (4 * torch.arange(8, dtype=torch.int32))) & 15  # [R, W, 8]: nibble i
+    shifts = 4 * torch.arange(8, dtype=torch.int32, device=words.device)
+    nibbles = (words[..., None] >> shifts) & 15  # [R, W, 8]: nibble i
     out = torch.empty_like(nibbles)
     out[..., list(AWQ_ORDER)] = nibbles
     return out.reshape(words.shape[0], -1).to(torch.uint8)
@@ -47,23 +48,26 @@ def unpack_awq(words: torch.Tensor) -> torch.Tensor:
 def unpack_along_columns(words: torch.Tensor, bits: int) -> torch.Tensor:
     """int32 [R, W] -> uint8 [R, W * 32 / bits], lowest bits first (GPTQ's qzeros)."""
     per = 32 // bits
-    values = (words[..., None] >> (bits * torch.arange(per, dtype=torch.int32))) & ((1 << bits) - 1)
+    shifts = bits * torch.arange(per, dtype=torch.int32, device=words.device)
+    values = (words[..., None] >> shifts) & ((1 << bits) - 1)
     return values.reshape(words.shape[0], -1).to(torch.uint8)
 
 
 def unpack_along_rows(words: torch.Tensor, bits: int) -> torch.Tensor:
     """int32 [W, N] -> uint8 [W * 32 / bits, N], lowest bits first (GPTQ's qweight)."""
     per = 32 // bits
-    values = (words[:, None, :] >> (bits * torch.arange(per, dtype=torch.int32))[None, :, None]) & ((1 << bits) - 1)
+    shifts = bits * torch.arange(per, dtype=torch.int32, device=words.device)
+    values = (words[:, None, :] >> shifts[None, :, None]) & ((1 << bits) - 1)
     return values.reshape(-1, words.shape[1]).to(torch.uint8)
 
 
 class PublishedSource:
     """A safetensors source whose projections the publisher quantized: ``get_quant`` gives a
-    rank's share packed, ``get`` its floats (for devices without the packed kernels)."""
+    rank's share packed, ``get`` its floats (for devices without the packed kernels). ``device``:
+    where the packed integers are unpacked and kept (the rank's GPU; None: the host)."""
 
-    def __init__(self, src, quant: CheckpointQuant) -> None:
-        self.src, self.q = src, quant
+    def __init__(self, src, quant: CheckpointQuant, device: torch.device | None = None) -> None:
+        self.src, self.q, self.device = src, quant, device
         self.quantized = True
 
     def _packed(self, name: str) -> str | None:
@@ -155,7 +159,7 @@ class PublishedSource:
         words, skip = self._words(base + ".qweight", 1, rows, 8)
         if cols is not None:
             words = words[cols.start:cols.stop]
-        q = _trim(unpack_awq(words), skip, rows)
+        q = _trim(unpack_awq(self._up(words)), skip, rows)
         zwords, zskip = self._words(base + ".qzeros", 1, rows, 8)
         z = _trim(unpack_awq(self._take(zwords, groups)), zskip, rows)
         s = self.src.get(base + ".scales", dim=1, part=rows) if rows is not None else self.src.get(base + ".scales")
@@ -179,15 +183,18 @@ class PublishedSource:
         words, skip = self._words(base + ".qweight", 0, cols, per)
         if rows is not None:
             words = words[:, rows.start:rows.stop]
-        q = unpack_along_rows(words, bits)
+        q = unpack_along_rows(self._up(words), bits)
         if cols is not None:
             q = q[skip:skip + len(cols)]
         zwords, zskip = self._words(base + ".qzeros", 1, rows, per)
         z = _trim(unpack_along_columns(self._take(zwords, groups), bits), zskip, rows).to(torch.int16) + 1
         s = self.src.get(base + ".scales", dim=1, part=rows) if rows is not None else self.src.get(base + ".scales")
         if perm is not None:
-            q = q[torch.from_numpy(perm)]
+            q = q[torch.from_numpy(perm).to(q.device)]
         return q, z, self._take(s, groups), col_group, perm
+
+    def _up(self, words: torch.Tensor) -> torch.Tensor:
+        return words.to(self.device) if self.device is not None else words
 
     def _take(self, t: torch.Tensor, groups: range | None) -> torch.Tensor:
         return t if groups is None else t[groups.start:groups.stop]
@@ -221,4 +228,5 @@ def _quant_weight(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor, col_group: 
     s32 = d.astype(np.float32)
     m32 = dm.astype(np.float32) * mn.astype(np.float32)
     source = f"{quant.method.upper()} int{quant.bits} g{quant.group_size}"
-    return QuantWeight(q.T.contiguous().numpy(), s32, m32, quant.bits, source, GROUP, sup)
+    u = q.T.contiguous()  # on the device that unpacked it, or a numpy array on the host
+    return QuantWeight(u if u.is_cuda else u.numpy(), s32, m32, quant.bits, source, GROUP, sup)

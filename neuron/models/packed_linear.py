@@ -11,6 +11,9 @@ import torch
 from .quant import GROUP, QuantWeight
 
 
+def _tensor(a: np.ndarray | torch.Tensor) -> torch.Tensor:
+    return a if torch.is_tensor(a) else torch.from_numpy(np.ascontiguousarray(a))
+
 
 def pack_nibbles(u: torch.Tensor) -> torch.Tensor:
     """uint8 values 0..15 [N, K] -> [N, K/2]: per group of 32, byte j holds u[j] (low nibble) and
@@ -41,6 +44,26 @@ class PackedLinear:
         self.bias, self.dtype = bias, dtype
         self.device = device or torch.device("cpu")
         self.perm = torch.from_numpy(q.perm).to(self.device) if q.perm is not None else None
+        if self.device.type == "cuda":  # packed on the device; the Triton kernels take each group's
+            # scale and offset side by side (pair_scales), in float16, or float32 for the K-quants (exact)
+            from neuron.kernels.gpu import coarsen_scales, pair_scales, unpack_modes
+
+            u = _tensor(q.u).to(self.device)
+            self.u = pack_nibbles(u) if self.bits == 4 else u.contiguous()
+            del u
+            scales = [_tensor(t).to(self.device) for t in (q.s, q.m)]
+            if q.sup is None:
+                scales = [t.to(torch.float16) for t in scales]
+            self.sm = coarsen_scales(pair_scales(*scales))
+            self.unpack = unpack_modes(self.sm, self.bits)  # by activation dtype: packed_gemm.weight_tile
+            self.s, self.m = self.sm[..., 0], self.sm[..., 1]
+            self.d = self.dm = torch.empty(0, 0, dtype=torch.float16, device=self.device)
+            self._kernel = None
+            self.configs: dict[int, tuple[int, ...]] = {}  # measured at load: runner/linear.py
+            self.stacked = False  # u and sm: views of a stack of experts (models/moe.stack_packed)
+            self._plain = False
+            return
+        q = q.on_host()
         u = torch.from_numpy(np.ascontiguousarray(q.u))
         self.u = pack_nibbles(u) if self.bits == 4 else u
         if q.sup is not None:  # exact: the integers and float16s the file builds its scales from
@@ -51,21 +74,6 @@ class PackedLinear:
             self.s = torch.from_numpy(q.s).to(torch.float16).contiguous()
             self.m = torch.from_numpy(q.m).to(torch.float16).contiguous()
             self.d = self.dm = torch.empty(0, 0, dtype=torch.float16)
-        if self.device.type == "cuda":  # the Triton kernels take each group's scale and offset side
-            # by side (pair_scales), in float16, or float32 for the K-quants (exact)
-            from neuron.kernels.gpu import coarsen_scales, pair_scales, unpack_modes
-
-            scales = [torch.from_numpy(t if q.sup is not None else t.astype(np.float16)) for t in (q.s, q.m)]
-            self.sm = coarsen_scales(pair_scales(*scales)).to(self.device)
-            self.unpack = unpack_modes(self.sm, self.bits)  # by activation dtype: packed_gemm.weight_tile
-            self.s, self.m = self.sm[..., 0], self.sm[..., 1]
-            self.d = self.dm = torch.empty(0, 0, dtype=torch.float16, device=self.device)
-            self.u = self.u.to(self.device)
-            self._kernel = None
-            self.configs: dict[int, tuple[int, ...]] = {}  # measured at load: runner/linear.py
-            self.stacked = False  # u and sm: views of a stack of experts (models/moe.stack_packed)
-            self._plain = False
-            return
         from neuron.kernels.cpu import cpu_kernels
 
         self._kernel = cpu_kernels().packed(self.bits, self.u, self.s, self.m, self.d, self.dm)

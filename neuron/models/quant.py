@@ -66,11 +66,13 @@ class SuperScales:
 @dataclass
 class QuantWeight:
     """``w[n, k] = s[n, k // g] * u[n, k] + m[n, k // g]`` with ``u < 2**bits``, ``g = group``
-    (32, or 16 for the K-quants with 16-element sub-blocks)."""
+    (32, or 16 for the K-quants with 16-element sub-blocks). ``u``, ``s`` and ``m`` are numpy
+    arrays, or torch tensors on the GPU that quantized them in situ (they stay there: the packed
+    matrix is built on the device); ``sup`` and ``perm`` are numpy."""
 
-    u: np.ndarray  # uint8 [N, K]
-    s: np.ndarray  # float32 [N, K/group]
-    m: np.ndarray  # float32 [N, K/group]
+    u: np.ndarray | torch.Tensor  # uint8 [N, K]
+    s: np.ndarray | torch.Tensor  # float32 [N, K/group]
+    m: np.ndarray | torch.Tensor  # float32 [N, K/group]
     bits: int
     source: str  # what the file held: "Q4_1", "Q8_0", "q4 (in situ)", ...
     group: int = GROUP
@@ -95,7 +97,16 @@ class QuantWeight:
         return QuantWeight(self.u[:, part.start:part.stop], self.s[:, g.start:g.stop], self.m[:, g.start:g.stop],
                            self.bits, self.source, self.group, self.sup.scale_groups(g) if self.sup else None)
 
+    def on_host(self) -> QuantWeight:
+        """The same weight with ``u``, ``s`` and ``m`` as numpy arrays."""
+        if not torch.is_tensor(self.u):
+            return self
+        return QuantWeight(_host(self.u), _host(self.s), _host(self.m), self.bits, self.source, self.group,
+                           self.sup, self.perm)
+
     def dequantize(self) -> np.ndarray:
+        if torch.is_tensor(self.u):
+            return self.on_host().dequantize()
         N, K = self.u.shape
         u = self.u.reshape(N, K // self.group, self.group).astype(np.float32)
         w = (self.s[..., None] * u + self.m[..., None]).reshape(N, K)
@@ -127,7 +138,7 @@ class QuantWeight:
         r = self.group // group
         if r == 1:
             return self
-        return QuantWeight(self.u, np.repeat(self.s, r, axis=1), np.repeat(self.m, r, axis=1), self.bits,
+        return QuantWeight(self.u, _repeat(self.s, r), _repeat(self.m, r), self.bits,
                            self.source, group, self.sup.halved() if self.sup else None)
 
 
@@ -146,8 +157,20 @@ def concat_rows(parts: list[QuantWeight]) -> QuantWeight:
         if len({s.per for s in sups}) > 1:
             sups = [s.expanded(s.per) for s in sups]
         sup = SuperScales(*(np.concatenate([getattr(s, f) for s in sups]) for f in ("sc", "mn", "d", "dm")))
-    return QuantWeight(np.concatenate([p.u for p in parts]), np.concatenate([p.s for p in parts]),
-                       np.concatenate([p.m for p in parts]), bits, "+".join(sources), group, sup, perm)
+    return QuantWeight(_cat([p.u for p in parts]), _cat([p.s for p in parts]), _cat([p.m for p in parts]), bits,
+                       "+".join(sources), group, sup, perm)
+
+
+def _cat(arrays: list) -> np.ndarray | torch.Tensor:
+    """Rows stacked: on the device where any part is a device tensor (the others go up to it)."""
+    on = next((a.device for a in arrays if torch.is_tensor(a)), None)
+    if on is None:
+        return np.concatenate(arrays)
+    return torch.cat([a if torch.is_tensor(a) else torch.from_numpy(np.ascontiguousarray(a)).to(on) for a in arrays])
+
+
+def _repeat(a: np.ndarray | torch.Tensor, r: int) -> np.ndarray | torch.Tensor:
+    return a.repeat_interleave(r, dim=1) if torch.is_tensor(a) else np.repeat(a, r, axis=1)
 
 
 # ---------------------------------------------------------------------------------- GGUF blocks
@@ -261,17 +284,18 @@ def quantize(w: torch.Tensor, scheme: str, device: torch.device | None = None) -
     """Quantize a float weight [N, K] (K a multiple of 32) with ``scheme``; scales are rounded
     first (to float16, and for q4 to what bfloat16 holds too), so every packed form holds exactly
     what this returns. ``device``: where to compute it (a rank's GPU: its load's in-situ
-    quantization, a sixth of the time on the host's cores; the result comes back to the host)."""
+    quantization, a sixth of the time on the host's cores); a GPU's result stays on it."""
     x = w.detach().to(device or "cpu").float().reshape(w.shape[0], -1, GROUP)
+    out = _host if x.device.type == "cpu" else (lambda t: t)
     if scheme == "q8_0":
         d = _round_f16(_over(x.abs().amax(-1), 127))
         q = torch.round(x / torch.where(d == 0, 1, d)[..., None]).clamp(-127, 127)
-        return QuantWeight(_host((q + 128).to(torch.uint8).reshape(w.shape)), _host(d), _host(-128 * d), 8,
+        return QuantWeight(out((q + 128).to(torch.uint8).reshape(w.shape)), out(d), out(-128 * d), 8,
                            "q8_0 (in situ)")
     if scheme == "q4":
         s, m = _q4_scales(x.amin(-1), x.amax(-1))
         q = torch.round((x - m[..., None]) / torch.where(s == 0, 1, s)[..., None]).clamp(0, 15)
-        return QuantWeight(_host(q.to(torch.uint8).reshape(w.shape)), _host(s), _host(m), 4, "q4 (in situ)")
+        return QuantWeight(out(q.to(torch.uint8).reshape(w.shape)), out(s), out(m), 4, "q4 (in situ)")
     raise ValueError(f"unknown quantization {scheme!r} (known: {', '.join(SCHEMES)})")
 
 
@@ -281,8 +305,8 @@ def _over(t: torch.Tensor, d: float) -> torch.Tensor:
     return t / torch.tensor(d, dtype=t.dtype, device=t.device)
 
 
-def _host(t: torch.Tensor) -> np.ndarray:
-    return t.cpu().numpy()
+def _host(t: torch.Tensor | np.ndarray) -> np.ndarray:
+    return t.cpu().numpy() if torch.is_tensor(t) else t
 
 
 def _q4_scales(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

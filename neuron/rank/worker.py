@@ -147,7 +147,7 @@ class DeviceWorker:
             src = SafetensorsSource(msg.paths)
             if msg.checkpoint_quant is not None:
                 from neuron.loader.published import PublishedSource
-                src = PublishedSource(src, msg.checkpoint_quant)
+                src = PublishedSource(src, msg.checkpoint_quant, self.device if self.device.type == "cuda" else None)
         if msg.quant:
             from neuron.loader.insitu import QuantizingSource
             if msg.quant not in SCHEMES:
