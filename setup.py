@@ -5,9 +5,11 @@ still installs and runs its float path (the kernels are optional). Everything el
 pyproject.toml."""
 
 import runpy
+import shutil
 from pathlib import Path
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).parent
 isa = runpy.run_path(str(HERE / "neuron" / "kernels" / "isa.py"))
@@ -29,4 +31,20 @@ def extension(level) -> Extension:
     )
 
 
-setup(ext_modules=[extension(level) for level in isa["levels_for"]()])
+class BuildExt(build_ext):
+    """A module this tree already holds, built in place (the editable install of scripts/setup),
+    is copied into a wheel instead of compiled again when it is newer than every file it is built
+    from: its sources, headers, this file and isa.py (the flags)."""
+
+    def build_extension(self, ext: Extension) -> None:
+        built = HERE / self.get_ext_filename(ext.name)
+        inputs = [HERE / f for f in (*ext.sources, *ext.depends)] + [HERE / "setup.py", HERE / "neuron/kernels/isa.py"]
+        if not self.inplace and built.exists() and built.stat().st_mtime > max(f.stat().st_mtime for f in inputs):
+            target = Path(self.get_ext_fullpath(ext.name))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(built, target)
+            return
+        super().build_extension(ext)
+
+
+setup(ext_modules=[extension(level) for level in isa["levels_for"]()], cmdclass={"build_ext": BuildExt})

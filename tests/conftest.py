@@ -327,6 +327,18 @@ def ops_headers(admin: bool = False) -> dict[str, str]:
     return {"Authorization": f"Bearer {OPS_ADMIN_KEY if admin else OPS_API_KEY}"}
 
 
+def access_line(server: Server, rid: str, timeout: float = 10) -> str:
+    """The access-log line of request ``rid``: its API process writes it after the answer has
+    gone, so it may come a moment after the client read the response."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for line in server.log().splitlines():
+            if "neuron.access" in line and f"id={rid} " in line + " ":
+                return line
+        assert time.monotonic() < deadline, f"no access line for {rid}:\n{server.log()[-3000:]}"
+        time.sleep(0.05)
+
+
 def json_log(server: Server) -> list[dict]:
     """The leader's JSON log lines (rank processes write text lines beside them)."""
     import json

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import start_server
+from conftest import access_line, start_server
 
 FIXTURES = Path(__file__).parent / "fixtures" / "claude_code"
 KEY = "cc-test-key"
@@ -114,12 +114,7 @@ def test_the_access_log_has_a_line_for_each_request_and_why_it_failed(cc):
     anon = httpx.post(f"{cc.url}/v1/messages", json={"model": "tiny-cc", "max_tokens": 2, "messages": []},
                       headers={"x-request-id": rid + "-401"}, timeout=30)
     assert (ok.status_code, bad.status_code, missing.status_code, anon.status_code) == (200, 400, 404, 401)
-    lines = {}
-    for line in cc.log().splitlines():
-        for status in ("200", "400", "404", "401"):
-            if f"id={rid}-{status}" in line and "neuron.access" in line:
-                lines[status] = line
-    assert set(lines) == {"200", "400", "404", "401"}, cc.log()[-3000:]
+    lines = {status: access_line(cc, f"{rid}-{status}") for status in ("200", "400", "404", "401")}
     assert "POST /v1/messages 200" in lines["200"] and "error=" not in lines["200"]
     assert "max_tokens" in lines["400"] and "'nope'" in lines["404"] and "error=" in lines["401"]
 

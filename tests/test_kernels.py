@@ -19,10 +19,13 @@ from attention_reference import reference_decode, reference_prefill, rope_case  
 OPS = TorchOps()
 
 
-@pytest.mark.parametrize("n_q,n_kv,hd,bs,uniform", [(8, 2, 16, 16, True), (6, 3, 32, 8, True),
-                                                    (5, 2, 16, 16, False), (4, 4, 64, 16, True),
-                                                    (4, 2, 24, 16, True)])
-@pytest.mark.parametrize("splits", [1, 4, 16])
+SHAPES = [(8, 2, 16, 16, True), (6, 3, 32, 8, True), (5, 2, 16, 16, False), (4, 4, 64, 16, True), (4, 2, 24, 16, True)]
+
+
+# Every head shape whole and split in 4; 16 splits (more than a context has tiles: the splits past
+# its end merge nothing) on a grouped and an ungrouped shape, as the merge does not depend on it.
+@pytest.mark.parametrize("n_q,n_kv,hd,bs,uniform,splits", [(*shape, splits) for shape in SHAPES for splits in (1, 4)]
+                         + [(*SHAPES[1], 16), (*SHAPES[2], 16)])
 def test_paged_decode_attends_each_sequence_over_its_own_blocks(n_q, n_kv, hd, bs, uniform, splits):
     g = torch.Generator().manual_seed(n_q * 100 + hd + splits)
     blocks, max_blocks = 60, 12

@@ -10,12 +10,11 @@ import asyncio
 import hashlib
 import os
 import re
-import time
 
 import httpx
 import pytest
 
-from conftest import api_pids, start_server
+from conftest import access_line, api_pids, start_server
 from neuron.server.keys import KeysFileError, add_key, read_keys_file
 
 ALICE, BOB, GATE = "nk-alice-0123456789", "nk-bob-0123456789", "nk-gate-0123456789"
@@ -48,11 +47,7 @@ def ask(server, key: str, headers: dict | None = None, **body) -> httpx.Response
 
 
 def principal_of(server, rid: str) -> str:
-    deadline = time.monotonic() + 10  # an API process writes its access line after the answer
-    while not (lines := [line for line in server.log().splitlines() if f"id={rid}" in line and "neuron.access" in line]):
-        assert time.monotonic() < deadline, rid
-        time.sleep(0.05)
-    return re.search(r"principal=(\S+)", lines[0]).group(1)
+    return re.search(r"principal=(\S+)", access_line(server, rid)).group(1)
 
 
 def test_admin_routes_are_closed_without_an_admin_key(tenants):
