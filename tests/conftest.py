@@ -203,7 +203,7 @@ def start_server(tmp: Path, *, config: str = "", args: list[str] = (), env: dict
                 return server
         except httpx.HTTPError:
             pass
-        time.sleep(0.3)
+        time.sleep(0.1)
     server.stop()
     raise RuntimeError(f"server not healthy after {wait}s:\n{server.log()[-4000:]}")
 

@@ -228,7 +228,7 @@ class Group:
                     return h
             except httpx.HTTPError:
                 pass
-            time.sleep(0.3)
+            time.sleep(0.05)
         raise AssertionError(f"not healthy in {timeout}s: {self.health()}\n{self.head.log()[-3000:]}")
 
     def stop(self) -> None:
@@ -356,7 +356,7 @@ def test_a_node_with_other_files_is_named_when_the_load_is_refused(server_tmp, h
         g.head = start_server(server_tmp, config=config, args=g.flags(0), healthy=False)
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and "node 1 has other files" not in g.head.log():
-            time.sleep(0.3)
+            time.sleep(0.1)
         assert "node 1 has other files" in g.head.log(), g.head.log()[-3000:]
     finally:
         g.stop()

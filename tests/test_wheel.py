@@ -69,7 +69,7 @@ def test_the_wheel_has_no_test_tooling_and_serves_the_default_model(tmp_path):
                     break
             except httpx.HTTPError:
                 pass
-            time.sleep(0.3)
+            time.sleep(0.05)
         assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
         r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
             "model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8})
