@@ -65,6 +65,20 @@ def test_in_situ_quantization_on_the_gpu_gives_the_cpu_s_integers_and_scales(sch
 
 
 @needs_gpu
+def test_in_situ_fp8_on_the_gpu_gives_the_cpu_s_values_and_scales():
+    """A rank quantizes to FP8 on its GPU: the same e4m3 values and float32 scales as the CPU's,
+    and they stay on the GPU."""
+    from neuron.models.fp8 import quantize_fp8
+
+    g = torch.Generator().manual_seed(9)
+    w = (torch.randn(512, 1024, generator=g) * torch.logspace(-6, 2, 512)[:, None]).to(torch.bfloat16)
+    cpu, gpu = quantize_fp8(w), quantize_fp8(w, device=torch.device("cuda"))
+    assert gpu.values.is_cuda and gpu.scale.is_cuda
+    assert torch.equal(cpu.values.view(torch.uint8), gpu.values.cpu().view(torch.uint8))
+    assert torch.equal(cpu.scale, gpu.scale.cpu()) and torch.equal(cpu.col_block, gpu.col_block)
+
+
+@needs_gpu
 @pytest.mark.parametrize("scheme", ["q4", "q8_0"])
 def test_a_packed_matrix_built_from_the_gpu_s_integers_is_the_host_built_one(scheme):
     """In-situ integers stay on the GPU and are packed there: the same packed words, scale pairs

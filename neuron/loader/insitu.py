@@ -22,7 +22,7 @@ def quantizable(name: str) -> bool:
 
 
 class QuantizingSource:
-    """``device``: where the integer schemes quantize (the rank's GPU; None: the CPU)."""
+    """``device``: where the weights are quantized (the rank's GPU; None: the CPU)."""
 
     def __init__(self, src, scheme: str, device: torch.device | None = None) -> None:
         if scheme not in SCHEMES:
@@ -50,7 +50,7 @@ class QuantizingSource:
         if packed is not None and packed(name, dim=dim, part=part) is not None:
             return None  # a weight the file holds packed stays as it is
         w = self._float(name, dim, part)
-        return quantize_fp8(w) if w is not None else None
+        return quantize_fp8(w, device=self.device) if w is not None else None
 
     def _float(self, name: str, dim: int | None, part: range | None) -> torch.Tensor | None:
         """A projection's float share, to quantize (None: not one)."""

@@ -30,13 +30,13 @@ class Fp8Weight:
         return self.values.float() * self.scale[:, self.col_block]
 
 
-def quantize_fp8(w: torch.Tensor, columns: int = 32) -> Fp8Weight:
+def quantize_fp8(w: torch.Tensor, columns: int = 32, device: torch.device | None = None) -> Fp8Weight:
     """In-situ FP8 (``quantize = "fp8"``): e4m3 values with a float32 scale per row and
     ``columns`` columns (a tensor-parallel share splits on those, so every rank's values are the
-    whole matrix's)."""
+    whole matrix's). ``device``: where to compute it (a rank's GPU; the values stay there)."""
     N, K = w.shape
-    x = w.detach().float().reshape(N, -1, columns)
-    scale = x.abs().amax(-1) / 448
+    x = w.detach().to(device or "cpu").float().reshape(N, -1, columns)
+    scale = x.abs().amax(-1) / torch.tensor(448.0, device=x.device)  # a true division on every device
     values = (x / torch.where(scale == 0, 1, scale)[..., None]).to(torch.float8_e4m3fn).reshape(N, K)
     return Fp8Weight(values, scale, torch.arange(K) // columns, f"fp8 e4m3, blocks of 1x{columns} (in situ)")
 
