@@ -181,11 +181,19 @@ class LogConfig:
 
 
 @dataclass
+class CacheConfig:
+    """The prefix cache's tiers beyond the rank's memory (docs/prefix-cache.md)."""
+
+    host_gb: float = 0.0  # host memory each model's host tier takes, its ranks together (pinned on a GPU); 0: none
+
+
+@dataclass
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     log: LogConfig = field(default_factory=LogConfig)
     models: list[ModelEntry] = field(default_factory=lambda: [ModelEntry()])
     engine: EngineConfig = field(default_factory=EngineConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
     grammar: GrammarConfig = field(default_factory=GrammarConfig)
     templates: TemplateConfig = field(default_factory=TemplateConfig)
@@ -364,6 +372,8 @@ def validate(cfg: Config) -> None:
         for f in dataclasses.fields(section):
             if getattr(section, f.name) <= 0:
                 raise ConfigError(f"{name}.{f.name} must be positive")
+    if not 0 <= cfg.cache.host_gb < 1 << 20:
+        raise ConfigError("cache.host_gb must be >= 0")
     if cfg.http.max_inflight_body_bytes < cfg.server.max_body_bytes:
         raise ConfigError("http.max_inflight_body_bytes must be at least server.max_body_bytes")
 
@@ -386,15 +396,3 @@ def validate_cluster(cfg: Config) -> None:
         raise ConfigError(f"cluster: tensor_parallel x pipeline_parallel = {world} ranks do not split over {c.nnodes} "
                           "nodes (each node runs world / nnodes ranks)")
 
-
-def engine_sizes(engine: EngineConfig, entry: ModelEntry, on_gpu: bool) -> tuple[int, int, int]:
-    """(max_batch_tokens, prefill_chunk, prefill_chunk_decoding) for a model: the configured
-    values, or the device's defaults. On a GPU a prompt alone goes in 2048-token chunks (a
-    4096-token prompt is two steps), but beside running decodes a step takes at most 192 prompt
-    tokens, so the streams it shares a step with stall little (on an H200, Qwen3-8B shape: 8
-    streams' ITL p99 1.86x its value alone, against 2.09x with 256-token chunks; the prompt's TTFT
-    beside them 213-217 ms against 182-192 ms)."""
-    chunk = engine.prefill_chunk or (2048 if on_gpu else 256)
-    budget = engine.max_batch_tokens or (chunk + entry.max_slots if on_gpu else 4 * chunk)
-    decoding = engine.prefill_chunk_decoding or (192 if on_gpu else chunk)
-    return budget, min(chunk, budget), min(decoding, chunk)

@@ -33,6 +33,8 @@ class ModelHandle:
     packing: str = ""  # rank 0's account of how its projections are stored
     load_seconds: float = 0.0
     recoveries: int = 0
+    host_bytes: list[int] = field(default_factory=list)  # per rank: its host tier of the prefix cache
+    host_block_bytes: int = 0  # one block of it, every rank's share together
     cpu_isa: str | None = None  # the CPU kernels' level the ranks run ("none": no kernels); None on GPUs
 
     @property
@@ -87,6 +89,9 @@ class ModelHandle:
             "state_bytes": self.state_bytes,
             "prefix_cache_hits": stats.prefix_cache_hits,
             "prefix_cache_queries": stats.prefix_cache_queries,
+            "prefix_cache_tiers": {"host": {"blocks": stats.host_blocks, "used": stats.host_used, "bytes": self.host_bytes,
+                                            "hits": stats.host_hits, "offloaded": stats.host_offloaded,
+                                            "restored": stats.host_restored}} if stats.host_blocks else {},
             "leader_ms_per_step": round(stats.leader_ms_per_step, 4), "step_ms": round(stats.step_ms, 3),
             "rank_host_ms_per_step": round(stats.rank_host_ms_per_step, 4),
             "rank_mask_wait_ms_per_step": round(stats.rank_mask_wait_ms_per_step, 4),

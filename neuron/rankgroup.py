@@ -140,8 +140,8 @@ class RankGroup:
 
         return await self.broadcast_each(shard, self.timeouts.load_s)
 
-    async def send_step(self, step_id: int, seqs: list[p.StepSeq],
-                        forget_images: list[bytes] | None = None) -> Callable[[], Awaitable[p.StepResult]]:
+    async def send_step(self, step_id: int, seqs: list[p.StepSeq], forget_images: list[bytes] | None = None,
+                        moves=None) -> Callable[[], Awaitable[p.StepResult]]:
         """Broadcast one step and return how to wait for its result (the sampling rank answers
         with tokens, the others only with errors). The caller may send the next step before waiting."""
         tokens = sum(len(s.tokens) for s in seqs)
@@ -150,7 +150,8 @@ class RankGroup:
         cid = next(_ids)
         call = self._open(cid, {self.sampler})
         frame = p.encode(p.Step(id=cid, epoch=self.epoch, step_id=step_id, seqs=seqs,
-                                forget_images=forget_images or []))
+                                forget_images=forget_images or [], offload=moves.offload if moves else [],
+                                restore=moves.restore if moves else []))
         for rank in range(self.world):
             await self._send(rank, frame)
 

@@ -20,10 +20,10 @@ import protocol as p
 from protocol.sockets import runtime_dir
 
 from . import heap
-from .config import Config, ModelEntry, engine_sizes
+from .config import Config, ModelEntry
 from .devices import choose_devices, default_dtype
 from .engine.engine import Engine
-from .engine.shape import Sizing
+from .engine.shape import Sizing, engine_sizes
 from .engine.step_budget import StepBudget
 from .model_names import clash, served
 from .kernels import isa
@@ -221,7 +221,8 @@ class Registry:
                 cuda_graphs=entry.cuda_graphs, quant=entry.quantize or None, state_dtype=entry.state_dtype,
                 state_snapshots=entry.state_snapshots if z.cache_key is not None else 0,
                 checkpoint_quant=spec.checkpoint_quant, pipeline=entry.pipeline_parallel,
-                draft_rows=z.speculative.rows if z.speculative else 0, mtp=entry.speculative.method == "mtp"))
+                draft_rows=z.speculative.rows if z.speculative else 0, mtp=entry.speculative.method == "mtp",
+                host_bytes=int(self.cfg.cache.host_gb * 1e9 / group.world) if z.cache_key is not None else 0))
         except BaseException:
             await group.close_after_failure()
             raise
@@ -250,7 +251,16 @@ class Registry:
         if state_slots and not snapshots and handle.engine.sizing.cache_key is not None:
             log.info("%s: its layers keep per-sequence state and no slot is left for snapshots; prefix caching is "
                      "off", handle.id)
-        handle.engine.attach(group, blocks, entry.block_size, state_slots, snapshots)
+        host = min(ok.host_blocks for ok in oks.values())
+        if self.cfg.cache.host_gb and z.cache_key is not None and not host:
+            log.warning("%s: no host tier (cache.host_gb %g): %s", handle.id, self.cfg.cache.host_gb,
+                        "its layers keep a recurrent state, whose snapshots stay in the ranks" if state_slots
+                        else "less than one KV block")
+        # Beside decodes a step restores up to 64 MiB a rank from the host tier (docs/prefix-cache.md).
+        per_block = [ok.kv_bytes // (ok.kv_blocks + 1) for _, ok in sorted(oks.items())]
+        handle.host_bytes = [oks[r].host_blocks * per_block[r] for r in range(group.world)]
+        handle.host_block_bytes = sum(per_block)
+        handle.engine.attach(group, blocks, entry.block_size, state_slots, snapshots, host, (64 << 20) // max(1, *per_block))
         return group
 
     def _forget(self, handle: ModelHandle) -> None:

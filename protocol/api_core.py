@@ -123,6 +123,7 @@ class Finished(msgspec.Struct, array_like=True, gc=False, frozen=True):
     error: str | None = None
     error_kind: str | None = None
     cached_tokens: int = 0
+    host_tokens: int = 0  # of cached_tokens, those the prefix cache's host tier held
 
 
 class Outputs(ApiFrame, tag="outputs"):

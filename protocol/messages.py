@@ -210,12 +210,20 @@ class LoadShard(Frame, tag="load_shard"):
     pipeline: int = 1
     draft_rows: int = 0  # the most rows (decodes and their drafts) a step with drafts carries
     mtp: bool = False  # load the checkpoint's multi-token-prediction layer (StepSeq.propose)
+    host_bytes: int = 0  # host memory for the host tier of the prefix cache (Step.offload); 0: none
 
 
 class Step(Frame, tag="step"):
+    """``offload``: (KV block, host slot) pairs, each block's K/V copied into the slot of the
+    rank's host tier (``LoadOk.host_blocks``) before anything else of the step; ``restore``:
+    (host slot, KV block) pairs, each slot's copied back into the block next, before the
+    step's sequences run."""
+
     step_id: int
     seqs: list[StepSeq]
     forget_images: list[bytes] = []  # image embeddings the ranks drop after the step's own images (by key)
+    offload: list[tuple[int, int]] = []
+    restore: list[tuple[int, int]] = []
 
 
 class StepMasks(Frame, tag="step_masks"):
@@ -280,6 +288,7 @@ class LoadOk(Frame, tag="load_ok"):
     state_slots: int = 0  # per-sequence state slots of the model's recurrent layers (0: it has none)
     state_bytes: int = 0
     state_snapshots: int = 0  # of the state slots, those for snapshots (the rest: one per running sequence)
+    host_blocks: int = 0  # slots of the host tier (LoadShard.host_bytes), each one KV block
     cpu_isa: str = ""  # the CPU kernels' instruction-set level ("avx2", ...), "none" without them; "" on a GPU
     # What a step costs on a GPU with CUDA graphs, measured at load (runner/step_times.py):
     # (decode graph batch, ms) and (prefill graph tokens, ms); empty elsewhere.

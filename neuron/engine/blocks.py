@@ -52,7 +52,8 @@ class BlockManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unused: LRU first
         self.queries = 0  # prompt tokens looked up in the cache
         self.hits = 0  # ... and found
-        self.on_evict: Callable[[bytes], None] | None = None  # told the hash of each cached block evicted
+        # Told each cached block evicted, and its hash (before the block is handed out again).
+        self.on_evict: list[Callable[[int, bytes], None]] = []
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -87,8 +88,8 @@ class BlockManager:
                 b, _ = self._evictable.popitem(last=False)
                 h = self._hash_of.pop(b)
                 del self._by_hash[h]
-                if self.on_evict is not None:
-                    self.on_evict(h)
+                for tell in self.on_evict:
+                    tell(b, h)
             blocks.append(b)
             self.refs[b] = 1
         return blocks

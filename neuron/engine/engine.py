@@ -34,6 +34,7 @@ class Engine:
         self.images = ImageCache(sizing.image_token_bytes, int(cfg.image_embedding_cache_mb * 2**20))
         self._snapshots = 0
         self._cache_counts = (0, 0)  # prefix-cache queries and hits of the caches before this one
+        self._host_counts = (0, 0, 0)  # host-tier hits, offloads and restores of the tiers before this one
         # Steps in flight: the next is sent before the last one's reply is in (overlapped steps).
         self.depth = max(sizing.steps_in_flight, sizing.pipeline)
         self._group = 0  # the micro-batch group planned next (pipeline stages)
@@ -65,16 +66,23 @@ class Engine:
         sched.late_masks = z.pipeline == 1 and z.steps_in_flight > 1
         return sched
 
+    def _host_tallies(self) -> tuple[int, int, int]:
+        h, (hits, offloaded, restored) = self.sched.host, self._host_counts
+        return (hits + h.hits, offloaded + h.offloaded, restored + h.restored) if h else self._host_counts
+
     # ----------------------------------------------------------------------------- control
     def attach(self, group: RankGroup, num_blocks: int, block_size: int, state_slots: int = 0,
-               snapshots: int = 0) -> None:
+               snapshots: int = 0, host_blocks: int = 0, restore_per_step: int = 0) -> None:
         """Serve on ``group``, whose ranks hold ``num_blocks`` KV blocks and ``state_slots``
         per-sequence state slots each (``snapshots`` of them beyond one per slot, for the prefix
-        cache's state snapshots)."""
+        cache's state snapshots), and ``host_blocks`` slots of a host tier, of which a step beside
+        decodes restores ``restore_per_step`` at most."""
         self.group = group
         old = self.sched.blocks  # a fresh cache (the ranks' is new); the counters carry on
         self._cache_counts = (self._cache_counts[0] + old.queries, self._cache_counts[1] + old.hits)
+        self._host_counts = self._host_tallies()
         self.sched = self._scheduler(num_blocks, block_size, state_slots, snapshots)
+        self.sched.use_host(host_blocks, restore_per_step)
         self.images.clear()  # the new ranks keep no image embeddings
         self._snapshots = snapshots
         if self._task is None or self._task.done():
@@ -157,6 +165,9 @@ class Engine:
                            state_restores=s.states.restored,
                            prefix_cache_queries=self._cache_counts[0] + s.blocks.queries,
                            prefix_cache_hits=self._cache_counts[1] + s.blocks.hits,
+                           host_blocks=s.host.slots if s.host else 0, host_used=s.host.used if s.host else 0,
+                           host_hits=self._host_tallies()[0], host_offloaded=self._host_tallies()[1],
+                           host_restored=self._host_tallies()[2],
                            leader_ms_per_step=1e3 * self.leader_s / max(1, self.steps), step_ms=self.step_ms,
                            rank_host_ms_per_step=self.rank_host_ms / max(1, self.steps),
                            rank_mask_wait_ms_per_step=self.mask_wait_ms / max(1, self.steps),
@@ -214,7 +225,7 @@ class Engine:
                                   images=self.images.step_images(x.req, x.start_pos)
                                   if x.start and x.req.images else [], drafts=x.drafts, propose=x.propose)
                         for x in plan]
-                waiter = await group.send_step(self._step_ids, seqs, self.images.take_forget())
+                waiter = await group.send_step(self._step_ids, seqs, self.images.take_forget(), self.sched.take_moves())
                 self.inflight.append((plan, asyncio.ensure_future(waiter())))
         except GroupFailed as exc:
             self.detach(f"model {self.model_id!r} failed: {exc}", "model_unavailable")
@@ -354,7 +365,8 @@ class Engine:
         req.finished = True
         self.late.send(self.group, [req])
         self.sched.release(req, keep=error is None)
-        event = FinishEvent(reason, len(req.prompt), len(req.output), error, kind, req.cached_tokens)
+        event = FinishEvent(reason, len(req.prompt), len(req.output), error, kind, req.cached_tokens,
+                            req.host_tokens)
         finish_out(req, event)
         if not req.admitted.done():
             req.admitted.set_result(True)

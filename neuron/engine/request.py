@@ -32,6 +32,7 @@ class FinishEvent:
     error: str | None = None  # set when reason is abort because something failed
     error_kind: str | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    host_tokens: int = 0  # ... of them, from its host tier
 
 
 Event = TokenEvent | FinishEvent
@@ -84,6 +85,9 @@ class GenRequest:
     confirmed: int = 0  # positions whose K/V a finished step has computed
     hashes: list[bytes] = field(default_factory=list)  # chain hashes of its leading full blocks
     cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
+    host_tokens: int = 0  # ... of them, in the host tier (copied back into the rank's cache)
+    restoring: list = field(default_factory=list)  # (host slot, block, hash) of its blocks to restore first
+    host_run: int = -1  # the run whose blocks came (in part) from the host tier
     cache_salt: bytes = b""  # only requests with the same salt share cached prefixes
     principal: str = ""  # whose request (an API key's name): the unit of fair share
     weight: float = 1.0  # its principal's share of admitted work, against the others'

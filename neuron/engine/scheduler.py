@@ -23,6 +23,7 @@ from collections import Counter, deque
 
 from .blocks import BlockManager, OutOfBlocks, chain_hash
 from .fair import FairQueue, slot_victim
+from .host_planning import HostPlanning
 from .draft_planning import DEVICE_TOKEN, DraftPlanning
 from .planned import Planned
 from .request import GenRequest
@@ -32,7 +33,7 @@ from .step_budget import StepBudget, prompt_takes
 
 
 
-class Scheduler(DraftPlanning):
+class Scheduler(DraftPlanning, HostPlanning):
     def __init__(self, max_slots: int, max_len: int, num_blocks: int, block_size: int, max_batch_tokens: int,
                  prefill_chunk: int, prefill_chunk_decoding: int | None = None,
                  cache_key: bytes | None = None, state_slots: int = 0, state_snapshots: int = 0,
@@ -59,6 +60,7 @@ class Scheduler(DraftPlanning):
         self.preemptions = 0
         self.clock = 0  # steps planned (speculative decoding's pauses count these)
         self._order = itertools.count()
+        self.use_host(0, 0)
 
     @property
     def idle(self) -> bool:
@@ -81,7 +83,7 @@ class Scheduler(DraftPlanning):
                 break
             if full and not self._yield_slot(req, running):
                 break
-            tokens = req.keyed()
+            tokens, tiered = req.keyed(), []
             # The longest cached prefix of whole blocks; the last token is always computed, since
             # its logits give the next token.
             hits, hashes = self.blocks.match(tokens, len(tokens) - 1, req.cache_salt)
@@ -93,6 +95,9 @@ class Scheduler(DraftPlanning):
                 hits, hashes = hits[:depth], hashes[:depth]
                 start = snap.position if snap else 0
                 self.blocks.hits += start - len(hashes) * self.blocks.block_size if found else 0
+            elif self.host is not None:  # the cached prefix may run on in the host tier
+                tiered = self.host.extend(tokens, len(tokens) - 1, hashes, self.blocks.key(req.cache_salt))
+                start += len(tiered) * self.blocks.block_size
             need = self.blocks.blocks_for(len(tokens)) - len(hits) + self.blocks.revived(hits)
             # Keep a block in hand for each running sequence, which may cross into a new one next.
             if need > self.blocks.free_count - len(self.running):
@@ -109,6 +114,8 @@ class Scheduler(DraftPlanning):
                 req.states = [self.states.allocate()]
             self.blocks.take(hits)
             req.blocks, req.hashes = list(hits), hashes
+            if tiered:
+                self._from_host(req, tiered)
             self.blocks.grow(req.blocks, len(tokens))
             req.sent_blocks = 0
             req.computed = req.confirmed = req.snapshot_floor = start
@@ -159,6 +166,7 @@ class Scheduler(DraftPlanning):
 
     def _drop(self, req: GenRequest) -> None:
         self.closing.discard(req)
+        self._forget_restores(req)
         self.blocks.release(req.blocks)
         self.states.release(req.states)
         req.hashes = []
@@ -195,6 +203,7 @@ class Scheduler(DraftPlanning):
     def abandon(self, plan: list[Planned]) -> None:
         """A step failed: the snapshots it was to take are not kept, nor those of the requests
         that finished while it was out."""
+        self._host_failed()
         for x in plan:
             for _, slot in x.snapshots:
                 self.states.abandon(slot)
@@ -205,6 +214,7 @@ class Scheduler(DraftPlanning):
     def completed(self, plan: list[Planned]) -> None:
         """A step's reply is in: its K/V exists. Register the blocks it filled for reuse, and the
         state snapshots it took."""
+        self._host_answered()
         bs = self.blocks.block_size
         for x in plan:
             req = x.req
@@ -226,6 +236,7 @@ class Scheduler(DraftPlanning):
         self.running.remove(req)
         self.free_slots.append(req.slot)
         self._unpin(req)
+        self._forget_restores(req)
         self.blocks.release(req.blocks)
         self.states.release(req.states)
         req.slot, req.computed, req.confirmed, req.sent_blocks, req.hashes = -1, 0, 0, 0, []
@@ -258,10 +269,12 @@ class Scheduler(DraftPlanning):
                 rows += self.draft(x, self.speculative.rows - rows)
                 self.propose(x)
         self.clock += bool(plan)
+        if self.host is not None:
+            self._drain_restores(bool(plan))
         # Beside running decodes a step takes a smaller prompt chunk: it sets their latency.
         chunk = self._chunk_beside(sum(len(x.tokens) for x in plan)) if plan else self.prefill_chunk
         prompts = [req for req in self.running if req.slot % groups == group and not req.pending and req.rest > 0
-                   and (self.late_masks or not _mask_due(req))]
+                   and not req.restoring and (self.late_masks or not _mask_due(req))]
         for req, n in prompt_takes(prompts, budget, chunk, bool(plan) and self.step_budget is not None):
             known = req.prompt + req.output
             last = req.computed + n == len(known)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from neuron.config import EngineConfig, ModelEntry
+
 from .speculative import DraftPolicy
 from .step_budget import StepBudget
 
@@ -26,6 +28,11 @@ class EngineStats:
     preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    host_blocks: int = 0  # slots of the prefix cache's host tier (0: none)
+    host_used: int = 0  # ... holding a block
+    host_hits: int = 0  # prompt tokens found in the host tier (of prefix_cache_hits)
+    host_offloaded: int = 0  # blocks copied into it
+    host_restored: int = 0  # ... and back
     leader_ms_per_step: float = 0.0  # the leader's own time per step (planning, frames, tokens)
     step_ms: float = 0.0  # time between consecutive step results
     rank_host_ms_per_step: float = 0.0
@@ -58,3 +65,17 @@ class Sizing:
     # On a GPU: prompt chunks beside decodes sized by the step times measured at load; None: by
     # prefill_chunk_decoding.
     step_budget: StepBudget | None = None
+
+
+
+def engine_sizes(engine: EngineConfig, entry: ModelEntry, on_gpu: bool) -> tuple[int, int, int]:
+    """(max_batch_tokens, prefill_chunk, prefill_chunk_decoding) for a model: the configured
+    values, or the device's defaults. On a GPU a prompt alone goes in 2048-token chunks (a
+    4096-token prompt is two steps), but beside running decodes a step takes at most 192 prompt
+    tokens, so the streams it shares a step with stall little (on an H200, Qwen3-8B shape: 8
+    streams' ITL p99 1.86x its value alone, against 2.09x with 256-token chunks; the prompt's TTFT
+    beside them 213-217 ms against 182-192 ms)."""
+    chunk = engine.prefill_chunk or (2048 if on_gpu else 256)
+    budget = engine.max_batch_tokens or (chunk + entry.max_slots if on_gpu else 4 * chunk)
+    decoding = engine.prefill_chunk_decoding or (192 if on_gpu else chunk)
+    return budget, min(chunk, budget), min(decoding, chunk)

@@ -58,7 +58,7 @@ class StateCache:
         self._lru: OrderedDict[Snapshot, None] = OrderedDict()
         self._tails: dict[bytes, list[Snapshot]] = {}
         self.restored = 0  # sequences that started from a snapshot
-        blocks.on_evict = self._block_evicted
+        blocks.on_evict.append(self._block_evicted)
 
     @property
     def caching(self) -> bool:
@@ -210,7 +210,7 @@ class StateCache:
         if free:
             self._free.append(snap.slot)
 
-    def _block_evicted(self, h: bytes) -> None:
+    def _block_evicted(self, block: int, h: bytes) -> None:
         """The cached block whose hash is ``h`` gave up its prefix: snapshots right after it can
         no longer be matched."""
         for snap in [s for s in self._tails.get(h, ()) if not s.pins]:

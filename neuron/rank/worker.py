@@ -136,6 +136,8 @@ class DeviceWorker:
             raise RankFailure("bad_request", "state_snapshots must be in -1..65536")
         if not 0 < msg.max_slots <= 4096 or not 0 < msg.max_len <= 1 << 24 or not 0 < msg.block_size <= 4096:
             raise RankFailure("bad_request", "max_slots, max_len and block_size must be positive and sane")
+        if msg.host_bytes < 0:
+            raise RankFailure("bad_request", "host_bytes must be >= 0")
         if not 0 <= msg.draft_rows <= msg.max_slots * (p.MAX_DRAFTS + 1):
             raise RankFailure("bad_request", "draft_rows must be within max_slots x (MAX_DRAFTS + 1)")
         t0 = time.perf_counter()
@@ -178,7 +180,7 @@ class DeviceWorker:
             max_seqs=msg.max_slots, max_len=msg.max_len, block_size=msg.block_size, kv_tokens=msg.kv_tokens,
             memory_fraction=msg.memory_fraction, max_step_tokens=msg.max_step_tokens,
             cuda_graphs=msg.cuda_graphs, state_dtype=state_dtype, state_snapshots=msg.state_snapshots,
-            draft_rows=msg.draft_rows), self.rank)
+            draft_rows=msg.draft_rows, host_bytes=msg.host_bytes), self.rank)
         self.model_id = msg.model
         self._warm_up()
         runner = self.runner
@@ -195,6 +197,7 @@ class DeviceWorker:
                         bytes=self.model.weight_bytes(), kv_bytes=runner.kv.nbytes, kv_blocks=runner.kv_blocks,
                         graphs=sorted(runner.graphs), packing=packing, state_slots=runner.states.slots,
                         state_bytes=runner.states.nbytes, state_snapshots=runner.state_snapshots, cpu_isa=cpu_isa,
+                        host_blocks=runner.host.slots if runner.host is not None else 0,
                         decode_ms=decode_ms, prefill_ms=prefill_ms)
 
     def _stage(self, msg: p.LoadShard, family) -> tuple[int, int, Stage]:

@@ -3,9 +3,13 @@ as the fallback for shapes and dtypes a kernel does not take."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from neuron.models.ops import StateSpans, TorchOps
+
+log = logging.getLogger("neuron.runner")
 
 
 class TritonOps(TorchOps):
@@ -106,3 +110,23 @@ class CpuOps(TorchOps):
         if gate_up.dim() != 2 or gate_up.dtype != torch.float32 or gate_up.stride(1) != 1:
             return self.fallback.silu_mul(gate_up)
         return self.kernels.silu_mul(gate_up)
+
+
+def triton_fits(head_dim: int) -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    half = head_dim // 2
+    return head_dim >= 16 and head_dim % 2 == 0 and half & (half - 1) == 0
+
+
+def cpu_kernels_or_none():
+    """The C++ CPU ops, or None where they cannot be built (the torch ops run instead)."""
+    from neuron.kernels.cpu import KernelUnavailable, cpu_kernels
+
+    try:
+        return cpu_kernels()
+    except KernelUnavailable as exc:
+        log.warning("%s; the CPU step runs unfused torch ops", exc)
+        return None

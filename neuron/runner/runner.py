@@ -26,11 +26,13 @@ from neuron.models.interface import KvState, Model
 
 from .attention import PagedAttention, PagedKvCache
 from .graphs import StepGraphs, graph_sizes, prefill_graph_sizes
+from .host_tier import host_tier
 from .images import RankImages
 from .eager import eager_inputs
 from .late_masks import LateMasks, row_masks
 from .inputs import DEVICE_TOKEN, StepRejected, check_step
 from .mtp import MtpDrafting
+from .ops import cpu_kernels_or_none, triton_fits
 from .sampler import DeviceSampler, upload
 from .speculative import verify_drafts
 from .sizing import kv_blocks, state_snapshots
@@ -53,6 +55,7 @@ class RunnerConfig:
     state_dtype: torch.dtype = torch.float32  # of recurrent state that accumulates (RecurrentState)
     state_snapshots: int = 0  # state slots beyond one per sequence, for snapshots; -1: by memory
     draft_rows: int = 0  # the most rows (decodes and drafts) a step with drafts carries: its graphs
+    host_bytes: int = 0  # the host tier of the prefix cache (host_tier.py); 0: none
 
 
 @dataclass
@@ -117,7 +120,7 @@ class ModelRunner:
         self.max_blocks = -(-cfg.max_len // self.bs)
         self.scratch_row = cfg.max_seqs  # the table row of padded graph rows
         shape = model.attention_shape
-        self.triton = self.cuda and _triton_fits(shape.head_dim)
+        self.triton = self.cuda and triton_fits(shape.head_dim)
         if self.triton:
             from neuron.models.tp_linear import has_packed
             from neuron.kernels.gpu import pdl_by_default
@@ -126,7 +129,7 @@ class ModelRunner:
             model.ops = TritonOps(model.ops, int8_rows=has_packed(model))
             pdl_by_default(model.comm.world == 1)
             self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self.cpu_kernels = _cpu_kernels() if self.device.type == "cpu" and model.dtype == torch.float32 else None
+        self.cpu_kernels = cpu_kernels_or_none() if self.device.type == "cpu" and model.dtype == torch.float32 else None
         if self.cpu_kernels is not None:
             from .ops import CpuOps
             model.ops = CpuOps(model.ops, self.cpu_kernels)
@@ -141,6 +144,7 @@ class ModelRunner:
         self.states = StatePool(specs, cfg.max_seqs + self.state_snapshots + scratch, self.device, cfg.state_dtype)
         blocks = kv_blocks(self, kv_layers, self.states.nbytes)
         self.kv = PagedKvCache(kv_layers, blocks, self.bs, shape.n_kv, shape.head_dim, self.device, model.dtype)
+        self.host = host_tier(self.kv, cfg.host_bytes, len(specs) > kv_layers, rank)
         self.tables_host = np.full((cfg.max_seqs + 1, self.max_blocks), self.kv.scratch, dtype=np.int32)
         self.tables = torch.from_numpy(self.tables_host).to(self.device)
         self.assigned = [0] * cfg.max_seqs  # table entries the leader has filled, per slot
@@ -200,6 +204,10 @@ class ModelRunner:
         proposing = self.mtp is not None and any(s.propose for s in seqs)
         accepted = None
         self._waited_ms = 0.0
+        if msg.offload or msg.restore:
+            if self.host is None:
+                raise StepRejected("a step moves KV blocks to or from a host tier this rank does not have")
+            self.host.move(msg.offload, msg.restore)
         if self.stage_tokens is not None:
             self.stage_tokens.before_step([s.slot for s in seqs if s.tokens and s.tokens[0] < 0])
         bucket, ids, positions, slot_t, logits, argmax = self._forward(seqs, sampled)
@@ -376,22 +384,3 @@ class ModelRunner:
             return resolve_tokens(ids, slots, self.sampler.last_token)
         return torch.where(ids >= 0, ids, self.sampler.last_token[slots])
 
-
-def _triton_fits(head_dim: int) -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    half = head_dim // 2
-    return head_dim >= 16 and head_dim % 2 == 0 and half & (half - 1) == 0
-
-
-def _cpu_kernels():
-    """The C++ CPU ops, or None where they cannot be built (the torch ops run instead)."""
-    from neuron.kernels.cpu import KernelUnavailable, cpu_kernels
-
-    try:
-        return cpu_kernels()
-    except KernelUnavailable as exc:
-        log.warning("%s; the CPU step runs unfused torch ops", exc)
-        return None

@@ -48,6 +48,13 @@ class _EngineState:
                                       labels=label)
         hits = CounterMetricFamily("neuron:prefix_cache_hits", "Prompt tokens found in the prefix cache",
                                    labels=label)
+        tier_hits = CounterMetricFamily("neuron:prefix_cache_tier_hits", "Prompt tokens found in each tier of the "
+                                        "prefix cache (device: the ranks' own cache; host: its host tier)",
+                                        labels=["model_name", "tier"])
+        moved = CounterMetricFamily("neuron:prefix_cache_tier_blocks_moved", "KV blocks copied into the host tier "
+                                    "(offload) and back (restore)", labels=["model_name", "direction"])
+        moved_bytes = CounterMetricFamily("neuron:prefix_cache_tier_bytes_moved", "Bytes of those blocks, all ranks "
+                                          "together", labels=["model_name", "direction"])
         encodes = CounterMetricFamily("neuron:image_encodes", "Images the vision tower encoded", labels=label)
         reuses = CounterMetricFamily("neuron:image_embedding_reuses",
                                      "Images served from the ranks' kept embeddings, not encoded again", labels=label)
@@ -76,6 +83,12 @@ class _EngineState:
             preempt.add_metric([model_id], stats.preemptions)
             queries.add_metric([model_id], stats.prefix_cache_queries)
             hits.add_metric([model_id], stats.prefix_cache_hits)
+            tier_hits.add_metric([model_id, "device"], stats.prefix_cache_hits - stats.host_hits)
+            if stats.host_blocks:
+                tier_hits.add_metric([model_id, "host"], stats.host_hits)
+                for direction, n in (("offload", stats.host_offloaded), ("restore", stats.host_restored)):
+                    moved.add_metric([model_id, direction], n)
+                    moved_bytes.add_metric([model_id, direction], n * handle.host_block_bytes)
             encodes.add_metric([model_id], stats.image_encodes)
             reuses.add_metric([model_id], stats.image_reuses)
             drafts.add_metric([model_id], stats.spec_drafts)
@@ -93,7 +106,7 @@ class _EngineState:
                     temp.add_metric(labels, t["temperature_c"])
                 if t.get("threads"):
                     threads.add_metric([model_id, str(t["rank"]), t.get("cpu_isa", "")], t["threads"])
-        yield from (running, waiting, kv, preempt, queries, hits, encodes, reuses, drafts, drafted, accepted, status,
+        yield from (running, waiting, kv, preempt, queries, hits, tier_hits, moved, moved_bytes, encodes, reuses, drafts, drafted, accepted, status,
                     used, total, util, temp, threads)
 
 

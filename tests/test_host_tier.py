@@ -1,0 +1,177 @@
+"""The prefix cache's host tier in the leader's scheduler (``engine/host_tier.py``,
+``engine/host_planning.py``), driven as test_prefix_cache drives the scheduler: a simulated rank
+whose blocks and host slots hold tokens, which moves them as each step says (offloads first, then
+restores, then the step's sequences). A block restored from the wrong slot, a slot overwritten
+before its restore has read it, or a restored block cached before its restore ran would change
+some continuation; so every workload must give what a scheduler without any cache gives."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+from hypothesis import given, settings, strategies as st
+
+from neuron.engine.scheduler import Scheduler
+from test_prefix_cache import VOCAB, Device, request
+
+
+class TieredDevice(Device):
+    def __init__(self, block_size: int) -> None:
+        super().__init__(block_size)
+        self.host: dict[tuple[int, int], int] = {}  # (slot, offset) -> token
+        self.offloads = self.restores = 0
+
+    def step(self, plan, moves) -> list[int]:
+        if moves is not None:
+            for block, slot in moves.offload:
+                for o in range(self.bs):
+                    self.host[(slot, o)] = self.cells.get((block, o), -7)
+            for slot, block in moves.restore:
+                for o in range(self.bs):
+                    self.cells[(block, o)] = self.host[(slot, o)]
+            self.offloads += len(moves.offload)
+            self.restores += len(moves.restore)
+        return self.run(plan)
+
+
+def scheduler(blocks: int, block_size: int, host: int, per_step: int = 1 << 20, slots: int = 4) -> Scheduler:
+    sched = Scheduler(max_slots=slots, max_len=256, num_blocks=blocks, block_size=block_size, max_batch_tokens=24,
+                      prefill_chunk=8, cache_key=b"model" if host >= 0 else None)
+    sched.use_host(max(host, 0), per_step)
+    return sched
+
+
+def serve(jobs, blocks: int, block_size: int, host: int, in_flight: int = 2, one_by_one: bool = True,
+          per_step: int = 1 << 20, fail_at: int = -1):
+    """Run the jobs (``one_by_one``: each after the last has ended); outputs, host tokens, the
+    scheduler, the device. ``fail_at``: that step fails as a rank's failure does (its requests
+    end, nothing it carried is taken)."""
+    async def main():
+        sched = scheduler(blocks, block_size, host, per_step)
+        device = TieredDevice(block_size)
+        reqs = [request(p, n) for p, n in jobs]
+        pending = deque(reqs)
+        queue: deque = deque()
+        steps = 0
+        while pending or not sched.idle or queue:
+            if pending and (not one_by_one or sched.idle and not queue):
+                sched.waiting.append(pending.popleft())
+                if not one_by_one:
+                    continue
+            sched.admit()
+            while len(queue) < in_flight:
+                plan = sched.schedule()
+                if not plan:
+                    break
+                moves = sched.take_moves()
+                steps += 1
+                # a failed step: its moves undone, its sequences' tables and writes as they may be
+                queue.append((plan, device.step(plan, None if steps == fail_at else moves)))
+                if steps == fail_at:
+                    queue[-1] = (plan, None)
+            assert queue, "nothing can run: the scheduler is stuck"
+            plan, tokens = queue.popleft()
+            if tokens is None:
+                fail(sched, plan)
+            else:
+                take(sched, plan, tokens)
+        assert sched.blocks.used == 0
+        return [r.output for r in reqs], [r.host_tokens for r in reqs], sched, device
+    return asyncio.run(main())
+
+
+def take(sched: Scheduler, plan, tokens: list[int]) -> None:
+    sched.completed(plan)
+    for x, tok in zip(plan, tokens):
+        if not x.sample:
+            continue
+        x.req.pending -= 1
+        if x.req.finished or x.run != x.req.run:
+            continue
+        x.req.output.append(tok)
+        if len(x.req.output) >= x.req.max_tokens:
+            x.req.finished = True
+            sched.release(x.req, keep=True)
+
+
+def fail(sched: Scheduler, plan) -> None:
+    """As the engine fails a step's requests on a rank's error."""
+    sched.abandon(plan)
+    for x in plan:
+        if x.sample:
+            x.req.pending -= 1
+        x.req.finished = True
+        x.req.output.append(-1)  # marks it failed: its output is not compared
+        sched.release(x.req)
+
+
+def test_a_prompt_evicted_from_the_rank_comes_back_from_the_host_tier_and_answers_the_same():
+    long = [1 + i % (VOCAB - 1) for i in range(40)]
+    others = [[2 + (i * 7 + j) % (VOCAB - 2) for j in range(40)] for i in range(3)]
+    jobs = [(long, 4), *[(o, 4) for o in others], (long + [5, 6], 4)]
+    reference, _, _, _ = serve(jobs, 4096, 4, host=-1)
+    got, host_tokens, sched, device = serve(jobs, 14, 4, host=64)
+    assert got == reference
+    assert host_tokens[-1] == 40  # every full block of the long prompt, from the host tier
+    assert device.offloads >= 10 and device.restores == 10
+    assert sched.host.hits == 40 and sched.host.restored == 10
+
+
+def test_without_a_host_tier_the_same_workload_recomputes_the_evicted_prompt():
+    long = [1 + i % (VOCAB - 1) for i in range(40)]
+    others = [[2 + (i * 7 + j) % (VOCAB - 2) for j in range(40)] for i in range(3)]
+    jobs = [(long, 4), *[(o, 4) for o in others], (long + [5, 6], 4)]
+    _, host_tokens, sched, device = serve(jobs, 14, 4, host=0)
+    assert sched.host is None and host_tokens == [0] * 5 and device.offloads == 0
+
+
+def test_restores_beside_decodes_go_a_few_blocks_a_step():
+    long = [1 + i % (VOCAB - 1) for i in range(40)]
+    filler = [[2 + (i * 5 + j) % (VOCAB - 2) for j in range(40)] for i in range(2)]
+    # the long prompt, evicted by the fillers, returns while a long answer is decoding
+    jobs = [(long, 2), *[(f, 2) for f in filler], ([3] * 6, 30), (long, 3)]
+    reference, _, _, _ = serve(jobs, 4096, 4, host=-1, one_by_one=False)
+    got, _, sched, device = serve(jobs, 30, 4, host=64, one_by_one=False, per_step=2)
+    assert got == reference
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prefixes=st.lists(st.lists(st.integers(1, VOCAB - 1), min_size=5, max_size=30), min_size=1, max_size=3),
+    picks=st.lists(st.tuples(st.integers(0, 2), st.lists(st.integers(1, VOCAB - 1), max_size=6),
+                             st.integers(1, 10)), min_size=1, max_size=10),
+    blocks=st.integers(12, 30),
+    host=st.integers(1, 12),
+    block_size=st.sampled_from([2, 4]),
+    in_flight=st.integers(1, 3),
+    one_by_one=st.booleans(),
+    per_step=st.integers(1, 4),
+)
+def test_a_small_cache_and_host_tier_under_heavy_sharing_give_what_no_cache_gives(
+        prefixes, picks, blocks, host, block_size, in_flight, one_by_one, per_step):
+    jobs = [(prefixes[i % len(prefixes)] + suffix, n) for i, suffix, n in picks]
+    if any(len(p) + n > blocks * block_size - block_size for p, n in jobs):
+        return  # a request that can never fit alone is refused at the door
+    reference, _, _, _ = serve(jobs, 4096, block_size, host=-1)
+    got, host_tokens, sched, _ = serve(jobs, blocks, block_size, host=host, in_flight=in_flight,
+                                       one_by_one=one_by_one, per_step=per_step)
+    assert got == reference
+    assert sched.host.used <= host
+    assert all(t % block_size == 0 and t < len(p) for t, (p, _) in zip(host_tokens, jobs))
+
+
+@settings(max_examples=80, deadline=None)
+@given(fail_at=st.integers(1, 60), in_flight=st.integers(1, 3), per_step=st.integers(1, 3))
+def test_after_a_failed_step_the_tier_forgets_and_every_other_answer_stays_right(fail_at, in_flight, per_step):
+    long = [1 + i % (VOCAB - 1) for i in range(40)]
+    others = [[2 + (i * 7 + j) % (VOCAB - 2) for j in range(40)] for i in range(3)]
+    # a long answer decodes throughout, so restores go out a few blocks a step
+    jobs = [([3] * 6, 40), (long, 4), *[(o, 4) for o in others], (long + [5, 6], 4), (long, 3)]
+    reference, _, _, _ = serve(jobs, 4096, 4, host=-1, one_by_one=False)
+    got, _, sched, _ = serve(jobs, 20, 4, host=64, in_flight=in_flight, one_by_one=False, fail_at=fail_at,
+                             per_step=per_step)
+    failed = [i for i, out in enumerate(got) if -1 in out]
+    assert len(failed) <= 4
+    assert [out for i, out in enumerate(got) if i not in failed] == \
+        [out for i, out in enumerate(reference) if i not in failed]

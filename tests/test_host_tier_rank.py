@@ -1,0 +1,102 @@
+"""The rank's host tier (``runner/host_tier.py``): blocks moved into host slots and back hold
+exactly their K/V, in every layer, over runs of consecutive slots and moves of more blocks than a
+chunk; an offload and a restore in one move read before they write; a move out of range is
+refused before anything moves. On a GPU, with pinned slots, the copies are queued behind the
+device's work and before the next, so blocks a kernel is still writing and blocks the next kernel
+reads are moved right."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from neuron.runner.attention import PagedKvCache  # noqa: E402
+from neuron.runner.host_tier import CHUNK, HostKvTier, host_tier  # noqa: E402
+from neuron.runner.inputs import StepRejected  # noqa: E402
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no NVIDIA GPU visible")
+
+
+def filled(device: str, blocks: int = 200, dtype=torch.float32) -> PagedKvCache:
+    kv = PagedKvCache(3, blocks, 4, 2, 8, torch.device(device), dtype)
+    kv.k.copy_(torch.randn(kv.k.shape, dtype=torch.float32).to(dtype))
+    kv.v.copy_(torch.randn(kv.v.shape, dtype=torch.float32).to(dtype))
+    return kv
+
+
+def round_trip(device: str, dtype=torch.float32) -> None:
+    kv = filled(device, blocks=300, dtype=dtype)
+    tier = HostKvTier(kv, 180, pinned=device == "cuda")
+    k0, v0 = kv.k.clone(), kv.v.clone()
+    blocks = list(range(5, 5 + CHUNK + 40))  # more than a chunk
+    slots = list(range(100, 100 + 30)) + list(range(0, CHUNK + 10))  # two runs, out of order
+    tier.move(list(zip(blocks, slots)), [])
+    kv.k.zero_()
+    kv.v.zero_()
+    back = list(range(150, 150 + len(blocks)))[::-1]  # into other blocks, reversed
+    tier.move([], list(zip(slots, back)))
+    if device == "cuda":
+        torch.cuda.synchronize()
+    for b, to in zip(blocks, back):
+        assert torch.equal(kv.k[:, to], k0[:, b]) and torch.equal(kv.v[:, to], v0[:, b])
+    untouched = [b for b in range(kv.blocks) if b not in back]
+    assert not kv.k[:, untouched].any()
+
+
+def test_blocks_moved_into_host_slots_and_back_hold_their_k_and_v():
+    round_trip("cpu")
+
+
+def test_an_offload_and_a_restore_of_one_block_in_one_move_read_before_they_write():
+    kv = filled("cpu", blocks=8)
+    tier = HostKvTier(kv, 4, pinned=False)
+    k2, k5 = kv.k[:, 2].clone(), kv.k[:, 5].clone()
+    tier.move([(5, 0)], [])
+    tier.move([(2, 1)], [(0, 2)])  # block 2 leaves for slot 1 and takes block 5's K/V from slot 0
+    assert torch.equal(kv.k[:, 2], k5)
+    tier.move([], [(1, 3)])
+    assert torch.equal(kv.k[:, 3], k2)
+
+
+@pytest.mark.parametrize("offload, restore", [([(8, 0)], []), ([(0, 4)], []), ([], [(4, 0)]), ([], [(0, -1)])])
+def test_a_move_out_of_range_is_refused_before_anything_moves(offload, restore):
+    kv = filled("cpu", blocks=8)
+    tier = HostKvTier(kv, 4, pinned=False)
+    before = kv.k.clone()
+    with pytest.raises(StepRejected):
+        tier.move([(1, 0), *offload], [(0, 2), *restore])
+    assert torch.equal(kv.k, before)
+
+
+def test_the_tier_takes_as_many_blocks_as_its_bytes_hold_and_none_for_recurrent_models():
+    kv = filled("cpu", blocks=8)
+    per_block = 2 * 3 * 4 * 2 * 8 * 4
+    assert host_tier(kv, 10 * per_block + per_block - 1, False, 0).slots == 10
+    assert host_tier(kv, per_block - 1, False, 0) is None
+    assert host_tier(kv, 10 * per_block, True, 0) is None
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_on_a_gpu_pinned_slots_round_trip_exactly(dtype):
+    round_trip("cuda", dtype)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_on_a_gpu_moves_are_ordered_with_the_device_s_work():
+    kv = filled("cuda", blocks=64, dtype=torch.bfloat16)
+    tier = HostKvTier(kv, 64, pinned=True)
+    a = torch.randn(4096, 4096, device="cuda")
+    for _ in range(3):  # queue long work that writes block 3 last, then move it without waiting
+        a = a @ a / 64
+    kv.k[:, 3] = 7
+    kv.v[:, 3] = 9
+    tier.move([(3, 10)], [])
+    kv.k[:, 3] = 0  # the next kernel overwrites the block: the offload has read it before
+    tier.move([], [(10, 20)])
+    got = kv.k[:, 20].float()  # read by the next kernel after the restore
+    torch.cuda.synchronize()
+    assert torch.all(got == 7) and torch.all(kv.v[:, 20] == 9) and torch.all(kv.k[:, 3] == 0)
