@@ -256,7 +256,7 @@ class Scheduler(DraftPlanning, HostPlanning):
         if self.awaiting_drafter():
             return plan
         for req in list(self.running):  # decodes are never held back by the budget
-            if req.slot < 0 or req.slot % groups != group or not self._may_decode(req):  # -1: preempted here
+            if req.slot < 0 or req.slot % groups != group or req.restoring or not self._may_decode(req):  # -1: preempted
                 continue
             if not self._room_for(req, req.computed + 1):
                 continue
@@ -269,12 +269,11 @@ class Scheduler(DraftPlanning, HostPlanning):
                 rows += self.draft(x, self.speculative.rows - rows)
                 self.propose(x)
         self.clock += bool(plan)
-        if self.host is not None:
-            self._drain_restores(bool(plan))
+        restoring = self._drain_restores(bool(plan)) if self.host is not None else ()
         # Beside running decodes a step takes a smaller prompt chunk: it sets their latency.
         chunk = self._chunk_beside(sum(len(x.tokens) for x in plan)) if plan else self.prefill_chunk
         prompts = [req for req in self.running if req.slot % groups == group and not req.pending and req.rest > 0
-                   and not req.restoring and (self.late_masks or not _mask_due(req))]
+                   and not req.restoring and req not in restoring and (self.late_masks or not _mask_due(req))]
         for req, n in prompt_takes(prompts, budget, chunk, bool(plan) and self.step_budget is not None):
             known = req.prompt + req.output
             last = req.computed + n == len(known)
