@@ -151,8 +151,7 @@ class RankGroup:
         call = self._open(cid, {self.sampler})
         frame = p.encode(p.Step(id=cid, epoch=self.epoch, step_id=step_id, seqs=seqs,
                                 forget_images=forget_images or [], offload=moves.offload if moves else [],
-                                restore=moves.restore if moves else [],
-                                restore_ahead=moves.ahead if moves else False))
+                                restore=moves.restore if moves else []))
         for rank in range(self.world):
             await self._send(rank, frame)
 

@@ -217,15 +217,13 @@ class Step(Frame, tag="step"):
     """``offload``: (KV block, host slot) pairs, each block's K/V copied into the slot of the
     rank's host tier (``LoadOk.host_blocks``) before anything else of the step; ``restore``:
     (host slot, KV block) pairs, each slot's copied back into the block next, before the
-    step's sequences run; with ``restore_ahead``, beside them (none of them reads those blocks),
-    done before the next step starts."""
+    step's sequences run."""
 
     step_id: int
     seqs: list[StepSeq]
     forget_images: list[bytes] = []  # image embeddings the ranks drop after the step's own images (by key)
     offload: list[tuple[int, int]] = []
     restore: list[tuple[int, int]] = []
-    restore_ahead: bool = False
 
 
 class StepMasks(Frame, tag="step_masks"):

@@ -1,10 +1,9 @@
 """The scheduler's side of the host tier (``host_tier``): a request admitted with part of its
 prefix in the tier gets new blocks for it and waits for their restores, which go out with the
-next steps. When no sequence is decoding, all of them at once, and the request's prompt runs on
-in the same step, after them. Beside decodes, at most ``restore_per_step`` blocks a step, sent
-ahead (``Step.restore_ahead``: on a GPU they copy while the step's decodes run), and the
-request's prompt runs on from the step after its last restore. A restored block is cached in
-the rank's cache again once the step that restored it has answered."""
+next steps (all of them at once when no sequence is decoding; beside decodes, at most
+``restore_per_step`` blocks a step, so their copies do not stall the streams); its prompt runs
+on from the step that carries its last restore. A restored block is cached in the rank's cache
+again once that step has answered."""
 
 from __future__ import annotations
 
@@ -23,7 +22,6 @@ class HostPlanning:
         blocks at most. Only where prefixes are cached and the model keeps no recurrent state."""
         self._restores: list[tuple[GenRequest, int, int, int, bytes]] = []  # (req, run, entry, slot, hash)
         self._moves_out: deque[Moves] = deque()  # of the steps sent, their replies not in
-        self._ahead = False  # the restores planned go beside decodes
         if slots and self.blocks.cache_key is not None and not self.states.num_slots:
             self.host = HostTier(slots, self.blocks)
             self.restore_per_step = max(1, per_step)
@@ -47,10 +45,8 @@ class HostPlanning:
             self.host.unpin([s for s, _, _ in req.restoring])
             req.restoring = []
 
-    def _drain_restores(self, decoding: bool) -> set[GenRequest]:
-        """Restores of the running requests into the next step, fewest first beside decodes;
-        the requests whose prompts wait for the step after it."""
-        self._ahead = decoding
+    def _drain_restores(self, decoding: bool) -> None:
+        """Restores of the running requests into the next step, fewest first beside decodes."""
         room = self.restore_per_step - len(self._restores) if decoding else 1 << 30
         for req in sorted((r for r in self.running if r.restoring), key=lambda r: len(r.restoring)):
             if room <= 0:
@@ -58,7 +54,6 @@ class HostPlanning:
             take, req.restoring = req.restoring[:room], req.restoring[room:]
             self._restores += [(req, req.run, entry, slot, h) for slot, entry, h in take]
             room -= len(take)
-        return {req for req, *_ in self._restores} if decoding else set()
 
     def take_moves(self) -> Moves | None:
         """What the step being sent moves between the ranks' caches and the host tier (a
@@ -71,7 +66,6 @@ class HostPlanning:
         self._restores = []
         moves = self.host.take_moves([(slot, req.blocks[entry]) for req, _, entry, slot, _ in live])
         moves.cached = [(req, run, entry, h) for req, run, entry, _, h in live]
-        moves.ahead = self._ahead
         self._moves_out.append(moves)
         return moves
 

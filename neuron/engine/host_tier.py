@@ -30,7 +30,6 @@ class Moves:
     # (request, its run, table entry, hash) of each block restored: cached once the step answers
     cached: list[tuple] = field(default_factory=list)
     epoch: int = 0
-    ahead: bool = False  # the restores beside the step's sequences, which read none of their blocks
 
 
 class HostTier:

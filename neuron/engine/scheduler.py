@@ -269,11 +269,12 @@ class Scheduler(DraftPlanning, HostPlanning):
                 rows += self.draft(x, self.speculative.rows - rows)
                 self.propose(x)
         self.clock += bool(plan)
-        restoring = self._drain_restores(bool(plan)) if self.host is not None else ()
+        if self.host is not None:
+            self._drain_restores(bool(plan))
         # Beside running decodes a step takes a smaller prompt chunk: it sets their latency.
         chunk = self._chunk_beside(sum(len(x.tokens) for x in plan)) if plan else self.prefill_chunk
         prompts = [req for req in self.running if req.slot % groups == group and not req.pending and req.rest > 0
-                   and not req.restoring and req not in restoring and (self.late_masks or not _mask_due(req))]
+                   and not req.restoring and (self.late_masks or not _mask_due(req))]
         for req, n in prompt_takes(prompts, budget, chunk, bool(plan) and self.step_budget is not None):
             known = req.prompt + req.output
             last = req.computed + n == len(known)

@@ -6,10 +6,6 @@ the start of the step that carries them, offloads first, so a block evicted and 
 is read before it is written, on the device's stream, so a step before it has written every block
 it offloads and a step after it reads every block it restores.
 
-Restores sent ``restore_ahead`` (beside decodes) run on a side stream of their own on a GPU,
-overlapped with the step's sequences, none of which reads the blocks they write; the next step
-waits for them before anything else (``settle``), so nothing after reads a block half restored.
-
 A slot holds one block of every layer, K then V: ``[2, layers, block_size, n_kv, head_dim]``
 contiguous, one copy per run of consecutive slots. On a GPU the blocks are gathered on the device
 (and scattered there on the way back) a bounded number at a time, so a move of thousands of
@@ -36,11 +32,6 @@ class HostKvTier:
         layers, _, bs, n_kv, head_dim = kv.k.shape
         self.slots = slots
         self.store = torch.empty((slots, 2, layers, bs, n_kv, head_dim), dtype=kv.k.dtype, pin_memory=pinned)
-        self.side = torch.cuda.Stream(kv.k.device) if pinned else None
-        self.copied: torch.cuda.Event | None = None  # the side stream's last restores
-        if self.side is not None:  # the cache is not freed (unloaded) before the side stream is done with it
-            kv.k.record_stream(self.side)
-            kv.v.record_stream(self.side)
 
     @property
     def nbytes(self) -> int:
@@ -52,18 +43,11 @@ class HostKvTier:
                 raise StepRejected(f"a move between KV block {block} and host slot {slot} is out of range "
                                    f"({self.kv.blocks} blocks, {self.slots} host slots)")
 
-    def settle(self) -> None:
-        """The device's stream waits for the restores sent ahead (before a step's first work)."""
-        if self.copied is not None:
-            torch.cuda.current_stream(self.kv.k.device).wait_event(self.copied)
-            self.copied = None
-
-    def move(self, offload: list[tuple[int, int]], restore: list[tuple[int, int]], ahead: bool = False) -> None:
+    def move(self, offload: list[tuple[int, int]], restore: list[tuple[int, int]]) -> None:
         """Blocks into host slots (``offload``: (block, slot)), then host slots into blocks
-        (``restore``: (slot, block)); ``ahead``: the restores beside the step's work."""
+        (``restore``: (slot, block))."""
         self.check(offload, restore)
         device = self.kv.k.device
-        self.settle()
         for i in range(0, len(offload), CHUNK):
             part = offload[i: i + CHUNK]
             at = upload([b for b, _ in part], torch.int64, device)
@@ -71,17 +55,6 @@ class HostKvTier:
             gathered = both.permute(2, 0, 1, 3, 4, 5).contiguous()  # [n, 2, layers, ...]
             for j, slot, n in _runs([s for _, s in part]):
                 self.store[slot: slot + n].copy_(gathered[j: j + n], non_blocking=True)
-        if ahead and restore and self.side is not None:
-            self.side.wait_stream(torch.cuda.current_stream(device))  # after the offloads' reads
-            with torch.cuda.stream(self.side):
-                self._restore(restore)
-            self.copied = torch.cuda.Event()
-            self.copied.record(self.side)
-        else:
-            self._restore(restore)
-
-    def _restore(self, restore: list[tuple[int, int]]) -> None:
-        device = self.kv.k.device
         for i in range(0, len(restore), CHUNK):
             part = restore[i: i + CHUNK]
             staging = torch.empty((len(part), *self.store.shape[1:]), dtype=self.store.dtype, device=device)

@@ -204,10 +204,10 @@ class ModelRunner:
         proposing = self.mtp is not None and any(s.propose for s in seqs)
         accepted = None
         self._waited_ms = 0.0
-        if self.host is not None:
-            self.host.move(msg.offload, msg.restore, msg.restore_ahead)
-        elif msg.offload or msg.restore:
-            raise StepRejected("a step moves KV blocks to or from a host tier this rank does not have")
+        if msg.offload or msg.restore:
+            if self.host is None:
+                raise StepRejected("a step moves KV blocks to or from a host tier this rank does not have")
+            self.host.move(msg.offload, msg.restore)
         if self.stage_tokens is not None:
             self.stage_tokens.before_step([s.slot for s in seqs if s.tokens and s.tokens[0] < 0])
         bucket, ids, positions, slot_t, logits, argmax = self._forward(seqs, sampled)
