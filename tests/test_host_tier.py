@@ -141,6 +141,9 @@ def test_restores_beside_decodes_go_a_few_blocks_a_step():
 # beside a decode: its last token waits for them all
 @example(prefixes=[[1] * 13], picks=[(0, [], 1), (0, [], 7), (0, [1], 4)], blocks=12, host=2, block_size=2,
          in_flight=1, one_by_one=False, per_step=1)
+# a block copied into the tier ahead of its eviction takes the slot a restore of the same step reads
+@example(prefixes=[[1] * 5], picks=[(0, [], 1), (0, [], 8), (0, [1], 7), (0, [], 1), (0, [], 1), (0, [], 1)],
+         blocks=12, host=2, block_size=2, in_flight=1, one_by_one=False, per_step=1)
 @given(
     prefixes=st.lists(st.lists(st.integers(1, VOCAB - 1), min_size=5, max_size=30), min_size=1, max_size=3),
     picks=st.lists(st.tuples(st.integers(0, 2), st.lists(st.integers(1, VOCAB - 1), max_size=6),

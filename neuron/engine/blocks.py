@@ -54,6 +54,7 @@ class BlockManager:
         self.hits = 0  # ... and found
         # Told each cached block evicted, and its hash (before the block is handed out again).
         self.on_evict: list[Callable[[int, bytes], None]] = []
+        self.on_register: list[Callable[[int, bytes], None]] = []  # told each block cached, and its hash
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -173,3 +174,9 @@ class BlockManager:
             return
         self._by_hash[h] = block
         self._hash_of[block] = h
+        for tell in self.on_register:
+            tell(block, h)
+
+    def holds(self, block: int, h: bytes) -> bool:
+        """Whether ``block`` is cached under ``h`` (its K/V stays as it is while it is)."""
+        return self._by_hash.get(h) == block

@@ -62,9 +62,10 @@ class HostPlanning:
             return None
         live = [(req, run, entry, slot, h) for req, run, entry, slot, h in self._restores
                 if req.run == run and entry < len(req.blocks)]
-        self.host.unpin([slot for _, _, _, slot, _ in self._restores])
+        moves = self.host.take_moves([(slot, req.blocks[entry]) for req, _, entry, slot, _ in live],
+                                     self.restore_per_step)
+        self.host.unpin([slot for _, _, _, slot, _ in self._restores])  # once no offload of the step may take them
         self._restores = []
-        moves = self.host.take_moves([(slot, req.blocks[entry]) for req, _, entry, slot, _ in live])
         moves.cached = [(req, run, entry, h) for req, run, entry, _, h in live]
         self._moves_out.append(moves)
         return moves

@@ -2,8 +2,10 @@
 leader, as ``blocks`` is: the ranks hold the slots (``runner/host_tier.py``), one block of their
 own share of the K/V each, and move blocks as the steps say (``Step.offload``, ``Step.restore``).
 
-A cached block the rank's cache evicts (``BlockManager.on_evict``) is offloaded into a slot
-instead of being dropped, unless the tier holds its hash already. A prompt whose cached prefix
+A block the rank's cache caches (``BlockManager.on_register``) is copied into a slot soon after,
+a few a step (``take_moves``), while it stays in the rank's cache too: when the rank's cache
+evicts it (``BlockManager.on_evict``) the tier holds it already, and eviction costs no copy. One
+evicted before its turn is offloaded then, in the step that hands its block out again. A prompt whose cached prefix
 runs on past the rank's cache finds the rest here (``extend``): each such block gets a new block
 of the rank's cache and a restore, and is cached there again once the step that restored it has
 answered (``restored``). Slots are evicted least recently used first; a slot with a restore
@@ -43,11 +45,13 @@ class HostTier:
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._pins: dict[int, int] = {}
         self._offload: list[tuple[int, int]] = []
+        self._early: deque[tuple[int, bytes]] = deque()  # cached blocks to copy in, when a step has room
         self.epoch = 0
         self.offloaded = 0  # blocks copied into the tier
         self.restored = 0  # ... and back
         self.hits = 0  # prompt tokens found here
         blocks.on_evict.append(self._evicted)
+        blocks.on_register.append(lambda block, h: self._early.append((block, h)))
 
     @property
     def used(self) -> int:
@@ -55,16 +59,30 @@ class HostTier:
 
     def _evicted(self, block: int, h: bytes) -> None:
         slot = self._by_hash.get(h)
-        if slot is not None:  # the tier has it already (it came back from here): just as recent
+        if slot is not None:  # the tier has it already (copied early, or it came back from here)
             self._lru.move_to_end(slot)
             return
+        self._copy(block, h)
+
+    def _copy(self, block: int, h: bytes) -> bool:
         slot = self._slot()
         if slot is None:
-            return
+            return False
         self._by_hash[h], self._hash_of[slot] = slot, h
         self._lru[slot] = None
         self._offload.append((block, slot))
         self.offloaded += 1
+        return True
+
+    def _copy_early(self, room: int) -> None:
+        """Up to ``room`` cached blocks into the tier ahead of their eviction, oldest first."""
+        while room > 0 and self._early:
+            block, h = self._early.popleft()
+            if h in self._by_hash or not self.blocks.holds(block, h):
+                continue  # in the tier already, or gone from the rank's cache (offloaded then)
+            if not self._copy(block, h):
+                return
+            room -= 1
 
     def _slot(self) -> int | None:
         if self._fresh < self.slots:
@@ -106,8 +124,10 @@ class HostTier:
             else:
                 del self._pins[s]
 
-    def take_moves(self, restores: list[tuple[int, int]]) -> Moves:
-        """The next step's moves: every offload due, then ``restores`` ((slot, block))."""
+    def take_moves(self, restores: list[tuple[int, int]], early: int = 0) -> Moves:
+        """The next step's moves: every offload due and up to ``early`` cached blocks copied
+        ahead of their eviction, then ``restores`` ((slot, block))."""
+        self._copy_early(early)
         moves = Moves(self._offload, restores, epoch=self.epoch)
         self._offload = []
         self.restored += len(restores)
@@ -122,4 +142,5 @@ class HostTier:
         self._lru.clear()
         self._pins.clear()
         self._offload = []
+        self._early.clear()
         self.epoch += 1
