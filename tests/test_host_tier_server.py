@@ -1,5 +1,6 @@
-"""The prefix cache's host tier through a real server (CPU, the default model, TP=1 and TP=2): a
-rank cache too small for three long prompts evicts the first one's blocks into the host tier,
+"""The prefix cache's host tier through a real server (CPU, the default model): a
+rank cache too small for three long prompts evicts the first one's blocks into the host tier
+(TP=2: each rank its share of the heads; PP=2: each stage its layers),
 and that prompt coming back is restored from there and answers exactly as it did cold; `GET
 /models`, `/metrics` and the request's log line count it by tier."""
 
@@ -18,19 +19,20 @@ def long_prompt(topic: str) -> str:
     return " ".join(f"Sentence {i} of a long note on {topic}, kept for the record." for i in range(16))
 
 
-def config(tp: int) -> str:
+def config(tp: int, pp: int = 1) -> str:
     # 64 blocks of 16 in the rank's cache: three long prompts do not fit together
     return (f'[server]\nlog_format = "json"\n\n[cache]\nhost_gb = 0.12\n\n[[models]]\nmodel = "{DEFAULT_MODEL}"\nmax_model_len = 768\n'
-            f'kv_cache_tokens = 1024\nmax_slots = 2\ntensor_parallel = {tp}\n')
+            f'kv_cache_tokens = 1024\nmax_slots = 2\ntensor_parallel = {tp}\npipeline_parallel = {pp}\n')
 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("host-tier")
-    one, two = start_server(tmp, config=config(1)), start_server(tmp, config=config(2))
-    yield one, two
-    one.stop()
-    two.stop()
+    servers = [start_server(tmp, config=config(1)), start_server(tmp, config=config(2)),
+               start_server(tmp, config=config(1, pp=2))]
+    yield servers
+    for server in servers:
+        server.stop()
 
 
 def ask(server, topic: str) -> dict:
@@ -41,13 +43,13 @@ def ask(server, topic: str) -> dict:
     return r.json()
 
 
-@pytest.mark.parametrize("which", [0, 1], ids=["tp1", "tp2"])
+@pytest.mark.parametrize("which", [0, 1, 2], ids=["tp1", "tp2", "pp2"])
 def test_an_evicted_prompt_comes_back_from_the_host_tier_with_its_cold_answer(servers, which):
     server = servers[which]
     cold = [ask(server, t) for t in TOPICS]  # the first prompts' blocks leave the rank's cache
     info = httpx.get(f"{server.url}/models", timeout=10).json()["models"][0]
     tier = info["prefix_cache_tiers"]["host"]
-    assert tier["offloaded"] > 0 and tier["blocks"] >= 100 and len(tier["bytes"]) == which + 1
+    assert tier["offloaded"] > 0 and tier["blocks"] >= 100 and len(tier["bytes"]) == (1 if which == 0 else 2)
     again = ask(server, TOPICS[0])
     assert again["choices"][0]["token_ids"] == cold[0]["choices"][0]["token_ids"]
     cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -63,7 +65,7 @@ def test_an_evicted_prompt_comes_back_from_the_host_tier_with_its_cold_answer(se
         % DEFAULT_MODEL in metrics
 
 
-def test_tp2_and_tp1_answer_alike_through_the_tier(servers):
-    one, two = servers
+def test_tp2_pp2_and_tp1_answer_alike_through_the_tier(servers):
     for topic in (TOPICS[1], TOPICS[2]):
-        assert ask(one, topic)["choices"][0]["token_ids"] == ask(two, topic)["choices"][0]["token_ids"]
+        answers = [ask(server, topic)["choices"][0]["token_ids"] for server in servers]
+        assert answers[0] == answers[1] == answers[2]
