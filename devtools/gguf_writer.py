@@ -70,12 +70,14 @@ _KQUANT_F16_FIELDS: dict[str, tuple[tuple[int, float], ...]] = {
     "Q4_K": ((0, 2e-4), (2, 1.5e-3)),  # d dmin scales[12] qs[128]; q in 0..15
     "Q5_K": ((0, 1e-4), (2, 1.55e-3)),  # d dmin scales[12] qh[32] qs[128]; q in 0..31
     "Q6_K": ((208, 2.5e-5),),  # ql[128] qh[64] scales[16] d; signed
+    "Q4_0": ((0, 4e-3),),  # d qs[16]; w = d * (q - 8), q in 0..15
+    "Q8_0": ((0, 3e-4),),  # d qs[32]; signed
 }
 
 
 def random_quant_blocks(type_name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
     """Random bytes for a tensor of logical `shape` (last dim a multiple of the block size) in the
-    K-quant `type_name`, as GGUFWriter.add_tensor(..., raw_dtype=...) takes them: uint8, the last
+    K-quant (or Q4_0, Q8_0) `type_name`, as GGUFWriter.add_tensor(..., raw_dtype=...) takes them: uint8, the last
     dim in bytes. The float16 scales are set to small positive values so nothing is inf/nan."""
     import gguf
 
@@ -101,7 +103,7 @@ def _write_gguf(out: Path, type_name: str, rng: np.random.Generator | None) -> P
     writer = gguf.GGUFWriter(path, spec.gguf_arch)
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(f"neuron-tiny-{config['model_type']}")
-    _add_hparams(writer, spec, config)
+    add_hparams(writer, spec, config)
     writer.add_file_type(file_type(type_name))
     add_vocab(writer, out, config["vocab_size"])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -124,7 +126,7 @@ def finish(writer: Any, path: Path) -> Path:
     return path
 
 
-def _add_hparams(writer: Any, spec: FamilySpec, config: dict[str, Any]) -> None:
+def add_hparams(writer: Any, spec: FamilySpec, config: dict[str, Any]) -> None:
     """The keys convert_hf_to_gguf.py writes (TextModel, LlamaModel, Qwen2MoeModel)."""
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
