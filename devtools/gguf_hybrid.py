@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from .families import natural_key, read_json, read_safetensors
-from .gguf_writer import add_vocab, file_type, finish, parse_gguf_types, tensor_type
+from .gguf_writer import finish, open_writer, parse_gguf_types, tensor_type
 
 ARCHS = {"qwen3_next": "qwen3next", "qwen3_5_text": "qwen35", "qwen3_5": "qwen35",
          "qwen3_5_moe_text": "qwen35moe", "qwen3_5_moe": "qwen35moe"}
@@ -46,13 +46,8 @@ def write_hybrid_gguf(out_dir: str | Path, gguf_type: str) -> Path:
     config = raw.get("text_config", raw)
     arch = ARCHS[raw["model_type"]]
     path = out / f"model-{type_name}.gguf"
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_type(gguf.GGUFType.MODEL)
-    writer.add_name(f"neuron-tiny-{raw['model_type']}")
-    _add_hparams(writer, arch, config)
-    writer.add_file_type(file_type(type_name))
-    add_vocab(writer, out, config["vocab_size"])
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer = open_writer(path, arch, f"neuron-tiny-{raw['model_type']}", type_name, out, config["vocab_size"],
+                         lambda w: _add_hparams(w, arch, config))
     qtype = gguf.GGMLQuantizationType[type_name]
     for name, array in _tensors(arch, config, read_safetensors(out)):
         kind = tensor_type(name, array, qtype)

@@ -100,13 +100,8 @@ def _write_gguf(out: Path, type_name: str, rng: np.random.Generator | None) -> P
     qtype = gguf.GGMLQuantizationType[type_name]
     path = out / f"model-{type_name}.gguf"
 
-    writer = gguf.GGUFWriter(path, spec.gguf_arch)
-    writer.add_type(gguf.GGUFType.MODEL)
-    writer.add_name(f"neuron-tiny-{config['model_type']}")
-    add_hparams(writer, spec, config)
-    writer.add_file_type(file_type(type_name))
-    add_vocab(writer, out, config["vocab_size"])
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer = open_writer(path, spec.gguf_arch, f"neuron-tiny-{config['model_type']}", type_name, out,
+                         config["vocab_size"], lambda w: add_hparams(w, spec, config))
     for name, array in _gguf_tensors(spec, config, read_safetensors(out)):
         kind = tensor_type(name, array, qtype)
         if rng is not None and kind == qtype:
@@ -115,6 +110,22 @@ def _write_gguf(out: Path, type_name: str, rng: np.random.Generator | None) -> P
             data = gguf.quants.quantize(array, kind)
         writer.add_tensor(name, data, raw_dtype=kind)
     return finish(writer, path)
+
+
+def open_writer(path: Path, arch: str, name: str, type_name: str, out: Path, vocab_size: int,
+                hparams: Any) -> Any:
+    """A GGUFWriter with a model file's metadata: its name, ``hparams(writer)``'s keys, the file
+    type, the vocabulary of ``out``'s tokenizer padded to ``vocab_size``."""
+    import gguf
+
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_type(gguf.GGUFType.MODEL)
+    writer.add_name(name)
+    hparams(writer)
+    writer.add_file_type(file_type(type_name))
+    add_vocab(writer, out, vocab_size)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    return writer
 
 
 def finish(writer: Any, path: Path) -> Path:

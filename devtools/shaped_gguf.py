@@ -17,7 +17,7 @@ import numpy as np
 
 from .families import family_spec, write_json
 from .fixture_tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, build_tokenizer, write_tokenizer
-from .gguf_writer import add_hparams, add_vocab, file_type, finish, random_quant_blocks
+from .gguf_writer import add_hparams, finish, open_writer, random_quant_blocks
 
 SHAPES: dict[str, dict[str, Any]] = {
     # Qwen/Qwen3-1.7B's config.json
@@ -63,13 +63,8 @@ def write_shaped_gguf(shape: str, type_name: str, out_dir: str | Path, seed: int
     write_tokenizer(out, tokenizer, config)
     spec = family_spec(config["model_type"])
     path = out / f"model-{type_name}.gguf"
-    writer = gguf.GGUFWriter(path, spec.gguf_arch)
-    writer.add_type(gguf.GGUFType.MODEL)
-    writer.add_name(f"neuron-random-{shape}")
-    add_hparams(writer, spec, config)
-    writer.add_file_type(file_type(type_name))
-    add_vocab(writer, out, config["vocab_size"])
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer = open_writer(path, spec.gguf_arch, f"neuron-random-{shape}", type_name, out, config["vocab_size"],
+                         lambda w: add_hparams(w, spec, config))
     rng = np.random.default_rng(seed)
     for name, dims in layer_tensors(config):
         if len(dims) == 1:

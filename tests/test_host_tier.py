@@ -8,12 +8,11 @@ some continuation; so every workload must give what a scheduler without any cach
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 
 from hypothesis import example, given, settings, strategies as st
 
 from neuron.engine.scheduler import Scheduler
-from test_prefix_cache import VOCAB, Device, request
+from test_prefix_cache import VOCAB, Device, drive, request
 
 
 class TieredDevice(Device):
@@ -51,31 +50,18 @@ def serve(jobs, blocks: int, block_size: int, host: int, in_flight: int = 2, one
         sched = scheduler(blocks, block_size, host, per_step)
         device = TieredDevice(block_size)
         reqs = [request(p, n) for p, n in jobs]
-        pending = deque(reqs)
-        queue: deque = deque()
-        steps = 0
-        while pending or not sched.idle or queue:
-            if pending and (not one_by_one or sched.idle and not queue):
-                sched.waiting.append(pending.popleft())
-                if not one_by_one:
-                    continue
-            sched.admit()
-            while len(queue) < in_flight:
-                plan = sched.schedule()
-                if not plan:
-                    break
-                moves = sched.take_moves()
-                steps += 1
-                # a failed step: its moves undone, its sequences' tables and writes as they may be
-                queue.append((plan, device.step(plan, None if steps == fail_at else moves)))
-                if steps == fail_at:
-                    queue[-1] = (plan, None)
-            assert queue, "nothing can run: the scheduler is stuck"
-            plan, tokens = queue.popleft()
-            if tokens is None:
-                fail(sched, plan)
-            else:
-                take(sched, plan, tokens)
+        steps = [0]
+
+        def launch(plan):
+            moves = sched.take_moves()
+            steps[0] += 1
+            if steps[0] == fail_at:  # a failed step: its moves undone, its sequences' writes as they may be
+                device.step(plan, None)
+                return None
+            return device.step(plan, moves)
+
+        drive(sched, reqs, in_flight, one_by_one, launch,
+              lambda plan, tokens: fail(sched, plan) if tokens is None else take(sched, plan, tokens))
         assert sched.blocks.used == 0
         return [r.output for r in reqs], [r.host_tokens for r in reqs], sched, device
     return asyncio.run(main())

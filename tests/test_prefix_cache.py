@@ -76,24 +76,31 @@ def serve(jobs: list[tuple[list[int], int]], blocks: int, block_size: int, cachi
                           prefill_chunk=8, cache_key=b"model" if caching else None)
         device = Device(block_size)
         reqs = [request(p, n) for p, n in jobs]
-        pending = deque(reqs)
-        queue: deque = deque()
-        while pending or not sched.idle or queue:
-            if pending and (not one_by_one or sched.idle and not queue):
-                sched.waiting.append(pending.popleft())
-                if not one_by_one:
-                    continue
-            sched.admit()
-            while len(queue) < in_flight:
-                plan = sched.schedule()
-                if not plan:
-                    break
-                queue.append((plan, device.run(plan)))
-            assert queue, "nothing can run: the scheduler is stuck"
-            take_tokens(sched, *queue.popleft())
+        drive(sched, reqs, in_flight, one_by_one, device.run, lambda plan, tokens: take_tokens(sched, plan, tokens))
         assert sched.blocks.used == 0
         return [r.output for r in reqs], [r.cached_tokens for r in reqs], sched
     return asyncio.run(main())
+
+
+def drive(sched: Scheduler, reqs: list[GenRequest], in_flight: int, one_by_one: bool, launch, land) -> None:
+    """Feed ``reqs`` to ``sched`` (all at once, or each after the last has ended) and run its steps
+    to the end, ``in_flight`` of them out at a time: ``launch(plan)`` runs a step on the simulated
+    rank, ``land(plan, what launch gave)`` takes its reply, oldest first."""
+    pending = deque(reqs)
+    queue: deque = deque()
+    while pending or not sched.idle or queue:
+        if pending and (not one_by_one or sched.idle and not queue):
+            sched.waiting.append(pending.popleft())
+            if not one_by_one:
+                continue
+        sched.admit()
+        while len(queue) < in_flight:
+            plan = sched.schedule()
+            if not plan:
+                break
+            queue.append((plan, launch(plan)))
+        assert queue, "nothing can run: the scheduler is stuck"
+        land(*queue.popleft())
 
 
 def run_alone(sched: Scheduler, device, req: GenRequest, keep: bool = False) -> None:
