@@ -113,7 +113,7 @@ def _write_gguf(out: Path, type_name: str, rng: np.random.Generator | None) -> P
 
 
 def open_writer(path: Path, arch: str, name: str, type_name: str, out: Path, vocab_size: int,
-                hparams: Any) -> Any:
+                hparams: Any, pads_are_text: bool = False) -> Any:
     """A GGUFWriter with a model file's metadata: its name, ``hparams(writer)``'s keys, the file
     type, the vocabulary of ``out``'s tokenizer padded to ``vocab_size``."""
     import gguf
@@ -123,7 +123,7 @@ def open_writer(path: Path, arch: str, name: str, type_name: str, out: Path, voc
     writer.add_name(name)
     hparams(writer)
     writer.add_file_type(file_type(type_name))
-    add_vocab(writer, out, vocab_size)
+    add_vocab(writer, out, vocab_size, pads_are_text)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     return writer
 
@@ -191,8 +191,10 @@ def file_type(type_name: str) -> int:
     return gguf.LlamaFileType[names.get(type_name, f"MOSTLY_{type_name}")]
 
 
-def add_vocab(writer: Any, out: Path, vocab_size: int) -> None:
-    """As convert_hf_to_gguf.py's _set_vocab_gpt2: tokens, types, then merges/ids via SpecialVocab."""
+def add_vocab(writer: Any, out: Path, vocab_size: int, pads_are_text: bool = False) -> None:
+    """As convert_hf_to_gguf.py's _set_vocab_gpt2: tokens, types, then merges/ids via SpecialVocab.
+    ``pads_are_text``: the padding tokens are ordinary tokens whose text is their name (a random
+    model draws them nearly always: as unused tokens llama.cpp would stream nothing for them)."""
     import gguf
 
     tokenizer_json = read_json(out / "tokenizer.json")
@@ -205,7 +207,7 @@ def add_vocab(writer: Any, out: Path, vocab_size: int) -> None:
     for index in range(vocab_size):
         if index not in tokens:
             token_list.append(f"[PAD{index}]")
-            token_types.append(gguf.TokenType.UNUSED)
+            token_types.append(gguf.TokenType.NORMAL if pads_are_text else gguf.TokenType.UNUSED)
         elif index in added:
             token_list.append(tokens[index])
             token_types.append(gguf.TokenType.CONTROL if added[index]["special"] else gguf.TokenType.USER_DEFINED)

@@ -2,7 +2,8 @@
 model of the size CPU users run (issue 73): every projection and the embedding hold random valid
 blocks of the requested type (scales drawn so the weights stay around +-0.02), norms are ones.
 The tokenizer is the test fixture's, its vocabulary padded to the shape's as llama.cpp's converter
-pads one, so the embedding and the tied LM head have the real model's size.
+pads one, so the embedding and the tied LM head have the real model's size; the padding tokens
+are text (``[PAD123]``), which both servers stream, as a random model draws them nearly always.
 
     python -m devtools.shaped_gguf qwen3-1.7b Q4_0 /tmp/shaped   # -> /tmp/shaped/model-Q4_0.gguf
 """
@@ -64,7 +65,7 @@ def write_shaped_gguf(shape: str, type_name: str, out_dir: str | Path, seed: int
     spec = family_spec(config["model_type"])
     path = out / f"model-{type_name}.gguf"
     writer = open_writer(path, spec.gguf_arch, f"neuron-random-{shape}", type_name, out, config["vocab_size"],
-                         lambda w: add_hparams(w, spec, config))
+                         lambda w: add_hparams(w, spec, config), pads_are_text=True)
     rng = np.random.default_rng(seed)
     for name, dims in layer_tensors(config):
         if len(dims) == 1:
