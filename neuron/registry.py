@@ -256,7 +256,7 @@ class Registry:
             log.warning("%s: no host tier (cache.host_gb %g): %s", handle.id, self.cfg.cache.host_gb,
                         "its layers keep a recurrent state, whose snapshots stay in the ranks" if state_slots
                         else "less than one KV block")
-        # Beside decodes a step restores up to 64 MiB a rank from the host tier (docs/prefix-cache.md).
+        # Beside decodes a step restores up to 64 MiB a rank from the host tier (docs/architecture.md).
         per_block = [ok.kv_bytes // (ok.kv_blocks + 1) for _, ok in sorted(oks.items())]
         handle.host_bytes = [oks[r].host_blocks * per_block[r] for r in range(group.world)]
         handle.host_block_bytes = sum(per_block)

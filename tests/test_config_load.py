@@ -35,6 +35,7 @@ def test_a_file_s_values_take_their_types(tmp_path):
     ('[[models]]\nmodel = "m"\nspeculative = { tokens = "many" }\n', r"models\[0\].speculative.tokens: expected int"),
     ("server = 3\n", r"\[server\] must be a table"),
     ("[cache]\nhost_gb = -1.0\n", "cache.host_gb must be >= 0"),
+    ("[cache]\nhost_gb = 1e9\n", r"at most 80% of this host's [0-9.]+ GB of memory"),
     ("[cache]\ndisk_gb = 1.0\n", r"\[cache\] has unknown keys: disk_gb"),
 ])
 def test_a_wrong_value_in_the_file_is_named(tmp_path, text, words):

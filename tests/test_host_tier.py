@@ -168,3 +168,10 @@ def test_after_a_failed_step_the_tier_forgets_and_every_other_answer_stays_right
     assert len(failed) <= 4
     assert [out for i, out in enumerate(got) if i not in failed] == \
         [out for i, out in enumerate(reference) if i not in failed]
+
+
+def test_the_blocks_waiting_to_be_copied_early_are_bounded_by_the_rank_s_cache():
+    sched = scheduler(blocks=12, block_size=2, host=64, per_step=1)
+    for i in range(100):
+        sched.blocks.on_register[-1](i % 12, bytes([i]) * 16)
+    assert len(sched.host._early) == 12

@@ -156,7 +156,7 @@ class Engine:
             return False
 
     def stats(self) -> EngineStats:
-        s = self.sched
+        s, (host_hits, host_offloaded, host_restored) = self.sched, self._host_tallies()
         return EngineStats(len(s.running), len(s.waiting), s.max_slots - len(s.free_slots), s.max_slots,
                            self.steps, self.tokens_generated, kv_usage=s.blocks.used / s.blocks.num_blocks,
                            kv_blocks=s.blocks.num_blocks, preemptions=s.preemptions,
@@ -166,8 +166,7 @@ class Engine:
                            prefix_cache_queries=self._cache_counts[0] + s.blocks.queries,
                            prefix_cache_hits=self._cache_counts[1] + s.blocks.hits,
                            host_blocks=s.host.slots if s.host else 0, host_used=s.host.used if s.host else 0,
-                           host_hits=self._host_tallies()[0], host_offloaded=self._host_tallies()[1],
-                           host_restored=self._host_tallies()[2],
+                           host_hits=host_hits, host_offloaded=host_offloaded, host_restored=host_restored,
                            leader_ms_per_step=1e3 * self.leader_s / max(1, self.steps), step_ms=self.step_ms,
                            rank_host_ms_per_step=self.rank_host_ms / max(1, self.steps),
                            rank_mask_wait_ms_per_step=self.mask_wait_ms / max(1, self.steps),

@@ -5,8 +5,9 @@ own share of the K/V each, and move blocks as the steps say (``Step.offload``, `
 A block the rank's cache caches (``BlockManager.on_register``) is copied into a slot soon after,
 a few a step (``take_moves``), while it stays in the rank's cache too: when the rank's cache
 evicts it (``BlockManager.on_evict``) the tier holds it already, and eviction costs no copy. One
-evicted before its turn is offloaded then, in the step that hands its block out again. A prompt whose cached prefix
-runs on past the rank's cache finds the rest here (``extend``): each such block gets a new block
+evicted before its turn is offloaded then, in the step that hands its block out again (the list
+of those waiting holds at most as many as the rank's cache has blocks: the oldest go first). A
+prompt whose cached prefix runs on past the rank's cache finds the rest here (``extend``): each such block gets a new block
 of the rank's cache and a restore, and is cached there again once the step that restored it has
 answered (``restored``). Slots are evicted least recently used first; a slot with a restore
 still to be sent is pinned (an offload must not overwrite it before the restore has read it).
@@ -45,7 +46,8 @@ class HostTier:
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._pins: dict[int, int] = {}
         self._offload: list[tuple[int, int]] = []
-        self._early: deque[tuple[int, bytes]] = deque()  # cached blocks to copy in, when a step has room
+        # cached blocks to copy in, when a step has room
+        self._early: deque[tuple[int, bytes]] = deque(maxlen=blocks.num_blocks)
         self.epoch = 0
         self.offloaded = 0  # blocks copied into the tier
         self.restored = 0  # ... and back
