@@ -91,7 +91,10 @@ class ModelHandle:
             "prefix_cache_queries": stats.prefix_cache_queries,
             "prefix_cache_tiers": {"host": {"blocks": stats.host_blocks, "used": stats.host_used, "bytes": self.host_bytes,
                                             "hits": stats.host_hits, "offloaded": stats.host_offloaded,
-                                            "restored": stats.host_restored}} if stats.host_blocks else {},
+                                            "restored": stats.host_restored,
+                                            "offload_seconds": round(stats.host_offload_s, 4),
+                                            "restore_seconds": round(stats.host_restore_s, 4)}}
+            if stats.host_blocks else {},
             "leader_ms_per_step": round(stats.leader_ms_per_step, 4), "step_ms": round(stats.step_ms, 3),
             "rank_host_ms_per_step": round(stats.rank_host_ms_per_step, 4),
             "rank_mask_wait_ms_per_step": round(stats.rank_mask_wait_ms_per_step, 4),

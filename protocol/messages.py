@@ -153,6 +153,8 @@ class StepTimings(msgspec.Struct, array_like=True, gc=False, frozen=True):
     host_ms: float  # of which the rank's host work to prepare and launch it
     idle_ms: float = 0.0  # the device's idle gap before the step (0 when it was queued in time)
     mask_wait_ms: float = 0.0  # of host_ms, the wait for the step's late masks (StepMasks)
+    offload_ms: float = 0.0  # the device's time copying KV blocks into the host tier (Step.offload)
+    restore_ms: float = 0.0  # ... and back (Step.restore)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,8 +20,12 @@ class TieredDevice(Device):
         super().__init__(block_size)
         self.host: dict[tuple[int, int], int] = {}  # (slot, offset) -> token
         self.offloads = self.restores = 0
+        self.beside_decodes: list[tuple[int, int]] = []  # steps with decodes: (moves, blocks the step writes)
 
     def step(self, plan, moves) -> list[int]:
+        if moves is not None and any(x.start_pos >= len(x.req.prompt) for x in plan):
+            written = {(x.req.slot, p // self.bs) for x in plan for p in range(x.start_pos, x.start_pos + len(x.tokens))}
+            self.beside_decodes.append((len(moves.offload) + len(moves.restore), len(written)))
         if moves is not None:
             for block, slot in moves.offload:
                 for o in range(self.bs):
@@ -53,7 +57,7 @@ def serve(jobs, blocks: int, block_size: int, host: int, in_flight: int = 2, one
         steps = [0]
 
         def launch(plan):
-            moves = sched.take_moves()
+            moves = sched.take_moves(plan)
             steps[0] += 1
             if steps[0] == fail_at:  # a failed step: its moves undone, its sequences' writes as they may be
                 device.step(plan, None)
@@ -122,6 +126,19 @@ def test_restores_beside_decodes_go_a_few_blocks_a_step():
     assert got == reference
 
 
+def test_a_long_prompt_admitted_beside_a_decode_offloads_the_blocks_it_evicts_as_its_chunks_write_them():
+    cached = [[2 + (i * 7 + j) % (VOCAB - 2) for j in range(40)] for i in range(3)]
+    long = [1 + i % (VOCAB - 1) for i in range(100)]
+    # three prompts cached (30 blocks), then a long answer decodes while a 100-token prompt takes
+    # 25 new blocks, most of them the cached ones: their offloads go out 2 (its chunk) a step
+    jobs = [*[(c, 1) for c in cached], ([3] * 6, 60), (long, 2), *[(c, 2) for c in cached]]
+    reference, _, _, _ = serve(jobs, 4096, 4, host=-1, one_by_one=False)
+    got, _, sched, device = serve(jobs, 40, 4, host=64, one_by_one=False, per_step=2)
+    assert got == reference
+    assert sched.host.offloaded >= 20 and sched.host.hits > 0
+    assert max(moves - written for moves, written in device.beside_decodes) <= 2
+
+
 @settings(max_examples=150, deadline=None)
 # a preempted request, its output recomputed, comes back with host blocks restored one a step
 # beside a decode: its last token waits for them all
@@ -130,6 +147,11 @@ def test_restores_beside_decodes_go_a_few_blocks_a_step():
 # a block copied into the tier ahead of its eviction takes the slot a restore of the same step reads
 @example(prefixes=[[1] * 5], picks=[(0, [], 1), (0, [], 8), (0, [1], 7), (0, [], 1), (0, [], 1), (0, [], 1)],
          blocks=12, host=2, block_size=2, in_flight=1, one_by_one=False, per_step=1)
+# a block evicted for a prompt admitted beside a decode is offloaded no later than its chunk writes it
+@example(prefixes=[[83, 48, 52, 40, 60, 77, 44, 69, 65, 22, 4, 19, 33, 88, 29, 73, 18, 15, 24, 53, 94, 80, 7, 13, 70,
+                    88, 35, 92, 14, 27], [9, 81, 74, 68, 83, 11, 10, 28, 83, 23, 66, 56, 3]],
+         picks=[(0, [], 1), (2, [], 4), (1, [], 1), (1, [89, 83], 1), (2, [], 1)], blocks=25, host=2, block_size=2,
+         in_flight=1, one_by_one=False, per_step=1)
 @given(
     prefixes=st.lists(st.lists(st.integers(1, VOCAB - 1), min_size=5, max_size=30), min_size=1, max_size=3),
     picks=st.lists(st.tuples(st.integers(0, 2), st.lists(st.integers(1, VOCAB - 1), max_size=6),

@@ -1,5 +1,5 @@
 """The rank's host tier (``runner/host_tier.py``): blocks moved into host slots and back hold
-exactly their K/V, in every layer, over runs of consecutive slots and moves of more blocks than a
+exactly their K/V (and their moves are timed), in every layer, over runs of consecutive slots and moves of more blocks than a
 chunk; an offload and a restore in one move read before they write; a move out of range is
 refused before anything moves. On a GPU, with pinned slots, the copies are queued behind the
 device's work and before the next, so blocks a kernel is still writing and blocks the next kernel
@@ -31,13 +31,14 @@ def round_trip(device: str, dtype=torch.float32) -> None:
     k0, v0 = kv.k.clone(), kv.v.clone()
     blocks = list(range(5, 5 + CHUNK + 40))  # more than a chunk
     slots = list(range(100, 100 + 30)) + list(range(0, CHUNK + 10))  # two runs, out of order
-    tier.move(list(zip(blocks, slots)), [])
+    out = tier.move(list(zip(blocks, slots)), [])
     kv.k.zero_()
     kv.v.zero_()
     back = list(range(150, 150 + len(blocks)))[::-1]  # into other blocks, reversed
-    tier.move([], list(zip(slots, back)))
+    into = tier.move([], list(zip(slots, back)))
     if device == "cuda":
         torch.cuda.synchronize()
+    assert out.ms()[0] > 0 and into.ms()[1] > 0  # each move's device time, for the tier's bandwidth
     for b, to in zip(blocks, back):
         assert torch.equal(kv.k[:, to], k0[:, b]) and torch.equal(kv.v[:, to], v0[:, b])
     untouched = [b for b in range(kv.blocks) if b not in back]

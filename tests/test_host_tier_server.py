@@ -56,6 +56,7 @@ def test_an_evicted_prompt_comes_back_from_the_host_tier_with_its_cold_answer(se
     assert cached >= again["usage"]["prompt_tokens"] - 16 - 15
     after = httpx.get(f"{server.url}/models", timeout=10).json()["models"][0]["prefix_cache_tiers"]["host"]
     assert after["hits"] - tier["hits"] > 0 and after["restored"] > tier["restored"]
+    assert tier["offload_seconds"] > 0 and after["restore_seconds"] > tier["restore_seconds"]
     lines = [r for r in json_log(server) if r.get("msg") == "request finished"]
     assert lines[-1]["cached_tokens"] == cached and 0 < lines[-1]["cached_host_tokens"] <= cached
     metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
@@ -63,6 +64,9 @@ def test_an_evicted_prompt_comes_back_from_the_host_tier_with_its_cold_answer(se
     assert 'neuron:prefix_cache_tier_blocks_moved_total{direction="restore",model_name="%s"}' % DEFAULT_MODEL \
         in metrics or 'neuron:prefix_cache_tier_blocks_moved_total{model_name="%s",direction="restore"}' \
         % DEFAULT_MODEL in metrics
+    gauge = [line for line in metrics.splitlines() if line.startswith("neuron:prefix_cache_tier_bandwidth_bytes_per_second")
+             and 'direction="restore"' in line]
+    assert len(gauge) == 1 and float(gauge[0].split()[-1]) > 0
 
 
 def test_tp2_pp2_and_tp1_answer_alike_through_the_tier(servers):

@@ -52,6 +52,7 @@ class Engine:
         self.rank_host_ms = 0.0  # rank 0's host time preparing and launching steps, summed
         self.mask_wait_ms = 0.0  # ... of it, waiting for late masks
         self.device_idle_ms = 0.0  # the device's idle gaps between steps, summed
+        self.move_ms = [0.0, 0.0]  # rank 0's device time moving blocks to the host tier and back
         self._last_result: float | None = None
         self.step_ms = 0.0
         self.on_finish = None  # callable(req, FinishEvent) for metrics
@@ -167,6 +168,7 @@ class Engine:
                            prefix_cache_hits=self._cache_counts[1] + s.blocks.hits,
                            host_blocks=s.host.slots if s.host else 0, host_used=s.host.used if s.host else 0,
                            host_hits=host_hits, host_offloaded=host_offloaded, host_restored=host_restored,
+                           host_offload_s=self.move_ms[0] / 1e3, host_restore_s=self.move_ms[1] / 1e3,
                            leader_ms_per_step=1e3 * self.leader_s / max(1, self.steps), step_ms=self.step_ms,
                            rank_host_ms_per_step=self.rank_host_ms / max(1, self.steps),
                            rank_mask_wait_ms_per_step=self.mask_wait_ms / max(1, self.steps),
@@ -224,7 +226,8 @@ class Engine:
                                   images=self.images.step_images(x.req, x.start_pos)
                                   if x.start and x.req.images else [], drafts=x.drafts, propose=x.propose)
                         for x in plan]
-                waiter = await group.send_step(self._step_ids, seqs, self.images.take_forget(), self.sched.take_moves())
+                waiter = await group.send_step(self._step_ids, seqs, self.images.take_forget(),
+                                                    self.sched.take_moves(plan))
                 self.inflight.append((plan, asyncio.ensure_future(waiter())))
         except GroupFailed as exc:
             self.detach(f"model {self.model_id!r} failed: {exc}", "model_unavailable")
@@ -274,6 +277,8 @@ class Engine:
         self.rank_host_ms += result.timings.host_ms
         self.mask_wait_ms += result.timings.mask_wait_ms
         self.device_idle_ms += result.timings.idle_ms
+        self.move_ms[0] += result.timings.offload_ms
+        self.move_ms[1] += result.timings.restore_ms
         # Constrained sequences' tokens first, and the masks that depend on them out to the step
         # that waits for them; the output stage (text, stop strings, events) after.
         taken = [x.sample and x.req.constraint is not None and not x.drafts and not x.req.finished for x in plan]

@@ -1,13 +1,16 @@
 """The scheduler's side of the host tier (``host_tier``): a request admitted with part of its
 prefix in the tier gets new blocks for it and waits for their restores, which go out with the
-next steps (all of them at once when no sequence is decoding; beside decodes, at most
-``restore_per_step`` blocks a step, so their copies do not stall the streams); its prompt runs
-on from the step that carries its last restore. A restored block is cached in the rank's cache
-again once that step has answered."""
+next steps (all of them at once when no sequence is decoding; beside decodes, a step's moves
+number ``restore_per_step`` blocks at most, a restore into a block whose own offload waits for it
+counting twice, so the copies do not stall the streams); its prompt runs on from the step that
+carries its last restore. A restored block is cached in the rank's cache again once that step
+has answered. Cached blocks are copied into the tier early with the room a step has left (four
+times as much in a step with no decodes)."""
 
 from __future__ import annotations
 
 from collections import deque
+from contextlib import nullcontext
 
 from .host_tier import HostTier, Moves
 from .request import GenRequest
@@ -22,6 +25,7 @@ class HostPlanning:
         blocks at most. Only where prefixes are cached and the model keeps no recurrent state."""
         self._restores: list[tuple[GenRequest, int, int, int, bytes]] = []  # (req, run, entry, slot, hash)
         self._moves_out: deque[Moves] = deque()  # of the steps sent, their replies not in
+        self._decoding = True  # whether the step being planned decodes
         if slots and self.blocks.cache_key is not None and not self.states.num_slots:
             self.host = HostTier(slots, self.blocks)
             self.restore_per_step = max(1, per_step)
@@ -47,23 +51,37 @@ class HostPlanning:
 
     def _drain_restores(self, decoding: bool) -> None:
         """Restores of the running requests into the next step, fewest first beside decodes."""
+        self._decoding = decoding
         room = self.restore_per_step - len(self._restores) if decoding else 1 << 30
         for req in sorted((r for r in self.running if r.restoring), key=lambda r: len(r.restoring)):
+            n = 0
+            for _, entry, _ in req.restoring:
+                cost = 1 + self.host.deferred(req.blocks[entry])
+                if cost > room and (n or self._restores):
+                    break
+                room -= cost
+                n += 1
+            take, req.restoring = req.restoring[:n], req.restoring[n:]
+            self._restores += [(req, req.run, entry, slot, h) for slot, entry, h in take]
             if room <= 0:
                 break
-            take, req.restoring = req.restoring[:room], req.restoring[room:]
-            self._restores += [(req, req.run, entry, slot, h) for slot, entry, h in take]
-            room -= len(take)
 
-    def take_moves(self) -> Moves | None:
-        """What the step being sent moves between the ranks' caches and the host tier (a
-        restore of a request preempted or gone since it was planned is dropped)."""
+    def admitting(self, req: GenRequest):
+        """While ``req`` takes its blocks: those evicted for it are offloaded when it writes them."""
+        return self.host.held_by(req) if self.host is not None else nullcontext()
+
+    def take_moves(self, plan: list) -> Moves | None:
+        """What the step being sent (``plan``) moves between the ranks' caches and the host tier
+        (a restore of a request preempted or gone since it was planned is dropped)."""
         if self.host is None:
             return None
         live = [(req, run, entry, slot, h) for req, run, entry, slot, h in self._restores
                 if req.run == run and entry < len(req.blocks)]
+        bs = self.blocks.block_size
+        written = {b for x in plan for b in x.req.blocks[x.start_pos // bs: (x.start_pos + len(x.tokens) - 1) // bs + 1]}
         moves = self.host.take_moves([(slot, req.blocks[entry]) for req, _, entry, slot, _ in live],
-                                     self.restore_per_step)
+                                     self.restore_per_step * (1 if self._decoding else 4), written,
+                                     not self._decoding)
         self.host.unpin([slot for _, _, _, slot, _ in self._restores])  # once no offload of the step may take them
         self._restores = []
         moves.cached = [(req, run, entry, h) for req, run, entry, _, h in live]

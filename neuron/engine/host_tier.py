@@ -12,6 +12,13 @@ of the rank's cache and a restore, and is cached there again once the step that 
 answered (``restored``). Slots are evicted least recently used first; a slot with a restore
 still to be sent is pinned (an offload must not overwrite it before the restore has read it).
 
+A block evicted while a request takes it for its prompt or its restores (``held_by``) is offloaded
+only when that must be: with the step that first writes the block (its prompt's chunk, or the
+restore into it), or reads the block's slot, or once the request no longer holds it, or in a step
+with no decodes. So a request admitted with thousands of new blocks does not put thousands of
+offloads into the next step beside running decodes: its offloads go out as its chunks and
+restores do, which are bounded.
+
 A step that fails may have left some of its moves undone: the tier then forgets everything
 (``reset``), and restores that were out with it cache nothing (their ``epoch`` is old).
 """
@@ -19,6 +26,7 @@ A step that fails may have left some of its moves undone: the tier then forgets 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from .blocks import BlockManager, chain_hash
@@ -46,6 +54,9 @@ class HostTier:
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._pins: dict[int, int] = {}
         self._offload: list[tuple[int, int]] = []
+        # block -> (slot, the request holding it, its run): offloads that wait for the block's first write
+        self._deferred: dict[int, tuple[int, object, int]] = {}
+        self._holder: tuple[object, int] | None = None
         # cached blocks to copy in, when a step has room
         self._early: deque[tuple[int, bytes]] = deque(maxlen=blocks.num_blocks)
         self.epoch = 0
@@ -72,9 +83,43 @@ class HostTier:
             return False
         self._by_hash[h], self._hash_of[slot] = slot, h
         self._lru[slot] = None
-        self._offload.append((block, slot))
+        if self._holder is not None:
+            self._deferred[block] = (slot, *self._holder)
+            self.pin([slot])
+        else:
+            self._offload.append((block, slot))
         self.offloaded += 1
         return True
+
+    @contextmanager
+    def held_by(self, req):
+        """Blocks evicted meanwhile go to ``req`` (a request with a ``run`` and ``blocks``), which
+        writes them only in the steps that ``take_moves`` is told of: their offloads wait."""
+        self._holder = (req, req.run)
+        try:
+            yield
+        finally:
+            self._holder = None
+
+    def deferred(self, block: int) -> bool:
+        return block in self._deferred
+
+    def _due(self, restores: list[tuple[int, int]], written: set[int], everything: bool) -> None:
+        """The deferred offloads the next step must carry (see the module's docstring)."""
+        if not self._deferred:
+            return
+        into, sources = {b for _, b in restores}, {s for s, _ in restores}
+        tables: dict[int, set[int]] = {}
+        for block, (slot, req, run) in list(self._deferred.items()):
+            if not everything and block not in written and block not in into and slot not in sources:
+                held = tables.get(id(req))
+                if held is None:
+                    held = tables[id(req)] = set(req.blocks) if req.run == run and req.slot >= 0 else set()
+                if block in held:
+                    continue
+            del self._deferred[block]
+            self._offload.append((block, slot))
+            self.unpin([slot])
 
     def _copy_early(self, room: int) -> None:
         """Up to ``room`` cached blocks into the tier ahead of their eviction, oldest first."""
@@ -126,10 +171,13 @@ class HostTier:
             else:
                 del self._pins[s]
 
-    def take_moves(self, restores: list[tuple[int, int]], early: int = 0) -> Moves:
-        """The next step's moves: every offload due and up to ``early`` cached blocks copied
-        ahead of their eviction, then ``restores`` ((slot, block))."""
-        self._copy_early(early)
+    def take_moves(self, restores: list[tuple[int, int]], room: int = 0, written: frozenset[int] | set[int] = frozenset(),
+                   everything: bool = False) -> Moves:
+        """The next step's moves: every offload due (the step writes ``written`` blocks;
+        ``everything``: all deferred ones too) and cached blocks copied ahead of their eviction
+        while the moves number fewer than ``room``, then ``restores`` ((slot, block))."""
+        self._due(restores, written, everything)
+        self._copy_early(room - len(self._offload) - len(restores))
         moves = Moves(self._offload, restores, epoch=self.epoch)
         self._offload = []
         self.restored += len(restores)
@@ -144,5 +192,6 @@ class HostTier:
         self._lru.clear()
         self._pins.clear()
         self._offload = []
+        self._deferred.clear()
         self._early.clear()
         self.epoch += 1

@@ -114,9 +114,10 @@ class Scheduler(DraftPlanning, HostPlanning):
                 req.states = [self.states.allocate()]
             self.blocks.take(hits)
             req.blocks, req.hashes = list(hits), hashes
-            if tiered:
-                self._from_host(req, tiered)
-            self.blocks.grow(req.blocks, len(tokens))
+            with self.admitting(req):
+                if tiered:
+                    self._from_host(req, tiered)
+                self.blocks.grow(req.blocks, len(tokens))
             req.sent_blocks = 0
             req.computed = req.confirmed = req.snapshot_floor = start
             if not req.preempted:

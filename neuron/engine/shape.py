@@ -33,6 +33,8 @@ class EngineStats:
     host_hits: int = 0  # prompt tokens found in the host tier (of prefix_cache_hits)
     host_offloaded: int = 0  # blocks copied into it
     host_restored: int = 0  # ... and back
+    host_offload_s: float = 0.0  # rank 0's device time copying them in (the ranks copy side by side)
+    host_restore_s: float = 0.0  # ... and back
     leader_ms_per_step: float = 0.0  # the leader's own time per step (planning, frames, tokens)
     step_ms: float = 0.0  # time between consecutive step results
     rank_host_ms_per_step: float = 0.0

@@ -14,6 +14,7 @@ blocks takes little device memory."""
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -43,11 +44,12 @@ class HostKvTier:
                 raise StepRejected(f"a move between KV block {block} and host slot {slot} is out of range "
                                    f"({self.kv.blocks} blocks, {self.slots} host slots)")
 
-    def move(self, offload: list[tuple[int, int]], restore: list[tuple[int, int]]) -> None:
+    def move(self, offload: list[tuple[int, int]], restore: list[tuple[int, int]]) -> MoveTimes:
         """Blocks into host slots (``offload``: (block, slot)), then host slots into blocks
-        (``restore``: (slot, block))."""
+        (``restore``: (slot, block)); the device time of each, once the step is done."""
         self.check(offload, restore)
         device = self.kv.k.device
+        times = MoveTimes(device.type == "cuda")
         for i in range(0, len(offload), CHUNK):
             part = offload[i: i + CHUNK]
             at = upload([b for b, _ in part], torch.int64, device)
@@ -55,6 +57,7 @@ class HostKvTier:
             gathered = both.permute(2, 0, 1, 3, 4, 5).contiguous()  # [n, 2, layers, ...]
             for j, slot, n in _runs([s for _, s in part]):
                 self.store[slot: slot + n].copy_(gathered[j: j + n], non_blocking=True)
+        times.mark()
         for i in range(0, len(restore), CHUNK):
             part = restore[i: i + CHUNK]
             staging = torch.empty((len(part), *self.store.shape[1:]), dtype=self.store.dtype, device=device)
@@ -63,6 +66,33 @@ class HostKvTier:
             at = upload([b for _, b in part], torch.int64, device)
             self.kv.k.index_copy_(1, at, staging[:, 0].transpose(0, 1))
             self.kv.v.index_copy_(1, at, staging[:, 1].transpose(0, 1))
+        times.mark()
+        return times
+
+
+class MoveTimes:
+    """When a step's moves began, its offloads ended and its restores ended: events on the
+    device's stream (read once the step's tokens are on the host), or the clock on a CPU."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.marks: list = []
+        self.mark()
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def ms(self) -> tuple[float, float]:
+        """(offloads, restores) in milliseconds."""
+        a, b, c = self.marks
+        if self.cuda:
+            return a.elapsed_time(b), b.elapsed_time(c)
+        return (b - a) * 1e3, (c - b) * 1e3
 
 
 def host_tier(kv: PagedKvCache, host_bytes: int, recurrent: bool, rank: int) -> HostKvTier | None:

@@ -26,7 +26,7 @@ from neuron.models.interface import KvState, Model
 
 from .attention import PagedAttention, PagedKvCache
 from .graphs import StepGraphs, graph_sizes, prefill_graph_sizes
-from .host_tier import host_tier
+from .host_tier import MoveTimes, host_tier
 from .images import RankImages
 from .eager import eager_inputs
 from .late_masks import LateMasks, row_masks
@@ -75,6 +75,7 @@ class PendingStep:
     drafts: list[list[int]] | None = None  # each sampled row's drafts (speculative decoding)
     proposals: list[list[int]] | None = None  # each seq's drafts from the MTP layer (StepSeq.propose)
     mask_wait_ms: float = 0.0  # of host_ms, waiting for late masks
+    moves: MoveTimes | None = None  # the host tier's moves at the step's start
 
     def wait(self) -> tuple[list[int], list[list[tuple[int, float]]] | None, p.StepTimings,
                             list[list[int]] | None]:
@@ -102,8 +103,10 @@ class PendingStep:
                 if n:
                     top = list(zip(ids[r][: n - 1], values[r][: n - 1]))
                     logprobs[seq] = [(tokens[seq], chosen[r]), *top]
+        offload_ms, restore_ms = self.moves.ms() if self.moves is not None else (0.0, 0.0)
         return (tokens, logprobs, p.StepTimings(forward_ms=device_ms, host_ms=self.host_ms, idle_ms=idle_ms,
-                                                mask_wait_ms=self.mask_wait_ms), drafted)
+                                                mask_wait_ms=self.mask_wait_ms, offload_ms=offload_ms,
+                                                restore_ms=restore_ms), drafted)
 
 
 class ModelRunner:
@@ -204,10 +207,11 @@ class ModelRunner:
         proposing = self.mtp is not None and any(s.propose for s in seqs)
         accepted = None
         self._waited_ms = 0.0
+        moves = None
         if msg.offload or msg.restore:
             if self.host is None:
                 raise StepRejected("a step moves KV blocks to or from a host tier this rank does not have")
-            self.host.move(msg.offload, msg.restore)
+            moves = self.host.move(msg.offload, msg.restore)
         if self.stage_tokens is not None:
             self.stage_tokens.before_step([s.slot for s in seqs if s.tokens and s.tokens[0] < 0])
         bucket, ids, positions, slot_t, logits, argmax = self._forward(seqs, sampled)
@@ -259,7 +263,7 @@ class ModelRunner:
         return PendingStep(len(seqs), sampled, want, tokens, logprobs, ready, t0,
                            (time.perf_counter() - t0) * 1e3, gap,
                            [list(seqs[i].tokens[len(seqs[i].tokens) - seqs[i].drafts:]) if seqs[i].drafts else []
-                            for i in sampled] if drafting else None, proposals, self._waited_ms)
+                            for i in sampled] if drafting else None, proposals, self._waited_ms, moves)
 
     def _row_masks(self, step_id: int, sampled: list[p.StepSeq], late: LateMasks | None) -> list[bytes | None]:
         try:

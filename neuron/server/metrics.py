@@ -55,6 +55,10 @@ class _EngineState:
                                     "(offload) and back (restore)", labels=["model_name", "direction"])
         moved_bytes = CounterMetricFamily("neuron:prefix_cache_tier_bytes_moved", "Bytes of those blocks, all ranks "
                                           "together", labels=["model_name", "direction"])
+        move_s = CounterMetricFamily("neuron:prefix_cache_tier_move_seconds", "Device time those copies took "
+                                     "(rank 0's; the ranks copy side by side)", labels=["model_name", "direction"])
+        bandwidth = GaugeMetricFamily("neuron:prefix_cache_tier_bandwidth_bytes_per_second", "bytes_moved over "
+                                      "move_seconds since the model loaded", labels=["model_name", "direction"])
         encodes = CounterMetricFamily("neuron:image_encodes", "Images the vision tower encoded", labels=label)
         reuses = CounterMetricFamily("neuron:image_embedding_reuses",
                                      "Images served from the ranks' kept embeddings, not encoded again", labels=label)
@@ -86,9 +90,13 @@ class _EngineState:
             tier_hits.add_metric([model_id, "device"], stats.prefix_cache_hits - stats.host_hits)
             if stats.host_blocks:
                 tier_hits.add_metric([model_id, "host"], stats.host_hits)
-                for direction, n in (("offload", stats.host_offloaded), ("restore", stats.host_restored)):
+                for direction, n, secs in (("offload", stats.host_offloaded, stats.host_offload_s),
+                                           ("restore", stats.host_restored, stats.host_restore_s)):
                     moved.add_metric([model_id, direction], n)
                     moved_bytes.add_metric([model_id, direction], n * handle.host_block_bytes)
+                    move_s.add_metric([model_id, direction], secs)
+                    if secs > 0:
+                        bandwidth.add_metric([model_id, direction], n * handle.host_block_bytes / secs)
             encodes.add_metric([model_id], stats.image_encodes)
             reuses.add_metric([model_id], stats.image_reuses)
             drafts.add_metric([model_id], stats.spec_drafts)
@@ -106,7 +114,8 @@ class _EngineState:
                     temp.add_metric(labels, t["temperature_c"])
                 if t.get("threads"):
                     threads.add_metric([model_id, str(t["rank"]), t.get("cpu_isa", "")], t["threads"])
-        yield from (running, waiting, kv, preempt, queries, hits, tier_hits, moved, moved_bytes, encodes, reuses, drafts, drafted, accepted, status,
+        yield from (running, waiting, kv, preempt, queries, hits, tier_hits, moved, moved_bytes, move_s, bandwidth, encodes,
+                    reuses, drafts, drafted, accepted, status,
                     used, total, util, temp, threads)
 
 
