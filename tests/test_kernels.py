@@ -131,14 +131,40 @@ def test_paged_prefill_attends_each_chunk_causally_after_its_cached_prefix(n_q, 
         assert (items >= 0).sum() < size
     scale = hd ** -0.5
     out = torch.full(q.shape, 7.0, dtype=dtype)
+    # every range a key tile (min_split_keys 0): the contexts here are a few tiles long
     K.paged_prefill(q, kc, vc, tables, spans, kv_of_q.int(), repeat, scale, max(n for _, n, _, _ in SPANS), out,
-                    splits, items)
+                    splits, items, min_split_keys=0)
     spans = spans[: len(SPANS)]
     ref = reference_prefill(q, kc, vc, tables, spans, kv_of_q, scale)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert (out[:99].double() - ref[:99]).abs().max() < tol
     # A row of no chunk: not written, or with key ranges split (a graph's padding) zeros.
     assert (out[99] == (7.0 if splits == 1 else 0.0)).all()
+
+
+@pytest.mark.parametrize("min_keys", [512, 64])
+def test_a_prefill_split_into_more_ranges_than_a_context_fills_merges_only_the_ranges_it_wrote(min_keys):
+    """32 ranges of 512 keys at least over contexts of at most 93 keys: one range is written, 31
+    are empty (never stored, never read). Of 64 keys: two."""
+    q, kc, vc, tables, kv_of_q, repeat = prefill_case(8, 2, 64, True, torch.float32, seed=11)
+    spans = torch.tensor(SPANS + [(0, 0, 0, 0)] * 2, dtype=torch.int32)
+    ns = spans[:, 1].tolist()
+    items = torch.from_numpy(K.prefill_work(ns, repeat, 64, q.device, K.prefill_work_size(sum(ns), len(ns), repeat, 64,
+                                                                                         q.device)))
+    out = torch.full(q.shape, 7.0)
+    K.paged_prefill(q, kc, vc, tables, spans, kv_of_q.int(), repeat, 64 ** -0.5, max(ns), out, 32, items,
+                    min_split_keys=min_keys)
+    ref = reference_prefill(q, kc, vc, tables, spans[: len(SPANS)], kv_of_q, 64 ** -0.5)
+    assert (out[:99].double() - ref[:99]).abs().max() < 1e-5 and (out[99] == 0).all()
+
+
+def test_prefill_splits_give_every_multiprocessor_two_programs_when_the_tiles_alone_do_not():
+    cpu = torch.device("cpu")  # tiles of 128 (query, head) rows at head dim 128
+    assert K.prefill_splits(16, 4, 32, 128, 132, cpu) == 32  # one tile a KV head: 8 programs
+    assert K.prefill_splits(128, 4, 32, 128, 132, cpu) == 8  # four tiles a KV head
+    assert K.prefill_splits(512, 4, 32, 128, 132, cpu) == 2
+    assert K.prefill_splits(2048, 4, 32, 128, 132, cpu) == 1
+    assert K.prefill_splits(16, 0, 5, 80, 132, cpu) == 32  # heads of no uniform group: a program each
 
 
 def test_a_chunk_query_sees_the_keys_up_to_its_own_position_and_none_after():

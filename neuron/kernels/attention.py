@@ -262,7 +262,8 @@ def _prefill_kernel(Q, K, V, Tables, Spans, KvOfQ, Out, Work,
                     GROUP: tl.constexpr, UNIFORM: tl.constexpr,
                     D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr,
                     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr,
-                    PartOut, PartML, T, NQ, PDL: tl.constexpr, WORK: tl.constexpr, SPAN: tl.constexpr):
+                    PartOut, PartML, T, NQ, PDL: tl.constexpr, WORK: tl.constexpr, SPAN: tl.constexpr,
+                    MIN_TILES: tl.constexpr):
     """A tile is ``ROWS`` consecutive (query, head of the group) pairs of a chunk, whatever the
     group's size: a group of 6 wastes no rows, as padding it to 8 would. ``WORK``: each program's
     (span, tile) is its item of ``Work`` (``prefill_work.py``), not its place in the grid."""
@@ -306,8 +307,9 @@ def _prefill_kernel(Q, K, V, Tables, Spans, KvOfQ, Out, Work,
         # are masked per row. Keys past the last query are never read.
         full = (start + m0 + 1) // BLOCK_N * BLOCK_N
         end = start + tl.minimum((tile * ROWS + ROWS - 1) // GROUP + 1, n)
-        # With SPLITS, this program takes one of SPLITS ranges of whole key tiles.
-        share = tl.cdiv(tl.cdiv(end, BLOCK_N), SPLITS) * BLOCK_N
+        # With SPLITS, this program takes one of SPLITS ranges of whole key tiles, MIN_TILES at
+        # least: a short context leaves the last ranges empty, and their programs store nothing.
+        share = tl.maximum(tl.cdiv(tl.cdiv(end, BLOCK_N), SPLITS), MIN_TILES) * BLOCK_N
         lo = split * share
         hi = tl.minimum(end, lo + share)
         m, lsum, acc = _prefill_keys(q, m, lsum, acc, K, V, Tables, slot, kv_head, qpos, lo, tl.minimum(hi, full),
@@ -320,7 +322,7 @@ def _prefill_kernel(Q, K, V, Tables, Spans, KvOfQ, Out, Work,
         if SPLITS == 1:
             out = acc / lsum[:, None]  # every row sees key 0 at least
             tl.store(Out + rows_at + d[None, :], out.to(Out.dtype.element_ty), mask=qmask)
-        else:  # the range's unnormalised output, running max and sum; _prefill_merge adds them up
+        elif lo < end:  # the range's unnormalised output, running max and sum; _prefill_merge adds them up
             part = (split * T + row0 + i).to(tl.int64) * NQ + heads  # [SPLITS, T, n_q] rows
             tl.store(PartOut + part[:, None] * D_PAD + d[None, :], acc, mask=qmask)
             tl.store(PartML + part * 2, m, mask=hmask)
@@ -340,7 +342,7 @@ def _prefill_merge(PartOut, PartML, Out, T, NQ, stride_ot, stride_oh, D: tl.cons
     ms = tl.load(PartML + parts * 2)
     ls = tl.load(PartML + parts * 2 + 1)
     w = tl.where(ms == float("-inf"), 0.0, tl.exp2(ms - tl.max(ms, 0)))  # an empty range weighs nothing
-    acc = tl.load(PartOut + parts[:, None] * D_PAD + d[None, :])
+    acc = tl.load(PartOut + parts[:, None] * D_PAD + d[None, :], mask=(w > 0)[:, None], other=0.0)
     # A range that a row sees no key of (past its position, or never written) is not read: its
     # sums are NaN or garbage.
     total = tl.sum(tl.where(w[:, None] > 0, acc * w[:, None], 0.0), 0)
@@ -351,7 +353,8 @@ def _prefill_merge(PartOut, PartML, Out, T, NQ, stride_ot, stride_oh, D: tl.cons
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                   spans: torch.Tensor, kv_of_q: torch.Tensor, gqa_repeat: int, scale: float, max_n: int,
-                  out: torch.Tensor | None = None, splits: int = 1, work: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, splits: int = 1, work: torch.Tensor | None = None,
+                  min_split_keys: int = 512) -> torch.Tensor:
     """Causal attention of prompt chunks over the paged cache. q [T, n_q, hd] (rows may be
     strided); caches [blocks, block_size, n_kv, hd]; tables [rows, max_blocks] int32; ``spans``
     [S, 4] int32, one (first row in q, tokens n, table row, start position) per chunk: query i of
@@ -360,8 +363,10 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     ``splits`` > 1 (a power of two) divides each tile's keys into that many ranges run by their own programs and
     merged after (a short chunk after a long cached prefix would otherwise keep a few programs
     busy over thousands of keys); the merge writes every row of ``out``, so each row must then
-    be a chunk's or padding (a prefill graph's rows are). ``work``: the chunks' tiles as
-    ``prefill_work.prefill_work`` lists them (int64), one program each (a prefill graph's)."""
+    be a chunk's or padding (a prefill graph's rows are). A range holds ``min_split_keys`` keys at
+    least (whole key tiles): a short context leaves the last ranges empty, costing almost nothing.
+    ``work``: the chunks' tiles as ``prefill_work.prefill_work`` lists them (int64), one program
+    each (a prefill graph's)."""
     T, n_q, D = q.shape
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and spans.dtype == torch.int32 and spans.is_contiguous()
     assert splits == pow2(splits)
@@ -386,7 +391,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         out.stride(0), out.stride(1), scale * 1.4426950408889634,  # exp2 of log2(e) * x is exp(x)
         GROUP=group, UNIFORM=uniform, D=D, D_PAD=d_pad, BS=k_cache.shape[1], ROWS=rows, BLOCK_N=block_n,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLITS=splits,
-        PartOut=part_out, PartML=part_ml, T=T, NQ=n_q, WORK=work is not None, SPAN=WORK_SPAN, num_warps=warps, num_stages=stages,
+        PartOut=part_out, PartML=part_ml, T=T, NQ=n_q, WORK=work is not None, SPAN=WORK_SPAN,
+        MIN_TILES=max(1, -(-min_split_keys // block_n)), num_warps=warps, num_stages=stages,
         **pdl_args(q.device))
     if splits > 1:
         _prefill_merge[(T, n_q)](part_out, part_ml, out, T, n_q, out.stride(0), out.stride(1), D=D, D_PAD=d_pad,

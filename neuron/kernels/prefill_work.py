@@ -32,6 +32,20 @@ def prefill_tiles(d_pad: int, device: torch.device) -> tuple[int, int, int, int]
     return PREFILL_TILES[d] if device.type != "cuda" or need <= shared_memory(device) else SMALL_TILES[d]
 
 
+def prefill_splits(tokens: int, gqa_repeat: int, n_q: int, head_dim: int, sm_count: int,
+                   device: torch.device) -> int:
+    """Key ranges per query tile in a step of ``tokens`` query rows: as many as give every
+    multiprocessor two programs where the step's tiles alone would not (a short question after a
+    long cached prefix: a 16-token turn after 28,000 cached tokens was one tile a KV head, eight
+    programs each reading every key), a power of two, at most 32. Ranges hold 512 keys at least
+    (``paged_prefill``), so a short context uses few of them."""
+    group = max(1, gqa_repeat)
+    rows = prefill_tiles(pow2(head_dim), device)[0]
+    programs = -(-tokens * group // rows) * max(1, n_q // group)
+    want = 2 * sm_count // programs
+    return 1 if want < 2 else min(32, 1 << (want.bit_length() - 1))
+
+
 def prefill_work_size(tokens: int, spans: int, gqa_repeat: int, head_dim: int, device: torch.device) -> int:
     """Items of a prefill graph's work list (``prefill_work``): enough for any ``spans`` chunks
     of ``tokens`` in all."""

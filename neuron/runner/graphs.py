@@ -253,10 +253,10 @@ class StepGraphs:
         r = self.runner
         v = self._pg_layout(self._pg_in, n)
         ids = r.resolve(v["ids"], v["slot"])
-        # Small steps split each tile's keys four ways: a question after a long cached prefix is a
-        # few query tiles over thousands of keys, too few programs to keep the device busy.
-        # Its one-token chunks (decodes) go through the decode kernel: as chunks of the prefill
-        # kernel, a tile of 128 (query, head) rows held 4, one program to an SM.
+        # Small steps split each tile's keys (prefill_splits): a question after a long cached
+        # prefix is a few query tiles over thousands of keys, too few programs to keep the device
+        # busy. Its one-token chunks (decodes) go through the decode kernel: as chunks of the
+        # prefill kernel, a tile of 128 (query, head) rows held 4, one program to an SM.
         D = min(r.cfg.max_seqs, n)
         rows, places, tables, ctx = v["decodes"][:, :D]
         shape = r.attention.shape
@@ -266,7 +266,9 @@ class StepGraphs:
                                     decode_slots=tables, decode_ctx=ctx.to(torch.int32), decode_max_ctx=r.cfg.max_len,
                                     decode_splits=splits,
                                     prefill_spans=v["spans"].to(torch.int32), prefill_max_n=n,
-                                    prefill_splits=4 if n <= 128 else 1, prefill_work=v["work"][: self._work_size(n)],
+                                    prefill_splits=r.attention.kernels.prefill_splits(
+                                        n, shape.gqa_repeat, shape.n_q, shape.head_dim, r.sm_count, r.device),
+                                    prefill_work=v["work"][: self._work_size(n)],
                                     state_spans=StateSpans([], v["states"], n, [], v["chunks"], v["conv_snaps"])
                                     if r.states.slots else None)
         return ids, r.model.forward(ids, v["pos"], r.attention, v["rows"]), None
