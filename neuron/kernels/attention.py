@@ -307,8 +307,7 @@ def _prefill_kernel(Q, K, V, Tables, Spans, KvOfQ, Out, Work,
         # are masked per row. Keys past the last query are never read.
         full = (start + m0 + 1) // BLOCK_N * BLOCK_N
         end = start + tl.minimum((tile * ROWS + ROWS - 1) // GROUP + 1, n)
-        # With SPLITS, this program takes one of SPLITS ranges of whole key tiles, MIN_TILES at
-        # least: a short context leaves the last ranges empty, and their programs store nothing.
+        # One of SPLITS ranges of whole key tiles, MIN_TILES at least (the last may be empty).
         share = tl.maximum(tl.cdiv(tl.cdiv(end, BLOCK_N), SPLITS), MIN_TILES) * BLOCK_N
         lo = split * share
         hi = tl.minimum(end, lo + share)
@@ -364,9 +363,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     merged after (a short chunk after a long cached prefix would otherwise keep a few programs
     busy over thousands of keys); the merge writes every row of ``out``, so each row must then
     be a chunk's or padding (a prefill graph's rows are). A range holds ``min_split_keys`` keys at
-    least (whole key tiles): a short context leaves the last ranges empty, costing almost nothing.
-    ``work``: the chunks' tiles as ``prefill_work.prefill_work`` lists them (int64), one program
-    each (a prefill graph's)."""
+    least: a short context leaves the last ranges empty. ``work``: the chunks' tiles as
+    ``prefill_work.prefill_work`` lists them (int64), one program each (a prefill graph's)."""
     T, n_q, D = q.shape
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and spans.dtype == torch.int32 and spans.is_contiguous()
     assert splits == pow2(splits)
