@@ -78,7 +78,8 @@ class HostPlanning:
         live = [(req, run, entry, slot, h) for req, run, entry, slot, h in self._restores
                 if req.run == run and entry < len(req.blocks)]
         bs = self.blocks.block_size
-        written = {b for x in plan for b in x.req.blocks[x.start_pos // bs: (x.start_pos + len(x.tokens) - 1) // bs + 1]}
+        written = {b for x in plan for b in x.req.blocks[x.start_pos // bs: (x.start_pos + len(x.tokens) - 1) // bs + 1]} \
+            if self.host.deferred_any else set()
         moves = self.host.take_moves([(slot, req.blocks[entry]) for req, _, entry, slot, _ in live],
                                      self.restore_per_step * (1 if self._decoding else 4), written,
                                      not self._decoding)

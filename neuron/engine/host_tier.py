@@ -104,6 +104,10 @@ class HostTier:
     def deferred(self, block: int) -> bool:
         return block in self._deferred
 
+    @property
+    def deferred_any(self) -> bool:
+        return bool(self._deferred)
+
     def _due(self, restores: list[tuple[int, int]], written: set[int], everything: bool) -> None:
         """The deferred offloads the next step must carry (see the module's docstring)."""
         if not self._deferred:
