@@ -22,6 +22,7 @@ MAX_ARRAY_DEPTH = 4  # llama.cpp reads no nested arrays at all
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
 _STRING, _ARRAY = 8, 9
+_LENGTH = struct.Struct("<Q")
 _ELEMENT_TYPES = {
     GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
     GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8, GGMLQuantizationType.I16: np.int16,
@@ -154,6 +155,20 @@ class GgufFile:
         self._pos = end
         return text
 
+    def _strings(self, count: int) -> list[str]:
+        """An array of strings (a tokenizer's 50-150k tokens and merges) in one tight loop."""
+        buf, pos, size, length = self._buf, self._pos, len(self._buf), _LENGTH.unpack_from
+        out = []
+        for _ in range(count):
+            n = length(buf, pos)[0]
+            pos += 8
+            if pos + n > size:
+                raise GgufFormatError(f"{self.path.name}: a string runs past the end of the file")
+            out.append(str(buf[pos:pos + n], "utf-8", "replace"))
+            pos += n
+        self._pos = pos
+        return out
+
     def _value(self, vtype: int, depth: int = 0) -> Any:
         if vtype in _SCALAR:
             return self._take(_SCALAR[vtype])
@@ -173,6 +188,8 @@ class GgufFile:
                 return values
             if count > len(self._buf) - self._pos:  # every element takes a byte at least
                 raise GgufFormatError(f"{self.path.name}: an array of {count} runs past the end of the file")
+            if etype == _STRING:
+                return self._strings(count)
             return [self._value(etype, depth + 1) for _ in range(count)]
         raise GgufFormatError(f"{self.path.name}: unknown metadata value type {vtype}")
 

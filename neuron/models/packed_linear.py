@@ -23,6 +23,14 @@ def pack_nibbles(u: torch.Tensor) -> torch.Tensor:
     return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(N, K // 2).contiguous()
 
 
+def _packed(q: QuantWeight, bits: int, device: torch.device) -> torch.Tensor:
+    """``q``'s integers as the kernels read them, on ``device``: 4-bit ones two a byte."""
+    if q.nibbles is not None and q.stored is None:
+        return _tensor(q.nibbles).to(device)
+    u = _tensor(q.u).to(device)
+    return pack_nibbles(u) if bits == 4 else u.contiguous()
+
+
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     T, half = packed.shape
     g = packed.reshape(T, half // 16, 16)
@@ -48,9 +56,7 @@ class PackedLinear:
             # scale and offset side by side (pair_scales), in float16, or float32 for the K-quants (exact)
             from neuron.kernels.gpu import coarsen_scales, pair_scales, unpack_modes
 
-            u = _tensor(q.u).to(self.device)
-            self.u = pack_nibbles(u) if self.bits == 4 else u.contiguous()
-            del u
+            self.u = _packed(q, self.bits, self.device)
             scales = [_tensor(t).to(self.device) for t in (q.s, q.m)]
             if q.sup is None:
                 scales = [t.to(torch.float16) for t in scales]
@@ -64,8 +70,7 @@ class PackedLinear:
             self._plain = False
             return
         q = q.on_host()
-        u = torch.from_numpy(np.ascontiguousarray(q.u))
-        self.u = pack_nibbles(u) if self.bits == 4 else u
+        self.u = _packed(q, self.bits, self.device)
         if q.sup is not None:  # exact: the integers and float16s the file builds its scales from
             self.s, self.m = torch.from_numpy(q.sup.sc.copy()), torch.from_numpy(q.sup.mn.copy())
             self.d = torch.from_numpy(q.sup.d.copy())

@@ -68,48 +68,74 @@ class QuantWeight:
     """``w[n, k] = s[n, k // g] * u[n, k] + m[n, k // g]`` with ``u < 2**bits``, ``g = group``
     (32, or 16 for the K-quants with 16-element sub-blocks). ``u``, ``s`` and ``m`` are numpy
     arrays, or torch tensors on the GPU that quantized them in situ (they stay there: the packed
-    matrix is built on the device); ``sup`` and ``perm`` are numpy."""
+    matrix is built on the device); ``sup`` and ``perm`` are numpy. ``s`` and ``m`` are float32,
+    or float16 where the file holds them so (exact either way).
 
-    u: np.ndarray | torch.Tensor  # uint8 [N, K]
-    s: np.ndarray | torch.Tensor  # float32 [N, K/group]
-    m: np.ndarray | torch.Tensor  # float32 [N, K/group]
+    ``nibbles``: a 4-bit ``u`` as GGUF's Q4_0 / Q4_1 blocks pack it (``pack_nibbles``'s layout),
+    kept from the file so that loading copies bytes instead of unpacking and repacking them; ``u``
+    is then unpacked only if asked for."""
+
+    stored: np.ndarray | torch.Tensor | None  # uint8 [N, K]; None while only ``nibbles`` holds it
+    s: np.ndarray | torch.Tensor  # [N, K/group]
+    m: np.ndarray | torch.Tensor  # [N, K/group]
     bits: int
     source: str  # what the file held: "Q4_1", "Q8_0", "q4 (in situ)", ...
     group: int = GROUP
     sup: SuperScales | None = None  # the K-quants: s and m from super-block scales
     perm: np.ndarray | None = None  # the input's columns in this weight's order (GPTQ's desc_act)
+    nibbles: np.ndarray | None = None  # uint8 [N, K/2]
+
+    @property
+    def u(self) -> np.ndarray | torch.Tensor:
+        if self.stored is None:
+            n = self.nibbles
+            self.stored = np.concatenate([n.reshape(n.shape[0], -1, 16) & 15, n.reshape(n.shape[0], -1, 16) >> 4],
+                                         axis=2).reshape(n.shape[0], -1)
+        return self.stored
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.u.shape  # type: ignore[return-value]
+        if self.stored is None:
+            return self.nibbles.shape[0], 2 * self.nibbles.shape[1]
+        return self.stored.shape  # type: ignore[return-value]
+
+    def _with(self, rows=slice(None), cols: slice = slice(None), groups: slice = slice(None),
+              sup: SuperScales | None = None, perm: np.ndarray | None = None) -> QuantWeight:
+        """Rows ``rows`` (a slice or an index array) and columns ``cols`` (a slice on group bounds)."""
+        nibbles = None
+        if self.stored is None:
+            half = slice(None if cols.start is None else cols.start // 2, None if cols.stop is None else cols.stop // 2)
+            nibbles = self.nibbles[rows][:, half]
+        u = None if nibbles is not None else self.u[rows][:, cols]
+        return QuantWeight(u, self.s[rows][:, groups], self.m[rows][:, groups], self.bits, self.source, self.group,
+                           sup, perm, nibbles)
 
     def rows(self, part: range) -> QuantWeight:
         rows = slice(part.start, part.stop)
-        return QuantWeight(self.u[rows], self.s[rows], self.m[rows], self.bits, self.source, self.group,
-                           self.sup.take(rows) if self.sup else None, self.perm)
+        return self._with(rows, sup=self.sup.take(rows) if self.sup else None, perm=self.perm)
 
     def columns(self, part: range) -> QuantWeight:
         """Columns ``part`` of every row; ``part`` must start and end on a group boundary."""
-        K = self.u.shape[1]
+        K = self.shape[1]
         if part.start % GROUP or (part.stop % GROUP and part.stop != K):
             raise ValueError(f"columns {part.start}..{part.stop} do not fall on {GROUP}-element quant groups")
         g = range(part.start // self.group, -(-part.stop // self.group))
-        return QuantWeight(self.u[:, part.start:part.stop], self.s[:, g.start:g.stop], self.m[:, g.start:g.stop],
-                           self.bits, self.source, self.group, self.sup.scale_groups(g) if self.sup else None)
+        return self._with(cols=slice(part.start, part.stop), groups=slice(g.start, g.stop),
+                          sup=self.sup.scale_groups(g) if self.sup else None)
 
     def on_host(self) -> QuantWeight:
         """The same weight with ``u``, ``s`` and ``m`` as numpy arrays."""
-        if not torch.is_tensor(self.u):
+        if not torch.is_tensor(self.stored):
             return self
         return QuantWeight(_host(self.u), _host(self.s), _host(self.m), self.bits, self.source, self.group,
                            self.sup, self.perm)
 
     def dequantize(self) -> np.ndarray:
-        if torch.is_tensor(self.u):
+        if torch.is_tensor(self.stored):
             return self.on_host().dequantize()
-        N, K = self.u.shape
+        N, K = self.shape
         u = self.u.reshape(N, K // self.group, self.group).astype(np.float32)
-        w = (self.s[..., None] * u + self.m[..., None]).reshape(N, K)
+        w = (self.s[..., None] * u + self.m[..., None]).astype(np.float32, copy=False).reshape(N, K)
         if self.perm is None:
             return w
         out = np.empty_like(w)
@@ -117,8 +143,7 @@ class QuantWeight:
         return out
 
     def with_rows(self, order: np.ndarray) -> QuantWeight:
-        return QuantWeight(self.u[order], self.s[order], self.m[order], self.bits, self.source, self.group,
-                           self.sup.take(order) if self.sup else None)
+        return self._with(order, sup=self.sup.take(order) if self.sup else None)
 
     def with_column_order(self, order: np.ndarray) -> QuantWeight:
         """Columns ``order``, which moves whole quant groups (a K-quant's super-block scales are
@@ -138,8 +163,8 @@ class QuantWeight:
         r = self.group // group
         if r == 1:
             return self
-        return QuantWeight(self.u, _repeat(self.s, r), _repeat(self.m, r), self.bits,
-                           self.source, group, self.sup.halved() if self.sup else None)
+        return QuantWeight(self.stored, _repeat(self.s, r), _repeat(self.m, r), self.bits,
+                           self.source, group, self.sup.halved() if self.sup else None, nibbles=self.nibbles)
 
 
 def concat_rows(parts: list[QuantWeight]) -> QuantWeight:
@@ -157,8 +182,10 @@ def concat_rows(parts: list[QuantWeight]) -> QuantWeight:
         if len({s.per for s in sups}) > 1:
             sups = [s.expanded(s.per) for s in sups]
         sup = SuperScales(*(np.concatenate([getattr(s, f) for s in sups]) for f in ("sc", "mn", "d", "dm")))
-    return QuantWeight(_cat([p.u for p in parts]), _cat([p.s for p in parts]), _cat([p.m for p in parts]), bits,
-                       "+".join(sources), group, sup, perm)
+    s, m = _cat([p.s for p in parts]), _cat([p.m for p in parts])
+    if all(p.stored is None for p in parts):
+        return QuantWeight(None, s, m, bits, "+".join(sources), group, sup, perm, np.concatenate([p.nibbles for p in parts]))
+    return QuantWeight(_cat([p.u for p in parts]), s, m, bits, "+".join(sources), group, sup, perm)
 
 
 def _cat(arrays: list) -> np.ndarray | torch.Tensor:
@@ -191,15 +218,14 @@ def decode_blocks(raw: np.ndarray, qtype: Q) -> QuantWeight:
     block, size = GGML_QUANT_SIZES[qtype]
     b = blocks.reshape(-1, size)
     name = qtype.name
-    if qtype == Q.Q4_0:
-        d = _f16(b[:, 0:2])
-        u, s, m = _nibbles(b[:, 2:18]), d, -8 * d
-        bits = 4
-    elif qtype == Q.Q4_1:
-        u, s, m, bits = _nibbles(b[:, 4:20]), _f16(b[:, 0:2]), _f16(b[:, 2:4]), 4
+    if qtype in (Q.Q4_0, Q.Q4_1):  # the file's bytes as they are: nibbles and float16 scales
+        d, first = _half(b[:, 0:2]), 2 if qtype == Q.Q4_0 else 4
+        m = -8 * d if qtype == Q.Q4_0 else _half(b[:, 2:4])
+        return QuantWeight(None, d.reshape(rows, -1), m.reshape(rows, -1), 4, name,
+                           nibbles=np.ascontiguousarray(b[:, first:first + 16]).reshape(rows, -1))
     elif qtype == Q.Q8_0:
-        d = _f16(b[:, 0:2])
-        u = (b[:, 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        d = _half(b[:, 0:2])
+        u = b[:, 2:34] ^ np.uint8(128)  # the int8 + 128
         s, m, bits = d, -128 * d, 8
     elif qtype in (Q.Q5_0, Q.Q5_1):
         off = 2 if qtype == Q.Q5_0 else 4
@@ -233,8 +259,8 @@ def decode_blocks(raw: np.ndarray, qtype: Q) -> QuantWeight:
                            sup=_super(rows, sc, mn, d, dm))
     else:
         return requantize_q8(dequantize(np.ascontiguousarray(raw), qtype).astype(np.float32), f"{name}, requantized")
-    return QuantWeight(u.reshape(rows, -1).astype(np.uint8), s.reshape(rows, -1).astype(np.float32),
-                       m.reshape(rows, -1).astype(np.float32), bits, name)
+    return QuantWeight(u.reshape(rows, -1).astype(np.uint8, copy=False), s.reshape(rows, -1), m.reshape(rows, -1),
+                       bits, name)
 
 
 def _super(rows: int, sc: np.ndarray, mn: np.ndarray, d: np.ndarray, dm: np.ndarray) -> SuperScales:
@@ -269,7 +295,11 @@ def _kquant16(b: np.ndarray, qtype: Q) -> tuple[np.ndarray, tuple[np.ndarray, ..
 
 
 def _f16(two: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(two).view(np.float16).astype(np.float32).reshape(-1, 1)
+    return _half(two).astype(np.float32)
+
+
+def _half(two: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(two).view(np.float16).reshape(-1, 1)
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:

@@ -22,6 +22,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from neuron.models.interface import AttentionShape
 from neuron.models.ops import Rotary, StateSpans, TorchOps
 
+from .host_memory import zeroed
+
 # cuDNN's attention builds an execution plan for every new shape, tens of milliseconds each on an
 # H200, and a prompt chunk's key length is new almost every time. The others take any shape.
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -31,8 +33,7 @@ class PagedKvCache:
     def __init__(self, layers: int, blocks: int, block_size: int, n_kv: int, head_dim: int,
                  device: torch.device, dtype: torch.dtype) -> None:
         shape = (layers, blocks + 1, block_size, n_kv, head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.k, self.v = zeroed((2, *shape), device, dtype, "KV cache").unbind(0)
         self.blocks, self.block_size, self.scratch = blocks, block_size, blocks
 
     @staticmethod
