@@ -14,6 +14,8 @@ import msgspec
 
 from protocol import MAX_DRAFTS
 
+from .prefix_tiers import CacheConfig, cache_refused
+
 
 class ConfigError(ValueError):
     pass
@@ -178,13 +180,6 @@ class DebugConfig:
 @dataclass
 class LogConfig:
     access: bool = True  # one line per request (method, path, status, principal, time, error): access_log.py
-
-
-@dataclass
-class CacheConfig:
-    """The prefix cache's tiers beyond the rank's memory (docs/architecture.md#the-host-tier)."""
-
-    host_gb: float = 0.0  # host memory each model's host tier takes, its ranks together (pinned on a GPU); 0: none
 
 
 @dataclass
@@ -372,9 +367,8 @@ def validate(cfg: Config) -> None:
         for f in dataclasses.fields(section):
             if getattr(section, f.name) <= 0:
                 raise ConfigError(f"{name}.{f.name} must be positive")
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
-    if not 0 <= cfg.cache.host_gb <= 0.8 * memory:
-        raise ConfigError(f"cache.host_gb must be >= 0 and at most 80% of this host's {memory:.1f} GB of memory")
+    if why := cache_refused(cfg.cache):
+        raise ConfigError(why)
     if cfg.http.max_inflight_body_bytes < cfg.server.max_body_bytes:
         raise ConfigError("http.max_inflight_body_bytes must be at least server.max_body_bytes")
 

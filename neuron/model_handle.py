@@ -93,7 +93,11 @@ class ModelHandle:
                                             "hits": stats.host_hits, "offloaded": stats.host_offloaded,
                                             "restored": stats.host_restored,
                                             "offload_seconds": round(stats.host_offload_s, 4),
-                                            "restore_seconds": round(stats.host_restore_s, 4)}}
+                                            "restore_seconds": round(stats.host_restore_s, 4)},
+                                   **({"disk": {"blocks": stats.disk_blocks, "used": stats.disk_used,
+                                                "block_bytes": self.host_block_bytes, "hits": stats.disk_hits,
+                                                "written": stats.disk_written, "read": stats.disk_read}}
+                                      if stats.disk_blocks else {})}
             if stats.host_blocks else {},
             "leader_ms_per_step": round(stats.leader_ms_per_step, 4), "step_ms": round(stats.step_ms, 3),
             "rank_host_ms_per_step": round(stats.rank_host_ms_per_step, 4),

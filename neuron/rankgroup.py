@@ -149,9 +149,10 @@ class RankGroup:
         deadline = 2 * (self.timeouts.step_base_s + self.timeouts.step_per_token_s * tokens)
         cid = next(_ids)
         call = self._open(cid, {self.sampler})
+        moved = {"offload": moves.offload, "restore": moves.restore, "spill": moves.spill, "fetch": moves.fetch,
+                 "disk_drop": moves.drop} if moves else {}
         frame = p.encode(p.Step(id=cid, epoch=self.epoch, step_id=step_id, seqs=seqs,
-                                forget_images=forget_images or [], offload=moves.offload if moves else [],
-                                restore=moves.restore if moves else []))
+                                forget_images=forget_images or [], **moved))
         for rank in range(self.world):
             await self._send(rank, frame)
 

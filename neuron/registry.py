@@ -36,6 +36,7 @@ from .models.sharding import ShardingError
 
 from .leader_sockets import CurveGate, TapMirror
 from .model_handle import ModelHandle
+from .prefix_tiers import shard_fields, tiers_loaded
 from .rankgroup import GroupFailed, RankError, RankGroup
 from .speculation import draft_policy, speculation_refused
 
@@ -222,7 +223,7 @@ class Registry:
                 state_snapshots=entry.state_snapshots if z.cache_key is not None else 0,
                 checkpoint_quant=spec.checkpoint_quant, pipeline=entry.pipeline_parallel,
                 draft_rows=z.speculative.rows if z.speculative else 0, mtp=entry.speculative.method == "mtp",
-                host_bytes=int(self.cfg.cache.host_gb * 1e9 / group.world) if z.cache_key is not None else 0))
+                **shard_fields(self.cfg, handle, group.world)))
         except BaseException:
             await group.close_after_failure()
             raise
@@ -251,16 +252,8 @@ class Registry:
         if state_slots and not snapshots and handle.engine.sizing.cache_key is not None:
             log.info("%s: its layers keep per-sequence state and no slot is left for snapshots; prefix caching is "
                      "off", handle.id)
-        host = min(ok.host_blocks for ok in oks.values())
-        if self.cfg.cache.host_gb and z.cache_key is not None and not host:
-            log.warning("%s: no host tier (cache.host_gb %g): %s", handle.id, self.cfg.cache.host_gb,
-                        "its layers keep a recurrent state, whose snapshots stay in the ranks" if state_slots
-                        else "less than one KV block")
-        # Beside decodes a step restores up to 64 MiB a rank from the host tier (docs/architecture.md).
-        per_block = [ok.kv_bytes // (ok.kv_blocks + 1) for _, ok in sorted(oks.items())]
-        handle.host_bytes = [oks[r].host_blocks * per_block[r] for r in range(group.world)]
-        handle.host_block_bytes = sum(per_block)
-        handle.engine.attach(group, blocks, entry.block_size, state_slots, snapshots, host, (64 << 20) // max(1, *per_block))
+        host, per_step, disk = tiers_loaded(self.cfg, handle, oks, state_slots)
+        handle.engine.attach(group, blocks, entry.block_size, state_slots, snapshots, host, per_step, disk)
         return group
 
     def _forget(self, handle: ModelHandle) -> None:

@@ -189,6 +189,9 @@ class CheckpointQuant(msgspec.Struct, frozen=True):
     keep_float: list[str] = []  # modules left unquantized (names or name prefixes)
 
 
+BlockHash = bytes  # a KV block's chain hash (engine/blocks.py); LoadOk has a field named bytes
+
+
 class LoadShard(Frame, tag="load_shard"):
     model: str
     format: str  # safetensors | gguf
@@ -213,19 +216,33 @@ class LoadShard(Frame, tag="load_shard"):
     draft_rows: int = 0  # the most rows (decodes and their drafts) a step with drafts carries
     mtp: bool = False  # load the checkpoint's multi-token-prediction layer (StepSeq.propose)
     host_bytes: int = 0  # host memory for the host tier of the prefix cache (Step.offload); 0: none
+    # The disk tier below it (Step.spill, Step.fetch): this rank's files under ``disk_dir``, at most
+    # ``disk_bytes`` of them, kept only while ``disk_identity`` (what the K/V was computed with) holds.
+    disk_dir: str = ""
+    disk_bytes: int = 0
+    disk_identity: str = ""
 
 
 class Step(Frame, tag="step"):
     """``offload``: (KV block, host slot) pairs, each block's K/V copied into the slot of the
     rank's host tier (``LoadOk.host_blocks``) before anything else of the step; ``restore``:
     (host slot, KV block) pairs, each slot's copied back into the block next, before the
-    step's sequences run."""
+    step's sequences run.
+
+    The disk tier, before those: ``disk_drop``, files deleted (by block hash); ``spill``, (host
+    slot, hash) pairs, the slot's block written to disk (in the background) before the slot is
+    reused; after the moves, ``fetch``, (hash, host slot) pairs, files read into host slots in
+    the background (a restore from such a slot waits for its read). A step may hold no ``seqs``:
+    it carries moves, or asks for the disk tier's news (``StepResult.disk_fetched``)."""
 
     step_id: int
     seqs: list[StepSeq]
     forget_images: list[bytes] = []  # image embeddings the ranks drop after the step's own images (by key)
     offload: list[tuple[int, int]] = []
     restore: list[tuple[int, int]] = []
+    disk_drop: list[bytes] = []
+    spill: list[tuple[int, bytes]] = []
+    fetch: list[tuple[bytes, int]] = []
 
 
 class StepMasks(Frame, tag="step_masks"):
@@ -291,6 +308,8 @@ class LoadOk(Frame, tag="load_ok"):
     state_bytes: int = 0
     state_snapshots: int = 0  # of the state slots, those for snapshots (the rest: one per running sequence)
     host_blocks: int = 0  # slots of the host tier (LoadShard.host_bytes), each one KV block
+    disk_blocks: int = 0  # block files the disk tier holds at most (LoadShard.disk_bytes)
+    disk_hashes: list[BlockHash] = []  # those it holds from before, least recently used first
     cpu_isa: str = ""  # the CPU kernels' instruction-set level ("avx2", ...), "none" without them; "" on a GPU
     # What a step costs on a GPU with CUDA graphs, measured at load (runner/step_times.py):
     # (decode graph batch, ms) and (prefill graph tokens, ms); empty elsewhere.
@@ -309,6 +328,10 @@ class StepResult(Frame, tag="step_result"):
     # Per seq, the drafts its MTP layer proposes to follow tokens[i] (StepSeq.propose); None when
     # no seq of the step asked.
     proposals: list[list[int]] | None = None
+    # The disk tier's news since the last step (the sampling rank's own): blocks read into their
+    # host slots, and blocks it no longer holds (a read or write that failed, a file deleted).
+    disk_fetched: list[bytes] = []
+    disk_lost: list[bytes] = []
 
 
 class Freed(Frame, tag="freed"):

@@ -30,9 +30,10 @@ PROFILE: Path | None = None  # --profile
 
 
 def serve(model: Path, tp: int, slots: int, max_len: int, device: str, log: Path,
-          caching: bool = True, quantize: str = "", speculative: str = "") -> tuple[subprocess.Popen, str, float]:
+          caching: bool = True, quantize: str = "", speculative: str = "",
+          env: dict | None = None) -> tuple[subprocess.Popen, str, float]:
     port = free_port()
-    env = {**os.environ, "NEURON_MODELS__0__MAX_SLOTS": str(slots), "NEURON_MODELS__0__MAX_MODEL_LEN": str(max_len),
+    env = {**os.environ, **(env or {}), "NEURON_MODELS__0__MAX_SLOTS": str(slots), "NEURON_MODELS__0__MAX_MODEL_LEN": str(max_len),
            "NEURON_MODELS__0__PREFIX_CACHING": str(caching).lower(), "NEURON_MODELS__0__QUANTIZE": quantize,
            "NEURON_MODELS__0__GPU_MEMORY_UTILIZATION": str(MEMORY), "NEURON_MODELS__0__DTYPE": DTYPE,
            # a level's streams all arrive at once: none is refused for the queue's length

@@ -36,7 +36,10 @@ def test_a_file_s_values_take_their_types(tmp_path):
     ("server = 3\n", r"\[server\] must be a table"),
     ("[cache]\nhost_gb = -1.0\n", "cache.host_gb must be >= 0"),
     ("[cache]\nhost_gb = 1e9\n", r"at most 80% of this host's [0-9.]+ GB of memory"),
-    ("[cache]\ndisk_gb = 1.0\n", r"\[cache\] has unknown keys: disk_gb"),
+    ("[cache]\ndisk_size = 1.0\n", r"\[cache\] has unknown keys: disk_size"),
+    ("[cache]\ndisk_gb = 1.0\n", "cache.disk_dir and cache.disk_gb go together"),
+    ("[cache]\ndisk_gb = 1.0\ndisk_dir = \"/tmp/neuron-kv-test\"\n", r"and need cache.host_gb"),
+    ("[cache]\nhost_gb = 0.1\ndisk_gb = 1.0\ndisk_dir = \"/tmp\"\n", "cache.disk_dir: .* writable by its group or others"),
 ])
 def test_a_wrong_value_in_the_file_is_named(tmp_path, text, words):
     with pytest.raises(ConfigError, match=words):

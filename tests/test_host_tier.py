@@ -71,8 +71,8 @@ def serve(jobs, blocks: int, block_size: int, host: int, in_flight: int = 2, one
     return asyncio.run(main())
 
 
-def take(sched: Scheduler, plan, tokens: list[int]) -> None:
-    sched.completed(plan)
+def take(sched: Scheduler, plan, tokens: list[int], fetched=(), lost=()) -> None:
+    sched.completed(plan, fetched, lost)
     for x, tok in zip(plan, tokens):
         if not x.sample:
             continue

@@ -34,20 +34,18 @@ class Engine:
         self.images = ImageCache(sizing.image_token_bytes, int(cfg.image_embedding_cache_mb * 2**20))
         self._snapshots = 0
         self._cache_counts = (0, 0)  # prefix-cache queries and hits of the caches before this one
-        self._host_counts = (0, 0, 0)  # host-tier hits, offloads and restores of the tiers before this one
+        self._host_counts = (0,) * 6  # the host and disk tiers' counts (HostTier.counts) of those before this one
         # Steps in flight: the next is sent before the last one's reply is in (overlapped steps).
         self.depth = max(sizing.steps_in_flight, sizing.pipeline)
         self._group = 0  # the micro-batch group planned next (pipeline stages)
         self.inflight: deque[tuple[list[Planned], asyncio.Future]] = deque()
         self.group: RankGroup | None = None
         self.accepting = True
-        self._wake = asyncio.Event()
-        self._idle = asyncio.Event()
+        self._wake, self._idle = asyncio.Event(), asyncio.Event()
         self._idle.set()
         self._task: asyncio.Task | None = None
         self._step_ids = 0
-        self.steps = 0
-        self.tokens_generated = 0
+        self.steps = self.tokens_generated = 0
         self.leader_s = 0.0
         self.rank_host_ms = 0.0  # rank 0's host time preparing and launching steps, summed
         self.mask_wait_ms = 0.0  # ... of it, waiting for late masks
@@ -67,23 +65,23 @@ class Engine:
         sched.late_masks = z.pipeline == 1 and z.steps_in_flight > 1
         return sched
 
-    def _host_tallies(self) -> tuple[int, int, int]:
-        h, (hits, offloaded, restored) = self.sched.host, self._host_counts
-        return (hits + h.hits, offloaded + h.offloaded, restored + h.restored) if h else self._host_counts
+    def _host_tallies(self) -> tuple[int, ...]:
+        h = self.sched.host
+        return tuple(a + b for a, b in zip(self._host_counts, h.counts())) if h else self._host_counts
 
     # ----------------------------------------------------------------------------- control
     def attach(self, group: RankGroup, num_blocks: int, block_size: int, state_slots: int = 0,
-               snapshots: int = 0, host_blocks: int = 0, restore_per_step: int = 0) -> None:
+               snapshots: int = 0, host_blocks: int = 0, restore_per_step: int = 0, disk: tuple = ()) -> None:
         """Serve on ``group``, whose ranks hold ``num_blocks`` KV blocks and ``state_slots``
         per-sequence state slots each (``snapshots`` of them beyond one per slot, for the prefix
-        cache's state snapshots), and ``host_blocks`` slots of a host tier, of which a step beside
-        decodes restores ``restore_per_step`` at most."""
+        cache's state snapshots), ``host_blocks`` slots of a host tier, of which a step beside
+        decodes restores ``restore_per_step`` at most, and ``disk`` (files, hashes) a disk tier."""
         self.group = group
         old = self.sched.blocks  # a fresh cache (the ranks' is new); the counters carry on
         self._cache_counts = (self._cache_counts[0] + old.queries, self._cache_counts[1] + old.hits)
         self._host_counts = self._host_tallies()
         self.sched = self._scheduler(num_blocks, block_size, state_slots, snapshots)
-        self.sched.use_host(host_blocks, restore_per_step)
+        self.sched.use_host(host_blocks, restore_per_step, *disk)
         self.images.clear()  # the new ranks keep no image embeddings
         self._snapshots = snapshots
         if self._task is None or self._task.done():
@@ -157,7 +155,7 @@ class Engine:
             return False
 
     def stats(self) -> EngineStats:
-        s, (host_hits, host_offloaded, host_restored) = self.sched, self._host_tallies()
+        s, (host_hits, host_offloaded, host_restored, *disk) = self.sched, self._host_tallies()
         return EngineStats(len(s.running), len(s.waiting), s.max_slots - len(s.free_slots), s.max_slots,
                            self.steps, self.tokens_generated, kv_usage=s.blocks.used / s.blocks.num_blocks,
                            kv_blocks=s.blocks.num_blocks, preemptions=s.preemptions,
@@ -169,6 +167,8 @@ class Engine:
                            host_blocks=s.host.slots if s.host else 0, host_used=s.host.used if s.host else 0,
                            host_hits=host_hits, host_offloaded=host_offloaded, host_restored=host_restored,
                            host_offload_s=self.move_ms[0] / 1e3, host_restore_s=self.move_ms[1] / 1e3,
+                           disk_blocks=s.host.disk_blocks if s.host else 0, disk_used=len(s.host.disk or ()) if s.host else 0,
+                           disk_hits=disk[0], disk_written=disk[1], disk_read=disk[2],
                            leader_ms_per_step=1e3 * self.leader_s / max(1, self.steps), step_ms=self.step_ms,
                            rank_host_ms_per_step=self.rank_host_ms / max(1, self.steps),
                            rank_mask_wait_ms_per_step=self.mask_wait_ms / max(1, self.steps),
@@ -181,7 +181,7 @@ class Engine:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self.group is not None and (not self.sched.idle or self.inflight):
+            while self.group is not None and (not self.sched.idle or self.inflight or self.sched.disk_waits()):
                 try:
                     await self._iterate(self.group)
                 except Exception as exc:  # a bug here must fail requests loudly, never strand them
@@ -213,7 +213,7 @@ class Engine:
         try:
             while len(self.inflight) < self.depth:
                 plan = self._next_plan()
-                if not plan:
+                if not plan and (self.inflight or not self.sched.disk_waits()):  # else: the disk tier's moves
                     break
                 self._step_ids += 1
                 seqs = [p.StepSeq(slot=x.req.slot, tokens=x.tokens, start_pos=x.start_pos, sample=x.sample,
@@ -273,7 +273,7 @@ class Engine:
                 accepted = min(len(drafted[i]), x.drafts) if i < len(drafted) else 0
                 self.sched.drafts_checked(x, accepted)
                 self.spec = [self.spec[0] + 1, self.spec[1] + x.drafts, self.spec[2] + accepted]
-        self.sched.completed(plan)
+        self.sched.completed(plan, result.disk_fetched, result.disk_lost)
         self.rank_host_ms += result.timings.host_ms
         self.mask_wait_ms += result.timings.mask_wait_ms
         self.device_idle_ms += result.timings.idle_ms

@@ -20,15 +20,18 @@ class HostPlanning:
     host: HostTier | None = None
     restore_per_step = 0
 
-    def use_host(self, slots: int, per_step: int) -> None:
+    def use_host(self, slots: int, per_step: int, disk_blocks: int = 0, disk_hashes: list[bytes] = ()) -> None:
         """The ranks hold ``slots`` host slots; beside decodes a step restores ``per_step``
-        blocks at most. Only where prefixes are cached and the model keeps no recurrent state."""
+        blocks at most; below them a disk tier of ``disk_blocks`` files, holding ``disk_hashes``.
+        Only where prefixes are cached and the model keeps no recurrent state."""
         self._restores: list[tuple[GenRequest, int, int, int, bytes]] = []  # (req, run, entry, slot, hash)
         self._moves_out: deque[Moves] = deque()  # of the steps sent, their replies not in
         self._decoding = True  # whether the step being planned decodes
         if slots and self.blocks.cache_key is not None and not self.states.num_slots:
             self.host = HostTier(slots, self.blocks)
             self.restore_per_step = max(1, per_step)
+            if disk_blocks:
+                self.host.use_disk(disk_blocks, list(disk_hashes))
 
     def _from_host(self, req: GenRequest, found: list[tuple[int, bytes]]) -> None:
         """``req``'s table goes on with new blocks for the ``found`` (slot, hash) of the tier."""
@@ -39,7 +42,7 @@ class HostPlanning:
         req.restoring = [(s, first + i, h) for i, (s, h) in enumerate(found)]
         req.host_run = req.run
         tokens = len(found) * self.blocks.block_size
-        self.host.hits += tokens
+        self.host.hits += tokens - sum(s in self.host.fetching for s, _ in found) * self.blocks.block_size
         self.blocks.hits += tokens
         if not req.preempted:
             req.host_tokens = tokens
@@ -55,7 +58,9 @@ class HostPlanning:
         room = self.restore_per_step - len(self._restores) if decoding else 1 << 30
         for req in sorted((r for r in self.running if r.restoring), key=lambda r: len(r.restoring)):
             n = 0
-            for _, entry, _ in req.restoring:
+            for slot, entry, _ in req.restoring:
+                if slot in self.host.fetching:  # still being read from disk
+                    break
                 cost = 1 + self.host.deferred(req.blocks[entry])
                 if cost > room and (n or self._restores):
                     break
@@ -89,10 +94,20 @@ class HostPlanning:
         self._moves_out.append(moves)
         return moves
 
-    def _host_answered(self) -> None:
-        """The oldest step out has answered: the blocks it restored hold their K/V again."""
+    def disk_waits(self) -> bool:
+        """Whether a step with no sequences should go out: for the disk tier's moves or news."""
+        return self.host is not None and self.host.disk_waits
+
+    def _host_answered(self, fetched: list[bytes] = (), lost: list[bytes] = ()) -> None:
+        """The oldest step out has answered: the blocks it restored hold their K/V again; the
+        disk tier's news with it (a request waiting for a block that could not be read starts again)."""
         if self.host is None or not self._moves_out:
             return
+        if fetched or lost:
+            failed = set(self.host.news(fetched, lost))
+            for req in [r for r in self.running if failed.intersection(s for s, _, _ in r.restoring)]:
+                self._preempt(req, requeue=True)
+            self.host.free(list(failed))
         moves = self._moves_out.popleft()
         if moves.epoch != self.host.epoch:
             return

@@ -21,6 +21,16 @@ restores do, which are bounded.
 
 A step that fails may have left some of its moves undone: the tier then forgets everything
 (``reset``), and restores that were out with it cache nothing (their ``epoch`` is old).
+
+Below it, the disk tier (``use_disk``; the ranks' files, ``runner/disk_tier.py``) keeps what the
+host tier holds, written through: the step after a block's offload writes its slot out
+(``Step.spill``), in the background on the ranks; a slot the host tier evicts whose block is not
+on disk yet is written out by the step that reuses it, before the reuse. ``extend`` goes on from
+the host tier into the disk tier: each block found there gets a host slot and a read into it
+(``Step.fetch``), and is restored from that slot like any other once the sampling rank reports the
+read done (``news``); a read that failed (a file damaged or gone) takes the block out of both tiers,
+and the requests waiting for it start again. Least recently used files go first; the ranks
+delete them as told (``Step.disk_drop``).
 """
 
 from __future__ import annotations
@@ -41,6 +51,9 @@ class Moves:
     # (request, its run, table entry, hash) of each block restored: cached once the step answers
     cached: list[tuple] = field(default_factory=list)
     epoch: int = 0
+    spill: list[tuple[int, bytes]] = field(default_factory=list)  # (slot, hash): written to disk
+    fetch: list[tuple[bytes, int]] = field(default_factory=list)  # (hash, slot): read from disk
+    drop: list[bytes] = field(default_factory=list)  # files deleted
 
 
 class HostTier:
@@ -63,12 +76,75 @@ class HostTier:
         self.offloaded = 0  # blocks copied into the tier
         self.restored = 0  # ... and back
         self.hits = 0  # prompt tokens found here
+        self.disk: OrderedDict[bytes, None] | None = None  # the disk tier's blocks, least recently used first
+        self.disk_blocks = 0
+        self.fetching: dict[int, bytes] = {}  # slot -> the block a rank reads into it from disk
+        self._spill: list[tuple[int, bytes]] = []
+        self._fetch: list[tuple[bytes, int]] = []
+        self._drop: list[bytes] = []
+        self._written_next: list[tuple[int, bytes]] = []  # offloaded by the last step: to disk next
+        self.disk_hits = self.disk_written = self.disk_read = 0  # prompt tokens found there; blocks
         blocks.on_evict.append(self._evicted)
         blocks.on_register.append(lambda block, h: self._early.append((block, h)))
 
     @property
     def used(self) -> int:
         return len(self._hash_of)
+
+    def counts(self) -> tuple[int, ...]:
+        return self.hits, self.offloaded, self.restored, self.disk_hits, self.disk_written, self.disk_read
+
+    def use_disk(self, blocks: int, hashes: list[bytes]) -> None:
+        """The ranks' disk tier holds ``blocks`` files at most, ``hashes`` already (oldest first)."""
+        self.disk_blocks = blocks
+        self.disk = OrderedDict.fromkeys(hashes[-blocks:] if blocks else [])
+        self._drop += hashes[:-blocks] if blocks else hashes
+
+    def _to_disk(self, slot: int, h: bytes) -> None:
+        """The block ``h`` in ``slot`` is written to disk by the next step, unless it is there."""
+        if self.disk is None:
+            return
+        if h in self.disk:
+            self.disk.move_to_end(h)
+            return
+        reading = set(self.fetching.values())
+        while len(self.disk) >= self.disk_blocks:
+            old = next((x for x in self.disk if x not in reading), None)
+            if old is None:
+                return
+            del self.disk[old]
+            unsent = next((i for i, (_, x) in enumerate(self._spill) if x == old), None)
+            if unsent is None:
+                self._drop.append(old)
+            else:  # its write has not gone out yet: it never will
+                del self._spill[unsent]
+        self.disk[h] = None
+        self._spill.append((slot, h))
+        self.disk_written += 1
+
+    def news(self, fetched: list[bytes], lost: list[bytes]) -> list[int]:
+        """The sampling rank's news of the disk tier; the slots whose read failed (their blocks
+        gone from both tiers: ``free`` them once no request waits for them)."""
+        for h in fetched:
+            slot = self._by_hash.get(h)
+            if slot is not None and self.fetching.get(slot) == h:
+                del self.fetching[slot]
+                self.unpin([slot])
+                self.disk_read += 1
+        failed = []
+        for h in lost:
+            if self.disk is not None:
+                self.disk.pop(h, None)
+            slot = self._by_hash.get(h)
+            if slot is not None and self.fetching.get(slot) == h:
+                del self.fetching[slot]
+                self.unpin([slot])
+                del self._by_hash[h], self._hash_of[slot], self._lru[slot]
+                failed.append(slot)
+        return failed
+
+    def free(self, slots: list[int]) -> None:
+        self._free.extend(slots)
 
     def _evicted(self, block: int, h: bytes) -> None:
         slot = self._by_hash.get(h)
@@ -131,7 +207,8 @@ class HostTier:
             block, h = self._early.popleft()
             if h in self._by_hash or not self.blocks.holds(block, h):
                 continue  # in the tier already, or gone from the rank's cache (offloaded then)
-            if not self._copy(block, h):
+            if not self._copy(block, h):  # no slot free to take now: a later step copies it
+                self._early.appendleft((block, h))
                 return
             room -= 1
 
@@ -141,10 +218,13 @@ class HostTier:
             return self._fresh - 1
         if self._free:
             return self._free.popleft()
-        victim = next((s for s in self._lru if s not in self._pins), None)
+        filling = {s for _, s in self._offload}  # its block goes in with the next step: not yet there
+        victim = next((s for s in self._lru if s not in self._pins and s not in filling), None)
         if victim is not None:
             del self._lru[victim]
-            del self._by_hash[self._hash_of.pop(victim)]
+            h = self._hash_of.pop(victim)
+            del self._by_hash[h]
+            self._to_disk(victim, h)
         return victim
 
     def extend(self, tokens: list[int], limit: int, hashes: list[bytes], key: bytes) -> list[tuple[int, bytes]]:
@@ -156,6 +236,21 @@ class HostTier:
         for i in range(len(hashes), min(limit, len(tokens)) // bs):
             h = chain_hash(parent, tokens[i * bs: (i + 1) * bs], key)
             slot = self._by_hash.get(h)
+            if slot is None and self.disk is not None and h in self.disk:
+                self.disk.move_to_end(h)
+                self.pin([s for s, _ in found])  # a slot for it must not evict one found here
+                slot = self._slot()
+                self.unpin([s for s, _ in found])
+                if slot is not None and h not in self.disk:  # writing the slot's block out pushed h off
+                    self._free.append(slot)
+                    slot = None
+                if slot is None:
+                    break
+                self._by_hash[h], self._hash_of[slot], self._lru[slot] = slot, h, None
+                self.fetching[slot] = h
+                self.pin([slot])  # until the read is in
+                self._fetch.append((h, slot))
+                self.disk_hits += bs
             if slot is None:
                 break
             self._lru.move_to_end(slot)
@@ -180,12 +275,23 @@ class HostTier:
         """The next step's moves: every offload due (the step writes ``written`` blocks;
         ``everything``: all deferred ones too) and cached blocks copied ahead of their eviction
         while the moves number fewer than ``room``, then ``restores`` ((slot, block))."""
+        for slot, h in self._written_next:  # offloaded by the step before: on the host now
+            if self._hash_of.get(slot) == h:
+                self._to_disk(slot, h)
         self._due(restores, written, everything)
         self._copy_early(room - len(self._offload) - len(restores))
-        moves = Moves(self._offload, restores, epoch=self.epoch)
-        self._offload = []
+        moves = Moves(self._offload, restores, epoch=self.epoch, spill=self._spill, fetch=self._fetch, drop=self._drop)
+        self._written_next = [(slot, self._hash_of[slot]) for _, slot in self._offload] if self.disk is not None else []
+        self._offload, self._spill, self._fetch, self._drop = [], [], [], []
         self.restored += len(restores)
         return moves
+
+    @property
+    def disk_waits(self) -> bool:
+        """Whether the disk tier has moves to send or reads out whose news is awaited, or cached
+        blocks wait to go through the host tier to disk (an idle daemon writes its cache out)."""
+        return self.disk is not None and bool(self._spill or self._fetch or self._drop or self.fetching or self._early
+                                              or self._written_next)
 
     def reset(self) -> None:
         """Forget every slot (a step that failed may have left its moves undone)."""
@@ -198,4 +304,6 @@ class HostTier:
         self._offload = []
         self._deferred.clear()
         self._early.clear()
+        self.fetching.clear()
+        self._spill, self._fetch, self._written_next = [], [], []
         self.epoch += 1

@@ -212,10 +212,10 @@ class Scheduler(DraftPlanning, HostPlanning):
             if x.req in self.closing:
                 self._drop(x.req)
 
-    def completed(self, plan: list[Planned]) -> None:
+    def completed(self, plan: list[Planned], fetched: list[bytes] = (), lost: list[bytes] = ()) -> None:
         """A step's reply is in: its K/V exists. Register the blocks it filled for reuse, and the
         state snapshots it took."""
-        self._host_answered()
+        self._host_answered(fetched, lost)
         bs = self.blocks.block_size
         for x in plan:
             req = x.req

@@ -35,6 +35,11 @@ class EngineStats:
     host_restored: int = 0  # ... and back
     host_offload_s: float = 0.0  # rank 0's device time copying them in (the ranks copy side by side)
     host_restore_s: float = 0.0  # ... and back
+    disk_blocks: int = 0  # block files the disk tier below it holds at most (0: none)
+    disk_used: int = 0
+    disk_hits: int = 0  # prompt tokens found there (of prefix_cache_hits)
+    disk_written: int = 0  # blocks written to it
+    disk_read: int = 0  # ... and read back
     leader_ms_per_step: float = 0.0  # the leader's own time per step (planning, frames, tokens)
     step_ms: float = 0.0  # time between consecutive step results
     rank_host_ms_per_step: float = 0.0

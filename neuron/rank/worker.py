@@ -136,8 +136,8 @@ class DeviceWorker:
             raise RankFailure("bad_request", "state_snapshots must be in -1..65536")
         if not 0 < msg.max_slots <= 4096 or not 0 < msg.max_len <= 1 << 24 or not 0 < msg.block_size <= 4096:
             raise RankFailure("bad_request", "max_slots, max_len and block_size must be positive and sane")
-        if msg.host_bytes < 0:
-            raise RankFailure("bad_request", "host_bytes must be >= 0")
+        if msg.host_bytes < 0 or msg.disk_bytes < 0:
+            raise RankFailure("bad_request", "host_bytes and disk_bytes must be >= 0")
         if not 0 <= msg.draft_rows <= msg.max_slots * (p.MAX_DRAFTS + 1):
             raise RankFailure("bad_request", "draft_rows must be within max_slots x (MAX_DRAFTS + 1)")
         t0 = time.perf_counter()
@@ -180,7 +180,8 @@ class DeviceWorker:
             max_seqs=msg.max_slots, max_len=msg.max_len, block_size=msg.block_size, kv_tokens=msg.kv_tokens,
             memory_fraction=msg.memory_fraction, max_step_tokens=msg.max_step_tokens,
             cuda_graphs=msg.cuda_graphs, state_dtype=state_dtype, state_snapshots=msg.state_snapshots,
-            draft_rows=msg.draft_rows, host_bytes=msg.host_bytes), self.rank)
+            draft_rows=msg.draft_rows, host_bytes=msg.host_bytes,
+            disk=(msg.disk_dir, msg.disk_bytes, msg.model, msg.disk_identity)), self.rank)
         self.model_id = msg.model
         self._warm_up()
         runner = self.runner
@@ -189,6 +190,7 @@ class DeviceWorker:
             log.info("rank %d: decode steps %s ms, prompt steps %s ms (rows: ms)", self.rank,
                      ", ".join(f"{b}: {ms:.2f}" for b, ms in decode_ms), ", ".join(f"{n}: {ms:.2f}" for n, ms in prefill_ms))
         packing = describe_packing(self.model)
+        disk = runner.host.disk if runner.host is not None else None
         cpu_isa = _cpu_isa() if self.device.type == "cpu" else ""
         log.info("rank %d loaded %s shard in %.2fs: %d weight bytes, %d KV blocks of %d; %s; CPU kernels %s", self.rank,
                  msg.model, time.perf_counter() - t0, self.model.weight_bytes(), runner.kv_blocks, msg.block_size,
@@ -198,6 +200,8 @@ class DeviceWorker:
                         graphs=sorted(runner.graphs), packing=packing, state_slots=runner.states.slots,
                         state_bytes=runner.states.nbytes, state_snapshots=runner.state_snapshots, cpu_isa=cpu_isa,
                         host_blocks=runner.host.slots if runner.host is not None else 0,
+                        disk_blocks=disk.capacity // disk.file_bytes if disk else 0,
+                        disk_hashes=disk.hashes() if disk else [],
                         decode_ms=decode_ms, prefill_ms=prefill_ms)
 
     def _stage(self, msg: p.LoadShard, family) -> tuple[int, int, Stage]:
@@ -232,6 +236,8 @@ class DeviceWorker:
             torch.cuda.synchronize(self.device)
 
     def _unload(self) -> None:
+        if self.runner is not None and self.runner.host is not None and self.runner.host.disk is not None:
+            self.runner.host.disk.close()
         self.model = None
         self.runner = None
         self.model_id = None
@@ -275,8 +281,11 @@ class DeviceWorker:
         finally:
             if self.busy_step == msg.step_id:
                 self.busy_step = -1
+        host = self.runner.host if self.runner is not None else None
+        fetched, lost = host.disk_news() if host is not None else ([], [])
         return p.StepResult(id=msg.id, epoch=msg.epoch, step_id=msg.step_id, tokens=tokens, timings=timings,
-                            logprobs=logprobs, drafted=drafted, proposals=pending.proposals)
+                            logprobs=logprobs, drafted=drafted, proposals=pending.proposals,
+                            disk_fetched=fetched, disk_lost=lost)
 
     def close(self) -> None:
         self._unload()

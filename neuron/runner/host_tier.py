@@ -15,16 +15,24 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from pathlib import Path
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from .attention import PagedKvCache
 from .inputs import StepRejected
 from .sampler import upload
 
+if TYPE_CHECKING:
+    from .disk_tier import DiskKvStore
+
 log = logging.getLogger("neuron.runner")
 
 CHUNK = 64  # blocks gathered (or scattered) on the device at a time
+IO_TIMEOUT = 60.0  # seconds a step waits at most for the disk tier's read or write of a slot
 
 
 class HostKvTier:
@@ -33,6 +41,70 @@ class HostKvTier:
         layers, _, bs, n_kv, head_dim = kv.k.shape
         self.slots = slots
         self.store = torch.empty((slots, 2, layers, bs, n_kv, head_dim), dtype=kv.k.dtype, pin_memory=pinned)
+        self.disk: DiskKvStore | None = None
+        # What a host-side use of a slot must wait for: the device's last copy to or from it (an
+        # event on the stream), or the disk tier's thread writing it out or reading it in.
+        self._copying: dict[int, torch.cuda.Event] = {}
+        self._disk_io: dict[int, Future] = {}
+
+    @property
+    def block_bytes(self) -> int:
+        return self.store[0].numel() * self.store.element_size()
+
+    def _bytes(self, slot: int) -> np.ndarray:
+        return self.store[slot].view(torch.uint8).reshape(-1).numpy()
+
+    def _quiet(self, slot: int, wait_copy: bool = True) -> bool | None:
+        """Wait until nothing else touches ``slot``: the disk tier's read or write of it (the
+        read's result: whether it holds its block), and with ``wait_copy`` the device's copy."""
+        event = self._copying.pop(slot, None) if wait_copy else None
+        if event is not None:
+            event.synchronize()
+        io = self._disk_io.pop(slot, None)
+        if io is None:
+            return None
+        try:
+            return io.result(timeout=IO_TIMEOUT)
+        except TimeoutError:
+            raise StepRejected(f"the disk tier's read or write of host slot {slot} took over {IO_TIMEOUT} s") from None
+
+    def step_moves(self, msg) -> MoveTimes:
+        """A step's moves (``Step``): the disk tier's deletions and writes, the device's copies,
+        then the disk tier's reads, which go on in the background."""
+        if (msg.spill or msg.fetch or msg.disk_drop) and self.disk is None:
+            raise StepRejected("a step moves KV blocks to or from a disk tier this rank does not have")
+        for slot, _ in [*msg.spill, *((s, h) for h, s in msg.fetch)]:
+            if not 0 <= slot < self.slots:
+                raise StepRejected(f"host slot {slot} is out of range ({self.slots} host slots)")
+        if self.disk is not None:
+            self.disk.drop(msg.disk_drop)
+            for slot, h in msg.spill:
+                self._quiet(slot)
+                done = self.disk.write(h, self._bytes(slot))
+                if done is not None:
+                    self._disk_io[slot] = done
+        times = self.move(msg.offload, msg.restore)
+        for h, slot in msg.fetch:
+            self._quiet(slot)
+            self._disk_io[slot] = self.disk.fetch(h, self._bytes(slot))
+        return times
+
+    def wait_for_disk(self, timeout: float) -> None:
+        """Until one of the disk tier's reads or writes is done, ``timeout`` at most (a step with
+        nothing else to do waits here for the disk tier's news)."""
+        pending = [f for f in self._disk_io.values() if not f.done()]
+        if pending:
+            wait(pending, timeout, FIRST_COMPLETED)
+
+    def disk_news(self) -> tuple[list[bytes], list[bytes]]:
+        """The blocks read in since the last call, and those the disk tier no longer holds."""
+        fetched, lost = [], []
+        for kind, h, ok in self.disk.drain() if self.disk is not None else []:
+            if kind == "fetch" and ok:
+                fetched.append(h)
+            elif not ok or kind == "evict":
+                lost.append(h)
+        return fetched, lost
 
     @property
     def nbytes(self) -> int:
@@ -49,6 +121,12 @@ class HostKvTier:
         (``restore``: (slot, block)); the device time of each, once the step is done."""
         self.check(offload, restore)
         device = self.kv.k.device
+        for _, slot in offload:  # a disk write of the slot's old block, or a read into it, may still run
+            if slot in self._disk_io:
+                self._quiet(slot, wait_copy=False)
+        for slot, _ in restore:
+            if slot in self._disk_io and self._quiet(slot, wait_copy=False) is False:
+                raise StepRejected(f"host slot {slot}'s block could not be read from the disk tier")
         times = MoveTimes(device.type == "cuda")
         for i in range(0, len(offload), CHUNK):
             part = offload[i: i + CHUNK]
@@ -67,6 +145,9 @@ class HostKvTier:
             self.kv.k.index_copy_(1, at, staging[:, 0].transpose(0, 1))
             self.kv.v.index_copy_(1, at, staging[:, 1].transpose(0, 1))
         times.mark()
+        if times.cuda:
+            self._copying.update({slot: times.marks[1] for _, slot in offload})
+            self._copying.update({slot: times.marks[2] for slot, _ in restore})
         return times
 
 
@@ -95,9 +176,10 @@ class MoveTimes:
         return (b - a) * 1e3, (c - b) * 1e3
 
 
-def host_tier(kv: PagedKvCache, host_bytes: int, recurrent: bool, rank: int) -> HostKvTier | None:
+def host_tier(kv: PagedKvCache, host_bytes: int, recurrent: bool, rank: int, disk: tuple = ()) -> HostKvTier | None:
     """The rank's host tier: as many slots as ``host_bytes`` holds (none for a model whose layers
-    keep a recurrent state: its cached prefixes need state snapshots, which stay in the rank)."""
+    keep a recurrent state: its cached prefixes need state snapshots, which stay in the rank);
+    ``disk``: (directory, bytes, model, identity) of a disk tier below it."""
     per_block = 2 * kv.k[0, 0].numel() * kv.k.shape[0] * kv.k.element_size()
     slots = host_bytes // per_block if per_block and not recurrent else 0
     if not slots:
@@ -105,6 +187,13 @@ def host_tier(kv: PagedKvCache, host_bytes: int, recurrent: bool, rank: int) -> 
     tier = HostKvTier(kv, slots, kv.k.device.type == "cuda")
     log.info("rank %d: host tier of the prefix cache: %d blocks, %.2f GB%s", rank, slots, tier.nbytes / 1e9,
              " pinned" if kv.k.device.type == "cuda" else "")
+    if disk and disk[0] and disk[1] >= per_block:
+        from .disk_tier import DiskKvStore
+
+        root, nbytes, model, identity = disk
+        tier.disk = DiskKvStore(Path(root), model, identity, rank, tier.block_bytes, nbytes)
+        log.info("rank %d: disk tier of the prefix cache in %s: %d blocks at most, %d kept from before", rank,
+                 tier.disk.dir, tier.disk.capacity // tier.disk.file_bytes, len(tier.disk.files))
     return tier
 
 

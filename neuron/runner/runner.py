@@ -56,6 +56,7 @@ class RunnerConfig:
     state_snapshots: int = 0  # state slots beyond one per sequence, for snapshots; -1: by memory
     draft_rows: int = 0  # the most rows (decodes and drafts) a step with drafts carries: its graphs
     host_bytes: int = 0  # the host tier of the prefix cache (host_tier.py); 0: none
+    disk: tuple = ()  # (directory, bytes, model, identity) of the disk tier below it; (): none
 
 
 @dataclass
@@ -147,7 +148,7 @@ class ModelRunner:
         self.states = StatePool(specs, cfg.max_seqs + self.state_snapshots + scratch, self.device, cfg.state_dtype)
         blocks = kv_blocks(self, kv_layers, self.states.nbytes)
         self.kv = PagedKvCache(kv_layers, blocks, self.bs, shape.n_kv, shape.head_dim, self.device, model.dtype)
-        self.host = host_tier(self.kv, cfg.host_bytes, len(specs) > kv_layers, rank)
+        self.host = host_tier(self.kv, cfg.host_bytes, len(specs) > kv_layers, rank, cfg.disk)
         self.tables_host = np.full((cfg.max_seqs + 1, self.max_blocks), self.kv.scratch, dtype=np.int32)
         self.tables = torch.from_numpy(self.tables_host).to(self.device)
         self.assigned = [0] * cfg.max_seqs  # table entries the leader has filled, per slot
@@ -208,10 +209,16 @@ class ModelRunner:
         accepted = None
         self._waited_ms = 0.0
         moves = None
-        if msg.offload or msg.restore:
+        if msg.offload or msg.restore or msg.spill or msg.fetch or msg.disk_drop:
             if self.host is None:
                 raise StepRejected("a step moves KV blocks to or from a host tier this rank does not have")
-            moves = self.host.move(msg.offload, msg.restore)
+            moves = self.host.step_moves(msg)
+        if not seqs:  # moves only, or (nothing to move) a short wait for the disk tier's news
+            if self.host is not None and moves is None:
+                self.host.wait_for_disk(0.002)
+            done = moves.marks[-1] if moves is not None and moves.cuda else None
+            return PendingStep(0, [], [], torch.zeros(0, dtype=torch.int64), None, done, t0, 0.0, moves=moves) \
+                if self.samples else None
         if self.stage_tokens is not None:
             self.stage_tokens.before_step([s.slot for s in seqs if s.tokens and s.tokens[0] < 0])
         bucket, ids, positions, slot_t, logits, argmax = self._forward(seqs, sampled)

@@ -87,9 +87,15 @@ class _EngineState:
             preempt.add_metric([model_id], stats.preemptions)
             queries.add_metric([model_id], stats.prefix_cache_queries)
             hits.add_metric([model_id], stats.prefix_cache_hits)
-            tier_hits.add_metric([model_id, "device"], stats.prefix_cache_hits - stats.host_hits)
+            tier_hits.add_metric([model_id, "device"], stats.prefix_cache_hits - stats.host_hits - stats.disk_hits)
             if stats.host_blocks:
                 tier_hits.add_metric([model_id, "host"], stats.host_hits)
+            if stats.disk_blocks:
+                tier_hits.add_metric([model_id, "disk"], stats.disk_hits)
+                for direction, n in (("disk_write", stats.disk_written), ("disk_read", stats.disk_read)):
+                    moved.add_metric([model_id, direction], n)
+                    moved_bytes.add_metric([model_id, direction], n * handle.host_block_bytes)
+            if stats.host_blocks:
                 for direction, n, secs in (("offload", stats.host_offloaded, stats.host_offload_s),
                                            ("restore", stats.host_restored, stats.host_restore_s)):
                     moved.add_metric([model_id, direction], n)
