@@ -16,7 +16,7 @@ from hypothesis import given, settings, strategies as st
 
 from neuron.engine.scheduler import Scheduler
 from test_host_tier import TieredDevice, take
-from test_prefix_cache import VOCAB, request
+from test_prefix_cache import VOCAB, drive, request
 
 
 class DiskDevice(TieredDevice):
@@ -71,23 +71,8 @@ def run(jobs, disk: dict, *, blocks: int = 14, block_size: int = 4, host: int = 
         sched.use_host(host, 2, disk_blocks, list(disk))
         device = DiskDevice(block_size, disk, delay, set(damaged))
         reqs = [request(p, n) for p, n in jobs]
-        pending, queue, steps = deque(reqs), deque(), 0
-        while pending or not sched.idle or queue or sched.disk_waits():
-            steps += 1
-            assert steps < 5000, "the tiers never settle"
-            if pending and (not one_by_one or sched.idle and not queue):
-                sched.waiting.append(pending.popleft())
-                if not one_by_one:
-                    continue
-            sched.admit()
-            while len(queue) < in_flight:
-                plan = sched.schedule()
-                if not plan and (queue or not sched.disk_waits()):
-                    break
-                queue.append((plan, device.step(plan, sched.take_moves(plan))))
-            assert queue, "nothing can run: the scheduler is stuck"
-            plan, (tokens, fetched, lost) = queue.popleft()
-            take(sched, plan, tokens, fetched, lost)
+        drive(sched, reqs, in_flight, one_by_one, lambda plan: device.step(plan, sched.take_moves(plan)),
+              lambda plan, out: take(sched, plan, *out), sched.disk_waits)
         assert sched.blocks.used == 0 and (sched.host is None or not sched.host.fetching)
         return [r.output for r in reqs], sched, device
     return asyncio.run(main())

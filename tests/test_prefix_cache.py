@@ -82,13 +82,18 @@ def serve(jobs: list[tuple[list[int], int]], blocks: int, block_size: int, cachi
     return asyncio.run(main())
 
 
-def drive(sched: Scheduler, reqs: list[GenRequest], in_flight: int, one_by_one: bool, launch, land) -> None:
+def drive(sched: Scheduler, reqs: list[GenRequest], in_flight: int, one_by_one: bool, launch, land,
+          idle_work=lambda: False) -> None:
     """Feed ``reqs`` to ``sched`` (all at once, or each after the last has ended) and run its steps
     to the end, ``in_flight`` of them out at a time: ``launch(plan)`` runs a step on the simulated
-    rank, ``land(plan, what launch gave)`` takes its reply, oldest first."""
+    rank, ``land(plan, what launch gave)`` takes its reply, oldest first. ``idle_work()``: whether
+    a step with no sequences goes out when nothing else can (the disk tier's moves and news)."""
     pending = deque(reqs)
     queue: deque = deque()
-    while pending or not sched.idle or queue:
+    steps = 0
+    while pending or not sched.idle or queue or idle_work():
+        steps += 1
+        assert steps < 100_000, "the scheduler never settles"
         if pending and (not one_by_one or sched.idle and not queue):
             sched.waiting.append(pending.popleft())
             if not one_by_one:
@@ -96,7 +101,7 @@ def drive(sched: Scheduler, reqs: list[GenRequest], in_flight: int, one_by_one: 
         sched.admit()
         while len(queue) < in_flight:
             plan = sched.schedule()
-            if not plan:
+            if not plan and (queue or not idle_work()):
                 break
             queue.append((plan, launch(plan)))
         assert queue, "nothing can run: the scheduler is stuck"
