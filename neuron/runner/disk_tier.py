@@ -111,13 +111,14 @@ class DiskKvStore:
         with self.lock:
             return list(self.files)
 
-    def write(self, h: bytes, data: np.ndarray) -> Future | None:
-        """Queue ``data`` (a block's bytes, uint8, read by the writer thread: the caller leaves it
-        unchanged until the future is done) to be written as ``h``; None if the queue is full
-        (the block is dropped, and reported lost)."""
+    def write(self, h: bytes, data: np.ndarray, ready=None) -> Future | None:
+        """Queue ``data`` (a block's bytes, uint8, read by the writer thread once ``ready``, a
+        CUDA event of the copy that fills it, is done: the caller leaves it unchanged until the
+        future is done) to be written as ``h``; None if the queue is full (the block is dropped,
+        and reported lost)."""
         done: Future = Future()
         try:
-            self._writes.put_nowait((h, data.reshape(-1), done))
+            self._writes.put_nowait((h, data.reshape(-1), done, ready))
             return done
         except queue.Full:
             self.dropped += 1
@@ -157,11 +158,13 @@ class DiskKvStore:
                 log.exception("disk tier: %s of a block failed", work.__name__)
                 if item[0] is not None:
                     self.done.append((work.__name__.strip("_"), item[0], False))
-                if len(item) == 3 and not item[2].done():
+                if len(item) >= 3 and not item[2].done():
                     item[2].set_result(False)
 
-    def _write(self, h: bytes | None, data, done: Future | None = None) -> None:
+    def _write(self, h: bytes | None, data, done: Future | None = None, ready=None) -> None:
         try:
+            if ready is not None:
+                ready.synchronize()
             self._write_one(h, data)
         finally:
             if done is not None and not done.done():

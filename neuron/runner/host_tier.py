@@ -78,9 +78,9 @@ class HostKvTier:
                 raise StepRejected(f"host slot {slot} is out of range ({self.slots} host slots)")
         if self.disk is not None:
             self.disk.drop(msg.disk_drop)
-            for slot, h in msg.spill:
-                self._quiet(slot)
-                done = self.disk.write(h, self._bytes(slot))
+            for slot, h in msg.spill:  # the writer thread waits for the device's copy into the slot
+                self._quiet(slot, wait_copy=False)
+                done = self.disk.write(h, self._bytes(slot), self._copying.pop(slot, None))
                 if done is not None:
                     self._disk_io[slot] = done
         times = self.move(msg.offload, msg.restore)
