@@ -89,4 +89,7 @@ def tiers_loaded(cfg, handle, oks: dict, state_slots: int) -> tuple[int, int, tu
     hashes = [h for h in oks[0].disk_hashes if h in everywhere]
     if disk:
         log.info("%s: disk tier of %d blocks; %d kept from before", handle.id, disk, len(hashes))
+    elif host and cfg.cache.disk_dir and handle.engine.sizing.cache_key is not None:
+        log.warning("%s: no disk tier: cache.disk_gb %g holds less than one KV block a rank", handle.id,
+                    cfg.cache.disk_gb)
     return host, RESTORE_BYTES // max(1, *per_block), (disk, hashes) if disk else ()

@@ -102,3 +102,15 @@ def test_damaged_block_files_are_never_served_and_the_answer_stays_the_cold_one(
         assert disk_tier(again)["read"] < cold["usage"]["prompt_tokens"] // 16
     finally:
         again.stop()
+
+
+def test_a_disk_tier_smaller_than_a_block_is_named_at_load_and_serving_goes_on(tmp_path):
+    disk = tmp_path / "kv"
+    server = start_server(tmp_path, config=config(disk).replace("disk_gb = 1.0", "disk_gb = 0.0001"))
+    try:
+        assert ask(server)["usage"]["completion_tokens"] > 0
+        assert "no disk tier: cache.disk_gb 0.0001 holds less than one KV block a rank" in server.log()
+        info = httpx.get(f"{server.url}/models", timeout=10).json()["models"][0]["prefix_cache_tiers"]
+        assert "disk" not in info and info["host"]["blocks"] > 0
+    finally:
+        server.stop()
