@@ -30,8 +30,10 @@ def spelled(info, text: str) -> int:
     """The bytes of ``text`` the vocabulary can spell: SmolLM2's byte-level vocabulary has no
     token for the control bytes 4, 6, 19, 20, 22 and 29 (nor for bytes UTF-8 never holds), which
     its tokenizer drops, as transformers' does."""
-    vocab, alphabet = info.tokenizer.get_vocab(), byte_alphabet()
-    return sum(alphabet[b] in vocab for b in text.encode("utf-8", "surrogatepass"))
+    if not hasattr(info, "spellable"):
+        vocab, alphabet = info.tokenizer.get_vocab(), byte_alphabet()
+        info.spellable = bytes(alphabet[b] in vocab for b in range(256))
+    return sum(info.spellable[b] for b in text.encode("utf-8", "surrogatepass"))
 
 
 def test_the_bytes_the_default_vocabulary_cannot_spell_are_dropped():
