@@ -13,6 +13,8 @@ import httpx
 
 from conftest import DEFAULT_MODEL, SMALL, alive, start_server
 
+DRAIN_S = 60
+
 
 def test_sigterm_lets_in_flight_requests_finish_then_exits_cleanly(server_tmp):
     drain_on(server_tmp, lambda server: server.proc.send_signal(signal.SIGTERM))
@@ -26,7 +28,9 @@ def test_sigterm_to_the_whole_process_group_drains_too(server_tmp):
 
 
 def drain_on(server_tmp, send):
-    server = start_server(server_tmp, config=SMALL + "\n[server]\ndrain_timeout_s = 15\n",
+    # A deadline far beyond what 48 tokens take even on a loaded CI machine: the test is about
+    # the drain letting the stream finish, not about how fast the machine is.
+    server = start_server(server_tmp, config=SMALL + f"\n[server]\ndrain_timeout_s = {DRAIN_S}\n",
                           args=["--tensor-parallel", "2"])
     ranks = server.rank_pids()
     assert len(ranks) == 2
@@ -52,12 +56,13 @@ def drain_on(server_tmp, send):
         "model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "hi"}]})
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 503
-    reader.join(60)
+    reader.join(DRAIN_S)
+    streamed = time.monotonic()
     code = server.proc.wait(20)
-    elapsed = time.monotonic() - t0
-    assert code == 0 and elapsed < 20
+    assert code == 0 and streamed - t0 < DRAIN_S and time.monotonic() - streamed < 10
     assert lines[-1] == "data: [DONE]"
     finish = json.loads(lines[-2][6:])
+    assert "choices" in finish, (finish, server.log()[-4000:])
     assert finish["choices"][0]["finish_reason"] == "length"
     content = [json.loads(x[6:])["choices"][0]["delta"].get("content") for x in lines[1:-2]]
     assert sum(1 for c in content if c) >= 30
