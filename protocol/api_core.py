@@ -124,6 +124,7 @@ class Finished(msgspec.Struct, array_like=True, gc=False, frozen=True):
     error_kind: str | None = None
     cached_tokens: int = 0
     host_tokens: int = 0  # of cached_tokens, those the prefix cache's host tier held
+    disk_tokens: int = 0  # ... of host_tokens, those read back from its disk tier
 
 
 class Outputs(ApiFrame, tag="outputs"):

@@ -71,6 +71,7 @@ def test_a_restarted_daemon_answers_a_prompt_from_the_disk_tier_as_it_did_cold(t
         assert tier["hits"] == cached and tier["read"] == cached // 16 and tier["used"] >= full
         line = [r for r in json_log(again) if r.get("msg") == "request finished"][-1]
         assert line["cached_tokens"] == cached and line["cached_host_tokens"] == cached
+        assert line["cached_disk_tokens"] == cached
         metrics = httpx.get(f"{again.url}/metrics", timeout=10).text
         assert 'neuron:prefix_cache_tier_hits_total{model_name="%s",tier="disk"} %d.0' % (DEFAULT_MODEL, cached) \
             in metrics

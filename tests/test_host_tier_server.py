@@ -59,6 +59,7 @@ def test_an_evicted_prompt_comes_back_from_the_host_tier_with_its_cold_answer(se
     assert tier["offload_seconds"] > 0 and after["restore_seconds"] > tier["restore_seconds"]
     lines = [r for r in json_log(server) if r.get("msg") == "request finished"]
     assert lines[-1]["cached_tokens"] == cached and 0 < lines[-1]["cached_host_tokens"] <= cached
+    assert lines[-1]["cached_disk_tokens"] == 0
     metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
     assert 'neuron:prefix_cache_tier_hits_total{model_name="%s",tier="host"}' % DEFAULT_MODEL in metrics
     assert 'neuron:prefix_cache_tier_blocks_moved_total{direction="restore",model_name="%s"}' % DEFAULT_MODEL \

@@ -74,7 +74,7 @@ class Sink:
     def finish(self, req: GenRequest, ev: FinishEvent) -> None:
         box = self.box
         box.finished.append(m.Finished(self.key, ev.reason, ev.prompt_tokens, ev.completion_tokens, ev.error,
-                                       ev.error_kind, ev.cached_tokens, ev.host_tokens))
+                                       ev.error_kind, ev.cached_tokens, ev.host_tokens, ev.disk_tokens))
         box.requests.pop(self.key, None)
         box.due()
 

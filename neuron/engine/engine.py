@@ -370,7 +370,7 @@ class Engine:
         self.late.send(self.group, [req])
         self.sched.release(req, keep=error is None)
         event = FinishEvent(reason, len(req.prompt), len(req.output), error, kind, req.cached_tokens,
-                            req.host_tokens)
+                            req.host_tokens, req.disk_tokens)
         finish_out(req, event)
         if not req.admitted.done():
             req.admitted.set_result(True)

@@ -42,10 +42,11 @@ class HostPlanning:
         req.restoring = [(s, first + i, h) for i, (s, h) in enumerate(found)]
         req.host_run = req.run
         tokens = len(found) * self.blocks.block_size
-        self.host.hits += tokens - sum(s in self.host.fetching for s, _ in found) * self.blocks.block_size
+        from_disk = sum(s in self.host.fetching for s, _ in found) * self.blocks.block_size
+        self.host.hits += tokens - from_disk
         self.blocks.hits += tokens
         if not req.preempted:
-            req.host_tokens = tokens
+            req.host_tokens, req.disk_tokens = tokens, from_disk
 
     def _forget_restores(self, req: GenRequest) -> None:
         if req.restoring:

@@ -33,6 +33,7 @@ class FinishEvent:
     error_kind: str | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     host_tokens: int = 0  # ... of them, from its host tier
+    disk_tokens: int = 0  # ... of those, read back from the disk tier
 
 
 Event = TokenEvent | FinishEvent
@@ -86,6 +87,7 @@ class GenRequest:
     hashes: list[bytes] = field(default_factory=list)  # chain hashes of its leading full blocks
     cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
     host_tokens: int = 0  # ... of them, in the host tier (copied back into the rank's cache)
+    disk_tokens: int = 0  # ... of those, read back from the disk tier first
     restoring: list = field(default_factory=list)  # (host slot, block, hash) of its blocks to restore first
     host_run: int = -1  # the run whose blocks came (in part) from the host tier
     cache_salt: bytes = b""  # only requests with the same salt share cached prefixes

@@ -192,7 +192,8 @@ class CoreLink:
             held = requests.get(f.key)
             if held is not None:
                 self._finish(f.key, held, FinishEvent(f.reason, f.prompt_tokens, f.completion_tokens, f.error,
-                                                      f.error_kind, f.cached_tokens, f.host_tokens))
+                                                      f.error_kind, f.cached_tokens, f.host_tokens,
+                                                      f.disk_tokens))
         for r in o.refused:
             held = requests.pop(r.key, None)
             if held is not None:

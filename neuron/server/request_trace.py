@@ -73,7 +73,7 @@ def log_finish(model: str, req: GenRequest, fin: FinishEvent, trace: RequestTrac
     fields: dict[str, Any] = {
         "request_id": req.request_id, "model": model, "principal": req.principal, "finish_reason": fin.reason,
         "prompt_tokens": fin.prompt_tokens, "cached_tokens": fin.cached_tokens,
-        "cached_host_tokens": fin.host_tokens,
+        "cached_host_tokens": fin.host_tokens, "cached_disk_tokens": fin.disk_tokens,
         "completion_tokens": fin.completion_tokens,
         "queue_s": None if queue is None else round(queue, 4),
         "ttft_s": None if ttft is None else round(ttft, 4), "duration_s": round(now - req.arrival, 4),
