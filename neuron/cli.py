@@ -102,6 +102,11 @@ def _keys_add(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from . import rank_forks
+    from .devices import gpu_count
+
+    if not gpu_count():  # CPU ranks: torch imported for them while the daemon starts
+        rank_forks.prestart()
     from .serve import serve_main  # uvicorn and the server only for this command
 
     return serve_main(args)

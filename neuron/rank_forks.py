@@ -53,15 +53,23 @@ class ForkedRank:
 RankProc = ForkedRank | asyncio.subprocess.Process
 
 
+def _start_zygote() -> tuple[subprocess.Popen, int, int]:
+    """The zygote process, and the leader's ends of its two pipes (orders, reports)."""
+    orders_r, orders = os.pipe()
+    reports, reports_w = os.pipe()
+    proc = subprocess.Popen([sys.executable, "-m", "neuron.rank.zygote", str(orders_r), str(reports_w),
+                             str(os.getpid())], pass_fds=(orders_r, reports_w), stdin=subprocess.DEVNULL)
+    os.close(orders_r)
+    os.close(reports_w)
+    os.set_blocking(reports, False)
+    return proc, orders, reports
+
+
 class Zygote:
     def __init__(self) -> None:
-        orders_r, self.orders = os.pipe()
-        self.reports, reports_w = os.pipe()
-        self.proc = subprocess.Popen([sys.executable, "-m", "neuron.rank.zygote", str(orders_r), str(reports_w),
-                                      str(os.getpid())], pass_fds=(orders_r, reports_w), stdin=subprocess.DEVNULL)
-        os.close(orders_r)
-        os.close(reports_w)
-        os.set_blocking(self.reports, False)
+        global _early
+        started, _early = _early, None
+        self.proc, self.orders, self.reports = started if started and started[0].poll() is None else _start_zygote()
         self.ranks: dict[int, ForkedRank] = {}
         self.forked: asyncio.Queue[int] = asyncio.Queue()
         self.buf = b""
@@ -151,6 +159,15 @@ def forks_available() -> bool:
 
 
 _pidfds: bool | None = None
+_early: tuple[subprocess.Popen, int, int] | None = None  # started before the daemon's loop ran
+
+
+def prestart() -> None:
+    """Start the zygote now, before the daemon's own imports, so that its import of torch runs
+    beside them; the first ``warm`` takes it."""
+    global _early
+    if _early is None and forks_available():
+        _early = _start_zygote()
 
 
 def warm() -> tuple[Zygote, asyncio.Lock] | None:
