@@ -132,7 +132,7 @@ def test_logits_and_greedy_tokens_match_transformers(hybrid):
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("world", [2, 3])
-def test_tensor_parallel_ranks_over_gloo_give_the_same(world, tmp_path_factory):
+def test_tensor_parallel_cpu_ranks_give_the_same(world, tmp_path_factory):
     """At TP=3 the 3 linear-attention key heads go one to a rank, the 4 query heads 2+1+1 over
     the replicated 2 KV heads, the 4 experts 2+1+1."""
     from devtools.parity import run_parity

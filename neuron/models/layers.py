@@ -4,6 +4,7 @@ names the one collective it needs. At world 1 the collectives are no-ops."""
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -12,6 +13,7 @@ import torch.distributed as dist
 
 from protocol import ModelConfig
 
+from .host_collectives import HostMemory
 from .ops import RopeTables
 
 
@@ -75,6 +77,17 @@ class Collectives:
         self.world, self.group, self.root = world, group, root
         self._peer: tuple[torch.Tensor, str] | None = None  # (symmetric buffer, group name)
         self.peers: PeerRows | None = None
+        self.host: HostMemory | None = None  # CPU ranks of one host: their shared segment
+
+    def use_host_memory(self, mod, timeout_s: float) -> str:
+        """CPU ranks: the collectives go through a segment the group's ranks all map, where they
+        share a host (``host_collectives``), else over gloo. A collective. Returns the choice."""
+        if self.world == 1:
+            return "none needed"
+        if os.environ.get("NEURON_HOST_COLLECTIVES", "1") == "0":  # the same on every rank: the daemon's
+            return "gloo (NEURON_HOST_COLLECTIVES=0)"
+        self.host, why = HostMemory.open(self.world, self.group, self.root, mod, timeout_s)
+        return "shared memory" if self.host is not None else f"gloo (no shared memory: {why})"
 
     def use_peer_memory(self, rows: int, n: int, dtype: torch.dtype, device: torch.device, ops) -> str:
         """Sums of up to ``rows`` rows of ``n`` of ``dtype`` (the steps a CUDA graph runs) go over
@@ -138,12 +151,16 @@ class Collectives:
             if peer is not None and x.is_cuda and x.dtype == peer[0].dtype and x.numel() <= peer[0].numel():
                 return torch.ops.symm_mem.one_shot_all_reduce_copy(peer[0][: x.numel()].view_as(x), x.contiguous(),
                                                                   "sum", peer[1])
+            if self.host is not None and x.is_floating_point():
+                return self.host.all_reduce(x)
             dist.all_reduce(x, group=self.group)
         return x
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Tensor rank 0's ``x`` on every rank of the group (in place)."""
         if self.world > 1:
+            if self.host is not None and self.host.fits(x):
+                return self.host.broadcast(x)
             dist.broadcast(x, src=self.root, group=self.group)
         return x
 
@@ -151,6 +168,8 @@ class Collectives:
         """Concatenate every rank's ``x`` along the last dim (equal shapes on every rank)."""
         if self.world == 1:
             return x
+        if self.host is not None and self.host.fits(x):
+            return self.host.all_gather_last(x)
         parts = [torch.empty_like(x) for _ in range(self.world)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)

@@ -66,6 +66,7 @@ class DeviceWorker:
         self.loaded_bytes = 0  # read by the heartbeat: a load's progress
         self.pending_fault: str | None = None
         self.dist_ready = world == 1
+        self.collective_s = 60.0  # how long a collective waits for the other ranks (InitDist says)
         self.late_masks = LateMasks()  # filled by the socket loop's thread (StepMasks)
 
     # Every handler returns the reply frame, a Deferred one (a launched step), or None when this
@@ -116,6 +117,7 @@ class DeviceWorker:
         if msg.world == 1:
             self.dist_ready = True
             return
+        self.collective_s = msg.timeout_s
         kwargs = {}
         if msg.backend == "nccl":
             kwargs["device_id"] = self.device
@@ -180,7 +182,7 @@ class DeviceWorker:
             max_seqs=msg.max_slots, max_len=msg.max_len, block_size=msg.block_size, kv_tokens=msg.kv_tokens,
             memory_fraction=msg.memory_fraction, max_step_tokens=msg.max_step_tokens,
             cuda_graphs=msg.cuda_graphs, state_dtype=state_dtype, state_snapshots=msg.state_snapshots,
-            draft_rows=msg.draft_rows, host_bytes=msg.host_bytes,
+            draft_rows=msg.draft_rows, host_bytes=msg.host_bytes, collective_s=self.collective_s,
             disk=(msg.disk_dir, msg.disk_bytes, msg.model, msg.disk_identity)), self.rank)
         self.model_id = msg.model
         self._warm_up()

@@ -57,6 +57,7 @@ class RunnerConfig:
     draft_rows: int = 0  # the most rows (decodes and drafts) a step with drafts carries: its graphs
     host_bytes: int = 0  # the host tier of the prefix cache (host_tier.py); 0: none
     disk: tuple = ()  # (directory, bytes, model, identity) of the disk tier below it; (): none
+    collective_s: float = 60.0  # how long a CPU rank waits for the others in a collective
 
 
 @dataclass
@@ -113,8 +114,7 @@ class PendingStep:
 class ModelRunner:
     def __init__(self, model: Model, cfg: RunnerConfig, rank: int) -> None:
         self.model, self.cfg, self.rank = model, cfg, rank
-        # Pipeline stages: a stage's steps start from the previous stage's residual stream and
-        # hand theirs to the next; the last stage's tensor rank 0 samples.
+        # Pipeline stages hand the residual stream on; the last stage's tensor rank 0 samples.
         self.stage = getattr(model, "stage", None)
         self.samples = rank == (self.stage.sampler if self.stage is not None else 0)
         self.device = model.device
@@ -173,6 +173,9 @@ class ModelRunner:
             rows = max(graph_sizes(self.decode_rows) + prefill_graph_sizes(cfg))
             how = model.comm.use_peer_memory(rows, model.cfg.hidden_size, model.dtype, self.device, model.ops)
             log.info("rank %d: all-reduces of up to %d rows: %s", rank, rows, how)
+        if not self.cuda and model.comm.world > 1:
+            kernels = self.cpu_kernels or cpu_kernels_or_none()
+            log.info("rank %d: collectives: %s", rank, model.comm.use_host_memory(kernels and kernels.mod, cfg.collective_s))
         if self.cuda and cfg.cuda_graphs and model.capturable and self.triton:
             from .linear import tune_all
             tune_all(model, graph_sizes(self.decode_rows), rank)

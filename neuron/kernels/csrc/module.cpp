@@ -1,4 +1,4 @@
-// The CPython binding of one instruction-set level of the CPU kernels (qlinear.h, ops.h): each
+// The CPython binding of one instruction-set level of the CPU kernels (qlinear.h, ops.h, sync.h): each
 // function takes the addresses and sizes of its operands as integers (neuron/kernels/cpu.py
 // checks the tensors and passes them) and runs without the GIL, as torch's own ops do, so a rank's
 // socket loop answers pings and sends heartbeats while its device thread is inside a kernel.
@@ -9,6 +9,7 @@
 
 #include "ops.h"
 #include "qlinear.h"
+#include "sync.h"
 
 #ifndef NEURON_MODULE
 #error "NEURON_MODULE (the module's name) must be defined"
@@ -169,6 +170,20 @@ PyObject* paged_decode(PyObject*, PyObject* const* args, Py_ssize_t n) {
   return done(error);
 }
 
+// arrive_and_wait(counters, rank, world, round, timeout_ms)
+PyObject* arrive_and_wait(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  Args a{args, n};
+  if (!a.count(5, "arrive_and_wait")) return nullptr;
+  char* counters = a.p<char>(0);
+  const int64_t rank = a.i(1), world = a.i(2), round = a.i(3), timeout_ms = a.i(4);
+  if (!a.ok) return nullptr;
+  const char* error;
+  Py_BEGIN_ALLOW_THREADS
+  error = kernels::arrive_and_wait(counters, rank, world, round, timeout_ms);
+  Py_END_ALLOW_THREADS
+  return done(error);
+}
+
 PyMethodDef methods[] = {
     {"qlinear", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(qlinear)), METH_FASTCALL,
      "y = x W^T, W packed in groups of 32"},
@@ -182,6 +197,8 @@ PyMethodDef methods[] = {
      "q/k norm and RoPE; q in place, k and v into the paged cache"},
     {"paged_decode", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(paged_decode)), METH_FASTCALL,
      "one query token per sequence over the paged KV cache"},
+    {"arrive_and_wait", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(arrive_and_wait)), METH_FASTCALL,
+     "publish this rank's round of a host collective, then wait for every rank's"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, NEURON_STR(NEURON_MODULE), "neuron's CPU kernels, one ISA level", -1,
