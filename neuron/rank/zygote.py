@@ -62,6 +62,7 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the leader decides when ranks stop
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     importlib.import_module("torch")  # the point of this process: every fork starts with it imported
+    importlib.import_module("gguf")  # the GGUF reader's (numpy only): a tenth of a second a rank saves
 
     sel = selectors.DefaultSelector()
     sel.register(orders, selectors.EVENT_READ, None)
