@@ -46,7 +46,7 @@ class HostMemory:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
                 made = True
                 try:
-                    os.ftruncate(fd, size)
+                    os.posix_fallocate(fd, 0, size)  # a full /dev/shm refuses now, not with a SIGBUS later
                     mm = mmap.mmap(fd, size)
                 finally:
                     os.close(fd)
