@@ -69,7 +69,11 @@ class Zygote:
     def __init__(self) -> None:
         global _early
         started, _early = _early, None
-        self.proc, self.orders, self.reports = started if started and started[0].poll() is None else _start_zygote()
+        if started is not None and started[0].poll() is not None:  # it died before the loop ran
+            os.close(started[1])
+            os.close(started[2])
+            started = None
+        self.proc, self.orders, self.reports = started or _start_zygote()
         self.ranks: dict[int, ForkedRank] = {}
         self.forked: asyncio.Queue[int] = asyncio.Queue()
         self.buf = b""

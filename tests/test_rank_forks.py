@@ -73,3 +73,51 @@ def test_forked_ranks_over_tcp_get_their_curve_keys_through_the_zygote_s_pipe_on
             assert b"CURVE" not in open(f"/proc/{pid}/environ", "rb").read()
     finally:
         server.stop()
+
+
+
+def _pipes() -> set[str]:
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("pipe:"):
+            out.add(target)
+    return out
+
+
+def test_a_zygote_started_before_the_loop_is_taken_over_or_replaced_when_it_died():
+    """``neuron serve`` starts the zygote before its own imports (``prestart``); the first
+    ``warm`` takes that process, or, if it has died meanwhile, closes its pipes and starts another."""
+    import asyncio
+
+    from neuron import rank_forks
+
+    async def adopt() -> tuple[int, bool]:
+        zygote, _ = rank_forks.warm()
+        try:
+            return zygote.proc.pid, zygote.alive
+        finally:
+            zygote.release()
+
+    def early_zygote(known: set[int]) -> int:
+        (pid,) = [p for p in children_of(os.getpid()) if b"neuron.rank.zygote" in cmdline(p).split(b"\0")
+                  and p not in known]
+        return pid
+
+    before = _pipes()
+    rank_forks.prestart()
+    first = early_zygote(set())
+    assert asyncio.run(adopt()) == (first, True)
+    assert _pipes() == before  # released: its pipes closed
+    rank_forks.prestart()
+    dead = early_zygote({first})
+    os.kill(dead, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while b"zygote" in cmdline(dead) and time.monotonic() < deadline:  # until it is a zombie
+        time.sleep(0.05)
+    pid, live = asyncio.run(adopt())
+    assert live and pid not in (dead, first)
+    assert _pipes() == before  # the dead one's pipes were closed too, not leaked
