@@ -153,3 +153,29 @@ def test_ranks_on_other_hosts_use_gloo_and_a_network_namespace_is_another_host()
         subprocess.run(["ip", "netns", "del", name], check=True)
     here = host_collectives.host_id()
     assert there.split(":")[0] == here.split(":")[0] and there != here
+
+
+def _dies_in_set_up(rank: int, world: int, port: int, out) -> None:
+    _group(rank, world, port)
+    if rank == 1:
+        os._exit(3)  # gone before the set-up's broadcast
+    try:
+        Collectives(world).use_host_memory(cpu_kernels().mod, 30.0)
+        outcome = "set up"
+    except RuntimeError as exc:
+        outcome = f"failed: {type(exc).__name__}"
+    out.put((rank, (outcome, [f for f in os.listdir("/dev/shm") if f.startswith("neuron-tp-")])))
+
+
+def test_a_rank_lost_during_the_set_up_fails_it_and_leaves_no_segment():
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = 29000 + (os.getpid() + 7) % 2000
+    procs = [ctx.Process(target=_dies_in_set_up, args=(r, 2, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    rank, (outcome, segments) = out.get(timeout=120)
+    for p in procs:
+        p.join(60)
+    assert rank == 0 and outcome.startswith("failed: "), outcome
+    assert segments == [] and [p.exitcode for p in procs] == [0, 3]

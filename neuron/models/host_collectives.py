@@ -54,27 +54,29 @@ class HostMemory:
                 name[: len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
             except OSError as exc:
                 why = f"cannot make {path}: {exc}"
-        dist.broadcast(name, src=root, group=group)
-        if rank != 0:
-            path, _, host = bytes(name[name != 0].tolist()).decode().partition("|")
-            try:
-                if host != host_id():
-                    raise ValueError("rank 0 is on another host (or network namespace)")
-                fd = os.open(path, os.O_RDWR)
+        try:
+            dist.broadcast(name, src=root, group=group)
+            if rank != 0:
+                path, _, host = bytes(name[name != 0].tolist()).decode().partition("|")
                 try:
-                    mm = mmap.mmap(fd, size) if os.fstat(fd).st_size == size else None
-                finally:
-                    os.close(fd)
-                why = "" if mm is not None else f"{path} is not the segment rank 0 made"
-            except (OSError, ValueError) as exc:
-                why = f"cannot open the segment: {exc}" if path else "rank 0 made no segment"
-        if mod is None:
-            why = why or "the CPU kernels are not built"
-        shared = cls(mm, rank, world, mod, int(timeout_s * 1000)) if _agree(not why, group) else None
-        if shared is not None and not _agree(shared.probe(), group):
-            shared, why = None, why or "its probe sum was wrong"
-        if made:
-            os.unlink(path)  # every rank has it mapped (or has given up): nothing is left behind
+                    if host != host_id():
+                        raise ValueError("rank 0 is on another host (or network namespace)")
+                    fd = os.open(path, os.O_RDWR)
+                    try:
+                        mm = mmap.mmap(fd, size) if os.fstat(fd).st_size == size else None
+                    finally:
+                        os.close(fd)
+                    why = "" if mm is not None else f"{path} is not the segment rank 0 made"
+                except (OSError, ValueError) as exc:
+                    why = f"cannot open the segment: {exc}" if path else "rank 0 made no segment"
+            if mod is None:
+                why = why or "the CPU kernels are not built"
+            shared = cls(mm, rank, world, mod, int(timeout_s * 1000)) if _agree(not why, group) else None
+            if shared is not None and not _agree(shared.probe(), group):
+                shared, why = None, why or "its probe sum was wrong"
+        finally:
+            if made:  # every rank has it mapped, has given up, or failed: nothing is left behind
+                os.unlink(path)
         if shared is None:
             return None, why or "another rank could not map it"  # the mapping goes with its last view
         return shared, ""
