@@ -14,7 +14,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from devtools import netns
-from neuron.kernels.cpu import KernelUnavailable, cpu_kernels
+from neuron.kernels import isa
+from neuron.kernels.cpu import KernelUnavailable, cpu_kernels, load_level
 from neuron.models import host_collectives
 from neuron.models.host_collectives import SLOT_BYTES
 from neuron.models.layers import Collectives
@@ -179,3 +180,24 @@ def test_a_rank_lost_during_the_set_up_fails_it_and_leaves_no_segment():
         p.join(60)
     assert rank == 0 and outcome.startswith("failed: "), outcome
     assert segments == [] and [p.exitcode for p in procs] == [0, 3]
+
+
+@pytest.mark.parametrize("level", [level.name for level in isa.runnable()])
+def test_every_kernel_level_meets_publishes_and_gives_up_in_time(level):
+    """``arrive_and_wait`` of each instruction-set level this CPU runs: it publishes the round,
+    returns once every counter has it, and fails by its deadline when one never does."""
+    try:
+        mod = load_level(level).mod
+    except KernelUnavailable as exc:
+        pytest.skip(str(exc))
+    counters = torch.zeros(3 * 8, dtype=torch.int64)  # three counters, 64 bytes apart
+    counters[8] = 5
+    counters[16] = 7
+    mod.arrive_and_wait(counters.data_ptr(), 0, 3, 5, 1000)
+    assert counters[0].item() == 5
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="did not reach the collective in time"):
+        mod.arrive_and_wait(counters.data_ptr(), 0, 3, 6, 200)  # rank 1 is still at 5
+    assert 0.15 < time.monotonic() - t0 < 5 and counters[0].item() == 6
+    with pytest.raises(RuntimeError, match="bad rank or round"):
+        mod.arrive_and_wait(counters.data_ptr(), 3, 3, 1, 10)
