@@ -14,6 +14,7 @@
 
 #include "ops.h"
 #include "qlinear.h"
+#include "sync.h"
 
 namespace {
 
@@ -252,9 +253,22 @@ void check_paged_decode(int64_t n_q, int64_t n_kv, int64_t hd, int64_t bs, int t
   expect(kernels::paged_decode(a, threads) != nullptr, "paged_decode refuses a block past the cache", 0, 0);
 }
 
+// The host collectives' meeting point: publishes the round, returns once every counter has it,
+// gives up by its deadline when one never does, refuses a bad rank.
+void check_sync() {
+  alignas(64) int64_t counters[3 * 8] = {};
+  char* c = reinterpret_cast<char*>(counters);
+  counters[8] = 5;
+  counters[16] = 7;
+  expect(kernels::arrive_and_wait(c, 0, 3, 5, 1000) == nullptr && counters[0] == 5, "arrive_and_wait meets", 0, 0);
+  expect(kernels::arrive_and_wait(c, 0, 3, 6, 50) != nullptr && counters[0] == 6, "arrive_and_wait gives up", 0, 0);
+  expect(kernels::arrive_and_wait(c, 3, 3, 1, 10) != nullptr, "arrive_and_wait refuses a bad rank", 0, 0);
+}
+
 }  // namespace
 
 int main() {
+  check_sync();
   for (int threads : {1, 2}) {
     for (int bits : {4, 8})
       for (bool super : {false, true})
