@@ -143,8 +143,8 @@ class Registry:
             if world % nodes:
                 raise ValueError(f"{world} ranks (tensor_parallel x pipeline_parallel) do not split over {nodes} nodes")
             devices = choose_devices(entry.device, world // nodes, entry.devices)
-            if devices[0] == "cpu":
-                isa.choose()  # NEURON_CPU_ISA naming a level this CPU lacks: refused here, by name
+            # NEURON_CPU_ISA or NEURON_CPU_ACTIVATIONS that cannot run here: refused by name
+            how = isa.activations(isa.choose()) if devices[0] == "cpu" else ""
         except ValueError as exc:
             raise LoadError(str(exc)) from None
         max_len = min(entry.max_model_len, spec.context_length)
@@ -156,7 +156,7 @@ class Registry:
                                  entry.max_slots, max_len, budget, chunk, chunk_decoding, in_flight,
                                  # the K/V of a prefix depends on the weights and how they are computed
                                  f"{model_id}|{spec.files.paths}|{entry.dtype}|{entry.tensor_parallel}|{entry.quantize}"
-                                 f"|{entry.state_dtype}" if entry.prefix_caching else None,
+                                 f"|{entry.state_dtype}|{how}" if entry.prefix_caching else None,
                                  entry.state_snapshot_interval, 4 * spec.config.hidden_size,
                                  entry.pipeline_parallel,
                                  draft_policy(model_id, entry, gpu, spec.config.vocab_size))))

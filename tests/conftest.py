@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -265,6 +266,37 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
+def cpu_activations(kind: str):
+    """Packed products take x as ``kind`` says (``NEURON_CPU_ACTIVATIONS``), in this process and in
+    the rank processes and servers started meanwhile."""
+    from neuron.kernels import cpu, isa
+
+    before = os.environ.get(isa.ACTIVATIONS_ENV)
+    os.environ[isa.ACTIVATIONS_ENV] = kind
+    cpu.choose_again()
+    try:
+        yield
+    finally:
+        os.environ.pop(isa.ACTIVATIONS_ENV) if before is None else os.environ.update({isa.ACTIVATIONS_ENV: before})
+        cpu.choose_again()
+
+
+@pytest.fixture(scope="module")
+def float32_activations():
+    """x as it is, for a module's comparisons of packed weights with their float reference as tight
+    as float32 allows (int8 activations: tests/test_int8_activations.py)."""
+    with cpu_activations("float32"):
+        yield
+
+
+@pytest.fixture
+def float32_activations_here():
+    """As ``float32_activations``, for one test."""
+    with cpu_activations("float32"):
+        yield
 
 
 # ------------------------------------------------------------------------------------------------

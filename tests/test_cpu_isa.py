@@ -21,6 +21,7 @@ import torch
 from conftest import DEFAULT_MODEL, ROOT, SMALL, start_server
 from neuron.kernels import isa
 from neuron.kernels.cpu import KernelUnavailable, load_level
+from neuron.kernels.int8_rows import reference_quantized_rows
 from neuron.models.packed_linear import PackedLinear
 from neuron.models.quant import decode_blocks
 from test_quant import raw_tensor
@@ -71,20 +72,58 @@ TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q3_K",
 @pytest.mark.parametrize("name", TYPES)
 def test_each_level_computes_each_gguf_type_as_the_file_dequantizes_it(level, name):
     """1 to 64 rows of x (a decode, a batch of decodes, a prompt chunk), against the float32
-    product of the weight gguf-py's own dequantization gives, on a matrix of an odd row count."""
-    C = level_kernels(level)
+    product of the weight gguf-py's own dequantization gives, on a matrix of an odd row count:
+    with x as it is, and, where the level multiplies x in int8, with x as its int8 form gives it,
+    each row then as it would come alone."""
     N, K = 83, 512
     raw = raw_tensor(name, (N, K), np.random.default_rng(7))
     q = decode_blocks(raw, gguf.GGMLQuantizationType[name])
     lin = PackedLinear(q, None)
-    kernel = C.packed(lin.bits, lin.u, lin.s, lin.m, lin.d, lin.dm)
     w = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[name])).double()
-    for rows in (1, 2, 5, 8, 9, 31, 64):
-        x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
-        want = x.double() @ w.t()
-        got = kernel(x)
-        assert got.shape == (rows, N) and got.dtype == torch.float32
-        assert float((got.double() - want).abs().max()) <= 3e-6 * float(want.abs().max()), (level, name, rows)
+    lv = next(x for x in isa.LEVELS if x.name == level)
+    level_kernels(level)  # built, or skipped
+    for activations in ("float32", "int8") if lv.int8 else ("float32",):
+        C = load_level(level, activations)
+        assert C.int8_rows == (activations == "int8")
+        kernel = C.packed(lin.bits, lin.u, lin.s, lin.m, lin.d, lin.dm)
+        for rows in (1, 2, 5, 8, 9, 31, 64):
+            x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
+            want = (reference_quantized_rows(x) if C.int8_rows else x).double() @ w.t()
+            got = kernel(x)
+            assert got.shape == (rows, N) and got.dtype == torch.float32
+            assert float((got.double() - want).abs().max()) <= 3e-6 * float(want.abs().max()), (level, name, rows)
+            if C.int8_rows:
+                assert torch.equal(torch.cat([kernel(x[r:r + 1]) for r in range(rows)]), got), (level, name, rows)
+
+
+@pytest.mark.parametrize("level", RUNNABLE)
+def test_a_nan_or_infinity_in_x_spoils_its_own_rows_products_only(level):
+    level_kernels(level)
+    raw = raw_tensor("Q4_0", (40, 256), np.random.default_rng(3))
+    lin = PackedLinear(decode_blocks(raw, gguf.GGMLQuantizationType.Q4_0), None)
+    lv = next(x for x in isa.LEVELS if x.name == level)
+    for activations in ("float32", "int8") if lv.int8 else ("float32",):
+        kernel = load_level(level, activations).packed(lin.bits, lin.u, lin.s, lin.m, lin.d, lin.dm)
+        x = torch.randn(3, 256)
+        x[1, 70], x[2, 200] = float("nan"), float("inf")
+        y = kernel(x)
+        assert torch.isfinite(y[0]).all() and y[1].isnan().all() and not torch.isfinite(y[2]).any(), activations
+
+
+def test_int8_activations_are_chosen_where_the_level_has_them_and_refused_by_name_where_not(monkeypatch):
+    by_name = {lv.name: lv for lv in isa.LEVELS}
+    assert isa.activations(by_name["avx2"], "") == "int8" and isa.activations(by_name["neon"], "") == "float32"
+    assert isa.activations(by_name["avx512"], "float32") == "float32"
+    with pytest.raises(isa.IsaError, match="NEURON_CPU_ACTIVATIONS=int8: the portable kernels"):
+        isa.activations(by_name["portable"], "int8")
+    with pytest.raises(isa.IsaError, match="not one of int8, float32"):
+        isa.activations(by_name["avx2"], "int4")
+    monkeypatch.setenv(isa.ACTIVATIONS_ENV, "float32")
+    assert isa.activations(by_name["avx2"]) == "float32"
+    code = "from neuron.kernels.cpu import cpu_kernels; cpu_kernels()"  # what a rank and the registry call
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, isa.ACTIVATIONS_ENV: "int4"})
+    assert out.returncode != 0 and "NEURON_CPU_ACTIVATIONS='int4'" in out.stderr, out.stderr[-2000:]
 
 
 def test_a_product_refuses_what_does_not_fit_its_weight():

@@ -48,7 +48,7 @@ SMOL_TEXTS = [
 SMOL_TOKENS = 24
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "float32_activations")
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,8 @@ from devtools.shapes import pack_words as pack
 from neuron.loader.published import unpack_along_columns, unpack_along_rows, unpack_awq
 from neuron.loader.spec import load_spec
 
+pytestmark = pytest.mark.usefixtures("float32_activations")  # the references are float
+
 NEW_TOKENS = 24
 _gen = torch.Generator().manual_seed(303)
 PROMPTS = [torch.randint(0, 509, (n,), generator=_gen).tolist() for n in (4, 11, 29)]

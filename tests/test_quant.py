@@ -22,7 +22,7 @@ from neuron.models.sharding import ShardingError, check_plan, plan_shard
 from devtools.checkpoints import make_checkpoint, random_quant_blocks, write_random_kquant_gguf
 from devtools.parity import ParityJob, run_parity, top1
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "float32_activations")
 
 EXACT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K")
 BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q8_0": 8, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q3_K": 3, "Q2_K": 2}

@@ -26,7 +26,7 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, checkpoint):
+def server(float32_activations, tmp_path_factory, checkpoint):
     config = (f'[[models]]\nmodel = "{DEFAULT_MODEL}"\nmax_model_len = 256\nmax_slots = 2\n'
               f'[[models]]\nmodel = "{checkpoint}"\nid = "qwen3-q8"\nmax_model_len = 128\nmax_slots = 2\n')
     server = start_server(tmp_path_factory.mktemp("server"), config=config, args=["--quantize", "q8_0"])

@@ -1,6 +1,7 @@
 """The CPU kernels: packed-weight matrix products and the step's fused small ops (``csrc/``),
 built at install time once per instruction-set level (``isa.py``, ``setup.py``); the level this
 CPU runs best, or ``NEURON_CPU_ISA``, is imported once per process. Nothing is compiled here.
+Packed products take x in int8 where the level can (``isa.activations``, ``NEURON_CPU_ACTIVATIONS``).
 
 The modules take their operands' addresses; these wrappers check the tensors first (dtype,
 layout, shapes: what the C++ would otherwise read past) and pass them on. A packed weight's
@@ -40,7 +41,7 @@ class PackedKernel:
     K/16."""
 
     def __init__(self, mod: Any, bits: int, u: torch.Tensor, s: torch.Tensor, m: torch.Tensor, d: torch.Tensor,
-                 dm: torch.Tensor) -> None:
+                 dm: torch.Tensor, int8: bool) -> None:
         N = u.shape[0]
         K = u.shape[1] * 8 // bits
         sup = d.numel() > 0
@@ -59,7 +60,7 @@ class PackedKernel:
         self.mod, self.bits, self.n, self.k = mod, bits, N, K
         self.keep = (u, s, m, d, dm)  # the addresses below stay theirs
         self.args = (u.data_ptr(), s.data_ptr(), m.data_ptr(), d.data_ptr() if sup else 0, dm.data_ptr() if sup else 0)
-        self.ns, self.nd = ns, nd
+        self.ns, self.nd, self.int8 = ns, nd, int8
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         M, K = x.shape
@@ -68,25 +69,27 @@ class PackedKernel:
             x = x.contiguous()
         y = torch.empty(M, self.n, dtype=torch.float32)
         self.mod.qlinear(self.bits, x.data_ptr(), *self.args, y.data_ptr(), M, self.k, self.n, self.ns, self.nd,
-                         torch.get_num_threads())
+                         torch.get_num_threads(), self.int8)
         return y
 
 
 class CpuKernels:
     """One level's module behind the tensor interface the model, the runner and the tests call."""
 
-    def __init__(self, mod: Any) -> None:
+    def __init__(self, mod: Any, activations: str = "float32") -> None:
         self.mod = mod
         self.isa: str = mod.ISA
+        self.int8_rows = activations == "int8"  # packed products quantize x per group of 32 (csrc/qdot.h)
+        _check(not self.int8_rows or bool(mod.INT8_ROWS), f"the {self.isa} kernels have no int8 products")
 
     def packed(self, bits: int, u, s, m, d, dm) -> PackedKernel:
-        return PackedKernel(self.mod, bits, u, s, m, d, dm)
+        return PackedKernel(self.mod, bits, u, s, m, d, dm, self.int8_rows)
 
     def q4_linear(self, x, u, s, m, d, dm) -> torch.Tensor:
-        return PackedKernel(self.mod, 4, u, s, m, d, dm)(x)
+        return self.packed(4, u, s, m, d, dm)(x)
 
     def q8_linear(self, x, u, s, m, d, dm) -> torch.Tensor:
-        return PackedKernel(self.mod, 8, u, s, m, d, dm)(x)
+        return self.packed(8, u, s, m, d, dm)(x)
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         _f32(x, "x")
@@ -167,10 +170,13 @@ class CpuKernels:
         return out
 
 
-def load_level(name: str) -> CpuKernels:
-    """The kernels of level ``name`` (for tests of every level the machine runs)."""
+def load_level(name: str, activations: str | None = None) -> CpuKernels:
+    """The kernels of level ``name`` (for tests of every level the machine runs), their products
+    taking x as ``activations`` says (by default, as ``isa.activations`` chooses)."""
+    level = next(lv for lv in isa.LEVELS if lv.name == name)
     try:
-        return CpuKernels(importlib.import_module(f"neuron.kernels.{isa.module_name(name)}"))
+        return CpuKernels(importlib.import_module(f"neuron.kernels.{isa.module_name(name)}"),
+                          activations or isa.activations(level))
     except ImportError as exc:
         raise KernelUnavailable(f"the {name} CPU kernels are not built ({exc}): reinstall neuron "
                                 f"(./scripts/setup) with a C++ compiler") from None
@@ -184,15 +190,23 @@ def cpu_kernels() -> CpuKernels:
     return result
 
 
+def choose_again() -> None:
+    """Forget the choice ``cpu_kernels`` made, so that the next call reads NEURON_CPU_ISA and
+    NEURON_CPU_ACTIVATIONS again (a process that changes them)."""
+    _chosen.cache_clear()
+
+
 @functools.cache
 def _chosen() -> CpuKernels | Exception:
     try:
         level = isa.choose()
+        isa.activations(level)
     except isa.IsaError as exc:
         return exc
     try:
         kernels = load_level(level.name)
     except KernelUnavailable as exc:
         return exc
-    log.info("CPU kernels: %s (%d float32 lanes)", kernels.isa, kernels.mod.LANES)
+    log.info("CPU kernels: %s (%d float32 lanes, %s activations)", kernels.isa, kernels.mod.LANES,
+             "int8" if kernels.int8_rows else "float32")
     return kernels

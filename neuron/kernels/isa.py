@@ -14,6 +14,7 @@ import platform
 from dataclasses import dataclass
 
 ENV = "NEURON_CPU_ISA"
+ACTIVATIONS_ENV = "NEURON_CPU_ACTIVATIONS"
 
 
 @dataclass(frozen=True)
@@ -22,13 +23,14 @@ class Level:
     machine: str  # platform.machine() of the CPUs it is for
     flags: tuple[str, ...]  # the compiler's
     needs: tuple[str, ...]  # the CPU's, as /proc/cpuinfo names them ('flags' on x86, 'Features' on Arm)
+    int8: bool = False  # its packed products can take x in int8 (csrc/qdot.h)
 
 
 # Best first. The portable level is plain C++ over the compiler's own vectors, for any CPU.
 LEVELS = (
     Level("avx512", "x86_64", ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"),
-          ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma", "f16c")),
-    Level("avx2", "x86_64", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
+          ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma", "f16c"), int8=True),
+    Level("avx2", "x86_64", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c"), int8=True),
     Level("neon", "aarch64", ("-march=armv8-a",), ("asimd", "fp")),
     Level("portable", "", (), ()),
 )
@@ -94,3 +96,15 @@ def choose(features: set[str] | None = None, forced: str | None = None, machine:
             raise IsaError(f"{ENV}={forced}: this CPU lacks {', '.join(missing)}")
         return level
     return runnable(features, machine)[0]
+
+
+def activations(level: Level, forced: str | None = None) -> str:
+    """How the packed products of ``level`` take x: ``int8`` per group of 32, as llama.cpp's CPU
+    backend and our GPU decode do, where the level can; else ``float32``. ``NEURON_CPU_ACTIVATIONS``
+    (``forced``) asks for one; ``int8`` on a level without it is refused by name."""
+    forced = os.environ.get(ACTIVATIONS_ENV, "").strip().lower() if forced is None else forced.strip().lower()
+    if forced not in ("", "int8", "float32"):
+        raise IsaError(f"{ACTIVATIONS_ENV}={forced!r} is not one of int8, float32")
+    if forced == "int8" and not level.int8:
+        raise IsaError(f"{ACTIVATIONS_ENV}=int8: the {level.name} kernels multiply in float32 only")
+    return forced or ("int8" if level.int8 else "float32")

@@ -42,6 +42,40 @@ uint16_t to_half(float f) {  // round to nearest float16 (normal range only: the
   return static_cast<uint16_t>(h);
 }
 
+// x as the levels with int8 products take it (qdot.h): d * round(x / d) per group of 32, d =
+// max|x| / 127, ties away from zero.
+std::vector<float> quantized_rows(const std::vector<float>& x) {
+  std::vector<float> out(x.size());
+  for (size_t g = 0; g < x.size(); g += 32) {
+    float amax = 0;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[g + j]));
+    const float inv = amax > 0 ? 127.0f / amax : 0.0f;
+    for (int j = 0; j < 32; ++j) {
+      const float v = x[g + j] * inv;
+      out[g + j] = (v >= 0 ? std::floor(v + 0.5f) : -std::floor(0.5f - v)) * (amax / 127.0f);
+    }
+  }
+  return out;
+}
+
+// y against the double product of x and the weights s * q + m.
+void check_product(const std::vector<float>& x, const std::vector<uint8_t>& q, const std::vector<float>& s,
+                   const std::vector<float>& m, const std::vector<float>& y, int64_t M, int64_t N, int64_t K,
+                   int64_t gs, int64_t ns, const std::string& what) {
+  double err = 0, big = 0;
+  for (int64_t t = 0; t < M; ++t)
+    for (int64_t n = 0; n < N; ++n) {
+      double want = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t i = n * ns + k / gs;
+        want += (static_cast<double>(s[i]) * q[n * K + k] + m[i]) * x[t * K + k];
+      }
+      err = std::max(err, std::fabs(want - y[t * N + n]));
+      big = std::max(big, std::fabs(want));
+    }
+  expect(err <= 1e-5 * std::max(big, 1.0), what, err, 1e-5 * std::max(big, 1.0));
+}
+
 // y = x W^T for W of N x K in `bits` and its scales (plain float16, or super: int8 x float16).
 void check_qlinear(int bits, bool super, bool half, int64_t M, int64_t N, int64_t K, int threads) {
   const int64_t gs = half ? 16 : 32, ns = K / gs, per = super ? (half ? 16 : 8) : 1, nd = ns / per;
@@ -96,26 +130,18 @@ void check_qlinear(int bits, bool super, bool half, int64_t M, int64_t N, int64_
     scales.s16 = s16.data();
     scales.m16 = m16.data();
   }
-  if (bits == 4) {
-    kernels::qlinear<4>(x.data(), u.data(), scales, y.data(), M, K, N, threads);
-  } else {
-    kernels::qlinear<8>(x.data(), u.data(), scales, y.data(), M, K, N, threads);
-  }
-  double err = 0, big = 0;
-  for (int64_t t = 0; t < M; ++t)
-    for (int64_t n = 0; n < N; ++n) {
-      double want = 0;
-      for (int64_t k = 0; k < K; ++k) {
-        const int64_t i = n * ns + k / gs;
-        want += (static_cast<double>(s[i]) * q[n * K + k] + m[i]) * x[t * K + k];
-      }
-      err = std::max(err, std::fabs(want - y[t * N + n]));
-      big = std::max(big, std::fabs(want));
+  for (bool int8 : {false, true}) {
+    if (int8 && !kernels::int8::AVAILABLE) continue;
+    if (bits == 4) {
+      kernels::qlinear<4>(x.data(), u.data(), scales, y.data(), M, K, N, threads, int8);
+    } else {
+      kernels::qlinear<8>(x.data(), u.data(), scales, y.data(), M, K, N, threads, int8);
     }
-  const std::string what = "qlinear bits " + std::to_string(bits) + (super ? " super" : " plain") +
-                           (half ? " half" : "") + " M " + std::to_string(M) + " N " + std::to_string(N) + " K " +
-                           std::to_string(K) + " threads " + std::to_string(threads);
-  expect(err <= 1e-5 * std::max(big, 1.0), what, err, 1e-5 * std::max(big, 1.0));
+    check_product(int8 ? quantized_rows(x) : x, q, s, m, y, M, N, K, gs, ns,
+                  "qlinear bits " + std::to_string(bits) + (super ? " super" : " plain") + (half ? " half" : "") +
+                      (int8 ? " int8" : "") + " M " + std::to_string(M) + " N " + std::to_string(N) + " K " +
+                      std::to_string(K) + " threads " + std::to_string(threads));
+  }
 }
 
 void check_norms(int64_t T, int64_t H, int threads) {

@@ -58,10 +58,11 @@ PyObject* done(const char* error) {
   Py_RETURN_NONE;
 }
 
-// qlinear(bits, x, u, s, m, d, dm, y, M, K, N, ns, nd, threads): d == 0 for float16 s, m.
+// qlinear(bits, x, u, s, m, d, dm, y, M, K, N, ns, nd, threads, int8): d == 0 for float16 s, m;
+// int8: x in int8 (qdot.h), where the level has it.
 PyObject* qlinear(PyObject*, PyObject* const* args, Py_ssize_t n) {
   Args a{args, n};
-  if (!a.count(14, "qlinear")) return nullptr;
+  if (!a.count(15, "qlinear")) return nullptr;
   const int64_t bits = a.i(0);
   kernels::Scales scales;
   const float* x = a.p<const float>(1);
@@ -71,6 +72,7 @@ PyObject* qlinear(PyObject*, PyObject* const* args, Py_ssize_t n) {
   scales.ns = a.i(11);
   scales.nd = a.i(12);
   const int threads = static_cast<int>(a.i(13));
+  const bool int8 = a.i(14) != 0;
   if (scales.nd > 0) {
     scales.sc = a.p<const int8_t>(3);
     scales.mn = a.p<const int8_t>(4);
@@ -84,11 +86,12 @@ PyObject* qlinear(PyObject*, PyObject* const* args, Py_ssize_t n) {
   if ((bits != 4 && bits != 8) || K % kernels::G || (scales.ns != K / 32 && scales.ns != K / 16) ||
       (scales.nd > 0 && scales.ns % scales.nd))
     return done("qlinear: bits, K and the scale counts do not fit together");
+  if (int8 && !kernels::int8::AVAILABLE) return done("qlinear: this level has no int8 products");
   Py_BEGIN_ALLOW_THREADS
   if (bits == 4) {
-    kernels::qlinear<4>(x, u, scales, y, M, K, N, threads);
+    kernels::qlinear<4>(x, u, scales, y, M, K, N, threads, int8);
   } else {
-    kernels::qlinear<8>(x, u, scales, y, M, K, N, threads);
+    kernels::qlinear<8>(x, u, scales, y, M, K, N, threads, int8);
   }
   Py_END_ALLOW_THREADS
   Py_RETURN_NONE;
@@ -209,7 +212,8 @@ PyModuleDef module = {PyModuleDef_HEAD_INIT, NEURON_STR(NEURON_MODULE), "neuron'
 PyMODINIT_FUNC NEURON_CAT(PyInit_, NEURON_MODULE)(void) {
   PyObject* m = PyModule_Create(&module);
   if (m == nullptr) return nullptr;
-  if (PyModule_AddStringConstant(m, "ISA", simd::NAME) < 0 || PyModule_AddIntConstant(m, "LANES", simd::W) < 0) {
+  if (PyModule_AddStringConstant(m, "ISA", simd::NAME) < 0 || PyModule_AddIntConstant(m, "LANES", simd::W) < 0 ||
+      PyModule_AddIntConstant(m, "INT8_ROWS", kernels::int8::AVAILABLE) < 0) {
     Py_DECREF(m);
     return nullptr;
   }

@@ -1,6 +1,6 @@
-// y = x W^T for weights kept packed in groups of 32 along the input dimension, float32
-// activations and accumulation: w = s * u + m per group of 32, or per half-group of 16 (the
-// K-quants with 16-element sub-blocks).
+// y = x W^T for weights kept packed in groups of 32 along the input dimension: w = s * u + m per
+// group of 32, or per half-group of 16 (the K-quants with 16-element sub-blocks). x in int8
+// (qdot.h: run_int8) where the level has it and the caller asks, else float32 as below.
 //
 //   u, 4-bit: 16 bytes a group, byte j holds u[j] (low nibble) and u[j + 16] (high nibble), the
 //             order of GGUF's Q4_0/Q4_1 blocks; 8-bit: one byte each.
@@ -13,7 +13,7 @@
 // sums of x at the end; two rows of W go together, so each load of x feeds both. Several rows
 // of x (up to 8): each group of W is dequantized once into registers and multiplied into every
 // row, so a batch of M rows reads the weights ceil(M / 8) times. Rows of W are split over the
-// threads. The arithmetic is float32 throughout: the result is the dequantized product's, up to
+// threads. This float path is float32 throughout: the result is the dequantized product's, up to
 // the order of the sums.
 
 #pragma once
@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "parallel.h"
+#include "qdot.h"
 #include "simd.h"
 
 namespace kernels {
@@ -160,9 +161,71 @@ void many_rows(const float* x, int64_t K, const uint8_t* u, const Scales& scales
   many_rows<BITS, HALF, MT, 1>(x, K, u, scales, y, N, n0, n1, sbuf);
 }
 
+#ifdef NEURON_INT8_ROWS
+// x in int8 (qdot.h): every row quantized once, then rows of W split over the threads, each
+// row of W unpacked once for 8 rows of x at a time. A row's result is the same in any batch.
+template <int BITS, bool HALF, int MT>
+void int8_rows(const uint8_t* u, const int8_t* q, const int32_t* corr, int64_t K, const float* dj, const float* xs,
+               int64_t ns, const float* s, const float* m, float* t, float* y, int64_t N) {
+  float out[MT];
+  for (int r = 0; r < MT; ++r) {
+    const float* d = dj + r * ns;
+    float* tr = t + r * ns;
+    int64_t j = 0;
+    for (; j + W <= ns; j += W) store(tr + j, mul(load(s + j), load(d + j)));
+    for (; j < ns; ++j) tr[j] = s[j] * d[j];
+  }
+  int8::dot_rows<BITS, HALF, MT>(u, q, corr, K, t, ns, out);
+  for (int r = 0; r < MT; ++r) y[r * N] = out[r] + dot(m, xs + r * ns, ns);
+}
+
+template <int BITS, bool HALF>
+void run_int8(const float* x, const uint8_t* u, const Scales& scales, float* y, int64_t M, int64_t K, int64_t N,
+              int threads) {
+  constexpr int GS = HALF ? G / 2 : G, BYTES = BITS * G / 8;
+  const int64_t ns = K / GS, groups = K / G;
+  std::vector<int8_t> q(M * K);
+  std::vector<float> dj(M * ns), xs(M * ns);
+  std::vector<int32_t> corr(BITS == 8 ? M * K / 4 : 0);
+  for (int64_t r = 0; r < M; ++r)
+    int8::quantize<BITS, GS>(x + r * K, K, q.data() + r * K, dj.data() + r * ns, xs.data() + r * ns,
+                             corr.empty() ? nullptr : corr.data() + r * K / 4);
+  const int64_t grain = std::max<int64_t>(16, 4096 / std::max<int64_t>(K / 64, 1));
+  parallel_for(N, grain, threads, [&](int64_t n0, int64_t n1) {
+    std::vector<float> buf(10 * ns);
+    float *s = buf.data(), *m = s + ns, *t = m + ns;
+    for (int64_t n = n0; n < n1; ++n) {
+      scales.row(n, s, m);
+      const uint8_t* un = u + n * groups * BYTES;
+      for (int64_t r = 0; r < M; r += 8) {
+        const int8_t* qr = q.data() + r * K;
+        const int32_t* cr = corr.empty() ? nullptr : corr.data() + r * K / 4;
+        const float *d = dj.data() + r * ns, *x_s = xs.data() + r * ns;
+        float* yr = y + r * N + n;
+        switch (std::min<int64_t>(8, M - r)) {
+          case 1: int8_rows<BITS, HALF, 1>(un, qr, cr, K, d, x_s, ns, s, m, t, yr, N); break;
+          case 2: int8_rows<BITS, HALF, 2>(un, qr, cr, K, d, x_s, ns, s, m, t, yr, N); break;
+          case 3: int8_rows<BITS, HALF, 3>(un, qr, cr, K, d, x_s, ns, s, m, t, yr, N); break;
+          case 4: int8_rows<BITS, HALF, 4>(un, qr, cr, K, d, x_s, ns, s, m, t, yr, N); break;
+          case 5: int8_rows<BITS, HALF, 5>(un, qr, cr, K, d, x_s, ns, s, m, t, yr, N); break;
+          case 6: int8_rows<BITS, HALF, 6>(un, qr, cr, K, d, x_s, ns, s, m, t, yr, N); break;
+          case 7: int8_rows<BITS, HALF, 7>(un, qr, cr, K, d, x_s, ns, s, m, t, yr, N); break;
+          default: int8_rows<BITS, HALF, 8>(un, qr, cr, K, d, x_s, ns, s, m, t, yr, N); break;
+        }
+      }
+    }
+  });
+}
+#endif
+
 template <int BITS, bool HALF>
 void run(const float* xp, const uint8_t* up, const Scales& scales, float* yp, int64_t M, int64_t K, int64_t N,
-         int threads) {
+         int threads, bool int8) {
+#ifdef NEURON_INT8_ROWS
+  if (int8) return run_int8<BITS, HALF>(xp, up, scales, yp, M, K, N, threads);
+#else
+  (void)int8;
+#endif
   constexpr int GS = HALF ? G / 2 : G;  // values per scale
   const int64_t ns = K / GS;
   std::vector<float> xsum(M == 1 ? ns : 0);  // per-group sums of x, for the offsets of one row
@@ -199,12 +262,12 @@ void run(const float* xp, const uint8_t* up, const Scales& scales, float* yp, in
 // The whole product: y [M, N] = x [M, K] W^T. ns = K / 32, or K / 16 (a scale per half-group).
 template <int BITS>
 void qlinear(const float* x, const uint8_t* u, const Scales& scales, float* y, int64_t M, int64_t K, int64_t N,
-             int threads) {
+             int threads, bool int8) {
   const bool half = scales.ns == 2 * (K / G);
   if (half) {
-    run<BITS, true>(x, u, scales, y, M, K, N, threads);
+    run<BITS, true>(x, u, scales, y, M, K, N, threads, int8);
   } else {
-    run<BITS, false>(x, u, scales, y, M, K, N, threads);
+    run<BITS, false>(x, u, scales, y, M, K, N, threads, int8);
   }
 }
 
