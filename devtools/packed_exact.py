@@ -77,7 +77,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def run(dtype: torch.dtype, names: list[str] | None = None, emit=None) -> list[dict]:
     from neuron.kernels import packed as tk
     from neuron.kernels import packed_gemm as tg
-    from neuron.kernels.int8_rows import reference_quantized_rows
+    from neuron.kernels.quantized_rows import reference_quantized_rows
     from neuron.kernels.packed_scales import scale_words
     from neuron.models.packed_linear import PackedLinear
     from neuron.runner.linear import PACKED_BATCH_CANDIDATES, PACKED_CANDIDATES, split_candidates

@@ -21,7 +21,7 @@ import torch
 from conftest import DEFAULT_MODEL, ROOT, SMALL, start_server
 from neuron.kernels import isa
 from neuron.kernels.cpu import KernelUnavailable, load_level
-from neuron.kernels.int8_rows import reference_quantized_rows
+from neuron.kernels.quantized_rows import reference_quantized_rows
 from neuron.models.packed_linear import PackedLinear
 from neuron.models.quant import decode_blocks
 from test_quant import raw_tensor
@@ -110,16 +110,16 @@ def test_a_nan_or_infinity_in_x_spoils_its_own_rows_products_only(level):
         assert torch.isfinite(y[0]).all() and y[1].isnan().all() and not torch.isfinite(y[2]).any(), activations
 
 
-def test_int8_activations_are_chosen_where_the_level_has_them_and_refused_by_name_where_not(monkeypatch):
+def test_int8_activations_are_taken_when_asked_where_the_level_has_them_and_refused_by_name_where_not(monkeypatch):
     by_name = {lv.name: lv for lv in isa.LEVELS}
-    assert isa.activations(by_name["avx2"], "") == "int8" and isa.activations(by_name["neon"], "") == "float32"
-    assert isa.activations(by_name["avx512"], "float32") == "float32"
+    assert isa.activations(by_name["avx2"], "") == "float32" and isa.activations(by_name["neon"], "") == "float32"
+    assert isa.activations(by_name["avx512"], "int8") == "int8" and isa.activations(by_name["avx2"], "INT8 ") == "int8"
     with pytest.raises(isa.IsaError, match="NEURON_CPU_ACTIVATIONS=int8: the portable kernels"):
         isa.activations(by_name["portable"], "int8")
     with pytest.raises(isa.IsaError, match="not one of int8, float32"):
         isa.activations(by_name["avx2"], "int4")
-    monkeypatch.setenv(isa.ACTIVATIONS_ENV, "float32")
-    assert isa.activations(by_name["avx2"]) == "float32"
+    monkeypatch.setenv(isa.ACTIVATIONS_ENV, "int8")
+    assert isa.activations(by_name["avx2"]) == "int8"
     code = "from neuron.kernels.cpu import cpu_kernels; cpu_kernels()"  # what a rank and the registry call
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
                          env={**os.environ, isa.ACTIVATIONS_ENV: "int4"})

@@ -1,7 +1,7 @@
-"""Packed products with x in int8 (NEURON_CPU_ACTIVATIONS, csrc/qdot.h), the default where the
-CPU level has them, as llama.cpp's CPU backend and our GPU decode multiply. The kernels equal the
-float product of x's int8 form exactly (test_cpu_isa.py); here, the whole default model on real
-text: int8 moves the logits (it is in use) but not what the model predicts."""
+"""Packed products with x in int8 (NEURON_CPU_ACTIVATIONS=int8, csrc/qdot.h), as llama.cpp's CPU
+backend and our GPU decode multiply. The kernels equal the float product of x's int8 form exactly
+(test_cpu_isa.py); here, the whole default model on real text: int8 moves the logits (it is in
+use) but not, on the whole, what the model predicts."""
 
 from __future__ import annotations
 

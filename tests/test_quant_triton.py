@@ -27,7 +27,7 @@ from neuron.models.packed_linear import pack_nibbles
 from neuron.models.quant import decode_blocks
 from neuron.kernels import packed as tk
 from neuron.kernels import packed_gemm as tg
-from neuron.kernels.int8_rows import reference_quantized_rows
+from neuron.kernels.quantized_rows import reference_quantized_rows
 from neuron.kernels.packed import qlinear, reference_qlinear
 from neuron.kernels.packed_scales import pair_scales
 from devtools.checkpoints import random_quant_blocks

@@ -1,7 +1,8 @@
 """The CPU kernels: packed-weight matrix products and the step's fused small ops (``csrc/``),
 built at install time once per instruction-set level (``isa.py``, ``setup.py``); the level this
 CPU runs best, or ``NEURON_CPU_ISA``, is imported once per process. Nothing is compiled here.
-Packed products take x in int8 where the level can (``isa.activations``, ``NEURON_CPU_ACTIVATIONS``).
+Packed products take x in float32, or in int8 where asked and the level can (``isa.activations``,
+``NEURON_CPU_ACTIVATIONS``).
 
 The modules take their operands' addresses; these wrappers check the tensors first (dtype,
 layout, shapes: what the C++ would otherwise read past) and pass them on. A packed weight's

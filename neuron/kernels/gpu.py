@@ -8,7 +8,8 @@ from .conv import causal_conv, conv_snapshots
 from .deltanet import delta_rule, delta_rule_chunked, delta_rule_recurrent, gated_rms_norm
 from .dense import GEMV_CONFIGS, gemv
 from .fused import rms_norm, rope_store, silu_mul
-from .int8_rows import int8_rows_buffers, quantize_rows, reference_quantized_rows
+from .int8_rows import int8_rows_buffers, quantize_rows
+from .quantized_rows import reference_quantized_rows
 from .launch import pdl, pdl_args, pdl_by_default
 from .moe import route as moe_route
 from .moe import sparse_moe

@@ -99,12 +99,13 @@ def choose(features: set[str] | None = None, forced: str | None = None, machine:
 
 
 def activations(level: Level, forced: str | None = None) -> str:
-    """How the packed products of ``level`` take x: ``int8`` per group of 32, as llama.cpp's CPU
-    backend and our GPU decode do, where the level can; else ``float32``. ``NEURON_CPU_ACTIVATIONS``
-    (``forced``) asks for one; ``int8`` on a level without it is refused by name."""
+    """How the packed products of ``level`` take x: ``float32`` (the default: what the dequantized
+    weights compute), or ``int8`` per group of 32 as llama.cpp's CPU backend and our GPU decode
+    do, faster, when ``NEURON_CPU_ACTIVATIONS`` (``forced``) asks and the level has it; ``int8``
+    on a level without it is refused by name."""
     forced = os.environ.get(ACTIVATIONS_ENV, "").strip().lower() if forced is None else forced.strip().lower()
     if forced not in ("", "int8", "float32"):
         raise IsaError(f"{ACTIVATIONS_ENV}={forced!r} is not one of int8, float32")
     if forced == "int8" and not level.int8:
         raise IsaError(f"{ACTIVATIONS_ENV}=int8: the {level.name} kernels multiply in float32 only")
-    return forced or ("int8" if level.int8 else "float32")
+    return forced or "float32"
