@@ -286,15 +286,8 @@ def cpu_activations(kind: str):
 
 @pytest.fixture(scope="module")
 def float32_activations():
-    """x as it is, for a module's comparisons of packed weights with their float reference as tight
-    as float32 allows (int8 activations: tests/test_int8_activations.py)."""
-    with cpu_activations("float32"):
-        yield
-
-
-@pytest.fixture
-def float32_activations_here():
-    """As ``float32_activations``, for one test."""
+    """x as it is (the default, whatever the environment asks), for comparisons of packed weights
+    with their float reference as tight as float32 allows (int8: tests/test_int8_activations.py)."""
     with cpu_activations("float32"):
         yield
 

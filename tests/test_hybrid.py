@@ -269,7 +269,7 @@ def test_a_step_with_a_forged_state_slot_is_rejected_and_nothing_runs(tmp_path_f
         stateless.step(p.Step(id=0, epoch=0, step_id=0, seqs=[seq(0, 0)]))
 
 
-@pytest.mark.usefixtures("float32_activations_here")
+@pytest.mark.usefixtures("float32_activations")
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("world", [1, 2])
 def test_weights_quantized_in_situ_stay_packed_and_give_their_dequantized_tokens(tmp_path_factory, world):

@@ -56,7 +56,7 @@ def test_a_float_gguf_of_each_gives_its_safetensors_logits_and_tokens(tmp_path_f
                                                      for a, b in zip(result.logits, want.logits))
 
 
-@pytest.mark.usefixtures("float32_activations_here")
+@pytest.mark.usefixtures("float32_activations")
 @pytest.mark.timeout(600)
 def test_a_q8_0_gguf_stays_packed_and_gives_what_its_dequantized_weights_give(tmp_path):
     """Value heads of 32 (a quant group): the reordered output projection moves whole groups, so it
