@@ -32,7 +32,7 @@ constexpr bool AVAILABLE = false;
 #endif
 
 // How far ahead of its reads a row of W asks for its bytes (the next rows'): the hardware's own
-// prefetching left one thread at 8.3 GB/s of the 12 it can read on a Sapphire Rapids VM.
+// prefetching left a thread well short of what it can read (figures in the commit that added it).
 constexpr int PREFETCH = 2048;
 
 // Where element j of group g of x goes in q: AVX-512 takes 4-bit groups two at a time, as the
