@@ -149,7 +149,7 @@ class Registry:
             raise LoadError(str(exc)) from None
         max_len = min(entry.max_model_len, spec.context_length)
         gpu = devices[0].startswith("cuda")
-        budget, chunk, chunk_decoding = engine_sizes(self.cfg.engine, entry, gpu)
+        budget, chunk, chunk_decoding = engine_sizes(self.cfg.engine, entry, gpu, spec.config.num_experts > 0)
         in_flight = self.cfg.engine.steps_in_flight or (3 if gpu else 2)
         handle = ModelHandle(model_id, entry, spec, devices, default_dtype(devices, entry.dtype), max_len,
                              Engine(model_id, self.cfg.engine, Sizing(

@@ -126,3 +126,17 @@ def test_a_slowdown_below_one_or_not_a_number_is_refused_by_name(tmp_path):
             load_config(path)
     path.write_text("[engine]\ndecode_slowdown = 2\n")
     assert load_config(path).engine.decode_slowdown == 2.0
+
+
+def test_a_model_with_experts_takes_a_prompt_alone_in_longer_chunks_on_a_gpu_only():
+    """A chunk of a MoE prompt reads nearly every expert, so on a GPU it goes in chunks of
+    ``MOE_CHUNK``; dense models keep 2048, the CPU 256, and a configured chunk wins."""
+    from neuron.config import EngineConfig, ModelEntry
+    from neuron.engine.shape import MOE_CHUNK, engine_sizes
+
+    entry = ModelEntry(max_slots=16)
+    assert MOE_CHUNK > 2048
+    assert engine_sizes(EngineConfig(), entry, True, experts=True) == (MOE_CHUNK + 16, MOE_CHUNK, 192)
+    assert engine_sizes(EngineConfig(), entry, True, experts=False) == (2048 + 16, 2048, 192)
+    assert engine_sizes(EngineConfig(), entry, False, experts=True) == (1024, 256, 256)
+    assert engine_sizes(EngineConfig(prefill_chunk=1024), entry, True, experts=True) == (1040, 1024, 192)
