@@ -15,6 +15,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+# Under pytest-xdist (the README's -n 2) each worker, and the servers and ranks it starts, takes its
+# share of the cores: OpenMP threads that spin on cores another worker's rank uses slow both down.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    share = (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, share)))  # read when torch loads, after this
+
 
 def _plain_http(call):
     """httpx's one-shot functions (``httpx.get``, ``httpx.post``, ...) build a client each, and a
@@ -39,12 +45,11 @@ def run_kernel_check(code: str, *args: str, interpret: bool) -> object:
     by Triton's interpreter: a process imports Triton one way only) with ``args`` as its argv."""
     import json
 
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     env.pop("TRITON_INTERPRET", None)
     if interpret:
         env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run([sys.executable, "-c", code, *args], cwd=root, env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

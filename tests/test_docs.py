@@ -16,7 +16,8 @@ PAGES = ["api.md", "configuration.md", "operations.md", "architecture.md", "gpu.
 def test_the_readme_keeps_its_first_two_commands():
     commands = [line.strip() for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("    ")]
     assert commands[:2] == ["./scripts/setup && .venv/bin/neuron serve",
-                            "./scripts/setup --test && .venv/bin/python -m pytest -q -ra"]
+                            "./scripts/setup --test && .venv/bin/python -m pytest -q -ra -n 2 --dist loadfile"]
+    assert commands[1] in (ROOT / ".ci" / "run").read_text().splitlines()  # CI runs the README's command
 
 
 def test_every_link_in_the_readme_and_the_docs_leads_to_a_file_in_the_repository():
