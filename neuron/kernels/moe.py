@@ -149,30 +149,30 @@ def _gate_up_kernel(X, W, H, Chosen, SW, HS, stride_x, stride_we, stride_wn, str
 @triton.jit
 def _weighted_down_kernel(H, W, Out, Chosen, Weights, HS, SD, stride_h, stride_we, stride_wn, stride_o, stride_w,
                           stride_hs, stride_sd, N, K, KS, first, E, TOPK: tl.constexpr, SHARED: tl.constexpr,
-                          BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+                          BN: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr, PDL: tl.constexpr):
     """Out[t, n] = sum_j Weights[t, j] (W[Chosen[t, j] - first, n] . H[t TOPK + j]) over the
     token's choices whose expert is among the ``E`` held here (the others' rows of H are never
     read: their gate/up products were not written), plus ``Weights[t, TOPK] (SD[n] . HS[t])``
-    for the shared expert when ``SHARED``. One loop over every (choice, block of K), each block
-    of H scaled by its weight, so the loads of all the choices pipeline."""
+    for the shared expert when ``SHARED``. Every (choice, block of K) unrolled (``KB`` blocks),
+    each block of H scaled by its weight: no load waits on an earlier choice's expert id, so
+    the loads of all the choices are in flight together."""
     t = tl.program_id(0)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     nm = n < N
     grid_sync(PDL)
     acc = tl.zeros((BN, BK), dtype=tl.float32)
-    blocks = tl.cdiv(K, BK)
-    for i in range(0, TOPK * blocks):
-        j = i // blocks
+    for j in tl.static_range(TOPK):
         e = tl.load(Chosen + t * TOPK + j) - first
         held = (e >= 0) & (e < E)
-        k = (i % blocks) * BK + tl.arange(0, BK)
-        km = k < tl.where(held, K, 0)  # a choice held elsewhere reads nothing
         e = tl.where(held, e, 0)
-        h = tl.load(H + (t * TOPK + j) * stride_h + k, mask=km, other=0.0).to(tl.float32)
-        h = h * tl.load(Weights + t * stride_w + j).to(tl.float32)
-        wt = tl.load(W + e * stride_we + n[:, None] * stride_wn + k[None, :], mask=nm[:, None] & km[None, :],
-                     other=0.0)
-        acc += wt.to(tl.float32) * h[None, :]
+        weight = tl.load(Weights + t * stride_w + j).to(tl.float32)
+        for b in tl.static_range(KB):
+            k = b * BK + tl.arange(0, BK)
+            km = k < tl.where(held, K, 0)  # a choice held elsewhere reads nothing
+            h = tl.load(H + (t * TOPK + j) * stride_h + k, mask=km, other=0.0).to(tl.float32) * weight
+            wt = tl.load(W + e * stride_we + n[:, None] * stride_wn + k[None, :], mask=nm[:, None] & km[None, :],
+                         other=0.0)
+            acc += wt.to(tl.float32) * h[None, :]
     if SHARED:
         scale = tl.load(Weights + t * stride_w + TOPK).to(tl.float32)
         for k0 in range(0, KS, BK):
@@ -213,7 +213,8 @@ def decode_experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
     _weighted_down_kernel[(T, triton.cdiv(N, BN))](
         h, down, out, flat, weights, hs, sd, h.stride(0), down.stride(0), down.stride(1), out.stride(0),
         weights.stride(0), hs.stride(0), max(sd.stride(0), 1), N, down.shape[2], IS, first, E, TOPK=k,
-        SHARED=shared is not None, BN=BN, BK=BK, num_warps=warps, num_stages=stages, **pdl_args(x.device))
+        SHARED=shared is not None, BN=BN, BK=BK, KB=triton.cdiv(down.shape[2], BK), num_warps=warps,
+        num_stages=stages, **pdl_args(x.device))
     return out
 
 
