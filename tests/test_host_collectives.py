@@ -33,6 +33,14 @@ def _group(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 
 
+def _leave() -> None:
+    """Every rank done, then the group torn down, as a rank does (``rank/worker.py``): a process
+    that exits with gloo's threads still up can die in their destructors (``terminate called
+    without an active exception``, seen once with two test workers side by side)."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _collectives(rank: int, world: int, port: int, out) -> None:
     _group(rank, world, port)
     comm = Collectives(world)
@@ -54,7 +62,7 @@ def _collectives(rank: int, world: int, port: int, out) -> None:
     tokens = torch.tensor([7, 8, 9]) if rank == 0 else torch.zeros(3, dtype=torch.int64)
     results["broadcast"] = comm.broadcast(tokens).tolist()
     out.put((rank, results))
-    dist.barrier()
+    _leave()
 
 
 def _spawn(target, world: int, *args) -> dict:
@@ -94,7 +102,7 @@ def _without_kernels(rank: int, world: int, port: int, out) -> None:
     how = comm.use_host_memory(cpu_kernels().mod if rank == 0 else None, 30.0)
     x = torch.full((2, 2), float(rank + 1))
     out.put((rank, (how, comm.all_reduce(x).tolist())))
-    dist.barrier()
+    _leave()
 
 
 def test_a_rank_that_cannot_join_sends_every_rank_to_gloo():
@@ -120,6 +128,7 @@ def _late(rank: int, world: int, port: int, out) -> None:
         time.sleep(3)  # never arrives in time
         outcome = "slept"
     out.put((rank, (outcome, time.monotonic() - t0)))
+    _leave()
 
 
 def test_a_rank_that_never_arrives_fails_the_collective_within_its_deadline():
@@ -134,7 +143,7 @@ def _elsewhere(rank: int, world: int, port: int, out) -> None:
     _group(rank, world, port)
     comm = Collectives(world)
     out.put((rank, comm.use_host_memory(cpu_kernels().mod, 30.0)))
-    dist.barrier()
+    _leave()
 
 
 def test_ranks_on_other_hosts_use_gloo_and_a_network_namespace_is_another_host():
