@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from .config import ModelEntry
+from .engine.client import LocalEngine
 from .engine.engine import Engine
 from .loader.spec import ModelSpec
 from .rankgroup import RankGroup
@@ -36,6 +37,10 @@ class ModelHandle:
     host_bytes: list[int] = field(default_factory=list)  # per rank: its host tier of the prefix cache
     host_block_bytes: int = 0  # one block of it, every rank's share together
     cpu_isa: str | None = None  # the CPU kernels' level the ranks run ("none": no kernels); None on GPUs
+    client: LocalEngine = field(init=False)  # its engine as this process's HTTP side uses it
+
+    def __post_init__(self) -> None:
+        self.client = LocalEngine(self.engine, self.id)
 
     @property
     def packed(self) -> bool:

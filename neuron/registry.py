@@ -12,7 +12,6 @@ import logging
 import os
 import signal
 import time
-from typing import Callable
 
 import zmq.asyncio
 
@@ -22,12 +21,12 @@ from protocol.sockets import runtime_dir
 from . import heap
 from .config import Config, ModelEntry
 from .devices import choose_devices, default_dtype
+from .engine.client import OnFinish
 from .engine.engine import Engine
 from .engine.shape import Sizing, engine_sizes
 from .engine.step_budget import StepBudget
 from .model_names import clash, served
 from .kernels import isa
-from .engine.request import FinishEvent, GenRequest
 from .errors import ApiError, LoadError
 from .loader.spec import load_spec, model_id_for
 from .loader.template_worker import TemplateRenderer
@@ -46,7 +45,7 @@ log = logging.getLogger("neuron.registry")
 
 
 class Registry:
-    def __init__(self, cfg: Config, on_finish: Callable[[str, GenRequest, FinishEvent], None] | None = None,
+    def __init__(self, cfg: Config, on_finish: OnFinish | None = None,
                  templates: TemplateRenderer | None = None) -> None:
         self.cfg = cfg
         self.on_finish = on_finish
@@ -173,9 +172,7 @@ class Registry:
             why = speculation_refused(entry, spec)
             if why:
                 raise LoadError(f"model {model_id!r}: speculative decoding ({entry.speculative.method}) {why}")
-        if self.on_finish is not None:
-            hook = self.on_finish
-            handle.engine.on_finish = lambda req, fin: hook(model_id, req, fin)
+        handle.client.on_finish = self.on_finish
         self.models[model_id] = handle
         try:
             handle.group = await self._start_group(handle)

@@ -22,16 +22,20 @@ class ApiFrame(msgspec.Struct, tag_field="op", array_like=True, gc=False, frozen
 
 
 class Image(msgspec.Struct, array_like=True, gc=False, frozen=True):
-    key: bytes
-    data: bytes
-    grid: tuple[int, int, int]
+    """An image of a prompt: its ``tokens`` image-pad tokens from ``offset`` on."""
+
+    key: bytes  # content hash
+    data: bytes  # the encoded file
+    grid: tuple[int, int, int]  # its patches (t, h, w)
     tokens: int
-    offset: int
+    offset: int = -1
 
 
-class Submit(ApiFrame, tag="submit"):
-    key: int
-    model: str
+class EngineRequest(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """One sequence as the API side hands it to an engine, in this process or over the wire:
+    what the scheduler needs, and nothing of its text (detokenizer, stop strings and events stay
+    with the API side's output state). Its principal's fair-share terms come with it."""
+
     request_id: str
     prompt: list[int]
     sampling: Sampling
@@ -44,6 +48,12 @@ class Submit(ApiFrame, tag="submit"):
     priority: int = 0
     cache_salt: bytes = b""
     images: list[Image] = []
+
+
+class Submit(ApiFrame, tag="submit"):
+    key: int
+    model: str
+    request: EngineRequest
     # A token constraint runs in the API process: ``constrained`` says there is one, ``mask`` is
     # what it allows first (None: anything), and after each token a ``Masks`` frame the next.
     constrained: bool = False

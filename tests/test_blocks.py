@@ -7,7 +7,6 @@ import asyncio
 import pytest
 
 from neuron.engine.blocks import BlockManager, OutOfBlocks
-from neuron.engine.detokenizer import Detokenizer
 from neuron.engine.request import GenRequest
 from neuron.engine.scheduler import DEVICE_TOKEN, Scheduler
 from protocol import Sampling
@@ -38,14 +37,9 @@ def test_a_block_is_released_only_once():
         bm.release([0])
 
 
-class _Tok:
-    def decode(self, ids, skip_special_tokens=False):
-        return ""
-
-
 def request(prompt_len: int, max_tokens: int = 100) -> GenRequest:
     return GenRequest(prompt=list(range(1, prompt_len + 1)), sampling=Sampling(temperature=0.0), max_tokens=max_tokens,
-                      stop=[], stop_token_ids=frozenset(), detokenizer=Detokenizer(_Tok()))
+                      stop_token_ids=frozenset())
 
 
 def run(coro):

@@ -14,14 +14,17 @@ import pytest
 
 from protocol import engine_client as ec
 
-from neuron.engine.engine import Engine
+from neuron.core.link import Sink
+from neuron.engine.client import LocalEngine, LocalSink
 from neuron.local_client import LocalClient
 from neuron.model_handle import ModelHandle
 from neuron.server.core_client import CoreClient, CoreEngine, CoreModel
+from neuron.server.output.state import OutputState
 from neuron.server.state import AppState
 
 PAIRS = [(ec.EngineClient, LocalClient), (ec.EngineClient, CoreClient), (ec.ModelView, ModelHandle),
-         (ec.ModelView, CoreModel), (ec.ModelEngine, Engine), (ec.ModelEngine, CoreEngine)]
+         (ec.ModelView, CoreModel), (ec.ModelEngine, LocalEngine), (ec.ModelEngine, CoreEngine),
+         (ec.OutputSink, LocalSink), (ec.OutputSink, Sink), (ec.Submitted, OutputState)]
 
 
 def members(protocol: type) -> tuple[dict[str, object], set[str]]:

@@ -16,7 +16,6 @@ from collections import deque
 from hypothesis import given, settings, strategies as st
 
 from neuron.engine.blocks import BlockManager
-from neuron.engine.detokenizer import Detokenizer
 from neuron.engine.request import GenRequest
 from neuron.engine.scheduler import DEVICE_TOKEN, Scheduler
 from protocol import Sampling
@@ -24,14 +23,9 @@ from protocol import Sampling
 VOCAB = 97
 
 
-class _Tok:
-    def decode(self, ids, skip_special_tokens=False):
-        return ""
-
-
 def request(prompt: list[int], max_tokens: int) -> GenRequest:
-    return GenRequest(prompt=list(prompt), sampling=Sampling(temperature=0.0), max_tokens=max_tokens, stop=[],
-                      stop_token_ids=frozenset(), detokenizer=Detokenizer(_Tok()))
+    return GenRequest(prompt=list(prompt), sampling=Sampling(temperature=0.0), max_tokens=max_tokens,
+                      stop_token_ids=frozenset())
 
 
 def next_token(context: list[int]) -> int:

@@ -16,7 +16,9 @@ from neuron.errors import ApiError
 from neuron.loader.spec import load_spec
 from neuron.server.core_client import CoreEngine, CoreModel
 from neuron.server.openai import planning, requests
+from neuron.server.keys import Principal
 from neuron.server.schemas import CompletionRequest
+from neuron.server.state import Origin
 
 
 @pytest.fixture(scope="module")
@@ -41,17 +43,20 @@ def test_two_prompts_of_three_choices_resolve_their_sampling_once(model, monkeyp
         build = planning.plan_completion(body, model, None, compiler)
 
         async def made() -> list:  # a request is made on the event loop (its futures are that loop's)
-            return build()
+            return build(Origin("req-7", Principal("team", max_running=2, weight=3.0)))
         choices = asyncio.run(made())
     finally:
         compiler.close()
     assert len(calls) == 1 and len(choices) == 6
-    samplings = [c.req.sampling for c in choices]
+    samplings = [c.req.wire.sampling for c in choices]
     lengths = [len(c.req.prompt) for c in choices]
     assert [s.prompt_len for s in samplings] == lengths and lengths[0] != lengths[3]
     assert [s.seed for s in samplings] == [7, 8, 9, 7, 8, 9]  # seed + choice, as vLLM does
     eos = set(model.spec.tokenizer.eos_token_ids)
     assert all(set(s.stop_token_ids) == eos | {5} and s.temperature == 0.5 for s in samplings)
+    # Whose request it is goes in with each sequence's request, not patched on after.
+    assert {(c.req.wire.request_id, c.req.wire.principal, c.req.wire.weight, c.req.wire.max_running,
+             tuple(c.req.wire.stop_token_ids)) for c in choices} == {("req-7", "team", 3.0, 2, tuple(sorted(eos | {5})))}
 
 
 @pytest.mark.parametrize("fields,param", [({"temperature": 101}, "temperature"), ({"top_p": 0}, "top_p"),

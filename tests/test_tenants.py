@@ -143,13 +143,16 @@ def test_failing_requests_cost_the_api_processes_no_memory(tenants):
 def test_a_request_the_core_link_cannot_send_leaves_nothing_behind():
     """The leak behind the 500s: a request kept before it was encoded stayed kept forever."""
     from neuron.server.core_link import CoreLink
-    from test_blocks import request
+    from neuron.server.output.state import OutputState
+    from protocol import Sampling
+    from protocol.api_core import EngineRequest
 
     async def main():
         link = CoreLink("ipc:///nonexistent/neuron-core.sock", "token", on_models=None)
         try:
-            req = request(4, 2)
-            req.priority = 2**64  # past what the wire carries
+            wire = EngineRequest("req-1", [1, 2, 3, 4], Sampling(temperature=0.0), 2, [],
+                                 priority=2**64)  # past what the wire carries
+            req = OutputState(wire, None, None)
             with pytest.raises(OverflowError):
                 link.submit("tiny", req)
             assert not link.requests and not link.key_of

@@ -22,9 +22,10 @@ import zmq
 import zmq.asyncio
 
 import protocol.api_core as m
+from protocol.engine_client import FinishEvent
 
 from ..engine.late_masks import NOT_YET
-from ..engine.request import FinishEvent, GenRequest, ImageInput
+from ..engine.request import GenRequest
 from ..errors import ApiError
 
 log = logging.getLogger("neuron.core")
@@ -67,14 +68,16 @@ class Sink:
     def __init__(self, box: Box, key: int) -> None:
         self.box, self.key = box, key
 
-    def token(self, req: GenRequest, token: int, logprobs: list[tuple[int, float]] | None, end: int) -> None:
+    def token(self, token: int, logprobs: list[tuple[int, float]] | None, end: int) -> bool:
         self.box.tokens.append(m.Token(self.key, token, logprobs, end))
         self.box.due()
+        return False  # a stop string is the API process's to find: it says Stop
 
-    def finish(self, req: GenRequest, ev: FinishEvent) -> None:
+    def finish(self, event: FinishEvent) -> None:
         box = self.box
-        box.finished.append(m.Finished(self.key, ev.reason, ev.prompt_tokens, ev.completion_tokens, ev.error,
-                                       ev.error_kind, ev.cached_tokens, ev.host_tokens, ev.disk_tokens))
+        e = event
+        box.finished.append(m.Finished(self.key, e.reason, e.prompt_tokens, e.completion_tokens, e.error, e.error_kind,
+                                       e.cached_tokens, e.host_tokens, e.disk_tokens))
         box.requests.pop(self.key, None)
         box.due()
 
@@ -246,13 +249,8 @@ class ApiLink:
             box.refused.append(m.Refused(s.key, 404, "model_not_found", f"model {s.model!r} is not loaded"))
             box.due()
             return
-        req = GenRequest(s.prompt, s.sampling, s.max_tokens,
-                         [], frozenset(s.stop_token_ids), None, request_id=s.request_id, principal=s.principal,
-                         weight=s.weight, max_running=s.max_running, max_waiting=s.max_waiting, priority=s.priority,
-                         cache_salt=s.cache_salt,
-                         images=[ImageInput(i.key, i.data, i.grid, i.tokens, i.offset) for i in s.images],
-                         constraint=RemoteConstraint(s.mask) if s.constrained else None)
-        sink = req.sink = Sink(box, s.key)
+        sink = Sink(box, s.key)
+        req = GenRequest.of(s.request, sink, RemoteConstraint(s.mask) if s.constrained else None)
         try:
             handle.engine.submit(req)
         except ApiError as exc:

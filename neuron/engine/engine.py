@@ -9,17 +9,17 @@ import time
 from collections import deque
 
 import protocol as p
+from protocol.engine_client import EngineStats, FinishEvent
 from neuron.config import EngineConfig
 from neuron.errors import ApiError
 from neuron.rankgroup import GroupFailed, RankError, RankGroup
 
 from .image_cache import ImageCache
 from .late_masks import LateMasks
-from .outputs import finish_out, stop_token_out, token_out
-from .request import FinishEvent, GenRequest
+from .request import GenRequest
 from .planned import Planned
 from .scheduler import Scheduler
-from .shape import EngineStats, Sizing
+from .shape import Sizing
 
 log = logging.getLogger("neuron.engine")
 
@@ -53,7 +53,6 @@ class Engine:
         self.move_ms = [0.0, 0.0]  # rank 0's device time moving blocks to the host tier and back
         self._last_result: float | None = None
         self.step_ms = 0.0
-        self.on_finish = None  # callable(req, FinishEvent) for metrics
         self.spec = [0, 0, 0]  # speculative decoding: decodes with drafts, drafts, drafts accepted
         self.late = LateMasks()
 
@@ -343,8 +342,6 @@ class Engine:
             self._fail(x.req, f"step failed: {exc.kind}: {exc.message}", exc.kind)
 
     def _take(self, req: GenRequest, token: int) -> None:
-        if req.first_token_at is None:
-            req.first_token_at = time.monotonic()
         req.output.append(token)
         self.tokens_generated += 1
         if req.constraint is not None:
@@ -353,12 +350,14 @@ class Engine:
     def _emit(self, req: GenRequest, token: int, logprobs: list[tuple[int, float]] | None) -> None:
         """The output stage of a token just taken (text, stop strings, events); it may end the
         request."""
+        sink = req.sink
         if token in req.stop_token_ids:
-            stop_token_out(req, token, logprobs)
+            if sink is not None:
+                sink.token(token, logprobs, 2)
             self._finish(req, "stop")
             return
         last = len(req.output) >= req.max_tokens or len(req.prompt) + len(req.output) >= self.max_len
-        if token_out(req, token, logprobs, last):  # a stop string ended the text
+        if sink is not None and sink.token(token, logprobs, 1 if last else 0):  # a stop string ended the text
             self._finish(req, "stop")
         elif last:
             self._finish(req, "length")
@@ -371,11 +370,10 @@ class Engine:
         self.sched.release(req, keep=error is None)
         event = FinishEvent(reason, len(req.prompt), len(req.output), error, kind, req.cached_tokens,
                             req.host_tokens, req.disk_tokens)
-        finish_out(req, event)
+        if req.sink is not None:
+            req.sink.finish(event)
         if not req.admitted.done():
             req.admitted.set_result(True)
-        if self.on_finish is not None:
-            self.on_finish(req, event)
         log.info("%s %s finished: %s, %d prompt + %d completion tokens%s", self.model_id, req.request_id,
                  reason, len(req.prompt), len(req.output), f" ({error})" if error else "")
 

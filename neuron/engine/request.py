@@ -1,5 +1,7 @@
-"""A generation request as the Engine tracks it, and the events it emits. Streaming and
-non-streaming responses are two views of the same event stream."""
+"""A sequence as the Engine tracks it: made from the ``EngineRequest`` the API side handed over,
+with the scheduler's, the cache's and the drafter's state of it. What it draws goes out through
+its ``sink`` (``protocol/engine_client.py``); its text, stop strings and events are the API
+side's."""
 
 from __future__ import annotations
 
@@ -7,58 +9,13 @@ import asyncio
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from protocol import Sampling
-
-from .detokenizer import Detokenizer
-from .stops import StopMatcher
+from protocol.api_core import EngineRequest, Image
+from protocol.engine_client import OutputSink, TokenConstraint
 
 _ids = itertools.count(1)
-
-
-@dataclass
-class TokenEvent:
-    text: str
-    token_ids: list[int]
-    logprobs: list[list[tuple[int, float]]] | None = None
-
-
-@dataclass
-class FinishEvent:
-    reason: str  # stop | length | abort
-    prompt_tokens: int
-    completion_tokens: int
-    error: str | None = None  # set when reason is abort because something failed
-    error_kind: str | None = None
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    host_tokens: int = 0  # ... of them, from its host tier
-    disk_tokens: int = 0  # ... of those, read back from the disk tier
-
-
-Event = TokenEvent | FinishEvent
-
-
-class TokenConstraint(Protocol):
-    """Structured output: which tokens may come next. The engine asks ``allowed`` before every
-    step that samples the sequence and reports each token it drew with ``accept``; a sequence
-    with a constraint never has a step in flight whose token it has not yet seen."""
-
-    def allowed(self) -> bytes | None:
-        """A bitmask over the vocabulary (ceil(vocab / 32) little-endian uint32 words), or None."""
-
-    def accept(self, token: int) -> None: ...
-
-
-@dataclass(frozen=True)
-class ImageInput:
-    """An image of a prompt: its ``tokens`` image-pad tokens from ``offset`` on."""
-
-    key: bytes  # content hash
-    data: bytes  # the encoded file
-    grid: tuple[int, int, int]  # its patches (t, h, w)
-    tokens: int
-    offset: int = -1
 
 
 @dataclass(eq=False)  # a request is itself: comparing every field would cost each list lookup
@@ -66,11 +23,9 @@ class GenRequest:
     prompt: list[int]
     sampling: Sampling
     max_tokens: int
-    stop: list[str]
     stop_token_ids: frozenset[int]
-    detokenizer: Detokenizer
+    sink: OutputSink | None = None  # None: drawn tokens go nowhere (the scheduler's own tests)
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
     output: list[int] = field(default_factory=list)
     slot: int = -1  # the rank-side row of the running sequence (-1: not running)
     states: list[int] = field(default_factory=list)  # its state slot, for a model with recurrent layers
@@ -103,16 +58,17 @@ class GenRequest:
     admitted: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     constraint: TokenConstraint | None = None
     spec: Any = None  # its drafting (speculative.Speculation), where the model drafts and its sampling allows
-    images: list[ImageInput] = field(default_factory=list)
-    # Where its output goes when that is another process (an API process's link, in the engine
-    # core); None: this process's own output stage (``outputs.py``).
-    sink: Any = None
-    end_reason: str = "abort"  # what ends it when cancelled: "stop" when its API process found a stop string
-    stop_matcher: StopMatcher = field(init=False)
+    images: list[Image] = field(default_factory=list)
+    end_reason: str = "abort"  # what ends it when cancelled: "stop" when its API side found a stop string
     keyed_prompt: list[int] = field(init=False)
 
+    @classmethod
+    def of(cls, r: EngineRequest, sink: OutputSink, constraint: TokenConstraint | None) -> GenRequest:
+        return cls(r.prompt, r.sampling, r.max_tokens, frozenset(r.stop_token_ids), sink, r.request_id,
+                   cache_salt=r.cache_salt, principal=r.principal, weight=r.weight, max_running=r.max_running,
+                   max_waiting=r.max_waiting, priority=r.priority, constraint=constraint, images=list(r.images))
+
     def __post_init__(self) -> None:
-        self.stop_matcher = StopMatcher(self.stop)
         self.keyed_prompt = self.prompt
         if self.images:  # the prefix cache tells images apart by content: their pad tokens hash as it
             self.keyed_prompt = list(self.prompt)

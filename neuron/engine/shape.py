@@ -1,4 +1,4 @@
-"""What an Engine reports (``EngineStats``) and how a model's steps are shaped (``Sizing``)."""
+"""How a model's steps are shaped (``Sizing``)."""
 
 from __future__ import annotations
 
@@ -8,48 +8,6 @@ from neuron.config import EngineConfig, ModelEntry
 
 from .speculative import DraftPolicy
 from .step_budget import StepBudget
-
-
-@dataclass
-class EngineStats:
-    running: int
-    waiting: int
-    slots_used: int
-    slots_total: int
-    steps: int
-    tokens_generated: int
-    kv_usage: float = 0.0  # fraction of the KV-cache blocks in use
-    kv_blocks: int = 0
-    state_slots: int = 0  # per-sequence state slots (models with recurrent layers)
-    state_slots_used: int = 0  # ... held by running sequences
-    state_snapshots: int = 0  # of them, those for the prefix cache's snapshots
-    state_snapshots_used: int = 0
-    state_restores: int = 0  # sequences started from a snapshot
-    preemptions: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    host_blocks: int = 0  # slots of the prefix cache's host tier (0: none)
-    host_used: int = 0  # ... holding a block
-    host_hits: int = 0  # prompt tokens found in the host tier (of prefix_cache_hits)
-    host_offloaded: int = 0  # blocks copied into it
-    host_restored: int = 0  # ... and back
-    host_offload_s: float = 0.0  # rank 0's device time copying them in (the ranks copy side by side)
-    host_restore_s: float = 0.0  # ... and back
-    disk_blocks: int = 0  # block files the disk tier below it holds at most (0: none)
-    disk_used: int = 0
-    disk_hits: int = 0  # prompt tokens found there (of prefix_cache_hits)
-    disk_written: int = 0  # blocks written to it
-    disk_read: int = 0  # ... and read back
-    leader_ms_per_step: float = 0.0  # the leader's own time per step (planning, frames, tokens)
-    step_ms: float = 0.0  # time between consecutive step results
-    rank_host_ms_per_step: float = 0.0
-    rank_mask_wait_ms_per_step: float = 0.0  # of it, waiting for late masks (late_masks.py)
-    device_idle_ms_per_step: float = 0.0
-    image_encodes: int = 0  # images the vision tower ran on
-    image_reuses: int = 0  # images whose kept embeddings served again
-    spec_drafts: int = 0  # decodes that carried drafts (speculative decoding)
-    spec_draft_tokens: int = 0
-    spec_accepted_tokens: int = 0
 
 
 @dataclass

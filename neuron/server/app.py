@@ -16,7 +16,8 @@ from starlette.routing import Route
 
 from neuron.config import Config, ServerConfig
 from neuron.server.grammar.worker import GrammarCompiler
-from neuron.engine.request import FinishEvent, GenRequest
+from neuron.server.output.state import OutputState
+from protocol.engine_client import FinishEvent
 from neuron.errors import ApiError, LoadError
 from neuron.loader.template_worker import TemplateRenderer
 from neuron.local_client import LocalClient
@@ -42,7 +43,7 @@ def create_app(cfg: Config, core: str | None = None, core_token: str = "") -> St
     ``core_token`` the token it gave this one; None: the models run in this process."""
     metrics = Metrics(cfg.server.max_principals)
 
-    def on_finish(model: str, req: GenRequest, fin: FinishEvent) -> None:
+    def on_finish(model: str, req: OutputState, fin: FinishEvent) -> None:
         trace = trace_of(req)
         metrics.request_finished(model, req, fin, trace)
         log_finish(model, req, fin, trace)

@@ -22,7 +22,7 @@ from neuron.server.openai.planning import plan_chat
 from neuron.server.openai.prompts import ChatPrompt
 from neuron.server.openai.requests import read_body
 from neuron.server.schemas import ChatRequest
-from neuron.server.state import AppState, require_key
+from neuron.server.state import AppState, origin_of, require_key
 from protocol.engine_client import ModelView
 
 
@@ -82,7 +82,7 @@ async def serve_chat(request: Request, kind: type, decode: Callable[[bytes, type
             if turn.rename is not None:
                 turn.rename(exc)
             raise
-    choices = build()  # the engine's requests belong to the event loop
+    choices = build(origin_of(request))  # the sequences belong to the event loop
     response = await respond(request, state, handle, choices, turn.view(plan, choices), bool(turn.chat.stream),
                              turn.chat.user)
     if turn.after is not None:

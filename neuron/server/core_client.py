@@ -15,11 +15,10 @@ from typing import Any
 import msgspec
 
 import protocol.api_core as m
+from protocol.engine_client import EngineStats, Submitted
 
 from neuron.config import Config, EngineConfig, ModelEntry
 from neuron.model_names import served
-from neuron.engine.shape import EngineStats
-from neuron.engine.request import GenRequest
 from neuron.loader.spec import ModelSpec, load_spec
 
 from neuron.server.core_link import CoreLink, OnFinish
@@ -36,11 +35,11 @@ class CoreEngine:
         self.model_id, self.cfg, self.link = model_id, cfg, link
         self.latest = EngineStats(0, 0, 0, 0, 0, 0)
 
-    def submit(self, req: GenRequest) -> None:
-        self.link.submit(self.model_id, req)
+    def submit(self, out: Submitted) -> None:
+        self.link.submit(self.model_id, out)
 
-    def abort(self, req: GenRequest) -> None:
-        self.link.abort(req)
+    def abort(self, out: Submitted) -> None:
+        self.link.abort(out)
 
     def stats(self) -> EngineStats:
         return self.latest
@@ -52,7 +51,7 @@ class CoreModel:
     entry: ModelEntry
     spec: ModelSpec
     max_len: int
-    engine: CoreEngine
+    client: CoreEngine
     status: str = "loading"
     error: str | None = None
     described: dict = field(default_factory=dict)
@@ -172,7 +171,7 @@ class CoreClient:
             handle.described = msgspec.json.decode(ms.described) if ms.described else {}
             handle.ranks = msgspec.json.decode(ms.telemetry)
             if ms.stats:
-                handle.engine.latest = msgspec.json.decode(ms.stats, type=EngineStats)
+                handle.client.latest = msgspec.json.decode(ms.stats, type=EngineStats)
         for model_id in [k for k in self.models if k not in seen]:
             del self.models[model_id]
         self.cluster = Described(msgspec.json.decode(frame.cluster)) if frame.cluster else None

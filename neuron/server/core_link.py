@@ -1,10 +1,10 @@
 """An API process's side of the engine core (``[server] api_processes``).
 
-A request is planned here as in one process (template, tokens, sampling, a ``GenRequest`` with
-its detokenizer and stop strings) and submitted to the core under a key of ours. The core's
-``Outputs`` frames carry each turn's admissions, drawn ids and ends; the ids go through the
-output stage here (``engine/outputs.py``: detokenizer, stop strings), onto the request's event
-queue, to the route that streams them. A stop string found here ends the request at once and
+A request is planned here as in one process (template, tokens, sampling, an ``OutputState``
+with its detokenizer and stop strings) and its ``EngineRequest`` submitted to the core under a
+key of ours. The core's ``Outputs`` frames carry each turn's admissions, drawn ids and ends; the
+ids go through the output state here (``neuron/server/output/``), onto its event queue, to the
+route that streams them. A stop string found here ends the request at once and
 tells the core to drop it."""
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import asyncio
 import itertools
 import logging
 import os
-import time
 from typing import Awaitable, Callable
 
 import msgspec
@@ -22,12 +21,12 @@ import zmq.asyncio
 
 import protocol.api_core as m
 
-from neuron.engine.outputs import stop_token_out, token_out
-from neuron.engine.request import FinishEvent, GenRequest
 from neuron.errors import ApiError
+from neuron.server.output.state import OutputState
+from protocol.engine_client import FinishEvent
 
 log = logging.getLogger("neuron.server")
-OnFinish = Callable[[str, GenRequest, FinishEvent], None]
+OnFinish = Callable[[str, OutputState, FinishEvent], None]
 
 
 class CoreLink:
@@ -42,8 +41,8 @@ class CoreLink:
         self.sock.connect(endpoint)
         self.on_models = on_models
         self.on_finish = on_finish
-        self.requests: dict[int, tuple[GenRequest, str]] = {}  # key: (request, model id)
-        self.key_of: dict[GenRequest, int] = {}
+        self.requests: dict[int, tuple[OutputState, str]] = {}  # key: (request, model id)
+        self.key_of: dict[OutputState, int] = {}
         self._keys = itertools.count(1)
         self._calls: dict[int, asyncio.Future] = {}
         self._aborts: list[int] = []
@@ -74,24 +73,20 @@ class CoreLink:
         self.sock.send(m.encode(frame)).add_done_callback(_retrieved)
 
     # ----------------------------------------------------------------------------- requests
-    def submit(self, model_id: str, req: GenRequest) -> None:
-        """Hand ``req`` to the core. Encoded before it is kept: a request that cannot be sent
-        (an error, a 500) leaves nothing behind here."""
+    def submit(self, model_id: str, req: OutputState) -> None:
+        """Hand ``req``'s request to the core. Encoded before it is kept: a request that cannot
+        be sent (an error, a 500) leaves nothing behind here."""
         key = next(self._keys)
-        images = [m.Image(i.key, i.data, i.grid, i.tokens, i.offset) for i in req.images]
         constrained = req.constraint is not None
-        data = m.encode(m.Submit(key, model_id, req.request_id, req.prompt, req.sampling, req.max_tokens,
-                                 sorted(req.stop_token_ids), req.principal, req.weight, req.max_running,
-                                 req.max_waiting, req.priority, req.cache_salt, images, constrained,
+        data = m.encode(m.Submit(key, model_id, req.wire, constrained,
                                  req.constraint.allowed() if constrained else None))
         self.requests[key] = (req, model_id)
         self.key_of[req] = key
         self.sock.send(data).add_done_callback(_retrieved)
 
-    def abort(self, req: GenRequest) -> None:
+    def abort(self, req: OutputState) -> None:
         key = self.key_of.get(req)
         if key is not None and not req.finished:
-            req.cancelled = True
             self._aborts.append(key)
             self._due()
 
@@ -167,9 +162,8 @@ class CoreLink:
         requests = self.requests
         for a in o.admitted:
             held = requests.get(a.key)
-            if held is not None and not held[0].admitted.done():
-                held[0].cached_tokens = a.cached_tokens
-                held[0].admitted.set_result(True)
+            if held is not None:
+                held[0].admit(a.cached_tokens)
         # Constrained requests' next masks first, out to the core at once: a step waits for them.
         # The output stage (text, stop strings, events) after.
         keys, masks, early, seen = [], [], [False] * len(o.tokens), set()
@@ -197,21 +191,13 @@ class CoreLink:
         for r in o.refused:
             held = requests.pop(r.key, None)
             if held is not None:
-                req = held[0]
-                self.key_of.pop(req, None)
-                req.finished = True
-                if not req.admitted.done():
-                    req.admitted.set_exception(ApiError(r.status, r.code, r.message, retry_after=r.retry_after))
+                self.key_of.pop(held[0], None)
+                held[0].admit(0, ApiError(r.status, r.code, r.message, retry_after=r.retry_after))
 
-    def _token(self, t: m.Token, req: GenRequest, model_id: str, accepted: bool = False) -> None:
-        if req.first_token_at is None:
-            req.first_token_at = time.monotonic()
-        req.output.append(t.token)
+    def _token(self, t: m.Token, req: OutputState, model_id: str, accepted: bool = False) -> None:
         if req.constraint is not None and not accepted:
             req.constraint.accept(t.token)
-        if t.end == 2:
-            stop_token_out(req, t.token, t.logprobs)
-        elif token_out(req, t.token, t.logprobs, t.end == 1):  # a stop string: ours to end, the core's to drop
+        if req.token(t.token, t.logprobs, t.end):  # a stop string: ours to end, the core's to drop
             self._stops.append(t.key)
             self._due()
             self._finish(t.key, (req, model_id), FinishEvent("stop", len(req.prompt), len(req.output),
@@ -221,14 +207,11 @@ class CoreLink:
             self._masks[1].append(req.constraint.allowed())
             self._due()
 
-    def _finish(self, key: int, held: tuple[GenRequest, str], ev: FinishEvent) -> None:
+    def _finish(self, key: int, held: tuple[OutputState, str], ev: FinishEvent) -> None:
         req, model_id = held
         del self.requests[key]
         self.key_of.pop(req, None)
-        req.finished = True
-        req.events.put_nowait(ev)
-        if not req.admitted.done():
-            req.admitted.set_result(True)
+        req.finish(ev)
         if self.on_finish is not None:
             self.on_finish(model_id, req, ev)
 
@@ -238,8 +221,8 @@ class CoreLink:
             req = held[0]
             if not req.admitted.done():
                 del self.requests[key]
-                req.finished = True
-                req.admitted.set_exception(ApiError(503, "model_unavailable", reason, retry_after=5))
+                self.key_of.pop(req, None)
+                req.admit(0, ApiError(503, "model_unavailable", reason, retry_after=5))
             else:
                 self._finish(key, held, FinishEvent("abort", len(req.prompt), len(req.output), reason,
                                                     "model_unavailable", req.cached_tokens))

@@ -12,7 +12,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from neuron.engine.request import FinishEvent, GenRequest
+from neuron.server.output.state import OutputState
+from protocol.engine_client import FinishEvent
 
 from neuron.server.request_trace import RequestTrace
 
@@ -80,7 +81,7 @@ class _EngineState:
         threads = GaugeMetricFamily("neuron:cpu_threads", "A CPU rank's torch threads, by its kernels' level",
                                     labels=["model_name", "rank", "cpu_isa"])
         for model_id, handle in list(self.models.items()):
-            stats = handle.engine.stats()
+            stats = handle.client.stats()
             running.add_metric([model_id], stats.running)
             waiting.add_metric([model_id], stats.waiting)
             kv.add_metric([model_id], stats.kv_usage)
@@ -179,14 +180,14 @@ class Metrics:
     def request_rejected(self, principal: str, code: str) -> None:
         self.principal_rejections.labels(self.who(principal), code).inc()
 
-    def request_finished(self, model: str, req: GenRequest, fin: FinishEvent, trace: RequestTrace | None) -> None:
+    def request_finished(self, model: str, req: OutputState, fin: FinishEvent, trace: RequestTrace | None) -> None:
         reason = "error" if fin.error else fin.reason
         self.success.labels(model, reason).inc()
         self.prompt_tokens.labels(model).inc(fin.prompt_tokens)
         self.generation_tokens.labels(model).inc(fin.completion_tokens)
         self.request_prompt.labels(model).observe(fin.prompt_tokens)
         self.request_generation.labels(model).observe(fin.completion_tokens)
-        who = self.who(req.principal)
+        who = self.who(req.wire.principal)
         self.principal_requests.labels(who).inc()
         self.principal_prompt.labels(who).inc(fin.prompt_tokens)
         self.principal_cached.labels(who).inc(fin.cached_tokens)

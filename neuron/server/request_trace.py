@@ -10,7 +10,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from neuron.engine.request import FinishEvent, GenRequest, TokenEvent
+from neuron.server.output.state import OutputState, TokenEvent
+from protocol.engine_client import FinishEvent
 
 log = logging.getLogger("neuron.request")
 MAX_FIELD = 256  # characters of a client-given field in a log line
@@ -38,9 +39,8 @@ class RequestTrace:
     admitted_at: float | None = None
     token_times: list[float] = field(default_factory=list)
 
-    def attach(self, req: GenRequest) -> None:
-        """Before submit: the request takes our id and reports its events through us."""
-        req.request_id = self.request_id
+    def attach(self, req: OutputState) -> None:
+        """Before submit: the sequence reports its events through us."""
         req.events = TracedEvents(self)
         req.admitted.add_done_callback(self._on_admitted)
 
@@ -50,28 +50,28 @@ class RequestTrace:
             self.admitted_at = time.monotonic()
 
 
-def trace_of(req: GenRequest) -> RequestTrace | None:
+def trace_of(req: OutputState) -> RequestTrace | None:
     events = req.events
     return events.trace if isinstance(events, TracedEvents) else None
 
 
-def log_start(trace: RequestTrace, req: GenRequest, stream: bool, user: str | None = None) -> None:
+def log_start(trace: RequestTrace, req: OutputState, stream: bool, user: str | None = None) -> None:
     fields: dict[str, Any] = {"request_id": trace.request_id, "model": trace.model, "route": trace.route,
-                              "stream": stream, "prompt_tokens": len(req.prompt), "max_tokens": req.max_tokens,
-                              "principal": req.principal}
+                              "stream": stream, "prompt_tokens": len(req.prompt), "max_tokens": req.wire.max_tokens,
+                              "principal": req.wire.principal}
     if user:  # the client's words: bounded, as every field of a log line is
         fields["user"] = user if len(user) <= MAX_FIELD else user[:MAX_FIELD] + "…(cut)"
-    if req.priority:
-        fields["priority"] = req.priority
+    if req.wire.priority:
+        fields["priority"] = req.wire.priority
     log.info("request started", extra=fields)
 
 
-def log_finish(model: str, req: GenRequest, fin: FinishEvent, trace: RequestTrace | None) -> None:
+def log_finish(model: str, req: OutputState, fin: FinishEvent, trace: RequestTrace | None) -> None:
     now = time.monotonic()
     ttft = trace.token_times[0] - req.arrival if trace and trace.token_times else None
     queue = trace.admitted_at - req.arrival if trace and trace.admitted_at is not None else None
     fields: dict[str, Any] = {
-        "request_id": req.request_id, "model": model, "principal": req.principal, "finish_reason": fin.reason,
+        "request_id": req.request_id, "model": model, "principal": req.wire.principal, "finish_reason": fin.reason,
         "prompt_tokens": fin.prompt_tokens, "cached_tokens": fin.cached_tokens,
         "cached_host_tokens": fin.host_tokens, "cached_disk_tokens": fin.disk_tokens,
         "completion_tokens": fin.completion_tokens,

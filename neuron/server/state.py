@@ -20,7 +20,7 @@ from neuron.response_store import ResponseStore
 from neuron.server.body_budget import BodyBudget
 from neuron.server.metrics import Metrics
 from neuron.server.model_access import ModelAccess
-from neuron.server.request_id import sanitise
+from neuron.server.request_id import request_id, sanitise
 from neuron.server.keys import KeyRing, Principal
 
 log = logging.getLogger("neuron.server")
@@ -90,3 +90,15 @@ def note_untrusted_header(name: str, header: str) -> None:
 
 def principal_of(request: Request) -> Principal:
     return request.scope.get(PRINCIPAL, ANONYMOUS)
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Whose request a sequence is: its HTTP request's id and its principal (fair share)."""
+
+    request_id: str
+    who: Principal
+
+
+def origin_of(request: Request) -> Origin:
+    return Origin(request_id(request), principal_of(request))

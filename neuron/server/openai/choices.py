@@ -1,4 +1,4 @@
-"""One choice of a response: its GenRequest's event stream turned into deltas of content,
+"""One choice of a response: its output state's event stream turned into deltas of content,
 reasoning and tool calls. Streaming sends each delta as it comes; a whole response folds the
 same deltas, so both are views of one stream."""
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from neuron.engine.request import FinishEvent, GenRequest, TokenEvent
+from neuron.server.output.state import OutputState, TokenEvent
+from protocol.engine_client import FinishEvent
 
 from neuron.parsing.reasoning import ReasoningSplitter
 from neuron.parsing.tool_calls import CallArgs, CallStart, ToolCallParser
@@ -32,7 +33,7 @@ class Delta:
 @dataclass
 class Choice:
     index: int
-    req: GenRequest
+    req: OutputState
     prompt_tokens: int
     echo: str = ""  # text the choice starts with (echo)
     thinking: ReasoningSplitter | None = None

@@ -12,13 +12,12 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, TypeVar
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from neuron.engine.request import FinishEvent, GenRequest
 from neuron.errors import ApiError
-from protocol.engine_client import ModelView
+from protocol.engine_client import FinishEvent, ModelView
 
 from neuron.server.openai.choices import Choice, Delta, Merged
+from neuron.server.output.state import OutputState
 from neuron.server.errors import envelope
-from neuron.server.request_id import request_id
 from neuron.server.request_trace import RequestTrace, log_start, log_unserved
 from neuron.server.sse import json_line
 from neuron.server.state import AppState, principal_of
@@ -37,7 +36,7 @@ def _unavailable(fin: FinishEvent) -> ApiError:
 
 def abort_all(handle: ModelView, choices: list[Choice]) -> None:
     for c in choices:
-        handle.engine.abort(c.req)
+        handle.client.abort(c.req)
 
 
 async def until_disconnect(request: Request, aw: Awaitable[T], on_gone: Callable[[], None]) -> T:
@@ -62,17 +61,15 @@ async def start(request: Request, state: AppState, handle: ModelView, choices: l
                 user: str | None = None) -> bool:
     """Submit every sequence and wait until all are admitted; False if the client left. Each
     sequence is traced under the request's id (its log lines, queue time, TTFT, ITL)."""
-    submitted: list[GenRequest] = []
-    traces = [RequestTrace(request_id(request), handle.id, request.url.path) for _ in choices]
+    submitted: list[OutputState] = []
+    traces = [RequestTrace(c.req.request_id, handle.id, request.url.path) for c in choices]
     principal = principal_of(request)
     try:
         for c, trace in zip(choices, traces):
-            c.req.principal, c.req.weight = principal.name, principal.weight
-            c.req.max_running, c.req.max_waiting = principal.max_running, principal.max_waiting
             trace.attach(c.req)
             log_start(trace, c.req, stream, user)
             try:
-                handle.engine.submit(c.req)
+                handle.client.submit(c.req)
             except ApiError as exc:
                 log_unserved(trace, "refused", exc.status, exc.code)
                 state.metrics.request_rejected(principal.name, exc.code)

@@ -12,10 +12,11 @@ image_pixels_per_request``."""
 from __future__ import annotations
 
 import hashlib
-from dataclasses import replace
 from typing import Any
 
-from neuron.engine.request import ImageInput
+import msgspec
+
+from protocol.api_core import Image
 from neuron.errors import ApiError
 from neuron.loader.images import (ImageError, ImageProcessing, data_uri_bytes, decode_allowance, decode_pixels,
                                   open_image, source_size)
@@ -30,7 +31,7 @@ class ImageReader:
     def __init__(self, vision: dict[str, Any], tokenizer, model: str, no_vision: str,
                  pixels_per_request: int = 1 << 62) -> None:
         self.vision, self.model, self.no_vision = vision, model, no_vision
-        self.images: list[ImageInput] = []
+        self.images: list[Image] = []
         self.pixels_left = pixels_per_request
         self._undecoded: list[tuple[Any, str]] = []  # (image, param): decoded once all are counted
         if vision:
@@ -55,7 +56,7 @@ class ImageReader:
             tokens = self.processing.tokens(height, width)
         except ImageError as exc:
             raise ApiError(400, "invalid_image", str(exc), param=f"{param}.image_url") from None
-        self.images.append(ImageInput(hashlib.blake2b(data, digest_size=16).digest(), data, grid, tokens))
+        self.images.append(Image(hashlib.blake2b(data, digest_size=16).digest(), data, grid, tokens))
         self._undecoded.append((image, f"{param}.image_url"))
         return self.marker
 
@@ -78,7 +79,7 @@ class ImageReader:
                            "[engine] image_pixels_per_request allowed: send fewer or smaller images", param=param)
         self.pixels_left -= pixels
 
-    def expand(self, ids: list[int]) -> tuple[list[int], list[ImageInput]]:
+    def expand(self, ids: list[int]) -> tuple[list[int], list[Image]]:
         """``ids`` with each image's pad token repeated to its count, and the images with their
         offsets; exactly one pad token per image, or the template lost or added one."""
         if not self.vision:
@@ -95,7 +96,7 @@ class ImageReader:
         last = 0
         for i, image in zip(at, self.images):
             out += ids[last:i]
-            images.append(replace(image, offset=len(out)))
+            images.append(msgspec.structs.replace(image, offset=len(out)))
             out += [pad] * image.tokens
             last = i + 1
         return out + ids[last:], images

@@ -1,6 +1,7 @@
-"""Planning a completion: its prompt(s), and for each of its choices (prompts x n) a GenRequest
+"""Planning a completion: its prompt(s), and for each of its choices (prompts x n) a sequence
 with its constraint (grammar, forced tool call, allowed tokens, bad words) and its text pipeline
-(thinking, tool calls). Runs off the event loop; ``build`` makes the GenRequests on it."""
+(thinking, tool calls). Runs off the event loop; ``build`` makes the sequences on it, for the
+request's ``Origin``."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from neuron.server.openai.prompts import ChatPrompt, Prompt, chat_prompt, comple
 from neuron.parsing.reasoning import ReasoningSplitter
 from neuron.server.openai.requests import check_sequence, make_request, settings_of, truncate
 from neuron.server.schemas import ChatRequest, CompletionRequest, SamplingFields
+from neuron.server.state import Origin
 from neuron.server.openai.structured import output_grammar, whitespace_of
 from neuron.parsing.tool_calls import PARSERS, ToolCallParser
 from neuron.server.openai.tools import forced_call_grammar
@@ -106,7 +108,7 @@ def _compile(handle: ModelView, compiler: Compiler, spec: GrammarSpec, param: st
 
 
 def plan_chat(body: ChatRequest, handle: ModelView, top: int | None, compiler: Compiler,
-              templates: TemplateRenderer, fit_context: bool = False) -> tuple[ChatPrompt, Callable[[], list[Choice]]]:
+              templates: TemplateRenderer, fit_context: bool = False) -> tuple[ChatPrompt, Callable[[Origin], list[Choice]]]:
     """The prompt, and what makes the n choices: a forced tool call or the requested output
     format as the grammar (not both), thinking and tool-call parsing per choice. ``fit_context``
     (Anthropic's rule): a ``max_tokens`` past the context's room runs with the room there is
@@ -142,8 +144,8 @@ def plan_chat(body: ChatRequest, handle: ModelView, top: int | None, compiler: C
         raise _bad("truncate_prompt_tokens cannot cut a prompt that holds images", "truncate_prompt_tokens")
     markers = plan.markers
 
-    def build() -> list[Choice]:
-        return [Choice(i, make_request(body, handle, settings, ids, i, make_constraint, images),
+    def build(origin: Origin) -> list[Choice]:
+        return [Choice(i, make_request(body, handle, settings, ids, i, origin, make_constraint, images),
                        len(ids) if i == 0 else 0,
                        echo=plan.echo, thinking=ReasoningSplitter(markers, plan.thinking) if markers else None,
                        tools=_tool_parser(plan), include_reasoning=body.include_reasoning)
@@ -164,7 +166,7 @@ def _tool_parser(plan: ChatPrompt) -> ToolCallParser | None:
 
 
 def plan_completion(body: CompletionRequest, handle: ModelView, top: int | None,
-                    compiler: Compiler) -> Callable[[], list[Choice]]:
+                    compiler: Compiler) -> Callable[[Origin], list[Choice]]:
     """What makes the choices of every prompt, indexed prompt by prompt (n each)."""
     prompts: list[Prompt] = completion_prompts(body, handle)
     settings = settings_of(body, handle, top, len(prompts))
@@ -175,8 +177,8 @@ def plan_completion(body: CompletionRequest, handle: ModelView, top: int | None,
     for ids, _ in sequences:
         check_sequence(body, handle, settings, ids)
 
-    def build() -> list[Choice]:
-        return [Choice(p * settings.n + i, make_request(body, handle, settings, ids, i, make_constraint),
+    def build(origin: Origin) -> list[Choice]:
+        return [Choice(p * settings.n + i, make_request(body, handle, settings, ids, i, origin, make_constraint),
                        len(ids) if i == 0 else 0, echo=echo)
                 for p, (ids, echo) in enumerate(sequences) for i in range(settings.n)]
 

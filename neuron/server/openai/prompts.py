@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from neuron.engine.request import ImageInput
+from protocol.api_core import Image
 from neuron.errors import ApiError
 from neuron.loader.chat_template import TemplateError
 from neuron.loader.template_worker import TemplateRenderer
@@ -30,7 +30,7 @@ def _check(ok: bool, param: str, message: str) -> None:
 class Prompt:
     ids: list[int]
     text: str = ""  # what the completion's echo repeats
-    images: list[ImageInput] = field(default_factory=list)  # at their image-pad tokens in ``ids``
+    images: list[Image] = field(default_factory=list)  # at their image-pad tokens in ``ids``
 
 
 @dataclass
@@ -161,7 +161,7 @@ def chat_prompt(body: ChatRequest, handle: ModelView, templates: TemplateRendere
     from_client = body.chat_template is not None
     template = body.chat_template if from_client else info.chat_template
     reader = ImageReader(handle.spec.config.vision, info.tokenizer, body.model, handle.spec.no_vision,
-                         handle.engine.cfg.image_pixels_per_request)
+                         handle.client.cfg.image_pixels_per_request)
     messages = chat_messages(body, reader)
     extra = dict(body.chat_template_kwargs or {})
     for name, value in (("reasoning_effort", body.reasoning_effort), ("documents", body.documents)):

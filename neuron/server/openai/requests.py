@@ -1,5 +1,5 @@
-"""From an OpenAI request body to GenRequests: body limits, validation, sampling defaults, token
-budgets, stops, and one GenRequest per sequence (prompts x n). Every refusal is an ApiError
+"""From an OpenAI request body to sequences: body limits, validation, sampling defaults, token
+budgets, stops, and one ``OutputState`` with its ``EngineRequest`` per sequence (prompts x n). Every refusal is an ApiError
 naming the field."""
 
 from __future__ import annotations
@@ -14,14 +14,16 @@ from typing import Any, Callable, Sequence, TypeVar
 import msgspec
 from starlette.requests import ClientDisconnect, Request
 
-from neuron.engine.detokenizer import Detokenizer
-from neuron.engine.request import GenRequest, ImageInput, TokenConstraint
-from neuron.engine.stops import StopMatcher
 from neuron.errors import ApiError
-from protocol.engine_client import ModelView
 from protocol import Sampling
+from protocol.api_core import EngineRequest, Image
+from protocol.engine_client import ModelView, TokenConstraint
 
+from neuron.server.output.detokenizer import Detokenizer
+from neuron.server.output.state import OutputState
+from neuron.server.output.stops import StopMatcher
 from neuron.server.schemas import SamplingFields
+from neuron.server.state import Origin
 
 T = TypeVar("T")
 
@@ -92,7 +94,7 @@ def settings_of(body: SamplingFields, handle: ModelView, top: int | None, sequen
     vocab = handle.spec.config.vocab_size
     n = 1 if body.n is None else body.n
     _check(n >= 1, "n", "n must be at least 1")
-    limit = handle.engine.cfg.queue_size
+    limit = handle.client.cfg.queue_size
     _check(n * sequences <= limit, "n", f"n x prompts is {n * sequences}; at most {limit} sequences per request")
     if body.max_completion_tokens is not None:
         max_tokens, param = body.max_completion_tokens, "max_completion_tokens"
@@ -191,32 +193,26 @@ def check_sequence(body: SamplingFields, handle: ModelView, settings: Settings, 
 
 
 def make_request(body: SamplingFields, handle: ModelView, settings: Settings, prompt: list[int], choice: int,
-                 constraint: Callable[[int, int], TokenConstraint | None] | None = None,
-                 images: Sequence[ImageInput] = ()) -> GenRequest:
-    """The GenRequest of one sequence: ``choice`` is its index among the n of its prompt (a
-    seeded request derives seed + choice, as vLLM does); ``constraint`` makes its constraint
-    from its token budget and a number of its own (the same for the same request, in any
-    process). The planner checked ``prompt`` (``check_sequence``) and the sampling
-    (``settings_of``)."""
+                 origin: Origin, constraint: Callable[[int, int], TokenConstraint | None] | None = None,
+                 images: Sequence[Image] = ()) -> OutputState:
+    """One sequence: ``choice`` is its index among the n of its prompt (a seeded request derives
+    seed + choice, as vLLM does); ``constraint`` makes its constraint from its token budget and a
+    number of its own (the same for the same request, in any process). The planner checked
+    ``prompt`` (``check_sequence``) and the sampling (``settings_of``)."""
     info = handle.spec.tokenizer
     eos = [] if body.ignore_eos else list(info.eos_token_ids)
     seed = None if body.seed is None else body.seed + choice
     budget = settings.max_tokens if settings.max_tokens is not None else handle.max_len - len(prompt)
-    req = GenRequest(
-        prompt=prompt,
-        sampling=sequence_sampling(settings, len(prompt), seed, eos),
-        max_tokens=budget,
-        stop=settings.stops,
-        stop_token_ids=frozenset(eos) | frozenset(settings.stop_token_ids),
-        detokenizer=Detokenizer(info.tokenizer, settings.shown),
-        constraint=constraint(budget, zlib.crc32(array("q", prompt).tobytes()) + choice)
-        if constraint is not None else None,
-        cache_salt=(getattr(body, "cache_salt", None) or "").encode(),
-        priority=body.priority,
-        images=list(images),
-    )
+    who = origin.who
+    sampling = sequence_sampling(settings, len(prompt), seed, eos)
+    wire = EngineRequest(origin.request_id, prompt, sampling, budget, sampling.stop_token_ids, who.name, who.weight,
+                         who.max_running, who.max_waiting, body.priority,
+                         (getattr(body, "cache_salt", None) or "").encode(), list(images))
+    out = OutputState(wire, Detokenizer(info.tokenizer, settings.shown), StopMatcher(settings.stops),
+                      constraint(budget, zlib.crc32(array("q", prompt).tobytes()) + choice)
+                      if constraint is not None else None)
     if body.include_stop_str_in_output or settings.min_tokens:
         # No stop string before min_tokens tokens; the rank keeps the stop tokens out until then.
-        armed = (lambda: len(req.output) >= settings.min_tokens) if settings.min_tokens else None
-        req.stop_matcher = StopMatcher(settings.stops, include=body.include_stop_str_in_output, armed=armed)
-    return req
+        armed = (lambda: len(out.output) >= settings.min_tokens) if settings.min_tokens else None
+        out.stop_matcher = StopMatcher(settings.stops, include=body.include_stop_str_in_output, armed=armed)
+    return out

@@ -18,7 +18,7 @@ from neuron.server.openai.planning import plan_completion
 from neuron.server.ignored import unknown_fields, say_ignored
 from neuron.server.openai.requests import decode_json
 from neuron.server.schemas import ChatRequest, CompletionRequest, SamplingFields
-from neuron.server.state import AppState, require_key
+from neuron.server.state import AppState, origin_of, require_key
 from neuron.server.openai.views import ChatView, CompletionView
 
 
@@ -54,7 +54,7 @@ async def completions(request: Request) -> Response:
         if body.echo and top is not None:
             raise _bad("echo with logprobs needs prompt logprobs, which are not supported", "echo")
         build = await run(plan_completion, body, handle, top, state.compiler)
-    choices = build()
+    choices = build(origin_of(request))
     view = CompletionView(model=body.model, tokenizer=handle.spec.tokenizer.tokenizer, top_logprobs=top,
                           return_token_ids=bool(body.return_token_ids),
                           tokens_as_ids=bool(body.return_tokens_as_token_ids), request_id=body.request_id)
