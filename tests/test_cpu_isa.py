@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import DEFAULT_MODEL, ROOT, SMALL, start_server
-from neuron.kernels import isa
+from neuron.kernels import cpu, isa
 from neuron.kernels.cpu import KernelUnavailable, load_level
 from neuron.kernels.quantized_rows import reference_quantized_rows
 from neuron.models.packed_linear import PackedLinear
@@ -70,11 +70,12 @@ TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q3_K",
 
 @pytest.mark.parametrize("level", RUNNABLE)
 @pytest.mark.parametrize("name", TYPES)
-def test_each_level_computes_each_gguf_type_as_the_file_dequantizes_it(level, name):
-    """1 to 64 rows of x (a decode, a batch of decodes, a prompt chunk), against the float32
-    product of the weight gguf-py's own dequantization gives, on a matrix of an odd row count:
-    with x as it is, and, where the level multiplies x in int8, with x as its int8 form gives it,
-    each row then as it would come alone."""
+def test_each_level_computes_each_gguf_type_as_the_file_dequantizes_it(level, name, monkeypatch):
+    """1 to 130 rows of x (a decode, a batch of decodes, prompt chunks: from GEMM_ROWS on through
+    the dequantized W and torch's GEMM, whole and in panels), against the float32 product of the
+    weight gguf-py's own dequantization gives, on a matrix of an odd row count: with x as it is,
+    and, where the level multiplies x in int8, with x as its int8 form gives it, each row then as
+    it would come alone."""
     N, K = 83, 512
     raw = raw_tensor(name, (N, K), np.random.default_rng(7))
     q = decode_blocks(raw, gguf.GGMLQuantizationType[name])
@@ -86,12 +87,15 @@ def test_each_level_computes_each_gguf_type_as_the_file_dequantizes_it(level, na
         C = load_level(level, activations)
         assert C.int8_rows == (activations == "int8")
         kernel = C.packed(lin.bits, lin.u, lin.s, lin.m, lin.d, lin.dm)
-        for rows in (1, 2, 5, 8, 9, 31, 64):
+        cases = [(rows, whole) for rows in (1, 2, 5, 8, 9, 31, 64, cpu.GEMM_ROWS, 130) for whole in (True, False)
+                 if whole or rows >= cpu.GEMM_ROWS]
+        for rows, whole in cases:
+            monkeypatch.setattr(cpu, "PANEL_BYTES", cpu.PANEL_BYTES if whole else 4 * K * 32)  # 3 panels of W
             x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
             want = (reference_quantized_rows(x) if C.int8_rows else x).double() @ w.t()
             got = kernel(x)
             assert got.shape == (rows, N) and got.dtype == torch.float32
-            assert float((got.double() - want).abs().max()) <= 3e-6 * float(want.abs().max()), (level, name, rows)
+            assert float((got.double() - want).abs().max()) <= 3e-6 * float(want.abs().max()), (level, name, rows, whole)
             if C.int8_rows:
                 assert torch.equal(torch.cat([kernel(x[r:r + 1]) for r in range(rows)]), got), (level, name, rows)
 
@@ -104,10 +108,12 @@ def test_a_nan_or_infinity_in_x_spoils_its_own_rows_products_only(level):
     lv = next(x for x in isa.LEVELS if x.name == level)
     for activations in ("float32", "int8") if lv.int8 else ("float32",):
         kernel = load_level(level, activations).packed(lin.bits, lin.u, lin.s, lin.m, lin.d, lin.dm)
-        x = torch.randn(3, 256)
-        x[1, 70], x[2, 200] = float("nan"), float("inf")
-        y = kernel(x)
-        assert torch.isfinite(y[0]).all() and y[1].isnan().all() and not torch.isfinite(y[2]).any(), activations
+        for rows in (3, cpu.GEMM_ROWS):
+            x = torch.randn(rows, 256)
+            x[1, 70], x[2, 200] = float("nan"), float("inf")
+            y = kernel(x)
+            assert torch.isfinite(y[0]).all() and y[1].isnan().all() and not torch.isfinite(y[2]).any(), activations
+            assert torch.isfinite(y[3:]).all(), (activations, rows)
 
 
 def test_int8_activations_are_taken_when_asked_where_the_level_has_them_and_refused_by_name_where_not(monkeypatch):

@@ -7,6 +7,11 @@ Packed products take x in float32, or in int8 where asked and the level can (``i
 The modules take their operands' addresses; these wrappers check the tensors first (dtype,
 layout, shapes: what the C++ would otherwise read past) and pass them on. A packed weight's
 tensors are checked once, when it is bound (``PackedKernel``); a product then checks only ``x``.
+
+A product of many rows of float32 x (``GEMM_ROWS`` or more: a prompt's chunk) has W dequantized
+(``dequant``: each value as the packed products compute it) into a scratch buffer, a panel of at
+most ``PANEL_BYTES`` at a time, and multiplied by torch's own GEMM, whose blocking the packed
+kernels' eight rows at a time do not have.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import torch
 from . import isa
 
 log = logging.getLogger("neuron.kernels")
+GEMM_ROWS = 96
+PANEL_BYTES = 32 << 20
 
 
 class KernelUnavailable(RuntimeError):
@@ -42,7 +49,7 @@ class PackedKernel:
     K/16."""
 
     def __init__(self, mod: Any, bits: int, u: torch.Tensor, s: torch.Tensor, m: torch.Tensor, d: torch.Tensor,
-                 dm: torch.Tensor, int8: bool) -> None:
+                 dm: torch.Tensor, int8: bool, scratch: Scratch) -> None:
         N = u.shape[0]
         K = u.shape[1] * 8 // bits
         sup = d.numel() > 0
@@ -62,16 +69,50 @@ class PackedKernel:
         self.keep = (u, s, m, d, dm)  # the addresses below stay theirs
         self.args = (u.data_ptr(), s.data_ptr(), m.data_ptr(), d.data_ptr() if sup else 0, dm.data_ptr() if sup else 0)
         self.ns, self.nd, self.int8 = ns, nd, int8
+        self.scratch = scratch
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         M, K = x.shape
         _check(x.dtype == torch.float32 and K == self.k and x.is_cpu, "x must be float32 [M, K] on the CPU")
         if not x.is_contiguous():
             x = x.contiguous()
+        if M >= GEMM_ROWS and not self.int8:
+            return self.gemm(x)
         y = torch.empty(M, self.n, dtype=torch.float32)
         self.mod.qlinear(self.bits, x.data_ptr(), *self.args, y.data_ptr(), M, self.k, self.n, self.ns, self.nd,
                          torch.get_num_threads(), self.int8)
         return y
+
+    def dequantized(self, n0: int, n1: int) -> torch.Tensor:
+        """Rows n0..n1 of W as float32, in the scratch buffer (valid until its next use)."""
+        w = self.scratch.take((n1 - n0) * self.k).view(n1 - n0, self.k)
+        self.mod.dequant(self.bits, *self.args, w.data_ptr(), self.k, n0, n1, self.ns, self.nd,
+                         torch.get_num_threads())
+        return w
+
+    def gemm(self, x: torch.Tensor) -> torch.Tensor:
+        N, K = self.n, self.k
+        rows = max(1, PANEL_BYTES // (4 * K))
+        if N <= rows:
+            return x @ self.dequantized(0, N).t()
+        yt = torch.empty(N, x.shape[0], dtype=torch.float32)
+        for n0 in range(0, N, rows):
+            n1 = min(N, n0 + rows)
+            torch.mm(self.dequantized(n0, n1), x.t(), out=yt[n0:n1])
+        return yt.t().contiguous()
+
+
+class Scratch:
+    """One float32 buffer, grown as asked: the dequantized panels of a process's products (one
+    device thread uses it, a product at a time)."""
+
+    def __init__(self) -> None:
+        self.buf = torch.empty(0, dtype=torch.float32)
+
+    def take(self, numel: int) -> torch.Tensor:
+        if self.buf.numel() < numel:
+            self.buf = torch.empty(numel, dtype=torch.float32)
+        return self.buf[:numel]
 
 
 class CpuKernels:
@@ -82,9 +123,10 @@ class CpuKernels:
         self.isa: str = mod.ISA
         self.int8_rows = activations == "int8"  # packed products quantize x per group of 32 (csrc/qdot.h)
         _check(not self.int8_rows or bool(mod.INT8_ROWS), f"the {self.isa} kernels have no int8 products")
+        self.scratch = Scratch()
 
     def packed(self, bits: int, u, s, m, d, dm) -> PackedKernel:
-        return PackedKernel(self.mod, bits, u, s, m, d, dm, self.int8_rows)
+        return PackedKernel(self.mod, bits, u, s, m, d, dm, self.int8_rows, self.scratch)
 
     def q4_linear(self, x, u, s, m, d, dm) -> torch.Tensor:
         return self.packed(4, u, s, m, d, dm)(x)

@@ -142,6 +142,24 @@ void check_qlinear(int bits, bool super, bool half, int64_t M, int64_t N, int64_
                       (int8 ? " int8" : "") + " M " + std::to_string(M) + " N " + std::to_string(N) + " K " +
                       std::to_string(K) + " threads " + std::to_string(threads));
   }
+  // Rows n0..n1 of W dequantized (the GEMM path of many rows): each s * q + m, to float rounding.
+  const int64_t n0 = N / 3, n1 = N - N / 4;
+  std::vector<float> w((n1 - n0) * K);
+  if (bits == 4) {
+    kernels::dequant<4>(u.data(), scales, K, n0, n1, w.data(), threads);
+  } else {
+    kernels::dequant<8>(u.data(), scales, K, n0, n1, w.data(), threads);
+  }
+  double err = 0, big = 0;
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t i = n * ns + k / gs;
+      const double want = static_cast<double>(s[i]) * q[n * K + k] + m[i];
+      err = std::max(err, std::fabs(want - w[(n - n0) * K + k]));
+      big = std::max(big, std::fabs(want));
+    }
+  expect(err <= 1e-6 * std::max(big, 1.0), "dequant bits " + std::to_string(bits) + " rows " +
+         std::to_string(n0) + ".." + std::to_string(n1) + " K " + std::to_string(K), err, 1e-6 * std::max(big, 1.0));
 }
 
 void check_norms(int64_t T, int64_t H, int threads) {

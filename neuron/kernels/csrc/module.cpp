@@ -58,40 +58,71 @@ PyObject* done(const char* error) {
   Py_RETURN_NONE;
 }
 
+// A packed W's scales from arguments at (s, m, d, dm) and (ns, nd); d == 0 for float16 s, m.
+kernels::Scales scales_at(Args& a, Py_ssize_t s, Py_ssize_t ns) {
+  kernels::Scales scales;
+  scales.ns = a.i(ns);
+  scales.nd = a.i(ns + 1);
+  if (scales.nd > 0) {
+    scales.sc = a.p<const int8_t>(s);
+    scales.mn = a.p<const int8_t>(s + 1);
+    scales.d = a.p<const uint16_t>(s + 2);
+    scales.dm = a.p<const uint16_t>(s + 3);
+  } else {
+    scales.s16 = a.p<const uint16_t>(s);
+    scales.m16 = a.p<const uint16_t>(s + 1);
+  }
+  return scales;
+}
+
+bool fits(int64_t bits, int64_t K, const kernels::Scales& scales) {
+  return (bits == 4 || bits == 8) && K % kernels::G == 0 && (scales.ns == K / 32 || scales.ns == K / 16) &&
+         (scales.nd == 0 || scales.ns % scales.nd == 0);
+}
+
 // qlinear(bits, x, u, s, m, d, dm, y, M, K, N, ns, nd, threads, int8): d == 0 for float16 s, m;
 // int8: x in int8 (qdot.h), where the level has it.
 PyObject* qlinear(PyObject*, PyObject* const* args, Py_ssize_t n) {
   Args a{args, n};
   if (!a.count(15, "qlinear")) return nullptr;
   const int64_t bits = a.i(0);
-  kernels::Scales scales;
   const float* x = a.p<const float>(1);
   const uint8_t* u = a.p<const uint8_t>(2);
+  const kernels::Scales scales = scales_at(a, 3, 11);
   float* y = a.p<float>(7);
   const int64_t M = a.i(8), K = a.i(9), N = a.i(10);
-  scales.ns = a.i(11);
-  scales.nd = a.i(12);
   const int threads = static_cast<int>(a.i(13));
   const bool int8 = a.i(14) != 0;
-  if (scales.nd > 0) {
-    scales.sc = a.p<const int8_t>(3);
-    scales.mn = a.p<const int8_t>(4);
-    scales.d = a.p<const uint16_t>(5);
-    scales.dm = a.p<const uint16_t>(6);
-  } else {
-    scales.s16 = a.p<const uint16_t>(3);
-    scales.m16 = a.p<const uint16_t>(4);
-  }
   if (!a.ok) return nullptr;
-  if ((bits != 4 && bits != 8) || K % kernels::G || (scales.ns != K / 32 && scales.ns != K / 16) ||
-      (scales.nd > 0 && scales.ns % scales.nd))
-    return done("qlinear: bits, K and the scale counts do not fit together");
+  if (!fits(bits, K, scales)) return done("qlinear: bits, K and the scale counts do not fit together");
   if (int8 && !kernels::int8::AVAILABLE) return done("qlinear: this level has no int8 products");
   Py_BEGIN_ALLOW_THREADS
   if (bits == 4) {
     kernels::qlinear<4>(x, u, scales, y, M, K, N, threads, int8);
   } else {
     kernels::qlinear<8>(x, u, scales, y, M, K, N, threads, int8);
+  }
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+// dequant(bits, u, s, m, d, dm, out, K, n0, n1, ns, nd, threads): rows n0..n1 of W as float32.
+PyObject* dequant(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  Args a{args, n};
+  if (!a.count(13, "dequant")) return nullptr;
+  const int64_t bits = a.i(0);
+  const uint8_t* u = a.p<const uint8_t>(1);
+  const kernels::Scales scales = scales_at(a, 2, 10);
+  float* out = a.p<float>(6);
+  const int64_t K = a.i(7), n0 = a.i(8), n1 = a.i(9);
+  const int threads = static_cast<int>(a.i(12));
+  if (!a.ok) return nullptr;
+  if (!fits(bits, K, scales) || n0 < 0 || n1 < n0) return done("dequant: bits, K, rows and scales do not fit together");
+  Py_BEGIN_ALLOW_THREADS
+  if (bits == 4) {
+    kernels::dequant<4>(u, scales, K, n0, n1, out, threads);
+  } else {
+    kernels::dequant<8>(u, scales, K, n0, n1, out, threads);
   }
   Py_END_ALLOW_THREADS
   Py_RETURN_NONE;
@@ -190,6 +221,8 @@ PyObject* arrive_and_wait(PyObject*, PyObject* const* args, Py_ssize_t n) {
 PyMethodDef methods[] = {
     {"qlinear", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(qlinear)), METH_FASTCALL,
      "y = x W^T, W packed in groups of 32"},
+    {"dequant", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(dequant)), METH_FASTCALL,
+     "rows of a packed W as float32"},
     {"rms_norm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(norm<false>)), METH_FASTCALL,
      "RMS norm of x [T, H] times w"},
     {"add_rms_norm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(norm<true>)), METH_FASTCALL,

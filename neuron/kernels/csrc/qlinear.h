@@ -259,6 +259,41 @@ void run(const float* xp, const uint8_t* up, const Scales& scales, float* yp, in
   });
 }
 
+// Rows n0..n1 of W as float32, out [n1 - n0, K]: each value s * u + m, as many_rows computes it,
+// so a float32 product with them is the packed products' result up to the order of the sums.
+template <int BITS, bool HALF>
+void dequant_rows(const uint8_t* u, const Scales& scales, int64_t K, int64_t n0, int64_t n1, float* out,
+                  float* sbuf) {
+  constexpr int BYTES = BITS * G / 8;
+  const int64_t groups = K / G, ns = scales.ns;
+  float *s = sbuf, *m = sbuf + ns;
+  for (int64_t n = n0; n < n1; ++n) {
+    scales.row(n, s, m);
+    float* o = out + (n - n0) * K;
+    for (int64_t g = 0; g < groups; ++g) {
+      V w[NV];
+      unpack<BITS>(u + (n * groups + g) * BYTES, w);
+      for (int v = 0; v < NV; ++v) {
+        const int64_t i = scale_of<HALF>(g, v);
+        store(o + g * G + v * W, fma(w[v], set1(s[i]), set1(m[i])));
+      }
+    }
+  }
+}
+
+template <int BITS>
+void dequant(const uint8_t* u, const Scales& scales, int64_t K, int64_t n0, int64_t n1, float* out, int threads) {
+  const bool half = scales.ns == 2 * (K / G);
+  parallel_for(n1 - n0, 8, threads, [&](int64_t a, int64_t b) {
+    std::vector<float> sbuf(2 * scales.ns + 2 * W);
+    if (half) {
+      dequant_rows<BITS, true>(u, scales, K, n0 + a, n0 + b, out + a * K, sbuf.data());
+    } else {
+      dequant_rows<BITS, false>(u, scales, K, n0 + a, n0 + b, out + a * K, sbuf.data());
+    }
+  });
+}
+
 // The whole product: y [M, N] = x [M, K] W^T. ns = K / 32, or K / 16 (a scale per half-group).
 template <int BITS>
 void qlinear(const float* x, const uint8_t* u, const Scales& scales, float* y, int64_t M, int64_t K, int64_t N,
