@@ -40,7 +40,6 @@ class OutputState:
     arrival: float = field(default_factory=time.monotonic)
     cached_tokens: int = 0  # prompt tokens its admission found in the prefix cache
     finished: bool = False
-    cancelled: bool = False
 
     @property
     def request_id(self) -> str:
