@@ -350,14 +350,12 @@ class Engine:
     def _emit(self, req: GenRequest, token: int, logprobs: list[tuple[int, float]] | None) -> None:
         """The output stage of a token just taken (text, stop strings, events); it may end the
         request."""
-        sink = req.sink
         if token in req.stop_token_ids:
-            if sink is not None:
-                sink.token(token, logprobs, 2)
+            req.sink.token(token, logprobs, 2)
             self._finish(req, "stop")
             return
         last = len(req.output) >= req.max_tokens or len(req.prompt) + len(req.output) >= self.max_len
-        if sink is not None and sink.token(token, logprobs, 1 if last else 0):  # a stop string ended the text
+        if req.sink.token(token, logprobs, 1 if last else 0):  # a stop string ended the text
             self._finish(req, "stop")
         elif last:
             self._finish(req, "length")
@@ -370,8 +368,7 @@ class Engine:
         self.sched.release(req, keep=error is None)
         event = FinishEvent(reason, len(req.prompt), len(req.output), error, kind, req.cached_tokens,
                             req.host_tokens, req.disk_tokens)
-        if req.sink is not None:
-            req.sink.finish(event)
+        req.sink.finish(event)
         if not req.admitted.done():
             req.admitted.set_result(True)
         log.info("%s %s finished: %s, %d prompt + %d completion tokens%s", self.model_id, req.request_id,

@@ -24,7 +24,7 @@ class GenRequest:
     sampling: Sampling
     max_tokens: int
     stop_token_ids: frozenset[int]
-    sink: OutputSink | None = None  # None: drawn tokens go nowhere (the scheduler's own tests)
+    sink: OutputSink | None = None  # an Engine's sequences have one; None only where a scheduler runs alone
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     output: list[int] = field(default_factory=list)
     slot: int = -1  # the rank-side row of the running sequence (-1: not running)
