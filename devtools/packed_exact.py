@@ -77,6 +77,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def run(dtype: torch.dtype, names: list[str] | None = None, emit=None) -> list[dict]:
     from neuron.kernels import packed as tk
     from neuron.kernels import packed_gemm as tg
+    from neuron.kernels import packed_mma as pm
     from neuron.kernels.quantized_rows import reference_quantized_rows
     from neuron.kernels.packed_scales import scale_words
     from neuron.models.packed_linear import PackedLinear
@@ -95,27 +96,36 @@ def run(dtype: torch.dtype, names: list[str] | None = None, emit=None) -> list[d
             x = torch.randn(M, K, generator=torch.Generator().manual_seed(M), dtype=torch.float64).to(device, dtype)
             y = lin(x)
             want = x.double() @ w16.double().t()
+            mma = M in pm.MMA_DEFAULT_ROWS and M <= tg.GEMM_ROWS and pm.supported(x, lin.bits, K, lin.sm.shape[1],
+                                                                                  lin.unpack[dtype])
+            path = "mma" if mma else "decode" if M <= tk.GEMV_ROWS else "tensor cores" if M <= tg.GEMM_ROWS else "unpacked"
             row = dict(format=name, bits=lin.bits, dtype=str(dtype).removeprefix("torch."), rows=M,
-                       exact=rel(y, x.double() @ w64.t()), weights=rel(y, want.to(dtype)),
-                       path="decode" if M <= tk.GEMV_ROWS else "tensor cores" if M <= tg.GEMM_ROWS else "unpacked")
-            if M <= tk.GEMV_ROWS:  # int8 rows times the exact weights, in float32
+                       exact=rel(y, x.double() @ w64.t()), weights=rel(y, want.to(dtype)), path=path)
+            errs = []
+            if mma:  # the CUDA C++ product, every config the tuner may pick, float32 out
+                for config in [None, *(c[1:] for c in pm.candidates(M))]:
+                    y32 = torch.empty(M, N, device=device, dtype=torch.float32)
+                    pm.qmma(x, lin.u, scale_words(lin.sm), y32, lin.unpack[dtype], config)
+                    errs.append(rel(y32, want))
+            if M <= tk.GEMV_ROWS:  # int8 rows times the exact weights, in float32 (the decode kernel's configs)
                 want_q = (reference_quantized_rows(x).double() @ w64.t()).to(dtype)
-                configs = (PACKED_CANDIDATES if M == 1 else PACKED_BATCH_CANDIDATES) if (name, M) in EVERY_CONFIG else ()
                 block = 1 << (M - 1).bit_length()
+                configs = (PACKED_CANDIDATES if M == 1 else PACKED_BATCH_CANDIDATES) if (name, M) in EVERY_CONFIG else ()
+                configs = (tk.GEMV_CONFIG[block], *configs) if mma else (None, *configs)
                 row["int8_err"] = max(rel(tk.qlinear(x, lin.u, lin.sm, lin.bits, None, c and {block: c}), want_q)
-                                      for c in (None, *configs))
-            elif M <= tg.GEMM_ROWS:
+                                      for c in configs)
+            elif M <= tg.GEMM_ROWS:  # Triton's tensor-core product (the tuner may pick it), float32 out
                 words = scale_words(lin.sm)
-                errs = []
                 every = (name, M) in EVERY_CONFIG and dtype == torch.bfloat16
                 for config in [None, *(split_candidates(N, K, M, device) if every else ())]:
                     y32 = torch.empty(M, N, device=device, dtype=torch.float32)
                     tg.qgemm(x, lin.u, words, lin.bits, y32, config, lin.unpack[dtype])
                     errs.append(rel(y32, want))
+            if errs:
                 row["tile_err"] = max(errs)
                 row["configs"] = len(errs)
                 row["unpack"] = lin.unpack[dtype]
-            else:
+            if M > tg.GEMM_ROWS:
                 row["unpacked_equal"] = bool(torch.equal(unpacked, w16))
             rows_out.append(row)
             if emit:

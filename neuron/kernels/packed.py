@@ -36,6 +36,8 @@ import triton.language as tl
 from .int8_rows import quantize_rows
 from .launch import INTERPRETED, TL_DTYPES, grid_sync, multiprocessors, pdl_args
 from .packed_gemm import GEMM_ROWS, qgemm, unpair
+from .packed_mma import MMA_DEFAULT_ROWS, qmma
+from .packed_mma import supported as mma_supported
 from .packed_scales import scale_words
 
 @triton.jit
@@ -295,7 +297,9 @@ def qlinear(x: torch.Tensor, u: torch.Tensor, sm: torch.Tensor, bits: int,
     ``configs``: by rows of x (a power of two, at least 16 past ``GEMV_ROWS``), the config
     measured fastest for this weight (``runner/linear.tune_packed``): the decode kernel's
     (BLOCK_N, BLOCK_G, num_warps), or the tensor-core kernel's (BLOCK_N, BLOCK_K, num_warps,
-    num_stages), which may be the faster from 4 rows up; else ``GEMV_CONFIG``'s or ``GEMM_CONFIG``'s.
+    num_stages), which may be the faster from 4 rows up, or ``("mma", ...)``: the CUDA C++ product's
+    (``packed_mma.qmma``); else the CUDA C++ product for ``MMA_DEFAULT_ROWS`` rows where it takes W
+    and x, ``GEMV_CONFIG``'s or ``GEMM_CONFIG``'s.
     ``unpack``: how the tensor-core kernel unpacks W (``packed_scales.unpack_modes``)."""
     M, K = x.shape
     N = u.shape[0]
@@ -308,7 +312,11 @@ def qlinear(x: torch.Tensor, u: torch.Tensor, sm: torch.Tensor, bits: int,
         return qlinear(x, u, sm, bits, int8_rows, configs, unpack=unpack).to(out_dtype)
     y = torch.empty((M, N), device=x.device, dtype=out_dtype or x.dtype)
     config = (configs or {}).get(triton.next_power_of_2(M) if M <= GEMV_ROWS else max(16, triton.next_power_of_2(M)))
-    tensor_cores = config is not None and len(config) >= 4 and out_dtype in (None, x.dtype)
+    mma = config is not None and config[0] == "mma"
+    if (mma or config is None and M in MMA_DEFAULT_ROWS) and M <= GEMM_ROWS and out_dtype in (None, x.dtype) \
+            and mma_supported(x, bits, K, NS, unpack):
+        return qmma(x, u, words, y, unpack, config[1:] if mma else None)
+    tensor_cores = config is not None and len(config) >= 4 and not mma and out_dtype in (None, x.dtype)
     if M <= GEMV_ROWS and not tensor_cores:
         fits = int8_rows is not None and tuple(int8_rows[0].shape) == (M, K)
         q, d, t = int8_rows if fits else quantize_rows(x)

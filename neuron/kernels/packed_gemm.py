@@ -20,7 +20,7 @@ through registers a step and a wait after each MMA).
 
 A few rows over a narrow W make too few tiles to keep the memory system busy, so K is split in
 parts (``split``); each part leaves its float32 sum in a buffer, and the last part of a tile to
-finish (counted in ``_locks``) adds them in a fixed order and stores y: one launch, and the same
+finish (counted in ``split_counters``) adds them in a fixed order and stores y: one launch, and the same
 sums whichever part finishes last.
 
 Under Triton's interpreter (``TRITON_INTERPRET=1``: no inline assembly) and for 8-bit W, the
@@ -289,7 +289,7 @@ def _counters(device: torch.device, stream: int) -> torch.Tensor:
     return torch.zeros(LOCKS, dtype=torch.int32, device=device)
 
 
-def _locks(device: torch.device) -> torch.Tensor:
+def split_counters(device: torch.device) -> torch.Tensor:
     """The split parts' counters of the stream that launches (products on two streams at once
     would otherwise count each other's parts); a CUDA graph keeps those of the stream it was
     captured on, and its replays run one at a time."""
@@ -349,7 +349,7 @@ def qgemm(x: torch.Tensor, u: torch.Tensor, words: torch.Tensor, bits: int, y: t
     part = torch.empty((split, M, N), device=x.device, dtype=torch.float32) if split > 1 else y
     asm = not INTERPRETED and gs >= 32 and x.dtype in (torch.bfloat16, torch.float16) and unpack != "float"
     _qgemm_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m), split)](
-        x, u, words, y, part, _locks(x.device), M, N, K, NS, u.stride(0), triton.cdiv(steps, split), split, BITS=bits,
+        x, u, words, y, part, split_counters(x.device), M, N, K, NS, u.stride(0), triton.cdiv(steps, split), split, BITS=bits,
         GS=gs, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split > 1, ASM=asm,
         EVEN=N % block_n == 0 and K % block_k == 0, SPLIT_S=unpack == "split", num_warps=warps, num_stages=stages,
         **pdl_args(x.device))

@@ -181,7 +181,7 @@ def tune_packed(model, batch_sizes: list[int], cache: TuneCache | None = None) -
     import triton
 
     from neuron.models.tp_linear import packed_parts
-    from neuron.kernels.gpu import GEMM_ROWS, GEMV_ROWS, qlinear, quantize_rows
+    from neuron.kernels.gpu import GEMM_ROWS, GEMV_ROWS, mma_candidates, mma_supported, qlinear, quantize_rows
 
     by_shape: dict[tuple, list] = {}
     for part in packed_parts(model):
@@ -207,6 +207,8 @@ def tune_packed(model, batch_sizes: list[int], cache: TuneCache | None = None) -
                 candidates = PACKED_BATCH_CANDIDATES + GEMM_CANDIDATES
             else:
                 candidates = PACKED_CANDIDATES if block_m == 1 else PACKED_BATCH_CANDIDATES
+            if bits == 4 and mma_supported(x, bits, k, groups, unpack):
+                candidates = [*candidates, *mma_candidates(block_m)]
             key = f"packed {n}x{k} int{bits} groups {groups} {sm_dtype} {unpack} {x.dtype} rows {block_m}"
             choice, times = choose(cache, key, candidates, lambda c: _graph_ms(lambda: run(c)))
             if choice is not None:

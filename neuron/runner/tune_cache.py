@@ -13,10 +13,11 @@ import hashlib
 import json
 import logging
 import os
-import stat
 import tempfile
 from pathlib import Path
 from typing import Any, Iterable
+
+from neuron import cache_dirs
 
 log = logging.getLogger("neuron.runner")
 
@@ -25,26 +26,7 @@ Choice = tuple[int, ...] | None
 
 def cache_dir(env: dict[str, str] | None = None) -> Path | None:
     """Where the tuner's choices are kept; None when ``NEURON_CACHE_DIR`` is set empty."""
-    env = os.environ if env is None else env
-    if "NEURON_CACHE_DIR" in env:
-        root = env["NEURON_CACHE_DIR"]
-        return Path(root) / "tuning" if root else None
-    base = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "neuron" / "tuning"
-
-
-def _private_dir(path: Path) -> bool:
-    """``path`` made (0700) or found as a directory of ours that no one else may write to."""
-    try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = path.stat()
-    except OSError as exc:
-        log.warning("tuning cache %s unusable (%s): the tuner times every shape", path, exc)
-        return False
-    if st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        log.warning("tuning cache %s not used: owned by another user or writable by others", path)
-        return False
-    return True
+    return cache_dirs.cache_dir("tuning", env)
 
 
 def source_digest(files: Iterable[Path]) -> str:
@@ -76,7 +58,7 @@ class TuneCache:
     def __init__(self, directory: Path | None, identity: dict[str, Any]) -> None:
         self.identity = identity
         digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
-        self.path = directory / f"{digest}.json" if directory is not None and _private_dir(directory) else None
+        self.path = directory / f"{digest}.json" if directory is not None and cache_dirs.private_dir(directory, "tuning cache") else None
         self.choices: dict[str, Choice] = self._read() if self.path is not None else {}
         self.hits = self.misses = 0
         self._new: dict[str, Choice] = {}
