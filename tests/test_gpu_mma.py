@@ -86,7 +86,7 @@ def test_a_graph_replays_it_and_the_split_sums_in_a_fixed_order():
     u, sm, _ = _weight(N, K, False)
     words = scale_words(sm)
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-    config = (2, 1, 2, 4, 16)  # 16 parts of K
+    config = (2, 1, 2, 4, 3, 16)  # 16 parts of K
     eager = pm.qmma(x, u, words, torch.empty(M, N, device="cuda"), "split", config)
     again = pm.qmma(x, u, words, torch.empty(M, N, device="cuda"), "split", config)
     assert torch.equal(eager, again)
@@ -119,7 +119,7 @@ real = nvrtc._compile
 nvrtc._compile = lambda *a: calls.append(a[1]) or real(*a)
 u, sm, w = _weight(256, 512, False)
 x = torch.randn(8, 512, generator=torch.Generator().manual_seed(0)).to("cuda", torch.bfloat16)
-y = pm.qmma(x, u, scale_words(sm), torch.empty(8, 256, device="cuda"), "split", (2, 1, 2, 4))
+y = pm.qmma(x, u, scale_words(sm), torch.empty(8, 256, device="cuda"), "split", (2, 1, 2, 4, 3))
 err = float((y.double() - x.double() @ w.to(torch.bfloat16).double().t()).abs().max() / y.abs().max())
 print(json.dumps({"compiled": calls, "err": err}))
 """
@@ -136,12 +136,12 @@ def test_the_compiled_kernel_comes_from_the_disk_cache_and_a_damaged_one_is_rebu
         return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
 
     first, _ = child()
-    assert first["compiled"] == ["w4mma<2, 1, 2, false, true, false>"] and first["err"] < 2e-5
+    assert first["compiled"] == ["w4mma<2, 1, 2, 4, 3, false, true, false>"] and first["err"] < 2e-5
     cubins = list((tmp_path / "cuda").glob("*.cubin"))
     assert len(cubins) == 1 and (tmp_path / "cuda").stat().st_mode & 0o777 == 0o700
     second, _ = child()
     assert second["compiled"] == [] and second["err"] == first["err"]
     cubins[0].write_bytes(cubins[0].read_bytes()[:100])  # truncated
     third, log = child()
-    assert third["compiled"] == ["w4mma<2, 1, 2, false, true, false>"] and third["err"] == first["err"]
+    assert third["compiled"] == ["w4mma<2, 1, 2, 4, 3, false, true, false>"] and third["err"] == first["err"]
     assert "is damaged; compiled again" in log

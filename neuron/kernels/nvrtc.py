@@ -173,7 +173,8 @@ _lock = threading.Lock()
 
 
 class Kernel:
-    """``name`` (a template instance of ``file``'s, e.g. ``w4mma<2, 1, 2, false, true, false>``) on one device."""
+    """``name`` (a template instance of ``file``'s, e.g. ``w4mma<2, 1, 2, 4, 3, false, true, false>``)
+    on one device."""
 
     def __init__(self, file: str, name: str, device: torch.device):
         major, minor = torch.cuda.get_device_capability(device)

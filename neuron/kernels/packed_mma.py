@@ -19,9 +19,10 @@ from .packed_gemm import LOCKS, split_counters
 
 MMA_ROWS = 16  # rows of x a launch takes (8 a tile of the MMA's narrow side, up to 2 tiles)
 # (tiles of 16 rows of W a warp, tiles of 8 rows of x, chunks of 128 columns in flight, warps a
-# block) by the rows of x rounded up, and the shapes the load-time tuner tries
-MMA_CONFIG = {8: (2, 1, 2, 4), 16: (2, 2, 2, 4)}
-MMA_SHAPES = ((2, 1, 2, 4), (2, 1, 3, 4), (2, 2, 2, 4), (1, 2, 3, 4))
+# block, blocks a multiprocessor the registers are sized for) by the rows of x rounded up, and the
+# shapes the load-time tuner tries
+MMA_CONFIG = {8: (2, 1, 2, 4, 3), 16: (2, 2, 2, 4, 3)}
+MMA_SHAPES = ((2, 1, 2, 4, 3), (2, 1, 2, 4, 4), (2, 1, 3, 4, 3), (2, 2, 2, 4, 3), (1, 2, 3, 4, 2))
 BLOCKS_PER_SM = 4  # how many blocks a multiprocessor the split of K aims at
 MMA_DEFAULT_ROWS = range(8, 17)  # rows of x that take this product where no tuned config says otherwise
 
@@ -32,7 +33,7 @@ def supported(x: torch.Tensor, bits: int, K: int, NS: int, unpack: str) -> bool:
             and x.is_cuda and K % 128 == 0 and gs in (32, 64, 128) and nvrtc.available())
 
 
-def config_for(M: int) -> tuple[int, int, int, int]:
+def config_for(M: int) -> tuple[int, ...]:
     return MMA_CONFIG[next(rows for rows in sorted(MMA_CONFIG) if rows >= min(M, MMA_ROWS))]
 
 
@@ -60,7 +61,8 @@ def qmma(x: torch.Tensor, u: torch.Tensor, words: torch.Tensor, y: torch.Tensor,
          config: tuple[int, ...] | None = None) -> torch.Tensor:
     """``y`` [M, N] (x's dtype or float32) = ``x`` [M, K] times the 4-bit W (``u`` [N, K/2],
     ``words``: ``scale_words``' [N, NS]) transposed. ``config``: (tiles of W a warp, tiles of x,
-    chunks in flight, warps a block[, parts of K]), else ``config_for(M)``'s and ``split_for``'s."""
+    chunks in flight, warps a block, blocks a multiprocessor[, parts of K]), else ``config_for(M)``'s
+    and ``split_for``'s."""
     M, K = x.shape
     N, NS = u.shape[0], words.shape[1]
     assert y.shape == (M, N) and y.dtype in (x.dtype, torch.float32) and x.stride(1) == 1 and y.is_contiguous()
@@ -72,19 +74,19 @@ def qmma(x: torch.Tensor, u: torch.Tensor, words: torch.Tensor, y: torch.Tensor,
 
 
 def _launch(x, u, words, y, unpack, config, K, N, NS) -> None:
-    tiles_w, tiles_x, depth, warps = config[:4]
+    tiles_w, tiles_x, depth, warps, per_sm = config[:5]
     M = x.shape[0]
     assert M <= 8 * tiles_x
     blocks = -(-N // (16 * tiles_w * warps))
     chunks = K // 128
-    split = config[4] if len(config) > 4 else split_for(blocks, chunks, x.device)
+    split = config[5] if len(config) > 5 else split_for(blocks, chunks, x.device)
     per = -(-chunks // min(split, chunks))
     split = -(-chunks // per)
     assert split == 1 or blocks <= LOCKS, (blocks, LOCKS)
     part = torch.empty((split, M, N), device=x.device, dtype=torch.float32) if split > 1 else y
     f16 = "true" if x.dtype == torch.float16 else "false"
     wide = "true" if words.dtype == torch.int64 else "false"
-    name = f"w4mma<{tiles_w}, {tiles_x}, {depth}, {f16}, {'true' if unpack == 'split' else 'false'}, {wide}>"
+    name = f"w4mma<{tiles_w}, {tiles_x}, {depth}, {warps}, {per_sm}, {f16}, {'true' if unpack == 'split' else 'false'}, {wide}>"
     kernel = nvrtc.kernel("w4mma.cu", name, x.device)
     gshift = (K // NS // 32).bit_length() - 1
     i32, i64 = ctypes.c_int, ctypes.c_long

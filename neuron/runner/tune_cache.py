@@ -48,7 +48,8 @@ def fingerprint(device) -> dict[str, Any]:
     return {"gpu": props.name, "capability": list(torch.cuda.get_device_capability(device)),
             "sms": props.multi_processor_count, "cuda": torch.version.cuda, "torch": torch.__version__,
             "triton": triton.__version__, "neuron": neuron.__version__,
-            "kernels": source_digest([*(here.parent / "kernels").glob("*.py"), here / "linear.py"])}
+            "kernels": source_digest([*(here.parent / "kernels").glob("*.py"), *(here.parent / "kernels").glob("cuda/*.cu"),
+                                      here / "linear.py"])}
 
 
 class TuneCache:

@@ -199,12 +199,12 @@ template <bool F16> __device__ __forceinline__ void store(void* y, long i, float
   }
 }
 
-template <int AT, int MT, int D, bool F16, bool SPLIT, bool WIDE>
-__global__ void __launch_bounds__(256) w4mma(const unsigned char* __restrict__ u, long ldu, const void* __restrict__ words,
+template <int AT, int MT, int D, int WARPS, int MINB, bool F16, bool SPLIT, bool WIDE>
+__global__ void __launch_bounds__(32 * WARPS, MINB) w4mma(const unsigned char* __restrict__ u, long ldu, const void* __restrict__ words,
                                              int ns, int gshift, const unsigned short* __restrict__ x, long ldx,
                                              void* __restrict__ y, int out_f32, float* __restrict__ part, int* __restrict__ locks,
                                              int M, int N, int K, int per_part) {
-  const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  const int lane = threadIdx.x & 31, warps = WARPS;
   const int r = lane >> 2, c = lane & 3;
   const int n0 = (blockIdx.x * warps + (threadIdx.x >> 5)) * 16 * AT;
   const int chunks = K >> 7;
