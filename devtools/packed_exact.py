@@ -96,13 +96,13 @@ def run(dtype: torch.dtype, names: list[str] | None = None, emit=None) -> list[d
             x = torch.randn(M, K, generator=torch.Generator().manual_seed(M), dtype=torch.float64).to(device, dtype)
             y = lin(x)
             want = x.double() @ w16.double().t()
-            mma = M in pm.MMA_DEFAULT_ROWS and M <= tg.GEMM_ROWS and pm.supported(x, lin.bits, K, lin.sm.shape[1],
-                                                                                  lin.unpack[dtype])
+            mma_ok = M <= pm.MMA_ROWS and pm.supported(x, lin.bits, K, lin.sm.shape[1], lin.unpack[dtype])
+            mma = mma_ok and M in pm.MMA_DEFAULT_ROWS  # the product served by default
             path = "mma" if mma else "decode" if M <= tk.GEMV_ROWS else "tensor cores" if M <= tg.GEMM_ROWS else "unpacked"
             row = dict(format=name, bits=lin.bits, dtype=str(dtype).removeprefix("torch."), rows=M,
                        exact=rel(y, x.double() @ w64.t()), weights=rel(y, want.to(dtype)), path=path)
             errs = []
-            if mma:  # the CUDA C++ product, every config the tuner may pick, float32 out
+            if mma_ok:  # the CUDA C++ product, every config the tuner may pick, float32 out
                 for config in [None, *(c[1:] for c in pm.candidates(M))]:
                     y32 = torch.empty(M, N, device=device, dtype=torch.float32)
                     pm.qmma(x, lin.u, scale_words(lin.sm), y32, lin.unpack[dtype], config)
@@ -111,7 +111,7 @@ def run(dtype: torch.dtype, names: list[str] | None = None, emit=None) -> list[d
                 want_q = (reference_quantized_rows(x).double() @ w64.t()).to(dtype)
                 block = 1 << (M - 1).bit_length()
                 configs = (PACKED_CANDIDATES if M == 1 else PACKED_BATCH_CANDIDATES) if (name, M) in EVERY_CONFIG else ()
-                configs = (tk.GEMV_CONFIG[block], *configs) if mma else (None, *configs)
+                configs = (None, *configs)
                 row["int8_err"] = max(rel(tk.qlinear(x, lin.u, lin.sm, lin.bits, None, c and {block: c}), want_q)
                                       for c in configs)
             elif M <= tg.GEMM_ROWS:  # Triton's tensor-core product (the tuner may pick it), float32 out

@@ -35,7 +35,7 @@ def test_packed_products_on_a_gpu_are_the_exact_weights_rounded_once():
         elif r["path"] == "unpacked":
             ok = r["weights"] <= 2 * ulp and r["unpacked_equal"]
         else:  # int8 activations times the exact weights, every decode config
-            ok = r["int8_err"] <= 2 * ulp and r["weights"] <= 0.02
+            ok = r["int8_err"] <= 2 * ulp and r["weights"] <= 0.02 and r.get("tile_err", 0) <= 2e-5
         print(r)
         if not ok:
             failed.append(r)

@@ -24,7 +24,9 @@ MMA_ROWS = 16  # rows of x a launch takes (8 a tile of the MMA's narrow side, up
 MMA_CONFIG = {8: (2, 1, 2, 4, 3), 16: (2, 2, 2, 4, 3)}
 MMA_SHAPES = ((2, 1, 2, 4, 3), (2, 1, 2, 4, 4), (2, 1, 3, 4, 3), (2, 2, 2, 4, 3), (1, 2, 3, 4, 2))
 BLOCKS_PER_SM = 4  # how many blocks a multiprocessor the split of K aims at
-MMA_DEFAULT_ROWS = range(8, 17)  # rows of x that take this product where no tuned config says otherwise
+# rows of x that take this product where no tuned config says otherwise: up to 8 rows the int8
+# decode kernel stays the default (the load-time tuner picks this one there where it is faster)
+MMA_DEFAULT_ROWS = range(9, MMA_ROWS + 1)
 
 
 def supported(x: torch.Tensor, bits: int, K: int, NS: int, unpack: str) -> bool:
