@@ -115,8 +115,8 @@ from neuron.kernels.packed_scales import scale_words
 sys.path.insert(0, "tests")
 from test_gpu_mma import _weight
 calls = []
-real = nvrtc._compile
-nvrtc._compile = lambda *a: calls.append(a[1]) or real(*a)
+real = nvrtc.compile_source
+nvrtc.compile_source = lambda *a: calls.append(a[1]) or real(*a)
 u, sm, w = _weight(256, 512, False)
 x = torch.randn(8, 512, generator=torch.Generator().manual_seed(0)).to("cuda", torch.bfloat16)
 y = pm.qmma(x, u, scale_words(sm), torch.empty(8, 256, device="cuda"), "split", (2, 1, 2, 4, 3))

@@ -90,34 +90,48 @@ def available() -> bool:
     return torch.cuda.get_device_capability()[0] >= 8
 
 
+def compiler_version() -> str | None:
+    """NVRTC's version where it loads (no GPU needed), else None."""
+    try:
+        return _version()
+    except (OSError, CudaKernelError):
+        return None
+
+
 def _version() -> str:
     major, minor = ctypes.c_int(), ctypes.c_int()
     _check(_nvrtc(), _nvrtc().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
     return f"{major.value}.{minor.value}"
 
 
-def _compile(source: str, name: str, arch: str) -> tuple[bytes, str]:
+def _log(lib: ctypes.CDLL, prog: ctypes.c_void_p) -> str:
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    text = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, text)
+    return text.value.decode(errors="replace")
+
+
+def compile_source(source: str, name: str, arch: str, verbose: bool = False) -> tuple[bytes, str, str]:
+    """``name`` of ``source`` compiled for ``arch`` (``sm_90``): its cubin, its lowered name and
+    NVRTC's log (with ``verbose``, ptxas's registers and spills of each kernel)."""
     lib = _nvrtc()
     prog = ctypes.c_void_p()
     _check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"kernel.cu", 0, None, None), "create")
     try:
         _check(lib, lib.nvrtcAddNameExpression(prog, name.encode()), "name")
         opts = [f"--gpu-architecture={arch}", "-std=c++17", "-default-device", "--fmad=true"]
+        opts += ["--ptxas-options=-v"] if verbose else []
         array = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
-        status = lib.nvrtcCompileProgram(prog, len(opts), array)
-        if status:
-            size = ctypes.c_size_t()
-            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-            text = ctypes.create_string_buffer(size.value)
-            lib.nvrtcGetProgramLog(prog, text)
-            raise CudaKernelError(f"{name} did not compile:\n{text.value.decode(errors='replace')}")
+        if lib.nvrtcCompileProgram(prog, len(opts), array):
+            raise CudaKernelError(f"{name} did not compile:\n{_log(lib, prog)}")
         lowered = ctypes.c_char_p()
         _check(lib, lib.nvrtcGetLoweredName(prog, name.encode(), ctypes.byref(lowered)), "lowered name")
         size = ctypes.c_size_t()
         _check(lib, lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "cubin size")
         image = ctypes.create_string_buffer(size.value)
         _check(lib, lib.nvrtcGetCUBIN(prog, image), "cubin")
-        return image.raw, lowered.value.decode()
+        return image.raw, lowered.value.decode(), _log(lib, prog) if verbose else ""
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
@@ -157,7 +171,7 @@ def _cubin(file: str, name: str, arch: str) -> tuple[bytes, str]:
             log.warning("CUDA kernel %s: the cached cubin %s is damaged; compiled again", name, folder / f"{key}.cubin")
         except (OSError, ValueError):
             pass
-    image, lowered = _compile(source, name, arch)
+    image, lowered, _ = compile_source(source, name, arch)
     if folder is not None:
         try:
             for suffix, data in ((".cubin", image), (".name", f"{lowered}\n{hashlib.sha256(image).hexdigest()}\n".encode())):
