@@ -220,6 +220,18 @@ def run_parity(jobs: list[ParityJob], world: int = 1, timeout: float = 300.0) ->
         return results
     import torch.multiprocessing as mp
 
+    for attempt in range(3):  # the free port taken by another process before rank 0 listened on it
+        try:
+            return _spawned(jobs, world, timeout)
+        except mp.ProcessRaisedException as exc:
+            if "EADDRINUSE" not in str(exc) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _spawned(jobs: list[ParityJob], world: int, timeout: float) -> list[ParityResult]:
+    import torch.multiprocessing as mp
+
     with tempfile.TemporaryDirectory(prefix="neuron-parity-") as tmp:
         port = _free_port()
         ctx = mp.start_processes(_rank_main, args=(world, port, jobs, tmp), nprocs=world, join=False,
