@@ -98,7 +98,10 @@ class ModelHandle:
                                             "hits": stats.host_hits, "offloaded": stats.host_offloaded,
                                             "restored": stats.host_restored,
                                             "offload_seconds": round(stats.host_offload_s, 4),
-                                            "restore_seconds": round(stats.host_restore_s, 4)},
+                                            "restore_seconds": round(stats.host_restore_s, 4),
+                                            **({"snapshots_offloaded": stats.host_state_offloaded,
+                                                "snapshots_restored": stats.host_state_restored}
+                                               if stats.state_slots else {})},
                                    **({"disk": {"blocks": stats.disk_blocks, "used": stats.disk_used,
                                                 "block_bytes": self.host_block_bytes, "hits": stats.disk_hits,
                                                 "written": stats.disk_written, "read": stats.disk_read}}

@@ -62,25 +62,26 @@ def identity(handle) -> str:
     """What a block's K/V depends on beyond its tokens, so that a disk tier kept across restarts
     serves it only to the same computation: the prefix cache's key (the model, its weights'
     paths, dtype, tensor-parallel size, quantization), each weight file's size and modification
-    time, the pipeline split, the block size and this release (its kernels)."""
+    time, the pipeline split, the block size, the recurrent state's dtype and this release (its
+    kernels)."""
     files = []
     for path in handle.spec.files.paths:
         st = os.stat(path)
         files.append([str(path), st.st_size, st.st_mtime_ns])
     entry = handle.entry
     return json.dumps([handle.engine.sizing.cache_key, files, handle.dtype, entry.pipeline_parallel,
-                       entry.block_size, __version__])
+                       entry.block_size, entry.state_dtype, __version__])
 
 
-def tiers_loaded(cfg, handle, oks: dict, state_slots: int) -> tuple[int, int, tuple]:
+def tiers_loaded(cfg, handle, oks: dict, state_slots: int) -> tuple[int, int, dict]:
     """From the ranks' ``LoadOk``: the host tier's slots, the blocks a step beside decodes
-    restores, and the disk tier's (files, the hashes every rank holds, oldest first)."""
+    restores, and the rest of ``HostPlanning.use_host``'s fields: the disk tier's files and the
+    hashes every rank holds (oldest first), the host slots a state snapshot takes."""
     world = len(oks)
     host = min(ok.host_blocks for ok in oks.values())
     if cfg.cache.host_gb and handle.engine.sizing.cache_key is not None and not host:
         log.warning("%s: no host tier (cache.host_gb %g): %s", handle.id, cfg.cache.host_gb,
-                    "its layers keep a recurrent state, whose snapshots stay in the ranks" if state_slots
-                    else "less than one KV block")
+                    "less than two of its state snapshots" if state_slots else "less than one KV block")
     per_block = [ok.kv_bytes // (ok.kv_blocks + 1) for _, ok in sorted(oks.items())]
     handle.host_bytes = [oks[r].host_blocks * per_block[r] for r in range(world)]
     handle.host_block_bytes = sum(per_block)
@@ -92,4 +93,7 @@ def tiers_loaded(cfg, handle, oks: dict, state_slots: int) -> tuple[int, int, tu
     elif host and cfg.cache.disk_dir and handle.engine.sizing.cache_key is not None:
         log.warning("%s: no disk tier: cache.disk_gb %g holds less than one KV block a rank", handle.id,
                     cfg.cache.disk_gb)
-    return host, RESTORE_BYTES // max(1, *per_block), (disk, hashes) if disk else ()
+    tiers = {"disk_blocks": disk, "disk_hashes": hashes} if disk else {}
+    if host and state_slots:
+        tiers["state_pieces"] = max(ok.state_pieces for ok in oks.values())
+    return host, RESTORE_BYTES // max(1, *per_block), tiers

@@ -150,7 +150,8 @@ class RankGroup:
         cid = next(_ids)
         call = self._open(cid, {self.sampler})
         moved = {"offload": moves.offload, "restore": moves.restore, "spill": moves.spill, "fetch": moves.fetch,
-                 "disk_drop": moves.drop} if moves else {}
+                 "disk_drop": moves.drop, "state_offload": moves.state_offload,
+                 "state_restore": moves.state_restore} if moves else {}
         frame = p.encode(p.Step(id=cid, epoch=self.epoch, step_id=step_id, seqs=seqs,
                                 forget_images=forget_images or [], **moved))
         for rank in range(self.world):

@@ -249,8 +249,8 @@ class Registry:
         if state_slots and not snapshots and handle.engine.sizing.cache_key is not None:
             log.info("%s: its layers keep per-sequence state and no slot is left for snapshots; prefix caching is "
                      "off", handle.id)
-        host, per_step, disk = tiers_loaded(self.cfg, handle, oks, state_slots)
-        handle.engine.attach(group, blocks, entry.block_size, state_slots, snapshots, host, per_step, disk)
+        host, per_step, tiers = tiers_loaded(self.cfg, handle, oks, state_slots)
+        handle.engine.attach(group, blocks, entry.block_size, state_slots, snapshots, host, per_step, tiers)
         return group
 
     def _forget(self, handle: ModelHandle) -> None:

@@ -65,6 +65,8 @@ class EngineStats:
     host_restored: int = 0  # ... and back
     host_offload_s: float = 0.0  # rank 0's device time copying them in (the ranks copy side by side)
     host_restore_s: float = 0.0  # ... and back
+    host_state_offloaded: int = 0  # state snapshots copied into it (a model with recurrent state)
+    host_state_restored: int = 0  # ... and back
     disk_blocks: int = 0  # block files the disk tier below it holds at most (0: none)
     disk_used: int = 0
     disk_hits: int = 0  # prompt tokens found there (of prefix_cache_hits)

@@ -112,7 +112,8 @@ class StepSeq(msgspec.Struct, array_like=True, gc=False, frozen=True):
       on the sequence's first step (``sampling`` set).
     - ``state_from`` (with ``sampling``; the prefix cache of such a model): the sequence starts at
       ``start_pos`` from the state in this slot (a snapshot taken after the same first
-      ``start_pos`` tokens), copied into ``state`` instead of clearing it.
+      ``start_pos`` tokens), copied into ``state`` instead of clearing it; ``state`` itself: the
+      slot holds it already (restored from the host tier, ``Step.state_restore``).
     - ``snapshots``: (position, slot) pairs: the state after the sequence's first ``position``
       tokens (``start_pos < position <= start_pos + len(tokens)``) is copied into ``slot``.
     - ``kv_from`` (with ``sampling``): a KV block whose K/V the sequence's block at table entry
@@ -243,6 +244,11 @@ class Step(Frame, tag="step"):
     disk_drop: list[bytes] = []
     spill: list[tuple[int, bytes]] = []
     fetch: list[tuple[bytes, int]] = []
+    # A model with recurrent state: its snapshots' pieces, a host slot each (LoadOk.state_pieces),
+    # moved beside the blocks: (state slot, piece, host slot) copied in, (host slot, state slot,
+    # piece) copied back; piece j is bytes j * slot bytes on of the state slot's buffers.
+    state_offload: list[tuple[int, int, int]] = []
+    state_restore: list[tuple[int, int, int]] = []
 
 
 class StepMasks(Frame, tag="step_masks"):
@@ -310,6 +316,7 @@ class LoadOk(Frame, tag="load_ok"):
     host_blocks: int = 0  # slots of the host tier (LoadShard.host_bytes), each one KV block
     disk_blocks: int = 0  # block files the disk tier holds at most (LoadShard.disk_bytes)
     disk_hashes: list[BlockHash] = []  # those it holds from before, least recently used first
+    state_pieces: int = 0  # host slots one state snapshot takes in the host tier (0: snapshots stay here)
     cpu_isa: str = ""  # the CPU kernels' instruction-set level ("avx2", ...), "none" without them; "" on a GPU
     # What a step costs on a GPU with CUDA graphs, measured at load (runner/step_times.py):
     # (decode graph batch, ms) and (prefill graph tokens, ms); empty elsewhere.

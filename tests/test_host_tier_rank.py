@@ -14,6 +14,8 @@ torch = pytest.importorskip("torch")
 from neuron.runner.attention import PagedKvCache  # noqa: E402
 from neuron.runner.host_tier import CHUNK, HostKvTier, host_tier  # noqa: E402
 from neuron.runner.inputs import StepRejected  # noqa: E402
+from neuron.runner.state import StatePool  # noqa: E402
+from neuron.models.interface import RecurrentState  # noqa: E402
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no NVIDIA GPU visible")
 
@@ -70,12 +72,65 @@ def test_a_move_out_of_range_is_refused_before_anything_moves(offload, restore):
     assert torch.equal(kv.k, before)
 
 
-def test_the_tier_takes_as_many_blocks_as_its_bytes_hold_and_none_for_recurrent_models():
+def pool(slots: int, recurrent: bool = True, device: str = "cpu") -> StatePool:
+    """State slots of two layers whose tensors are of two dtypes, so a slot's bytes cross buffers."""
+    specs = [RecurrentState(((20, 10), (10, 13)), (None, torch.bfloat16)), RecurrentState(((12, 20),))] if recurrent else []
+    states = StatePool(specs, slots, torch.device(device))
+    for b in states.buffers.values():
+        b.copy_(torch.randn(b.shape).to(b.dtype))
+    return states
+
+
+def test_the_tier_takes_as_many_blocks_as_its_bytes_hold_and_two_snapshots_at_least():
     kv = filled("cpu", blocks=8)
     per_block = 2 * 3 * 4 * 2 * 8 * 4
-    assert host_tier(kv, 10 * per_block + per_block - 1, False, 0).slots == 10
-    assert host_tier(kv, per_block - 1, False, 0) is None
-    assert host_tier(kv, 10 * per_block, True, 0) is None
+    assert host_tier(kv, 10 * per_block + per_block - 1, pool(0, False), 0).slots == 10
+    assert host_tier(kv, per_block - 1, pool(0, False), 0) is None
+    states = pool(4)
+    assert states.slot_bytes == (200 + 240) * 4 + 130 * 2  # more than one block: two pieces
+    tier = host_tier(kv, 10 * per_block, states, 0)
+    assert tier.slots == 10 and tier.pieces == 2
+    assert host_tier(kv, 3 * per_block, states, 0) is None  # less than two snapshots
+
+
+def state_round_trip(device: str) -> None:
+    kv = filled(device, blocks=8)
+    states = pool(4, device=device)
+    tier = HostKvTier(kv, 6, pinned=device == "cuda", states=states)
+    assert tier.pieces == 2
+    before = {d: b.clone() for d, b in states.buffers.items()}
+    k0 = kv.k.clone()
+    tier.move([(3, 4)], [], [(1, 1, 0), (1, 0, 5), (2, 0, 2), (2, 1, 3)])  # two snapshots and a block
+    for b in states.buffers.values():
+        b.zero_()
+    tier.move([], [(4, 0)], [], [(5, 3, 0)])  # the first piece of slot 1's into slot 3, with a block
+    assert torch.equal(kv.k[:, 0], k0[:, 3])
+    tier.move([], [], [], [(0, 3, 1), (3, 0, 1), (2, 0, 0)])  # its other piece a step later; slot 2's into 0
+    for d, b in states.buffers.items():
+        assert torch.equal(b[3], before[d][1]) and torch.equal(b[0], before[d][2])
+        assert not b[1].any() and not b[2].any()
+
+
+def test_state_pieces_moved_out_and_back_in_any_order_and_steps_hold_the_state():
+    state_round_trip("cpu")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_on_a_gpu_state_pieces_round_trip_through_pinned_slots_exactly():
+    state_round_trip("cuda")
+
+
+@pytest.mark.parametrize("state_offload, state_restore", [([(4, 0, 0)], []), ([(0, 0, 6)], []), ([], [(0, 4, 1)]),
+                                                          ([(0, -1, 0)], [])])
+def test_a_state_move_out_of_range_is_refused_before_anything_moves(state_offload, state_restore):
+    kv = filled("cpu", blocks=8)
+    states = pool(4)
+    tier = HostKvTier(kv, 6, pinned=False, states=states)
+    held = tier.store.clone()
+    with pytest.raises(StepRejected, match="state slot"):
+        tier.move([(1, 0)], [], state_offload, state_restore)
+    assert torch.equal(tier.store, held)
 
 
 @pytest.mark.gpu

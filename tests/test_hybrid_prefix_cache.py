@@ -23,7 +23,7 @@ def config(ckpt, caching: bool, tp: int = 1) -> str:
             f'block_size = {BLOCK}\nprefix_caching = {str(caching).lower()}\nstate_snapshots = {SNAPSHOTS}\n'
             f'state_snapshot_interval = {INTERVAL}\ntensor_parallel = {tp}\ngpu_memory_utilization = 0.3\n'
             '[engine]\nprefill_chunk = 48\n'  # two servers share a GPU where one is
-            + ('[cache]\nhost_gb = 0.05\n' if caching else ''))  # refused by name: see the last test
+            + ('[cache]\nhost_gb = 0.00005\n' if caching else ''))  # too small a tier: see the last test
 
 
 @pytest.fixture(scope="module")
@@ -139,9 +139,9 @@ def test_snapshots_stay_within_their_budget_and_evicted_ones_are_recomputed(serv
     assert cached == 0
 
 
-def test_a_host_tier_asked_for_is_refused_by_name_for_a_model_with_recurrent_state(servers):
-    """The host tier holds KV blocks only; a hybrid model's cached prefixes need its state
-    snapshots, which stay in the ranks: the load says so, and the model shows no tier."""
+def test_a_host_tier_too_small_for_two_state_snapshots_is_refused_by_name(servers):
+    """A hybrid model's cached prefixes need its state snapshots as well as its blocks: a host tier
+    that cannot hold two of them is none, the load says so, and the model shows no tier."""
     on, _, _ = servers
     assert models(on)["prefix_cache_tiers"] == {}
-    assert "no host tier (cache.host_gb 0.05): its layers keep a recurrent state" in on.log()
+    assert "no host tier (cache.host_gb 5e-05): less than two of its state snapshots" in on.log()

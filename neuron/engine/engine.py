@@ -34,7 +34,7 @@ class Engine:
         self.images = ImageCache(sizing.image_token_bytes, int(cfg.image_embedding_cache_mb * 2**20))
         self._snapshots = 0
         self._cache_counts = (0, 0)  # prefix-cache queries and hits of the caches before this one
-        self._host_counts = (0,) * 6  # the host and disk tiers' counts (HostTier.counts) of those before this one
+        self._host_counts = (0,) * 8  # the host and disk tiers' counts (HostTier.counts) of those before this one
         # Steps in flight: the next is sent before the last one's reply is in (overlapped steps).
         self.depth = max(sizing.steps_in_flight, sizing.pipeline)
         self._group = 0  # the micro-batch group planned next (pipeline stages)
@@ -70,17 +70,18 @@ class Engine:
 
     # ----------------------------------------------------------------------------- control
     def attach(self, group: RankGroup, num_blocks: int, block_size: int, state_slots: int = 0,
-               snapshots: int = 0, host_blocks: int = 0, restore_per_step: int = 0, disk: tuple = ()) -> None:
+               snapshots: int = 0, host_blocks: int = 0, restore_per_step: int = 0, tiers: dict | None = None) -> None:
         """Serve on ``group``, whose ranks hold ``num_blocks`` KV blocks and ``state_slots``
         per-sequence state slots each (``snapshots`` of them beyond one per slot, for the prefix
         cache's state snapshots), ``host_blocks`` slots of a host tier, of which a step beside
-        decodes restores ``restore_per_step`` at most, and ``disk`` (files, hashes) a disk tier."""
+        decodes restores ``restore_per_step`` at most, and ``tiers`` the rest of ``use_host``'s fields
+        (a disk tier, state snapshots' pieces)."""
         self.group = group
         old = self.sched.blocks  # a fresh cache (the ranks' is new); the counters carry on
         self._cache_counts = (self._cache_counts[0] + old.queries, self._cache_counts[1] + old.hits)
         self._host_counts = self._host_tallies()
         self.sched = self._scheduler(num_blocks, block_size, state_slots, snapshots)
-        self.sched.use_host(host_blocks, restore_per_step, *disk)
+        self.sched.use_host(host_blocks, restore_per_step, **(tiers or {}))
         self.images.clear()  # the new ranks keep no image embeddings
         self._snapshots = snapshots
         if self._task is None or self._task.done():
@@ -154,7 +155,7 @@ class Engine:
             return False
 
     def stats(self) -> EngineStats:
-        s, (host_hits, host_offloaded, host_restored, *disk) = self.sched, self._host_tallies()
+        s, (host_hits, host_offloaded, host_restored, *disk, states_out, states_in) = self.sched, self._host_tallies()
         return EngineStats(len(s.running), len(s.waiting), s.max_slots - len(s.free_slots), s.max_slots,
                            self.steps, self.tokens_generated, kv_usage=s.blocks.used / s.blocks.num_blocks,
                            kv_blocks=s.blocks.num_blocks, preemptions=s.preemptions,
@@ -166,6 +167,7 @@ class Engine:
                            host_blocks=s.host.slots if s.host else 0, host_used=s.host.used if s.host else 0,
                            host_hits=host_hits, host_offloaded=host_offloaded, host_restored=host_restored,
                            host_offload_s=self.move_ms[0] / 1e3, host_restore_s=self.move_ms[1] / 1e3,
+                           host_state_offloaded=states_out, host_state_restored=states_in,
                            disk_blocks=s.host.disk_blocks if s.host else 0, disk_used=len(s.host.disk or ()) if s.host else 0,
                            disk_hits=disk[0], disk_written=disk[1], disk_read=disk[2],
                            leader_ms_per_step=1e3 * self.leader_s / max(1, self.steps), step_ms=self.step_ms,

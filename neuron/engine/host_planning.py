@@ -12,34 +12,72 @@ from __future__ import annotations
 from collections import deque
 from contextlib import nullcontext
 
-from .host_tier import HostTier, Moves
+from .host_tier import HostTier
 from .request import GenRequest
+from .tier_moves import Moves
 
 
 class HostPlanning:
     host: HostTier | None = None
     restore_per_step = 0
 
-    def use_host(self, slots: int, per_step: int, disk_blocks: int = 0, disk_hashes: list[bytes] = ()) -> None:
+    def use_host(self, slots: int, per_step: int, disk_blocks: int = 0, disk_hashes: list[bytes] = (),
+                 state_pieces: int = 0) -> None:
         """The ranks hold ``slots`` host slots; beside decodes a step restores ``per_step``
         blocks at most; below them a disk tier of ``disk_blocks`` files, holding ``disk_hashes``.
-        Only where prefixes are cached and the model keeps no recurrent state."""
+        Only where prefixes are cached, and for a model with recurrent state where its snapshots
+        come too (``state_pieces`` slots each)."""
         self._restores: list[tuple[GenRequest, int, int, int, bytes]] = []  # (req, run, entry, slot, hash)
         self._moves_out: deque[Moves] = deque()  # of the steps sent, their replies not in
         self._decoding = True  # whether the step being planned decodes
-        if slots and self.blocks.cache_key is not None and not self.states.num_slots:
+        if slots and self.blocks.cache_key is not None and (not self.states.num_slots or state_pieces):
             self.host = HostTier(slots, self.blocks)
             self.restore_per_step = max(1, per_step)
+            if state_pieces:
+                self.host.use_states(state_pieces, self.states.holds, self.states.num_slots)
+                self.states.on_keep.append(self.host.note_state)
+                self.states.on_evict.append(self.host.offload_state)
             if disk_blocks:
                 self.host.use_disk(disk_blocks, list(disk_hashes))
 
-    def _from_host(self, req: GenRequest, found: list[tuple[int, bytes]]) -> None:
-        """``req``'s table goes on with new blocks for the ``found`` (slot, hash) of the tier."""
-        self.host.pin([s for s, _ in found])
+    def _restart_point(self, req: GenRequest, tokens: list[int], hits: list[int], hashes: list[bytes]):
+        """Where a model with recurrent state restarts ``tokens``: the deepest snapshot of its state
+        along them, the ranks' (``StateCache.find``; its blocks in the ranks' cache or the host
+        tier) or the host tier's (its pieces restored into the request's own state slot), and the
+        blocks it needs. (hits, hashes, start, the ranks' snapshot, tier blocks, state pieces)."""
+        if not self.states.caching:
+            return [], [], 0, None, [], []
+        bs, limit, key = self.blocks.block_size, len(tokens) - 1, self.blocks.key(req.cache_salt)
+        counted = len(hits) * bs  # as match counted them
+        chain = hashes + (self.host.reach(tokens, limit, hashes, key) if self.host is not None else [])
+        found = self.states.find(tokens, limit, chain, key)
+        depth, snap = found if found else (0, None)
+        state = []
+        deeper = next((d for d in range(len(chain), depth, -1) if self.host.state_at(chain[d - 1])), 0) \
+            if self.host is not None and self.host.pieces else 0
+        if deeper:
+            state = self.host.take_state(chain[deeper - 1])
+            if state:
+                depth, snap = deeper, None
+        own = min(len(hits), depth)
+        tiered = self.host.extend(tokens, depth * bs, hashes[:own], key, [s for s, _ in state]) if depth > own else []
+        if own + len(tiered) < depth:  # the tier could not give them all: the ranks' own snapshots only
+            found = self.states.find(tokens, limit, hashes, key)
+            (own, snap), state, tiered = found if found else (0, None), [], []
+            depth = own
+        start = snap.position if snap is not None else depth * bs if state else 0
+        self.blocks.hits += start - counted - len(tiered) * bs  # _from_host counts the tier's blocks
+        return hits[:own], hashes[:own], start, snap, tiered, state
+
+    def _from_host(self, req: GenRequest, found: list[tuple[int, bytes]], state: list[tuple[int, bytes]] = ()) -> None:
+        """``req``'s table goes on with new blocks for the ``found`` (slot, hash) of the tier, its
+        state slot takes the pieces of ``state`` (slot, name) last."""
+        self.host.pin([s for s, _ in [*found, *state]])
         first = len(req.blocks)
         req.blocks += self.blocks.allocate(len(found))
         req.hashes = req.hashes + [h for _, h in found]
-        req.restoring = [(s, first + i, h) for i, (s, h) in enumerate(found)]
+        req.restoring = [(s, first + i, h) for i, (s, h) in enumerate(found)] + \
+            [(s, -1 - j, k) for j, (s, k) in enumerate(state)]  # a piece's entry: -1 - its index
         req.host_run = req.run
         tokens = len(found) * self.blocks.block_size
         from_disk = sum(s in self.host.fetching for s, _ in found) * self.blocks.block_size
@@ -62,7 +100,7 @@ class HostPlanning:
             for slot, entry, _ in req.restoring:
                 if slot in self.host.fetching:  # still being read from disk
                     break
-                cost = 1 + self.host.deferred(req.blocks[entry])
+                cost = 1 + (entry >= 0 and self.host.deferred(req.blocks[entry]))
                 if cost > room and (n or self._restores):
                     break
                 room -= cost
@@ -82,16 +120,17 @@ class HostPlanning:
         if self.host is None:
             return None
         live = [(req, run, entry, slot, h) for req, run, entry, slot, h in self._restores
-                if req.run == run and entry < len(req.blocks)]
+                if req.run == run and entry < len(req.blocks) and (entry >= 0 or req.states)]
         bs = self.blocks.block_size
         written = {b for x in plan for b in x.req.blocks[x.start_pos // bs: (x.start_pos + len(x.tokens) - 1) // bs + 1]} \
             if self.host.deferred_any else set()
-        moves = self.host.take_moves([(slot, req.blocks[entry]) for req, _, entry, slot, _ in live],
+        moves = self.host.take_moves([(slot, req.blocks[entry]) for req, _, entry, slot, _ in live if entry >= 0],
                                      self.restore_per_step * (1 if self._decoding else 4), written,
-                                     not self._decoding)
+                                     not self._decoding,
+                                     [(slot, req.states[0], -1 - entry) for req, _, entry, slot, _ in live if entry < 0])
         self.host.unpin([slot for _, _, _, slot, _ in self._restores])  # once no offload of the step may take them
         self._restores = []
-        moves.cached = [(req, run, entry, h) for req, run, entry, _, h in live]
+        moves.cached = [(req, run, entry, h) for req, run, entry, _, h in live if entry >= 0]
         self._moves_out.append(moves)
         return moves
 

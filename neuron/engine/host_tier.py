@@ -31,29 +31,19 @@ the host tier into the disk tier: each block found there gets a host slot and a 
 read done (``news``); a read that failed (a file damaged or gone) takes the block out of both tiers,
 and the requests waiting for it start again. Least recently used files go first; the ranks
 delete them as told (``Step.disk_drop``).
+
+A model with recurrent state (``use_states``) keeps its snapshots here too, each as ``pieces``
+slots named by ``state_keys``: copied in early (``note_state``) or as the ranks evict them
+(``offload_state``, carried by the next step), found by ``state_at`` and taken by ``take_state``.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 from .blocks import BlockManager, chain_hash
-
-
-@dataclass
-class Moves:
-    """What one step moves between the rank's cache and the host tier."""
-
-    offload: list[tuple[int, int]] = field(default_factory=list)  # (block, slot)
-    restore: list[tuple[int, int]] = field(default_factory=list)  # (slot, block)
-    # (request, its run, table entry, hash) of each block restored: cached once the step answers
-    cached: list[tuple] = field(default_factory=list)
-    epoch: int = 0
-    spill: list[tuple[int, bytes]] = field(default_factory=list)  # (slot, hash): written to disk
-    fetch: list[tuple[bytes, int]] = field(default_factory=list)  # (hash, slot): read from disk
-    drop: list[bytes] = field(default_factory=list)  # files deleted
+from .tier_moves import Moves, state_keys
 
 
 class HostTier:
@@ -73,17 +63,16 @@ class HostTier:
         # cached blocks to copy in, when a step has room
         self._early: deque[tuple[int, bytes]] = deque(maxlen=blocks.num_blocks)
         self.epoch = 0
-        self.offloaded = 0  # blocks copied into the tier
-        self.restored = 0  # ... and back
-        self.hits = 0  # prompt tokens found here
+        self.offloaded = self.restored = self.hits = 0  # blocks copied into the tier, and back; prompt tokens found
         self.disk: OrderedDict[bytes, None] | None = None  # the disk tier's blocks, least recently used first
         self.disk_blocks = 0
         self.fetching: dict[int, bytes] = {}  # slot -> the block a rank reads into it from disk
-        self._spill: list[tuple[int, bytes]] = []
-        self._fetch: list[tuple[bytes, int]] = []
-        self._drop: list[bytes] = []
+        self._spill, self._fetch, self._drop = [], [], []  # (slot, hash), (hash, slot), hashes: the next step's
         self._written_next: list[tuple[int, bytes]] = []  # offloaded by the last step: to disk next
         self.disk_hits = self.disk_written = self.disk_read = 0  # prompt tokens found there; blocks
+        # A model with recurrent state (``use_states``): slots a snapshot takes, pieces copied in
+        self.pieces, self._state_offload, self._early_states, self._state_live = 0, [], deque(), None
+        self.states_offloaded = self.states_restored = 0  # snapshots
         blocks.on_evict.append(self._evicted)
         blocks.on_register.append(lambda block, h: self._early.append((block, h)))
 
@@ -92,7 +81,66 @@ class HostTier:
         return len(self._hash_of)
 
     def counts(self) -> tuple[int, ...]:
-        return self.hits, self.offloaded, self.restored, self.disk_hits, self.disk_written, self.disk_read
+        return (self.hits, self.offloaded, self.restored, self.disk_hits, self.disk_written, self.disk_read,
+                self.states_offloaded, self.states_restored)
+
+    def use_states(self, pieces: int, live, snapshots: int) -> None:
+        """Snapshots of ``pieces`` slots each; ``live(slot, h)``: whether the ranks' slot still holds
+        the one after block ``h``; at most ``snapshots`` wait to be copied early."""
+        self.pieces, self._state_live = pieces, live
+        self._early_states = deque(maxlen=max(1, snapshots))
+
+    def note_state(self, slot: int, h: bytes) -> None:
+        """The ranks keep a snapshot after block ``h`` in ``slot``: copied in when a step has room."""
+        if self.pieces:
+            self._early_states.append((slot, h))
+
+    def offload_state(self, slot: int, h: bytes) -> bool:
+        """The ranks' snapshot after block ``h`` in state ``slot`` is copied in by the next step,
+        unless the tier holds it; False if the tier has no room for all its pieces (it takes none)."""
+        if not self.pieces:
+            return False
+        keys = state_keys(h, self.pieces)
+        held = [self._by_hash[k] for k in keys if k in self._by_hash]
+        if len(held) == len(keys):
+            for s in held:
+                self._lru.move_to_end(s)
+            return True
+        new = []
+        self.pin(held)
+        for j, k in enumerate(keys):
+            if k in self._by_hash:
+                continue
+            got = self._slot()
+            if got is None:
+                break
+            self._by_hash[k], self._hash_of[got], self._lru[got] = got, k, None
+            self.pin([got])
+            new.append((slot, j, got))
+        self.unpin(held + [s for _, _, s in new])
+        if len(held) + len(new) < len(keys):
+            self.forget([s for _, _, s in new])
+            return False
+        self._state_offload += new
+        self.offloaded += len(new)
+        self.states_offloaded += 1
+        return True
+
+    def state_at(self, h: bytes) -> bool:
+        """Whether the tier (or the disk below it) holds every piece of the snapshot after ``h``."""
+        return bool(self.pieces) and all(k in self._by_hash or self.disk is not None and k in self.disk
+                                         for k in state_keys(h, self.pieces))
+
+    def take_state(self, h: bytes) -> list[tuple[int, bytes]]:
+        """The (slot, name) of each piece of the snapshot after ``h`` (those on disk get a slot
+        and a read), or [] where a piece cannot be had."""
+        found: list[tuple[int, bytes]] = []
+        for k in state_keys(h, self.pieces):
+            slot = self._take(k, [s for s, _ in found])
+            if slot is None:
+                return []
+            found.append((slot, k))
+        return found
 
     def use_disk(self, blocks: int, hashes: list[bytes]) -> None:
         """The ranks' disk tier holds ``blocks`` files at most, ``hashes`` already (oldest first)."""
@@ -139,12 +187,19 @@ class HostTier:
             if slot is not None and self.fetching.get(slot) == h:
                 del self.fetching[slot]
                 self.unpin([slot])
-                del self._by_hash[h], self._hash_of[slot], self._lru[slot]
+                self.forget([slot], free=False)
                 failed.append(slot)
         return failed
 
     def free(self, slots: list[int]) -> None:
         self._free.extend(slots)
+
+    def forget(self, slots: list[int], free: bool = True) -> None:
+        """What ``slots`` hold is gone; with ``free`` they are free now."""
+        for s in slots:
+            del self._by_hash[self._hash_of.pop(s)], self._lru[s]
+        if free:
+            self.free(slots)
 
     def _evicted(self, block: int, h: bytes) -> None:
         slot = self._by_hash.get(h)
@@ -202,7 +257,8 @@ class HostTier:
             self.unpin([slot])
 
     def _copy_early(self, room: int) -> None:
-        """Up to ``room`` cached blocks into the tier ahead of their eviction, oldest first."""
+        """Up to ``room`` cached blocks into the tier ahead of their eviction, oldest first, then
+        the ranks' state snapshots."""
         while room > 0 and self._early:
             block, h = self._early.popleft()
             if h in self._by_hash or not self.blocks.holds(block, h):
@@ -211,6 +267,12 @@ class HostTier:
                 self._early.appendleft((block, h))
                 return
             room -= 1
+        while room > 0 and self._early_states:  # a snapshot whole, though its pieces outnumber the room
+            slot, h = self._early_states.popleft()
+            if self._state_live(slot, h) and not self.state_at(h):
+                if not self.offload_state(slot, h):
+                    return
+                room -= self.pieces
 
     def _slot(self) -> int | None:
         if self._fresh < self.slots:
@@ -218,7 +280,8 @@ class HostTier:
             return self._fresh - 1
         if self._free:
             return self._free.popleft()
-        filling = {s for _, s in self._offload}  # its block goes in with the next step: not yet there
+        # its block goes in with the next step: not yet there
+        filling = {s for _, s in self._offload} | {s for _, _, s in self._state_offload}
         victim = next((s for s in self._lru if s not in self._pins and s not in filling), None)
         if victim is not None:
             del self._lru[victim]
@@ -227,36 +290,56 @@ class HostTier:
             self._to_disk(victim, h)
         return victim
 
-    def extend(self, tokens: list[int], limit: int, hashes: list[bytes], key: bytes) -> list[tuple[int, bytes]]:
-        """The (slot, hash) of each block that continues the cached prefix ``hashes`` of
-        ``tokens`` (at most ``limit`` tokens in all) from the tier."""
+    def reach(self, tokens: list[int], limit: int, hashes: list[bytes], key: bytes) -> list[bytes]:
+        """The hashes of the blocks that continue the cached prefix ``hashes`` of ``tokens`` (at
+        most ``limit`` tokens in all) in the tier or on disk below it."""
         bs = self.blocks.block_size
-        found: list[tuple[int, bytes]] = []
+        found: list[bytes] = []
         parent = hashes[-1] if hashes else b""
         for i in range(len(hashes), min(limit, len(tokens)) // bs):
             h = chain_hash(parent, tokens[i * bs: (i + 1) * bs], key)
-            slot = self._by_hash.get(h)
-            if slot is None and self.disk is not None and h in self.disk:
-                self.disk.move_to_end(h)
-                self.pin([s for s, _ in found])  # a slot for it must not evict one found here
-                slot = self._slot()
-                self.unpin([s for s, _ in found])
-                if slot is not None and h not in self.disk:  # writing the slot's block out pushed h off
-                    self._free.append(slot)
-                    slot = None
-                if slot is None:
-                    break
-                self._by_hash[h], self._hash_of[slot], self._lru[slot] = slot, h, None
-                self.fetching[slot] = h
-                self.pin([slot])  # until the read is in
-                self._fetch.append((h, slot))
-                self.disk_hits += bs
-            if slot is None:
+            if h not in self._by_hash and (self.disk is None or h not in self.disk):
                 break
-            self._lru.move_to_end(slot)
-            found.append((slot, h))
+            found.append(h)
             parent = h
         return found
+
+    def extend(self, tokens: list[int], limit: int, hashes: list[bytes], key: bytes,
+               keep: list[int] = ()) -> list[tuple[int, bytes]]:
+        """The (slot, hash) of each block that continues the cached prefix ``hashes`` of
+        ``tokens`` (at most ``limit`` tokens in all) from the tier; a slot read from disk for one
+        never takes ``keep``'s."""
+        found: list[tuple[int, bytes]] = []
+        for h in self.reach(tokens, limit, hashes, key):
+            reads = len(self._fetch)
+            slot = self._take(h, [*keep, *(s for s, _ in found)])
+            if slot is None:
+                break
+            self.disk_hits += self.blocks.block_size * (len(self._fetch) - reads)
+            found.append((slot, h))
+        return found
+
+    def _take(self, h: bytes, keep: list[int]) -> int | None:
+        """The slot holding ``h`` (a block, or a snapshot's piece): in the tier, or one it is read
+        into from disk (no slot of ``keep`` is evicted for it); None where neither can be."""
+        slot = self._by_hash.get(h)
+        if slot is None and self.disk is not None and h in self.disk:
+            self.disk.move_to_end(h)
+            self.pin(keep)
+            slot = self._slot()
+            self.unpin(keep)
+            if slot is not None and h not in self.disk:  # writing the slot's block out pushed h off
+                self._free.append(slot)
+                slot = None
+            if slot is None:
+                return None
+            self._by_hash[h], self._hash_of[slot], self._lru[slot] = slot, h, None
+            self.fetching[slot] = h
+            self.pin([slot])  # until the read is in
+            self._fetch.append((h, slot))
+        if slot is not None:
+            self._lru.move_to_end(slot)
+        return slot
 
     def pin(self, slots: list[int]) -> None:
         for s in slots:
@@ -271,19 +354,23 @@ class HostTier:
                 del self._pins[s]
 
     def take_moves(self, restores: list[tuple[int, int]], room: int = 0, written: frozenset[int] | set[int] = frozenset(),
-                   everything: bool = False) -> Moves:
+                   everything: bool = False, state_restores: list[tuple[int, int, int]] = ()) -> Moves:
         """The next step's moves: every offload due (the step writes ``written`` blocks;
         ``everything``: all deferred ones too) and cached blocks copied ahead of their eviction
-        while the moves number fewer than ``room``, then ``restores`` ((slot, block))."""
+        while the moves number fewer than ``room``, then ``restores`` ((slot, block)) and
+        ``state_restores`` ((slot, state slot, piece)) ."""
         for slot, h in self._written_next:  # offloaded by the step before: on the host now
             if self._hash_of.get(slot) == h:
                 self._to_disk(slot, h)
         self._due(restores, written, everything)
-        self._copy_early(room - len(self._offload) - len(restores))
-        moves = Moves(self._offload, restores, epoch=self.epoch, spill=self._spill, fetch=self._fetch, drop=self._drop)
-        self._written_next = [(slot, self._hash_of[slot]) for _, slot in self._offload] if self.disk is not None else []
-        self._offload, self._spill, self._fetch, self._drop = [], [], [], []
-        self.restored += len(restores)
+        self._copy_early(room - len(self._offload) - len(self._state_offload) - len(restores) - len(state_restores))
+        moves = Moves(self._offload, restores, epoch=self.epoch, spill=self._spill, fetch=self._fetch, drop=self._drop,
+                      state_offload=self._state_offload, state_restore=list(state_restores))
+        written = [*(s for _, s in self._offload), *(s for _, _, s in self._state_offload)]
+        self._written_next = [(slot, self._hash_of[slot]) for slot in written] if self.disk is not None else []
+        self._offload, self._spill, self._fetch, self._drop, self._state_offload = [], [], [], [], []
+        self.restored += len(restores) + len(state_restores)
+        self.states_restored += sum(1 for _, _, j in state_restores if j == 0)
         return moves
 
     @property
@@ -291,7 +378,7 @@ class HostTier:
         """Whether the disk tier has moves to send or reads out whose news is awaited, or cached
         blocks wait to go through the host tier to disk (an idle daemon writes its cache out)."""
         return self.disk is not None and bool(self._spill or self._fetch or self._drop or self.fetching or self._early
-                                              or self._written_next)
+                                              or self._written_next or self._early_states)
 
     def reset(self) -> None:
         """Forget every slot (a step that failed may have left its moves undone)."""
@@ -304,6 +391,8 @@ class HostTier:
         self._offload = []
         self._deferred.clear()
         self._early.clear()
+        self._early_states.clear()
+        self._state_offload = []
         self.fetching.clear()
         self._spill, self._fetch, self._written_next = [], [], []
         self.epoch += 1

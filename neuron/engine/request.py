@@ -45,6 +45,7 @@ class GenRequest:
     disk_tokens: int = 0  # ... of those, read back from the disk tier first
     restoring: list = field(default_factory=list)  # (host slot, block, hash) of its blocks to restore first
     host_run: int = -1  # the run whose blocks came (in part) from the host tier
+    state_tiered: bool = False  # its state slot starts with a snapshot restored from the host tier
     cache_salt: bytes = b""  # only requests with the same salt share cached prefixes
     principal: str = ""  # whose request (an API key's name): the unit of fair share
     weight: float = 1.0  # its principal's share of admitted work, against the others'

@@ -83,18 +83,13 @@ class Scheduler(DraftPlanning, HostPlanning):
                 break
             if full and not self._yield_slot(req, running):
                 break
-            tokens, tiered = req.keyed(), []
+            tokens, tiered, state = req.keyed(), [], []
             # The longest cached prefix of whole blocks; the last token is always computed, since
             # its logits give the next token.
             hits, hashes = self.blocks.match(tokens, len(tokens) - 1, req.cache_salt)
             start, snap = len(hits) * self.blocks.block_size, None
             if self.states.num_slots:  # cached K/V is of use only up to a snapshot of the state
-                found = self.states.find(tokens, len(tokens) - 1, hashes, self.blocks.key(req.cache_salt)) \
-                    if self.states.caching else None
-                depth, snap = found if found else (0, None)
-                hits, hashes = hits[:depth], hashes[:depth]
-                start = snap.position if snap else 0
-                self.blocks.hits += start - len(hashes) * self.blocks.block_size if found else 0
+                hits, hashes, start, snap, tiered, state = self._restart_point(req, tokens, hits, hashes)
             elif self.host is not None:  # the cached prefix may run on in the host tier
                 tiered = self.host.extend(tokens, len(tokens) - 1, hashes, self.blocks.key(req.cache_salt))
                 start += len(tiered) * self.blocks.block_size
@@ -114,9 +109,10 @@ class Scheduler(DraftPlanning, HostPlanning):
                 req.states = [self.states.allocate()]
             self.blocks.take(hits)
             req.blocks, req.hashes = list(hits), hashes
+            req.state_tiered = bool(state)
             with self.admitting(req):
-                if tiered:
-                    self._from_host(req, tiered)
+                if tiered or state:
+                    self._from_host(req, tiered, state)
                 self.blocks.grow(req.blocks, len(tokens))
             req.sent_blocks = 0
             req.computed = req.confirmed = req.snapshot_floor = start
@@ -323,6 +319,8 @@ class Scheduler(DraftPlanning, HostPlanning):
         if x.start and req.restore is not None:
             x.state_from, x.kv_from = req.restore.slot, req.restore.block
             self._unpin(req)
+        elif x.start and req.state_tiered:  # its slot holds the state the host tier gave it
+            x.state_from = req.states[0]
         if self.states.caching and req.computed < len(req.prompt):
             for at in self.states.prompt_points(req.computed, req.computed + len(tokens), len(req.prompt),
                                                 req.snapshot_floor):

@@ -21,7 +21,8 @@ blocks (``BlockManager.match``), then the deepest snapshot along it. Snapshots a
 recently used first: when a slot is wanted and none is free, and with the KV block they hang on
 (their prefix can no longer be matched). A snapshot being restored is pinned until the restoring
 sequence's first step is planned (the rank copies it out in that step, before any later step
-may reuse the slot).
+may reuse the slot). With a host tier, snapshots at block boundaries are told to it as they are
+kept and as they are evicted (``on_keep``, ``on_evict``): they go down the tiers (``host_tier.py``).
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ class StateCache:
         self._lru: OrderedDict[Snapshot, None] = OrderedDict()
         self._tails: dict[bytes, list[Snapshot]] = {}
         self.restored = 0  # sequences that started from a snapshot
+        # Told (slot, hash of its block) of each snapshot at a block boundary kept, and of each
+        # evicted (before its slot is handed out again): the host tier's copies.
+        self.on_keep: list = []
+        self.on_evict: list = []
         blocks.on_evict.append(self._block_evicted)
 
     @property
@@ -160,7 +165,15 @@ class StateCache:
         self._lru[snap] = None
         if tail:
             self._tails.setdefault(parent, []).append(snap)
+        else:
+            for tell in self.on_keep:
+                tell(slot, parent)
         return True
+
+    def holds(self, slot: int, parent: bytes) -> bool:
+        """Whether ``slot`` holds the snapshot right after the block hashed ``parent``."""
+        snap = self._by_key.get((parent, ()))
+        return snap is not None and snap.slot == slot
 
     def find(self, tokens: list[int], limit: int, hashes: list[bytes], key: bytes) -> tuple[int, Snapshot] | None:
         """The deepest snapshot along ``tokens`` (at most ``limit`` of them), whose full blocks
@@ -199,6 +212,9 @@ class StateCache:
         return sorted(p for p in points if p > floor and p <= prompt)
 
     def _drop(self, snap: Snapshot, free: bool = True) -> None:
+        if not snap.tail:
+            for tell in self.on_evict:
+                tell(snap.slot, snap.parent)
         del self._by_key[(snap.parent, snap.tail)]
         del self._lru[snap]
         if snap.tail:

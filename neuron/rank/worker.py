@@ -204,6 +204,7 @@ class DeviceWorker:
                         host_blocks=runner.host.slots if runner.host is not None else 0,
                         disk_blocks=disk.capacity // disk.file_bytes if disk else 0,
                         disk_hashes=disk.hashes() if disk else [],
+                        state_pieces=runner.host.pieces if runner.host is not None else 0,
                         decode_ms=decode_ms, prefill_ms=prefill_ms)
 
     def _stage(self, msg: p.LoadShard, family) -> tuple[int, int, Stage]:

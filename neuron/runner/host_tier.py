@@ -9,7 +9,11 @@ it offloads and a step after it reads every block it restores.
 A slot holds one block of every layer, K then V: ``[2, layers, block_size, n_kv, head_dim]``
 contiguous, one copy per run of consecutive slots. On a GPU the blocks are gathered on the device
 (and scattered there on the way back) a bounded number at a time, so a move of thousands of
-blocks takes little device memory."""
+blocks takes little device memory.
+
+A model with recurrent state sends its state snapshots here too (``Step.state_offload``,
+``Step.state_restore``): a snapshot's bytes (``StatePool.byte_spans``) are cut into pieces of a
+slot each (``pieces``), which move like blocks, in the same order, and go to disk like them."""
 
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import torch
 from .attention import PagedKvCache
 from .inputs import StepRejected
 from .sampler import upload
+from .state import StatePool
 
 if TYPE_CHECKING:
     from .disk_tier import DiskKvStore
@@ -36,8 +41,9 @@ IO_TIMEOUT = 60.0  # seconds a step waits at most for the disk tier's read or wr
 
 
 class HostKvTier:
-    def __init__(self, kv: PagedKvCache, slots: int, pinned: bool) -> None:
+    def __init__(self, kv: PagedKvCache, slots: int, pinned: bool, states: StatePool | None = None) -> None:
         self.kv = kv
+        self.states = states
         layers, _, bs, n_kv, head_dim = kv.k.shape
         self.slots = slots
         self.store = torch.empty((slots, 2, layers, bs, n_kv, head_dim), dtype=kv.k.dtype, pin_memory=pinned)
@@ -46,13 +52,17 @@ class HostKvTier:
         # event on the stream), or the disk tier's thread writing it out or reading it in.
         self._copying: dict[int, torch.cuda.Event] = {}
         self._disk_io: dict[int, Future] = {}
+        self.pieces = -(-states.slot_bytes // self.block_bytes) if states is not None else 0
 
     @property
     def block_bytes(self) -> int:
         return self.store[0].numel() * self.store.element_size()
 
     def _bytes(self, slot: int) -> np.ndarray:
-        return self.store[slot].view(torch.uint8).reshape(-1).numpy()
+        return self._slot_bytes(slot).numpy()
+
+    def _slot_bytes(self, slot: int) -> torch.Tensor:
+        return self.store[slot].view(torch.uint8).reshape(-1)
 
     def _quiet(self, slot: int, wait_copy: bool = True) -> bool | None:
         """Wait until nothing else touches ``slot``: the disk tier's read or write of it (the
@@ -83,7 +93,7 @@ class HostKvTier:
                 done = self.disk.write(h, self._bytes(slot), self._copying.pop(slot, None))
                 if done is not None:
                     self._disk_io[slot] = done
-        times = self.move(msg.offload, msg.restore)
+        times = self.move(msg.offload, msg.restore, msg.state_offload, msg.state_restore)
         for h, slot in msg.fetch:
             self._quiet(slot)
             self._disk_io[slot] = self.disk.fetch(h, self._bytes(slot))
@@ -110,21 +120,35 @@ class HostKvTier:
     def nbytes(self) -> int:
         return self.store.numel() * self.store.element_size()
 
-    def check(self, offload: list[tuple[int, int]], restore: list[tuple[int, int]]) -> None:
+    def check(self, offload: list[tuple[int, int]], restore: list[tuple[int, int]], state_offload=(),
+              state_restore=()) -> None:
         for block, slot in [*offload, *((b, s) for s, b in restore)]:
             if not 0 <= block < self.kv.blocks or not 0 <= slot < self.slots:
                 raise StepRejected(f"a move between KV block {block} and host slot {slot} is out of range "
                                    f"({self.kv.blocks} blocks, {self.slots} host slots)")
+        if self.states is None:  # a pipeline stage with no recurrent layer: the pieces are other ranks'
+            return
+        for state, piece, slot in [*state_offload, *((s, j, h) for h, s, j in state_restore)]:
+            if not 0 <= state < self.states.slots or piece < 0 or not 0 <= slot < self.slots:
+                raise StepRejected(f"a move between piece {piece} of state slot {state} and host slot {slot} is out "
+                                   f"of range ({self.states.slots} state slots, {self.slots} host slots)")
 
-    def move(self, offload: list[tuple[int, int]], restore: list[tuple[int, int]]) -> MoveTimes:
-        """Blocks into host slots (``offload``: (block, slot)), then host slots into blocks
-        (``restore``: (slot, block)); the device time of each, once the step is done."""
-        self.check(offload, restore)
+    def move(self, offload: list[tuple[int, int]], restore: list[tuple[int, int]], state_offload=(),
+             state_restore=()) -> MoveTimes:
+        """Blocks into host slots (``offload``: (block, slot)) and state pieces (``state_offload``:
+        (state slot, piece, slot)), then host slots into blocks (``restore``: (slot, block)) and
+        into pieces (``state_restore``: (slot, state slot, piece)); the device time of each, once
+        the step is done."""
+        self.check(offload, restore, state_offload, state_restore)
+        if self.states is None:
+            state_offload = state_restore = ()
         device = self.kv.k.device
-        for _, slot in offload:  # a disk write of the slot's old block, or a read into it, may still run
+        into = [*(s for _, s in offload), *(s for _, _, s in state_offload)]
+        out_of = [*(s for s, _ in restore), *(s for s, _, _ in state_restore)]
+        for slot in into:  # a disk write of the slot's old block, or a read into it, may still run
             if slot in self._disk_io:
                 self._quiet(slot, wait_copy=False)
-        for slot, _ in restore:
+        for slot in out_of:
             if slot in self._disk_io and self._quiet(slot, wait_copy=False) is False:
                 raise StepRejected(f"host slot {slot}'s block could not be read from the disk tier")
         times = MoveTimes(device.type == "cuda")
@@ -135,6 +159,10 @@ class HostKvTier:
             gathered = both.permute(2, 0, 1, 3, 4, 5).contiguous()  # [n, 2, layers, ...]
             for j, slot, n in _runs([s for _, s in part]):
                 self.store[slot: slot + n].copy_(gathered[j: j + n], non_blocking=True)
+        for state, piece, slot in state_offload:
+            host = self._slot_bytes(slot)
+            for span, at in self.states.byte_spans(state, piece * host.numel(), host.numel()):
+                host[at: at + span.numel()].copy_(span, non_blocking=True)
         times.mark()
         for i in range(0, len(restore), CHUNK):
             part = restore[i: i + CHUNK]
@@ -144,10 +172,14 @@ class HostKvTier:
             at = upload([b for _, b in part], torch.int64, device)
             self.kv.k.index_copy_(1, at, staging[:, 0].transpose(0, 1))
             self.kv.v.index_copy_(1, at, staging[:, 1].transpose(0, 1))
+        for slot, state, piece in state_restore:
+            host = self._slot_bytes(slot)
+            for span, at in self.states.byte_spans(state, piece * host.numel(), host.numel()):
+                span.copy_(host[at: at + span.numel()], non_blocking=True)
         times.mark()
         if times.cuda:
-            self._copying.update({slot: times.marks[1] for _, slot in offload})
-            self._copying.update({slot: times.marks[2] for slot, _ in restore})
+            self._copying.update({slot: times.marks[1] for slot in into})
+            self._copying.update({slot: times.marks[2] for slot in out_of})
         return times
 
 
@@ -176,17 +208,28 @@ class MoveTimes:
         return (b - a) * 1e3, (c - b) * 1e3
 
 
-def host_tier(kv: PagedKvCache, host_bytes: int, recurrent: bool, rank: int, disk: tuple = ()) -> HostKvTier | None:
-    """The rank's host tier: as many slots as ``host_bytes`` holds (none for a model whose layers
-    keep a recurrent state: its cached prefixes need state snapshots, which stay in the rank);
+def carries_moves(msg) -> bool:
+    """Whether a ``Step`` moves anything between the rank and its tiers."""
+    return bool(msg.offload or msg.restore or msg.spill or msg.fetch or msg.disk_drop or msg.state_offload
+                or msg.state_restore)
+
+
+def host_tier(kv: PagedKvCache, host_bytes: int, states: StatePool, rank: int, disk: tuple = ()) -> HostKvTier | None:
+    """The rank's host tier: as many slots as ``host_bytes`` holds (for a model whose layers keep
+    a recurrent state, at least two snapshots' pieces: its cached prefixes need them);
     ``disk``: (directory, bytes, model, identity) of a disk tier below it."""
     per_block = 2 * kv.k[0, 0].numel() * kv.k.shape[0] * kv.k.element_size()
-    slots = host_bytes // per_block if per_block and not recurrent else 0
-    if not slots:
+    slots = host_bytes // per_block if per_block else 0
+    pieces = -(-states.slot_bytes // per_block) if states.slots and per_block else 0
+    if not slots or slots < 2 * pieces:
+        if slots:
+            log.warning("rank %d: no host tier: %d slots hold less than two state snapshots of %d slots each",
+                        rank, slots, pieces)
         return None
-    tier = HostKvTier(kv, slots, kv.k.device.type == "cuda")
-    log.info("rank %d: host tier of the prefix cache: %d blocks, %.2f GB%s", rank, slots, tier.nbytes / 1e9,
-             " pinned" if kv.k.device.type == "cuda" else "")
+    tier = HostKvTier(kv, slots, kv.k.device.type == "cuda", states if pieces else None)
+    log.info("rank %d: host tier of the prefix cache: %d blocks, %.2f GB%s%s", rank, slots, tier.nbytes / 1e9,
+             " pinned" if kv.k.device.type == "cuda" else "",
+             f"; a state snapshot takes {pieces} of them" if pieces else "")
     if disk and disk[0] and disk[1] >= per_block:
         from .disk_tier import DiskKvStore
 

@@ -85,10 +85,9 @@ def _check_state(runner, s: p.StepSeq, seen: set[int]) -> None:
     if s.sampling is not None and s.start_pos != 0 and s.state_from == -1:
         raise StepRejected(f"slot {s.slot}: a sequence with recurrent state must start at position 0 or from a "
                            "snapshot (state_from)")
-    if s.state_from != -1 and (s.sampling is None or s.start_pos == 0 or not 0 <= s.state_from < pool.slots
-                               or s.state_from == s.state):
-        raise StepRejected(f"slot {s.slot}: state_from {s.state_from} must be another state slot, for a new "
-                           "sequence past position 0")
+    if s.state_from != -1 and (s.sampling is None or s.start_pos == 0 or not 0 <= s.state_from < pool.slots):
+        raise StepRejected(f"slot {s.slot}: state_from {s.state_from} must be a state slot (its own: restored from "
+                           "the host tier), for a new sequence past position 0")
     for at, slot in s.snapshots:
         if not s.start_pos < at <= s.start_pos + n or not 0 <= slot < pool.slots or slot in seen:
             raise StepRejected(f"slot {s.slot}: snapshot ({at}, {slot}) is outside the step's tokens or its slot "

@@ -26,7 +26,7 @@ from neuron.models.interface import KvState, Model
 
 from .attention import PagedAttention, PagedKvCache
 from .graphs import StepGraphs, graph_sizes, prefill_graph_sizes
-from .host_tier import MoveTimes, host_tier
+from .host_tier import MoveTimes, carries_moves, host_tier
 from .images import RankImages
 from .eager import eager_inputs
 from .late_masks import LateMasks, row_masks
@@ -148,7 +148,7 @@ class ModelRunner:
         self.states = StatePool(specs, cfg.max_seqs + self.state_snapshots + scratch, self.device, cfg.state_dtype)
         blocks = kv_blocks(self, kv_layers, self.states.nbytes)
         self.kv = PagedKvCache(kv_layers, blocks, self.bs, shape.n_kv, shape.head_dim, self.device, model.dtype)
-        self.host = host_tier(self.kv, cfg.host_bytes, len(specs) > kv_layers, rank, cfg.disk)
+        self.host = host_tier(self.kv, cfg.host_bytes, self.states, rank, cfg.disk)
         self.tables_host = np.full((cfg.max_seqs + 1, self.max_blocks), self.kv.scratch, dtype=np.int32)
         self.tables = torch.from_numpy(self.tables_host).to(self.device)
         self.assigned = [0] * cfg.max_seqs  # table entries the leader has filled, per slot
@@ -212,7 +212,7 @@ class ModelRunner:
         accepted = None
         self._waited_ms = 0.0
         moves = None
-        if msg.offload or msg.restore or msg.spill or msg.fetch or msg.disk_drop:
+        if carries_moves(msg):
             if self.host is None:
                 raise StepRejected("a step moves KV blocks to or from a host tier this rank does not have")
             moves = self.host.step_moves(msg)
@@ -340,7 +340,7 @@ class ModelRunner:
         values: list[int] = []
         if self.states.slots:
             self.states.clear([s.state for s in seqs if s.sampling is not None and s.state_from == -1])
-            restored = [s for s in seqs if s.sampling is not None and s.state_from != -1]
+            restored = [s for s in seqs if s.sampling is not None and s.state_from not in (-1, s.state)]
             self.states.copy([s.state_from for s in restored], [s.state for s in restored])
         for s in seqs:
             if s.sampling is not None:

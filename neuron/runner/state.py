@@ -48,6 +48,22 @@ class StatePool:
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
+    @property
+    def slot_bytes(self) -> int:
+        return sum(b.shape[1] * b.element_size() for b in self.buffers.values())
+
+    def byte_spans(self, slot: int, start: int, n: int) -> list[tuple[torch.Tensor, int]]:
+        """Bytes ``start`` to ``start + n`` of ``slot``'s state (its buffers' rows one after the
+        other): (a view of them, where it begins in that range) for each buffer they cross."""
+        spans, at = [], 0
+        for b in self.buffers.values():
+            row = b[slot].view(torch.uint8)
+            lo, hi = max(start, at), min(start + n, at + row.numel())
+            if lo < hi:
+                spans.append((row[lo - at: hi - at], lo - start))
+            at += row.numel()
+        return spans
+
     def layer(self, index: int) -> list[torch.Tensor]:
         """The state tensors of the ``index``-th recurrent layer, [slots + 1, *shape] each."""
         return self.tensors[index]

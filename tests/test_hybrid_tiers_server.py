@@ -1,0 +1,78 @@
+"""The prefix cache's host and disk tiers for a hybrid model (Gated DeltaNet layers keep a recurrent
+state), through real servers on a small random Qwen3.5 checkpoint on the CPU: the ranks' few
+snapshot slots and small KV cache give up a prompt's snapshots and blocks to the host tier, and
+the prompt coming back restarts from there (its state restored into its own slot, its blocks
+into the ranks' cache) with the answer it had cold (TP=1, and TP=2 with each rank its share of
+both); a restarted daemon finds both on disk. `GET /models` counts the snapshots moved."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import start_server
+from test_hybrid_prefix_cache import complete, models, words
+
+BLOCK = 16
+
+
+def config(ckpt: Path, tp: int = 1, disk: Path | None = None) -> str:
+    # Two snapshot slots, 16 KV blocks: three prompts of 100 tokens do not stay in the ranks.
+    return (f'[[models]]\nmodel = "{ckpt}"\nid = "hybrid"\ndtype = "float32"\nmax_model_len = 256\nmax_slots = 2\n'
+            f'block_size = {BLOCK}\nprefix_caching = true\nstate_snapshots = 2\nstate_snapshot_interval = 64\n'
+            f'kv_cache_tokens = 256\ntensor_parallel = {tp}\n[engine]\nprefill_chunk = 48\n'
+            '[cache]\nhost_gb = 0.05\n' + (f'disk_dir = "{disk}"\ndisk_gb = 0.5\n' if disk else ''))
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from test_hybrid import built
+
+    return built("qwen3_5_text", tmp_path_factory)[1]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_prompt_whose_snapshots_left_the_ranks_restarts_from_the_host_tier_with_its_cold_answer(
+        ckpt, tmp_path, tp):
+    server = start_server(tmp_path, config=config(ckpt, tp))
+    try:
+        rng = random.Random(7)
+        prompts = [words(rng, 100) for _ in range(4)]
+        cold = [complete(server, p) for p in prompts]
+        assert all(cached == 0 for _, cached in cold)
+        tier = models(server)["prefix_cache_tiers"]["host"]
+        assert tier["snapshots_offloaded"] >= 2 and len(tier["bytes"]) == tp
+        again, cached = complete(server, prompts[0])
+        assert again == cold[0][0]
+        assert cached == 96  # every full block before the last token: state and K/V from the tier
+        after = models(server)["prefix_cache_tiers"]["host"]
+        assert after["snapshots_restored"] > tier["snapshots_restored"] and after["restored"] > tier["restored"]
+        assert "a state snapshot takes" in server.log()
+    finally:
+        server.stop()
+
+
+def test_a_restarted_daemon_restarts_a_hybrid_prompt_from_the_disk_tier(ckpt, tmp_path):
+    disk = tmp_path / "kv"
+    prompt = words(random.Random(8), 100)
+    first = start_server(tmp_path, config=config(ckpt, disk=disk))
+    try:
+        cold, cached = complete(first, prompt)
+        assert cached == 0
+        deadline = time.monotonic() + 60
+        while models(first)["prefix_cache_tiers"]["disk"]["written"] < 6 + 2:  # its blocks and a snapshot
+            assert time.monotonic() < deadline, models(first)["prefix_cache_tiers"]
+            time.sleep(0.1)
+    finally:
+        first.stop()
+    again = start_server(tmp_path, config=config(ckpt, disk=disk))
+    try:
+        warm, cached = complete(again, prompt)
+        assert warm == cold and cached == 96
+        tiers = models(again)["prefix_cache_tiers"]
+        assert tiers["disk"]["read"] >= 6 and tiers["host"]["snapshots_restored"] == 1
+    finally:
+        again.stop()

@@ -1,0 +1,239 @@
+"""A hybrid model's prefix cache with a host tier (``engine/host_tier.py``, ``host_planning.py``):
+the ranks' state snapshots leave for host slots, a few pieces a slot, when the ranks evict them,
+and come back into a request's own state slot; K/V blocks go and come as for any model. Driven
+against test_state_cache's simulated device, which here also keeps host slots and moves them as
+each step says (offloads first, then restores, then the step's sequences). A piece restored from
+the wrong slot, a slot reused before its snapshot was copied out, or a prompt that runs before its
+state is whole would change some continuation: every workload must give what a scheduler
+without any cache gives, and nothing is left held."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import deque
+
+from hypothesis import given, settings, strategies as st
+
+from neuron.engine.scheduler import Scheduler
+from test_host_tier import take as take_step
+from test_prefix_cache import VOCAB, drive, request, take_tokens
+from test_state_cache import Device
+
+
+class TieredDevice(Device):
+    def __init__(self, block_size: int, slots: int, pieces: int) -> None:
+        super().__init__(block_size, slots)
+        self.pieces = pieces
+        self.host: dict[int, tuple] = {}
+        self.coming: dict[int, dict[int, tuple]] = {}  # state slot -> the pieces restored so far
+        self.state_moves = [0, 0]
+
+    def step(self, plan, moves) -> list[int]:
+        if moves is not None:
+            for block, slot in moves.offload:
+                self.host[slot] = ("kv", tuple(self.cells.get((block, o), -7) for o in range(self.bs)))
+            for state_slot, j, slot in moves.state_offload:
+                self.host[slot] = ("state", j, self.state[state_slot])
+            for slot, block in moves.restore:
+                kind, cells = self.host[slot]
+                assert kind == "kv", f"host slot {slot} holds a state's piece, not a block"
+                for o, tok in enumerate(cells):
+                    self.cells[(block, o)] = tok
+            for slot, state_slot, j in moves.state_restore:
+                kind, piece, value = self.host[slot]
+                assert kind == "state" and piece == j, f"host slot {slot} does not hold piece {j}"
+                got = self.coming.setdefault(state_slot, {})
+                got[j] = value
+                if len(got) == self.pieces:  # whole: the slot holds it (pieces that differ: garbage)
+                    self.state[state_slot] = value if len(set(got.values())) == 1 else (-9,)
+                    del self.coming[state_slot]
+            self.state_moves[0] += len(moves.state_offload)
+            self.state_moves[1] += len(moves.state_restore)
+        return self.run(plan)
+
+
+def serve(jobs, blocks: int, block_size: int, host: int, snapshots: int, pieces: int, in_flight: int, seed: int,
+          fail: float = 0.0):
+    """Run the jobs to the end (arriving a few at a time); outputs, cached tokens, scheduler,
+    device. ``host``: host slots (-1: no prefix cache at all)."""
+    async def main():
+        slots = 3
+        sched = Scheduler(max_slots=slots, max_len=256, num_blocks=blocks, block_size=block_size,
+                          max_batch_tokens=24, prefill_chunk=8, cache_key=b"model" if host >= 0 else None,
+                          state_slots=slots + snapshots, state_snapshots=snapshots, snapshot_interval=2 * block_size)
+        sched.use_host(max(host, 0), 3, state_pieces=pieces)
+        device = TieredDevice(block_size, slots + snapshots, pieces)
+        rng = random.Random(seed)
+        reqs = [request(p, n) for p, n in jobs]
+        pending = deque(reqs)
+        queue: deque = deque()
+        while pending or not sched.idle or queue:
+            if pending and rng.random() < 0.5:
+                sched.waiting.append(pending.popleft())
+            sched.admit()
+            while len(queue) < in_flight:
+                plan = sched.schedule()
+                if not plan:
+                    break
+                queue.append((plan, device.step(plan, sched.take_moves(plan))))
+            if not queue:
+                assert pending, "nothing can run: the scheduler is stuck"
+                continue
+            plan, tokens = queue.popleft()
+            if rng.random() < fail:
+                sched.abandon(plan)
+                for x in plan:
+                    x.req.pending -= x.sample
+                    if not x.req.finished:
+                        x.req.finished = True
+                        x.req.output.append(-1)  # marks it failed: its output is not compared
+                        sched.release(x.req)
+                continue
+            take_tokens(sched, plan, tokens, keep=True)
+        states = sched.states
+        assert states.running == 0 and states.pending == 0 and not sched.closing
+        held = [s.slot for s in states._lru]
+        assert len(set(held)) == len(held) and len(states._free) + len(held) == states.num_slots
+        if sched.host is not None:
+            assert not sched.host._pins and not sched._restores
+        return [r.output for r in reqs], [r.cached_tokens for r in reqs], sched, device
+    return asyncio.run(main())
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    prefixes=st.lists(st.lists(st.integers(1, VOCAB - 1), min_size=3, max_size=40), min_size=1, max_size=3),
+    picks=st.lists(st.tuples(st.integers(0, 2), st.lists(st.integers(1, VOCAB - 1), max_size=6),
+                             st.integers(1, 10)), min_size=1, max_size=12),
+    blocks=st.integers(14, 30),
+    block_size=st.sampled_from([2, 4]),
+    snapshots=st.integers(1, 4),
+    host=st.integers(4, 40),
+    pieces=st.integers(1, 3),
+    in_flight=st.integers(1, 3),
+    seed=st.integers(0, 3),
+)
+def test_snapshots_through_the_host_tier_give_what_no_cache_gives(prefixes, picks, blocks, block_size, snapshots,
+                                                                   host, pieces, in_flight, seed):
+    jobs = [(prefixes[i % len(prefixes)] + suffix, n) for i, suffix, n in picks]
+    if any(len(p) + n > blocks * block_size - 2 * block_size for p, n in jobs):
+        return  # a request that can never fit alone is refused at the door
+    reference, _, _, _ = serve(jobs, 4096, block_size, -1, 1, pieces, 1, seed)
+    got, cached, _, _ = serve(jobs, blocks, block_size, host, snapshots, pieces, in_flight, seed)
+    assert got == reference
+    assert all(c < len(p) for c, (p, _) in zip(cached, jobs))
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 1000), in_flight=st.integers(1, 3), pieces=st.integers(1, 3))
+def test_failed_steps_through_the_tier_lose_no_slot_and_answer_right(seed, in_flight, pieces):
+    rng = random.Random(seed)
+    system = [rng.randrange(1, VOCAB) for _ in range(21)]
+    jobs = [(system + [rng.randrange(1, VOCAB) for _ in range(rng.randrange(0, 9))], rng.randrange(1, 12))
+            for _ in range(12)]
+    reference, _, _, _ = serve(jobs, 4096, 4, -1, 1, pieces, 1, seed)
+    got, _, _, _ = serve(jobs, 20, 4, 24, 2, pieces, in_flight, seed, fail=0.15)
+    assert [g for g in got if -1 not in g] == [r for r, g in zip(reference, got) if -1 not in g]
+
+
+def test_a_prompt_whose_snapshot_left_the_ranks_restarts_from_the_host_tier():
+    """One snapshot slot: the long prompt's snapshots are evicted by the others' and go to the host
+    tier; the long prompt again restarts at its last full block from there, with the cold answer."""
+    long = [1 + i % (VOCAB - 1) for i in range(40)]
+    others = [[2 + (i * 7 + j) % (VOCAB - 2) for j in range(40)] for i in range(3)]
+    jobs = [(long, 4), *[(o, 4) for o in others], (long + [5, 6], 4)]
+    reference, _, _, _ = serve(jobs, 4096, 4, -1, 1, 2, 1, 0)
+    got, cached, sched, device = serve(jobs, 30, 4, 200, 1, 2, 1, 0)
+    assert got == reference
+    assert cached[-1] == 40  # all of it, its last token's block included: 40 is a block boundary
+    assert sched.host.states_offloaded >= 3 and sched.host.states_restored >= 1
+    assert device.state_moves[1] >= 2  # both pieces of the one restored
+    alone, cached_alone, _, _ = serve(jobs, 30, 4, 0, 1, 2, 1, 0)
+    assert alone == reference and cached_alone[-1] < 40  # without the tier: recomputed
+
+
+class DiskDevice(TieredDevice):
+    """Below the host slots, files: written as the steps say, read back a few steps after a fetch
+    (a damaged one reported lost), as test_disk_tier's device does for blocks alone."""
+
+    def __init__(self, block_size: int, slots: int, pieces: int, disk: dict, delay: int, damaged: set) -> None:
+        super().__init__(block_size, slots, pieces)
+        self.disk, self.delay, self.damaged = disk, delay, damaged
+        self.reading: deque = deque()  # (steps left, hash, slot)
+        self.unread: set[int] = set()
+
+    def step(self, plan, moves):
+        fetched, lost = [], []
+        self.reading = deque((left - 1, h, slot) for left, h, slot in self.reading)
+        while self.reading and self.reading[0][0] <= 0:
+            _, h, slot = self.reading.popleft()
+            self.unread.discard(slot)
+            if h in self.damaged or h not in self.disk:
+                self.disk.pop(h, None)
+                lost.append(h)
+            else:
+                self.host[slot] = self.disk[h]
+                fetched.append(h)
+        if moves is not None:
+            for h in moves.drop:
+                self.disk.pop(h, None)
+            for slot, h in moves.spill:
+                assert slot not in self.unread, "a slot written out before its read landed"
+                self.disk[h] = self.host[slot]
+                self.damaged.discard(h)
+            used = [*(s for s, _ in moves.restore), *(s for s, _, _ in moves.state_restore),
+                    *(s for _, s in moves.offload), *(s for _, _, s in moves.state_offload)]
+            assert not self.unread.intersection(used), "a slot moved while its read fills it"
+        tokens = super().step(plan, moves)
+        if moves is not None:
+            for h, slot in moves.fetch:
+                self.reading.append((self.delay, h, slot))
+                self.unread.add(slot)
+        return tokens, fetched, lost
+
+
+def run_disk(jobs, disk: dict, blocks: int, host: int, disk_files: int, pieces: int, delay: int, damaged: set,
+             in_flight: int):
+    """Each job after the last has ended, the disk tier written out while idle; ``disk`` carries over
+    between runs as the files do across a restart."""
+    async def main():
+        slots, snapshots, bs = 3, 2, 4
+        sched = Scheduler(max_slots=slots, max_len=256, num_blocks=blocks, block_size=bs, max_batch_tokens=24,
+                          prefill_chunk=8, cache_key=b"model" if host else None, state_slots=slots + snapshots,
+                          state_snapshots=snapshots, snapshot_interval=2 * bs)
+        sched.use_host(host, 3, disk_files, list(disk), state_pieces=pieces)
+        device = DiskDevice(bs, slots + snapshots, pieces, disk, delay, set(damaged))
+        reqs = [request(p, n) for p, n in jobs]
+        drive(sched, reqs, in_flight, True, lambda plan: device.step(plan, sched.take_moves(plan)),
+              lambda plan, out: take_step(sched, plan, *out), sched.disk_waits)
+        assert sched.states.running == 0 and (sched.host is None or not sched.host.fetching)
+        return [r.output for r in reqs], [r.cached_tokens for r in reqs], sched
+    return asyncio.run(main())
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    picks=st.lists(st.tuples(st.integers(0, 2), st.lists(st.integers(1, VOCAB - 1), max_size=5),
+                             st.integers(1, 6)), min_size=2, max_size=8),
+    blocks=st.integers(16, 24),
+    host=st.integers(8, 24),
+    disk_files=st.integers(4, 60),
+    pieces=st.integers(1, 3),
+    delay=st.integers(0, 3),
+    damage=st.integers(0, 5),
+    in_flight=st.integers(1, 2),
+)
+def test_snapshots_through_host_and_disk_and_a_restart_give_what_no_cache_gives(picks, blocks, host, disk_files,
+                                                                                 pieces, delay, damage, in_flight):
+    prefixes = [[1 + (i * 7 + j * 3) % (VOCAB - 1) for j in range(30)] for i in range(3)]
+    jobs = [(prefixes[i] + suffix, n) for i, suffix, n in picks]
+    reference, _, _ = run_disk(jobs, {}, 4096, 0, 0, pieces, 0, set(), 1)
+    disk: dict = {}
+    got, _, _ = run_disk(jobs, disk, blocks, host, disk_files, pieces, delay, set(), in_flight)
+    assert got == reference
+    damaged = set(list(disk)[::damage]) if damage else set()  # some files damaged while it was down
+    again, cached, sched = run_disk(jobs, disk, blocks, host, disk_files, pieces, delay, damaged, in_flight)
+    assert again == reference
+    if not damaged and disk_files >= 30:
+        assert cached[0] > 0 and sched.host.states_restored > 0  # the first job restarts from the disk
