@@ -256,9 +256,10 @@ class HostTier:
             self._offload.append((block, slot))
             self.unpin([slot])
 
-    def _copy_early(self, room: int) -> None:
+    def _copy_early(self, room: int, idle: bool) -> None:
         """Up to ``room`` cached blocks into the tier ahead of their eviction, oldest first, then
-        the ranks' state snapshots."""
+        the ranks' state snapshots (in a step with no decodes, ``idle``, one even where its pieces
+        outnumber the room)."""
         while room > 0 and self._early:
             block, h = self._early.popleft()
             if h in self._by_hash or not self.blocks.holds(block, h):
@@ -267,7 +268,7 @@ class HostTier:
                 self._early.appendleft((block, h))
                 return
             room -= 1
-        while room > 0 and self._early_states:  # a snapshot whole, though its pieces outnumber the room
+        while self._early_states and (room >= self.pieces or idle and room > 0):
             slot, h = self._early_states.popleft()
             if self._state_live(slot, h) and not self.state_at(h):
                 if not self.offload_state(slot, h):
@@ -363,7 +364,8 @@ class HostTier:
             if self._hash_of.get(slot) == h:
                 self._to_disk(slot, h)
         self._due(restores, written, everything)
-        self._copy_early(room - len(self._offload) - len(self._state_offload) - len(restores) - len(state_restores))
+        self._copy_early(room - len(self._offload) - len(self._state_offload) - len(restores) - len(state_restores),
+                         everything)
         moves = Moves(self._offload, restores, epoch=self.epoch, spill=self._spill, fetch=self._fetch, drop=self._drop,
                       state_offload=self._state_offload, state_restore=list(state_restores))
         written = [*(s for _, s in self._offload), *(s for _, _, s in self._state_offload)]
