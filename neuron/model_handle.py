@@ -104,7 +104,8 @@ class ModelHandle:
                                                if stats.state_slots else {})},
                                    **({"disk": {"blocks": stats.disk_blocks, "used": stats.disk_used,
                                                 "block_bytes": self.host_block_bytes, "hits": stats.disk_hits,
-                                                "written": stats.disk_written, "read": stats.disk_read}}
+                                                "written": stats.disk_written, "read": stats.disk_read,
+                                                "skipped": stats.disk_skipped}}
                                       if stats.disk_blocks else {})}
             if stats.host_blocks else {},
             "leader_ms_per_step": round(stats.leader_ms_per_step, 4), "step_ms": round(stats.step_ms, 3),

@@ -72,6 +72,7 @@ class EngineStats:
     disk_hits: int = 0  # prompt tokens found there (of prefix_cache_hits)
     disk_written: int = 0  # blocks written to it
     disk_read: int = 0  # ... and read back
+    disk_skipped: int = 0  # lookups that computed what it held again, that being faster (engine/tier_choice.py)
     leader_ms_per_step: float = 0.0  # the leader's own time per step (planning, frames, tokens)
     step_ms: float = 0.0  # time between consecutive step results
     rank_host_ms_per_step: float = 0.0

@@ -62,13 +62,18 @@ class DiskDevice(TieredDevice):
 
 
 def run(jobs, disk: dict, *, blocks: int = 14, block_size: int = 4, host: int = 12, disk_blocks: int = 64,
-        delay: int = 1, damaged: set = frozenset(), in_flight: int = 2, one_by_one: bool = True):
+        delay: int = 1, damaged: set = frozenset(), in_flight: int = 2, one_by_one: bool = True,
+        rates: tuple = ()):
     """Outputs, the scheduler and the device; ``disk`` (hash -> tokens) carries over between runs
-    as the files do across a restart."""
+    as the files do across a restart; ``rates``: the disk's blocks and the prompts' tokens a second,
+    as if measured (``tier_choice.py``)."""
     async def main():
         sched = Scheduler(max_slots=4, max_len=256, num_blocks=blocks, block_size=block_size, max_batch_tokens=24,
                           prefill_chunk=8, cache_key=b"model")
         sched.use_host(host, 2, disk_blocks, list(disk))
+        if rates:  # as if measured, and probed 2 s ago
+            choice = sched.host.choice
+            choice.read_rate, choice.prompt_rate, choice._probed = *rates, choice.clock() - 2.0
         device = DiskDevice(block_size, disk, delay, set(damaged))
         reqs = [request(p, n) for p, n in jobs]
         drive(sched, reqs, in_flight, one_by_one, lambda plan: device.step(plan, sched.take_moves(plan)),
@@ -102,6 +107,43 @@ def test_a_restarted_scheduler_finds_its_prefixes_on_disk():
     got, sched, device = run([(long + [9], 4)], disk)
     assert got == reference([(long + [9], 4)])
     assert sched.host.disk_hits == 40 and device.reads == 10 and sched.host.hits == 0
+
+
+def test_a_disk_slower_than_computing_is_not_read_and_a_faster_one_is():
+    """The disk read 100 blocks of 4 tokens a second and prompts computed at 10,000 tokens a second
+    (its last probe 2 s ago): the restarted scheduler computes the prefix again; at 10,000 blocks a
+    second it reads it. Both answer as no cache does."""
+    long, other = prompts(2)
+    disk: dict = {}
+    run([(long, 3), (other, 3)], disk)
+    job = [(long + [9], 4)]
+    slow = run(job, dict(disk), rates=(100.0, 10_000.0))
+    fast = run(job, dict(disk), rates=(10_000.0, 10_000.0))
+    assert slow[0] == fast[0] == reference(job)
+    assert fast[1].host.disk_hits == 40 and fast[2].reads == 10
+    assert slow[1].host.disk_hits == 0 and slow[2].reads == 0 and slow[1].host.choice.skipped >= 1
+
+
+def test_the_choice_between_reading_and_computing_follows_the_measured_rates():
+    from neuron.engine.tier_choice import ReadOrCompute
+
+    now = [0.0]
+    choice = ReadOrCompute(16, clock=lambda: now[0])
+    assert choice.worth_reading()  # nothing measured yet: read
+    choice.computed(100, 0.001)  # too few prompt tokens to tell a rate
+    assert choice.prompt_rate is None
+    choice.computed(2048, 0.1)  # 20,480 tokens a second
+    choice.sent([b"a", b"b"])
+    now[0] = 0.5
+    choice.landed([b"a", b"b", b"c"])  # 2 blocks in 0.5 s: 64 tokens a second
+    assert choice.read_rate == 4.0 and choice.worth_reading()  # the first probe
+    now[0] = 1.5
+    assert not choice.worth_reading()
+    for _ in range(30):  # the disk turns fast: 10,000 blocks a second
+        choice.sent([b"x"])
+        now[0] += 0.0001
+        choice.landed([b"x"])
+    assert choice.worth_reading()
 
 
 def test_a_damaged_file_is_never_served_its_request_starts_again():

@@ -34,7 +34,7 @@ class Engine:
         self.images = ImageCache(sizing.image_token_bytes, int(cfg.image_embedding_cache_mb * 2**20))
         self._snapshots = 0
         self._cache_counts = (0, 0)  # prefix-cache queries and hits of the caches before this one
-        self._host_counts = (0,) * 8  # the host and disk tiers' counts (HostTier.counts) of those before this one
+        self._host_counts = (0,) * 9  # the host and disk tiers' counts (HostTier.counts) of those before this one
         # Steps in flight: the next is sent before the last one's reply is in (overlapped steps).
         self.depth = max(sizing.steps_in_flight, sizing.pipeline)
         self._group = 0  # the micro-batch group planned next (pipeline stages)
@@ -155,7 +155,7 @@ class Engine:
             return False
 
     def stats(self) -> EngineStats:
-        s, (host_hits, host_offloaded, host_restored, *disk, states_out, states_in) = self.sched, self._host_tallies()
+        s, (host_hits, host_offloaded, host_restored, *disk, states_out, states_in, skipped) = self.sched, self._host_tallies()
         return EngineStats(len(s.running), len(s.waiting), s.max_slots - len(s.free_slots), s.max_slots,
                            self.steps, self.tokens_generated, kv_usage=s.blocks.used / s.blocks.num_blocks,
                            kv_blocks=s.blocks.num_blocks, preemptions=s.preemptions,
@@ -169,7 +169,7 @@ class Engine:
                            host_offload_s=self.move_ms[0] / 1e3, host_restore_s=self.move_ms[1] / 1e3,
                            host_state_offloaded=states_out, host_state_restored=states_in,
                            disk_blocks=s.host.disk_blocks if s.host else 0, disk_used=len(s.host.disk or ()) if s.host else 0,
-                           disk_hits=disk[0], disk_written=disk[1], disk_read=disk[2],
+                           disk_hits=disk[0], disk_written=disk[1], disk_read=disk[2], disk_skipped=skipped,
                            leader_ms_per_step=1e3 * self.leader_s / max(1, self.steps), step_ms=self.step_ms,
                            rank_host_ms_per_step=self.rank_host_ms / max(1, self.steps),
                            rank_mask_wait_ms_per_step=self.mask_wait_ms / max(1, self.steps),
@@ -275,6 +275,7 @@ class Engine:
                 self.sched.drafts_checked(x, accepted)
                 self.spec = [self.spec[0] + 1, self.spec[1] + x.drafts, self.spec[2] + accepted]
         self.sched.completed(plan, result.disk_fetched, result.disk_lost)
+        self.sched.step_took(plan, result.timings.forward_ms / 1e3)
         self.rank_host_ms += result.timings.host_ms
         self.mask_wait_ms += result.timings.mask_wait_ms
         self.device_idle_ms += result.timings.idle_ms

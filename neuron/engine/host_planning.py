@@ -134,6 +134,11 @@ class HostPlanning:
         self._moves_out.append(moves)
         return moves
 
+    def step_took(self, plan: list, seconds: float) -> None:
+        """A step's time on the ranks: its prompt tokens' rate weighs reading against computing."""
+        if self.host is not None and self.host.disk is not None:
+            self.host.choice.computed(sum(len(x.tokens) for x in plan if len(x.tokens) > 1 and not x.drafts), seconds)
+
     def disk_waits(self) -> bool:
         """Whether a step with no sequences should go out: for the disk tier's moves or news."""
         return self.host is not None and self.host.disk_waits

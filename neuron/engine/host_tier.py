@@ -1,40 +1,24 @@
 """The host tier of the prefix cache: which host slot holds which evicted block. Plain Python on the
 leader, as ``blocks`` is: the ranks hold the slots (``runner/host_tier.py``), one block of their
 own share of the K/V each, and move blocks as the steps say (``Step.offload``, ``Step.restore``).
+docs/architecture.md#the-host-tier tells the whole story; in short:
 
-A block the rank's cache caches (``BlockManager.on_register``) is copied into a slot soon after,
-a few a step (``take_moves``), while it stays in the rank's cache too: when the rank's cache
-evicts it (``BlockManager.on_evict``) the tier holds it already, and eviction costs no copy. One
-evicted before its turn is offloaded then, in the step that hands its block out again (the list
-of those waiting holds at most as many as the rank's cache has blocks: the oldest go first). A
-prompt whose cached prefix runs on past the rank's cache finds the rest here (``extend``): each such block gets a new block
-of the rank's cache and a restore, and is cached there again once the step that restored it has
-answered (``restored``). Slots are evicted least recently used first; a slot with a restore
-still to be sent is pinned (an offload must not overwrite it before the restore has read it).
-
-A block evicted while a request takes it for its prompt or its restores (``held_by``) is offloaded
-only when that must be: with the step that first writes the block (its prompt's chunk, or the
-restore into it), or reads the block's slot, or once the request no longer holds it, or in a step
-with no decodes. So a request admitted with thousands of new blocks does not put thousands of
-offloads into the next step beside running decodes: its offloads go out as its chunks and
-restores do, which are bounded.
-
-A step that fails may have left some of its moves undone: the tier then forgets everything
-(``reset``), and restores that were out with it cache nothing (their ``epoch`` is old).
-
-Below it, the disk tier (``use_disk``; the ranks' files, ``runner/disk_tier.py``) keeps what the
-host tier holds, written through: the step after a block's offload writes its slot out
-(``Step.spill``), in the background on the ranks; a slot the host tier evicts whose block is not
-on disk yet is written out by the step that reuses it, before the reuse. ``extend`` goes on from
-the host tier into the disk tier: each block found there gets a host slot and a read into it
-(``Step.fetch``), and is restored from that slot like any other once the sampling rank reports the
-read done (``news``); a read that failed (a file damaged or gone) takes the block out of both tiers,
-and the requests waiting for it start again. Least recently used files go first; the ranks
-delete them as told (``Step.disk_drop``).
-
-A model with recurrent state (``use_states``) keeps its snapshots here too, each as ``pieces``
-slots named by ``state_keys``: copied in early (``note_state``) or as the ranks evict them
-(``offload_state``, carried by the next step), found by ``state_at`` and taken by ``take_state``.
+- A block the rank's cache caches is copied into a slot a few a step (``take_moves``) while it
+  stays there too, so its eviction costs no copy; one evicted before its turn is offloaded with
+  the step that hands its block out again, or, evicted while a request takes its blocks
+  (``held_by``), with the step that first writes it (bounded, as that request's chunks are).
+- A prompt whose cached prefix runs on past the rank's cache finds the rest here (``extend``):
+  each block gets a new block of the rank's cache and a restore, and is cached there again once
+  that step has answered. Slots are evicted least recently used first; a slot with a restore still
+  to be sent is pinned. A failed step makes the tier forget everything (``reset``, ``epoch``).
+- Below it the disk tier (``use_disk``) keeps what the host tier holds, written through
+  (``Step.spill``; a slot evicted before its write is written by the step that reuses it); a
+  block found only there gets a slot and a read (``Step.fetch``), restored once the read's news
+  is in (``news``); a failed read takes it out of both tiers and its requests start again. Blocks
+  found only there are read where reading is faster than computing them (``tier_choice.py``).
+- A model with recurrent state (``use_states``) keeps its snapshots here too, each as ``pieces``
+  slots named by ``state_keys``: copied in early (``note_state``) or as the ranks evict them
+  (``offload_state``, carried by the next step), found by ``state_at`` and taken by ``take_state``.
 """
 
 from __future__ import annotations
@@ -43,6 +27,7 @@ from collections import OrderedDict, deque
 from contextlib import contextmanager
 
 from .blocks import BlockManager, chain_hash
+from .tier_choice import ReadOrCompute
 from .tier_moves import Moves, state_keys
 
 
@@ -81,8 +66,9 @@ class HostTier:
         return len(self._hash_of)
 
     def counts(self) -> tuple[int, ...]:
+        skipped = self.choice.skipped if self.disk is not None else 0
         return (self.hits, self.offloaded, self.restored, self.disk_hits, self.disk_written, self.disk_read,
-                self.states_offloaded, self.states_restored)
+                self.states_offloaded, self.states_restored, skipped)
 
     def use_states(self, pieces: int, live, snapshots: int) -> None:
         """Snapshots of ``pieces`` slots each; ``live(slot, h)``: whether the ranks' slot still holds
@@ -128,8 +114,11 @@ class HostTier:
 
     def state_at(self, h: bytes) -> bool:
         """Whether the tier (or the disk below it) holds every piece of the snapshot after ``h``."""
-        return bool(self.pieces) and all(k in self._by_hash or self.disk is not None and k in self.disk
-                                         for k in state_keys(h, self.pieces))
+        return bool(self.pieces) and all(k in self._by_hash or self._on_disk(k) for k in state_keys(h, self.pieces))
+
+    def _on_disk(self, h: bytes) -> bool:
+        """Whether ``h`` is on disk, to be read (not where computing it again is faster)."""
+        return self.disk is not None and h in self.disk and self.choice.worth_reading()
 
     def take_state(self, h: bytes) -> list[tuple[int, bytes]]:
         """The (slot, name) of each piece of the snapshot after ``h`` (those on disk get a slot
@@ -145,6 +134,7 @@ class HostTier:
     def use_disk(self, blocks: int, hashes: list[bytes]) -> None:
         """The ranks' disk tier holds ``blocks`` files at most, ``hashes`` already (oldest first)."""
         self.disk_blocks = blocks
+        self.choice = ReadOrCompute(self.blocks.block_size)
         self.disk = OrderedDict.fromkeys(hashes[-blocks:] if blocks else [])
         self._drop += hashes[:-blocks] if blocks else hashes
 
@@ -173,6 +163,7 @@ class HostTier:
     def news(self, fetched: list[bytes], lost: list[bytes]) -> list[int]:
         """The sampling rank's news of the disk tier; the slots whose read failed (their blocks
         gone from both tiers: ``free`` them once no request waits for them)."""
+        self.choice.landed(fetched)
         for h in fetched:
             slot = self._by_hash.get(h)
             if slot is not None and self.fetching.get(slot) == h:
@@ -299,7 +290,7 @@ class HostTier:
         parent = hashes[-1] if hashes else b""
         for i in range(len(hashes), min(limit, len(tokens)) // bs):
             h = chain_hash(parent, tokens[i * bs: (i + 1) * bs], key)
-            if h not in self._by_hash and (self.disk is None or h not in self.disk):
+            if h not in self._by_hash and not self._on_disk(h):
                 break
             found.append(h)
             parent = h
@@ -370,6 +361,8 @@ class HostTier:
                       state_offload=self._state_offload, state_restore=list(state_restores))
         written = [*(s for _, s in self._offload), *(s for _, _, s in self._state_offload)]
         self._written_next = [(slot, self._hash_of[slot]) for slot in written] if self.disk is not None else []
+        if self._fetch:
+            self.choice.sent([h for h, _ in self._fetch])
         self._offload, self._spill, self._fetch, self._drop, self._state_offload = [], [], [], [], []
         self.restored += len(restores) + len(state_restores)
         self.states_restored += sum(1 for _, _, j in state_restores if j == 0)
