@@ -19,45 +19,69 @@ from test_host_tier import TieredDevice, take
 from test_prefix_cache import VOCAB, drive, request
 
 
-class DiskDevice(TieredDevice):
-    def __init__(self, block_size: int, disk: dict, delay: int, damaged: set) -> None:
-        super().__init__(block_size)
+class Files:
+    """The ranks' disk tier, simulated: files written and deleted as the steps say, read back into
+    host slots ``delay`` steps after a fetch (a damaged or missing file is reported lost); a slot
+    is never moved while its read fills it."""
+
+    def __init__(self, disk: dict, delay: int, damaged: set) -> None:
         self.disk, self.delay, self.damaged = disk, delay, damaged
         self.reading: deque = deque()  # (steps left, hash, slot)
         self.unread: set[int] = set()  # slots whose read has not landed
-        self.reads = 0
 
-    def step(self, plan, moves):
-        fetched, lost = [], []
-        for i, (left, h, slot) in enumerate(list(self.reading)):
-            self.reading[i] = (left - 1, h, slot)
+    def land(self) -> list[tuple[bytes, int, object]]:
+        """The reads due now: (hash, slot, what the file holds, or None: lost)."""
+        self.reading = deque((left - 1, h, slot) for left, h, slot in self.reading)
+        landed = []
         while self.reading and self.reading[0][0] <= 0:
             _, h, slot = self.reading.popleft()
             self.unread.discard(slot)
             if h in self.damaged or h not in self.disk:
                 self.disk.pop(h, None)
+                landed.append((h, slot, None))
+            else:
+                landed.append((h, slot, self.disk[h]))
+        return landed
+
+    def before(self, moves, slot_data, moved: list[int]) -> None:
+        """A step's deletions and writes (``slot_data(slot)``: what a slot holds), before its moves
+        of the ``moved`` slots."""
+        for h in moves.drop:
+            self.disk.pop(h, None)
+        for slot, h in moves.spill:
+            assert slot not in self.unread, "a slot written out before its read landed"
+            self.disk[h] = slot_data(slot)
+            self.damaged.discard(h)
+        assert not self.unread.intersection(moved), "a slot moved while its read fills it"
+
+    def after(self, moves) -> None:
+        for h, slot in moves.fetch:
+            self.reading.append((self.delay, h, slot))
+            self.unread.add(slot)
+
+
+class DiskDevice(TieredDevice):
+    def __init__(self, block_size: int, disk: dict, delay: int, damaged: set) -> None:
+        super().__init__(block_size)
+        self.files = Files(disk, delay, damaged)
+        self.reads = 0
+
+    def step(self, plan, moves):
+        fetched, lost = [], []
+        for h, slot, data in self.files.land():
+            if data is None:
                 lost.append(h)
                 continue
             for o in range(self.bs):
-                self.host[(slot, o)] = self.disk[h][o]
+                self.host[(slot, o)] = data[o]
             fetched.append(h)
             self.reads += 1
         if moves is not None:
-            for h in moves.drop:
-                self.disk.pop(h, None)
-            for slot, h in moves.spill:
-                assert slot not in self.unread, "a slot written out before its read landed"
-                self.disk[h] = [self.host[(slot, o)] for o in range(self.bs)]
-                self.damaged.discard(h)
-            for slot, _ in moves.restore:
-                assert slot not in self.unread, "a restore from a slot whose read has not landed"
-            for _, slot in moves.offload:
-                assert slot not in self.unread, "an offload into a slot a read is filling"
+            self.files.before(moves, lambda slot: [self.host[(slot, o)] for o in range(self.bs)],
+                              [*(s for s, _ in moves.restore), *(s for _, s in moves.offload)])
         tokens = super().step(plan, moves)
         if moves is not None:
-            for h, slot in moves.fetch:
-                self.reading.append((self.delay, h, slot))
-                self.unread.add(slot)
+            self.files.after(moves)
         return tokens, fetched, lost
 
 

@@ -70,40 +70,49 @@ def serve(jobs, blocks: int, block_size: int, caching: bool, snapshots: int, in_
                           max_batch_tokens=24, prefill_chunk=8, cache_key=b"model" if caching else None,
                           state_slots=slots + snapshots, state_snapshots=snapshots, snapshot_interval=2 * block_size)
         device = Device(block_size, slots + snapshots)
-        rng = random.Random(seed)
-        reqs = [request(p, n) for p, n in jobs]
-        pending = deque(reqs)
-        queue: deque = deque()
-        while pending or not sched.idle or queue:
-            if pending and rng.random() < 0.5:
-                sched.waiting.append(pending.popleft())
-            sched.admit()
-            while len(queue) < in_flight:
-                plan = sched.schedule()
-                if not plan:
-                    break
-                queue.append((plan, device.run(plan)))
-            if not queue:
-                assert pending, "nothing can run: the scheduler is stuck"
-                continue
-            plan, tokens = queue.popleft()
-            if rng.random() < fail:
-                sched.abandon(plan)
-                for x in plan:
-                    x.req.pending -= x.sample
-                    if not x.req.finished:
-                        x.req.finished = True
-                        sched.release(x.req)
-                continue
-            take_tokens(sched, plan, tokens, keep=True)
-        states = sched.states
-        assert sched.blocks.used == sum(1 for s in states._lru if s.block >= 0)  # only snapshots' tail blocks
-        assert states.running == 0 and states.pending == 0 and not sched.closing
-        held = [s.slot for s in states._lru]
-        assert len(set(held)) == len(held) and len(states._free) + len(held) == states.num_slots
-        assert not set(held) & set(states._free)
+        reqs = run_jobs(sched, device.run, jobs, in_flight, seed, fail)
         return [r.output for r in reqs], [r.cached_tokens for r in reqs], sched
     return asyncio.run(main())
+
+
+def run_jobs(sched: Scheduler, launch, jobs, in_flight: int, seed: int, fail: float = 0.0) -> list:
+    """The jobs' requests, run to the end (arriving a few at a time, ``in_flight`` steps out):
+    ``launch(plan)`` runs a step on the simulated device. A failed step's requests end with -1
+    (their outputs are not compared). Then no slot may be held or lost."""
+    rng = random.Random(seed)
+    reqs = [request(p, n) for p, n in jobs]
+    pending = deque(reqs)
+    queue: deque = deque()
+    while pending or not sched.idle or queue:
+        if pending and rng.random() < 0.5:
+            sched.waiting.append(pending.popleft())
+        sched.admit()
+        while len(queue) < in_flight:
+            plan = sched.schedule()
+            if not plan:
+                break
+            queue.append((plan, launch(plan)))
+        if not queue:
+            assert pending, "nothing can run: the scheduler is stuck"
+            continue
+        plan, tokens = queue.popleft()
+        if rng.random() < fail:
+            sched.abandon(plan)
+            for x in plan:
+                x.req.pending -= x.sample
+                if not x.req.finished:
+                    x.req.finished = True
+                    x.req.output.append(-1)
+                    sched.release(x.req)
+            continue
+        take_tokens(sched, plan, tokens, keep=True)
+    states = sched.states
+    assert sched.blocks.used == sum(1 for s in states._lru if s.block >= 0)  # only snapshots' tail blocks
+    assert states.running == 0 and states.pending == 0 and not sched.closing
+    held = [s.slot for s in states._lru]
+    assert len(set(held)) == len(held) and len(states._free) + len(held) == states.num_slots
+    assert not set(held) & set(states._free)
+    return reqs
 
 
 @settings(max_examples=50, deadline=None, derandomize=True)

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections import deque
 
 from hypothesis import given, settings, strategies as st
 
 from neuron.engine.scheduler import Scheduler
 from test_host_tier import take as take_step
-from test_prefix_cache import VOCAB, drive, request, take_tokens
-from test_state_cache import Device
+from test_disk_tier import Files
+from test_prefix_cache import VOCAB, drive, request
+from test_state_cache import Device, run_jobs
 
 
 class TieredDevice(Device):
@@ -64,37 +64,7 @@ def serve(jobs, blocks: int, block_size: int, host: int, snapshots: int, pieces:
                           state_slots=slots + snapshots, state_snapshots=snapshots, snapshot_interval=2 * block_size)
         sched.use_host(max(host, 0), 3, state_pieces=pieces)
         device = TieredDevice(block_size, slots + snapshots, pieces)
-        rng = random.Random(seed)
-        reqs = [request(p, n) for p, n in jobs]
-        pending = deque(reqs)
-        queue: deque = deque()
-        while pending or not sched.idle or queue:
-            if pending and rng.random() < 0.5:
-                sched.waiting.append(pending.popleft())
-            sched.admit()
-            while len(queue) < in_flight:
-                plan = sched.schedule()
-                if not plan:
-                    break
-                queue.append((plan, device.step(plan, sched.take_moves(plan))))
-            if not queue:
-                assert pending, "nothing can run: the scheduler is stuck"
-                continue
-            plan, tokens = queue.popleft()
-            if rng.random() < fail:
-                sched.abandon(plan)
-                for x in plan:
-                    x.req.pending -= x.sample
-                    if not x.req.finished:
-                        x.req.finished = True
-                        x.req.output.append(-1)  # marks it failed: its output is not compared
-                        sched.release(x.req)
-                continue
-            take_tokens(sched, plan, tokens, keep=True)
-        states = sched.states
-        assert states.running == 0 and states.pending == 0 and not sched.closing
-        held = [s.slot for s in states._lru]
-        assert len(set(held)) == len(held) and len(states._free) + len(held) == states.num_slots
+        reqs = run_jobs(sched, lambda plan: device.step(plan, sched.take_moves(plan)), jobs, in_flight, seed, fail)
         if sched.host is not None:
             assert not sched.host._pins and not sched._restores
         return [r.output for r in reqs], [r.cached_tokens for r in reqs], sched, device
@@ -154,42 +124,27 @@ def test_a_prompt_whose_snapshot_left_the_ranks_restarts_from_the_host_tier():
 
 
 class DiskDevice(TieredDevice):
-    """Below the host slots, files: written as the steps say, read back a few steps after a fetch
-    (a damaged one reported lost), as test_disk_tier's device does for blocks alone."""
+    """Below the host slots, files (test_disk_tier's)."""
 
     def __init__(self, block_size: int, slots: int, pieces: int, disk: dict, delay: int, damaged: set) -> None:
         super().__init__(block_size, slots, pieces)
-        self.disk, self.delay, self.damaged = disk, delay, damaged
-        self.reading: deque = deque()  # (steps left, hash, slot)
-        self.unread: set[int] = set()
+        self.files = Files(disk, delay, damaged)
 
     def step(self, plan, moves):
         fetched, lost = [], []
-        self.reading = deque((left - 1, h, slot) for left, h, slot in self.reading)
-        while self.reading and self.reading[0][0] <= 0:
-            _, h, slot = self.reading.popleft()
-            self.unread.discard(slot)
-            if h in self.damaged or h not in self.disk:
-                self.disk.pop(h, None)
+        for h, slot, data in self.files.land():
+            if data is None:
                 lost.append(h)
             else:
-                self.host[slot] = self.disk[h]
+                self.host[slot] = data
                 fetched.append(h)
         if moves is not None:
-            for h in moves.drop:
-                self.disk.pop(h, None)
-            for slot, h in moves.spill:
-                assert slot not in self.unread, "a slot written out before its read landed"
-                self.disk[h] = self.host[slot]
-                self.damaged.discard(h)
-            used = [*(s for s, _ in moves.restore), *(s for s, _, _ in moves.state_restore),
-                    *(s for _, s in moves.offload), *(s for _, _, s in moves.state_offload)]
-            assert not self.unread.intersection(used), "a slot moved while its read fills it"
+            self.files.before(moves, self.host.__getitem__,
+                              [*(s for s, _ in moves.restore), *(s for s, _, _ in moves.state_restore),
+                               *(s for _, s in moves.offload), *(s for _, _, s in moves.state_offload)])
         tokens = super().step(plan, moves)
         if moves is not None:
-            for h, slot in moves.fetch:
-                self.reading.append((self.delay, h, slot))
-                self.unread.add(slot)
+            self.files.after(moves)
         return tokens, fetched, lost
 
 
