@@ -127,10 +127,10 @@ def test_a_state_move_out_of_range_is_refused_before_anything_moves(state_offloa
     kv = filled("cpu", blocks=8)
     states = pool(4)
     tier = HostKvTier(kv, 6, pinned=False, states=states)
-    held = tier.store.clone()
+    tier.store.zero_()  # its slots as allocated may hold NaN, which no comparison finds equal
     with pytest.raises(StepRejected, match="state slot"):
         tier.move([(1, 0)], [], state_offload, state_restore)
-    assert torch.equal(tier.store, held)
+    assert not tier.store.any()
 
 
 @pytest.mark.gpu
