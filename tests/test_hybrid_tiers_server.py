@@ -76,3 +76,41 @@ def test_a_restarted_daemon_restarts_a_hybrid_prompt_from_the_disk_tier(ckpt, tm
         assert tiers["disk"]["read"] >= 6 and tiers["host"]["snapshots_restored"] == 1
     finally:
         again.stop()
+
+
+def test_concurrent_requests_through_small_tiers_answer_as_no_cache_does(ckpt, tmp_path):
+    """Six clients, four slots, two snapshot slots a 32-token interval apart and a 384-token rank
+    cache: snapshots and blocks go down and come back while other sequences run beside them, three
+    times over, and every answer is the cache-off server's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    def served(caching: bool) -> str:
+        return (f'[[models]]\nmodel = "{ckpt}"\nid = "hybrid"\ndtype = "float32"\nmax_model_len = 256\n'
+                f'max_slots = 4\nblock_size = {BLOCK}\nprefix_caching = {str(caching).lower()}\nstate_snapshots = 2\n'
+                'state_snapshot_interval = 32\nkv_cache_tokens = 384\n[engine]\nprefill_chunk = 48\n'
+                + ('[cache]\nhost_gb = 0.01\n' if caching else ''))
+
+    rng = random.Random(3)
+    shared = [words(rng, rng.randrange(20, 90)) for _ in range(3)]
+    jobs = [shared[rng.randrange(3)] + words(rng, rng.randrange(0, 40)) for _ in range(40)]
+
+    def answers(server) -> list[tuple[list[int], int]]:
+        with ThreadPoolExecutor(6) as pool:
+            return list(pool.map(lambda p: complete(server, p, 8), jobs))
+
+    off = start_server(tmp_path, config=served(False))
+    try:
+        reference = [tokens for tokens, _ in answers(off)]
+    finally:
+        off.stop()
+    on = start_server(tmp_path, config=served(True))
+    try:
+        for _ in range(3):
+            got = answers(on)
+            assert [tokens for tokens, _ in got] == reference
+        host = httpx.get(f"{on.url}/models", timeout=10).json()["models"][0]["prefix_cache_tiers"]["host"]
+        assert host["snapshots_restored"] > 10 and host["snapshots_offloaded"] > 10
+    finally:
+        on.stop()
