@@ -190,7 +190,27 @@ def warm() -> tuple[Zygote, asyncio.Lock] | None:
 
 async def spawn_rank(args: list[str], env: dict[str, str], device: str) -> RankProc:
     """A rank process running ``python -m neuron.rank ARGS`` in ``env``: forked where its
-    ``device`` is the CPU (a GPU rank starts as its own python until forks are proven there)."""
+    ``device`` is the CPU (a GPU rank starts as its own python until forks are proven there).
+    A caller cancelled meanwhile (an unload cancelling a load) leaves no rank behind: the start
+    runs to its end, so that the zygote's next pid goes to the next order, and what it started
+    is killed."""
+    start = asyncio.ensure_future(_start(args, env, device))
+    try:
+        return await asyncio.shield(start)
+    except asyncio.CancelledError:
+        start.add_done_callback(_kill_started)
+        raise
+
+
+def _kill_started(start: asyncio.Future) -> None:
+    if not start.cancelled() and start.exception() is None:
+        try:
+            start.result().kill()
+        except ProcessLookupError:
+            pass
+
+
+async def _start(args: list[str], env: dict[str, str], device: str) -> RankProc:
     held = warm() if device == "cpu" else None
     if held is not None:
         async with held[1]:  # one order and its pid at a time

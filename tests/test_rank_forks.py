@@ -127,3 +127,39 @@ def test_a_zygote_started_before_the_loop_is_taken_over_or_replaced_when_it_died
     pid, live = asyncio.run(adopt())
     assert live and pid not in (dead, first)
     assert _pipes() <= before  # the dead one's pipes were closed too, and its successor's
+
+
+def test_a_rank_start_cancelled_while_its_pid_is_on_the_way_leaves_no_rank_and_the_next_start_its_own():
+    """An unload cancels a load between the order to the zygote and the pid it reports: that
+    rank is killed, and the next start gets the pid of the rank forked for it, not the other's."""
+    import asyncio
+
+    from neuron import rank_forks
+
+    def args(rank: int) -> list[str]:  # an endpoint nobody binds: the rank waits on it until killed
+        return ["--endpoint", f"ipc:///nonexistent-neuron-test/{os.getpid()}", "--rank", str(rank), "--world", "2",
+                "--epoch", "1", "--device", "cpu"]
+
+    async def race() -> tuple[set[int], int]:
+        zygote, _ = rank_forks.warm()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_")}
+        try:
+            first = asyncio.create_task(rank_forks.spawn_rank(args(0), env, "cpu"))
+            await asyncio.sleep(0)  # its order is on the way to the zygote
+            first.cancel()
+            second = await rank_forks.spawn_rank(args(1), env, "cpu")
+            try:
+                deadline = time.monotonic() + 20
+                while True:
+                    ranks = {p for p in children_of(zygote.proc.pid) if alive(p)}
+                    if ranks == {second.pid} or time.monotonic() > deadline:
+                        return ranks, second.pid
+                    await asyncio.sleep(0.05)
+            finally:
+                second.kill()
+                await second.wait()
+        finally:
+            zygote.release()
+
+    ranks, second = asyncio.run(race())
+    assert ranks == {second}
