@@ -1,14 +1,16 @@
 """The CPU kernels: packed-weight matrix products and the step's fused small ops (``csrc/``),
 built at install time once per instruction-set level (``isa.py``, ``setup.py``); the level this
 CPU runs best, or ``NEURON_CPU_ISA``, is imported once per process. Nothing is compiled here.
-Packed products take x in float32, or in int8 where asked and the level can (``isa.activations``,
-``NEURON_CPU_ACTIVATIONS``).
+Packed products take x in int16 where the level has integer products (the weight's bytes then
+reordered in place into blocks of 16 rows, ``csrc/qblock.h``), in int8 or float32 where asked
+(``isa.activations``, ``NEURON_CPU_ACTIVATIONS``).
 
 The modules take their operands' addresses; these wrappers check the tensors first (dtype,
 layout, shapes: what the C++ would otherwise read past) and pass them on. A packed weight's
 tensors are checked once, when it is bound (``PackedKernel``); a product then checks only ``x``.
 
-A product of many rows of float32 x (``GEMM_ROWS`` or more: a prompt's chunk) has W dequantized
+A product of many rows of float32 x (``GEMM_ROWS`` or more: a prompt's chunk; int16 x takes every
+row count in its blocks, at integer speed) has W dequantized
 (``dequant``: each value as the packed products compute it) into a scratch buffer, a panel of at
 most ``PANEL_BYTES`` at a time, and multiplied by torch's own GEMM, whose blocking the packed
 kernels' eight rows at a time do not have.
@@ -28,6 +30,7 @@ from . import isa
 log = logging.getLogger("neuron.kernels")
 GEMM_ROWS = 96
 PANEL_BYTES = 32 << 20
+BLOCK_ROWS = 16  # rows of W a block of the int16 products holds (csrc/qblock.h)
 
 
 class KernelUnavailable(RuntimeError):
@@ -46,10 +49,12 @@ def _f32(t: torch.Tensor, name: str) -> None:
 class PackedKernel:
     """``y = x W^T`` for one packed W (``models.packed_linear``): u uint8 [N, K * bits / 8];
     s, m float16 [N, ns] (d, dm empty), or int8 [N, ns] with d, dm float16 [N, nd]; ns = K/32 or
-    K/16."""
+    K/16. With int16 ``activations`` and N a multiple of 16, the kernel computes from copies of
+    them in blocks of 16 rows (``blocked``; ``tensors``): their owner keeps those instead, and
+    reads rows through ``rows``, not their bytes."""
 
     def __init__(self, mod: Any, bits: int, u: torch.Tensor, s: torch.Tensor, m: torch.Tensor, d: torch.Tensor,
-                 dm: torch.Tensor, int8: bool, scratch: Scratch) -> None:
+                 dm: torch.Tensor, activations: str, scratch: Scratch) -> None:
         N = u.shape[0]
         K = u.shape[1] * 8 // bits
         sup = d.numel() > 0
@@ -66,26 +71,60 @@ class PackedKernel:
                    "super-block scales do not match")
             nd = d.shape[1]
         self.mod, self.bits, self.n, self.k = mod, bits, N, K
-        self.keep = (u, s, m, d, dm)  # the addresses below stay theirs
-        self.args = (u.data_ptr(), s.data_ptr(), m.data_ptr(), d.data_ptr() if sup else 0, dm.data_ptr() if sup else 0)
-        self.ns, self.nd, self.int8 = ns, nd, int8
+        self.ns, self.nd = ns, nd
+        self.int8 = activations == "int8"
+        self.blocked = activations == "int16" and N % BLOCK_ROWS == 0  # else float32 x: the same answers
         self.scratch = scratch
+        self._bind((u, s, m, d, dm))
+        if self.blocked:
+            self._bind(self._blocks())
+
+    def _bind(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        self.tensors = tensors  # the addresses below stay theirs
+        u, s, m, d, dm = tensors
+        sup = self.nd > 0
+        self.args = (u.data_ptr(), s.data_ptr(), m.data_ptr(), d.data_ptr() if sup else 0, dm.data_ptr() if sup else 0)
+
+    def _blocks(self) -> tuple[torch.Tensor, ...]:
+        """Copies of the bound tensors in blocks of 16 rows (``csrc/qblock.h``)."""
+        blocked = tuple(torch.empty_like(t) for t in self.tensors)
+        outs = [t.data_ptr() if t.numel() else 0 for t in blocked]
+        self.mod.to_blocks(self.bits, *self.args, self.n, self.k, self.ns, self.nd, *outs, torch.get_num_threads())
+        return blocked
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         M, K = x.shape
         _check(x.dtype == torch.float32 and K == self.k and x.is_cpu, "x must be float32 [M, K] on the CPU")
         if not x.is_contiguous():
             x = x.contiguous()
+        y = torch.empty(M, self.n, dtype=torch.float32)
+        if self.blocked:
+            self.mod.qlinear16(self.bits, x.data_ptr(), *self.args, y.data_ptr(), M, self.k, self.n, self.ns, self.nd,
+                               torch.get_num_threads())
+            return y
         if M >= GEMM_ROWS and not self.int8:
             return self.gemm(x)
-        y = torch.empty(M, self.n, dtype=torch.float32)
         self.mod.qlinear(self.bits, x.data_ptr(), *self.args, y.data_ptr(), M, self.k, self.n, self.ns, self.nd,
                          torch.get_num_threads(), self.int8)
         return y
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (int64 [T]) of a blocked W, dequantized: float32 [T, K]."""
+        ids = ids.to(torch.int64).contiguous()
+        _check(self.blocked and ids.dim() == 1, "rows of a blocked W by a 1-d index")
+        _check(ids.numel() == 0 or (int(ids.min()) >= 0 and int(ids.max()) < self.n), "a row index out of range")
+        out = torch.empty(ids.numel(), self.k, dtype=torch.float32)
+        self.mod.dequant16(self.bits, *self.args, out.data_ptr(), self.k, 0, ids.data_ptr(), ids.numel(), self.ns,
+                           self.nd, torch.get_num_threads())
+        return out
+
     def dequantized(self, n0: int, n1: int) -> torch.Tensor:
         """Rows n0..n1 of W as float32, in the scratch buffer (valid until its next use)."""
         w = self.scratch.take((n1 - n0) * self.k).view(n1 - n0, self.k)
+        if self.blocked:
+            self.mod.dequant16(self.bits, *self.args, w.data_ptr(), self.k, n0, 0, n1 - n0, self.ns, self.nd,
+                               torch.get_num_threads())
+            return w
         self.mod.dequant(self.bits, *self.args, w.data_ptr(), self.k, n0, n1, self.ns, self.nd,
                          torch.get_num_threads())
         return w
@@ -121,12 +160,14 @@ class CpuKernels:
     def __init__(self, mod: Any, activations: str = "float32") -> None:
         self.mod = mod
         self.isa: str = mod.ISA
-        self.int8_rows = activations == "int8"  # packed products quantize x per group of 32 (csrc/qdot.h)
+        self.activations = activations  # int16, int8: packed products quantize x per group of 32
+        self.int8_rows = activations == "int8"
         _check(not self.int8_rows or bool(mod.INT8_ROWS), f"the {self.isa} kernels have no int8 products")
+        _check(activations != "int16" or bool(mod.INT16_BLOCKS), f"the {self.isa} kernels have no int16 products")
         self.scratch = Scratch()
 
     def packed(self, bits: int, u, s, m, d, dm) -> PackedKernel:
-        return PackedKernel(self.mod, bits, u, s, m, d, dm, self.int8_rows, self.scratch)
+        return PackedKernel(self.mod, bits, u, s, m, d, dm, self.activations, self.scratch)
 
     def q4_linear(self, x, u, s, m, d, dm) -> torch.Tensor:
         return self.packed(4, u, s, m, d, dm)(x)
@@ -251,5 +292,5 @@ def _chosen() -> CpuKernels | Exception:
     except KernelUnavailable as exc:
         return exc
     log.info("CPU kernels: %s (%d float32 lanes, %s activations)", kernels.isa, kernels.mod.LANES,
-             "int8" if kernels.int8_rows else "float32")
+             kernels.activations)
     return kernels

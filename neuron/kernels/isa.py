@@ -23,11 +23,14 @@ class Level:
     machine: str  # platform.machine() of the CPUs it is for
     flags: tuple[str, ...]  # the compiler's
     needs: tuple[str, ...]  # the CPU's, as /proc/cpuinfo names them ('flags' on x86, 'Features' on Arm)
-    int8: bool = False  # its packed products can take x in int8 (csrc/qdot.h)
+    int8: bool = False  # its packed products can take x in integers: int16 (csrc/qblock.h), int8 (csrc/qdot.h)
 
 
 # Best first. The portable level is plain C++ over the compiler's own vectors, for any CPU.
 LEVELS = (
+    Level("avx512vnni", "x86_64", ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni", "-mavx2",
+                                   "-mfma", "-mf16c"),
+          ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni", "avx2", "fma", "f16c"), int8=True),
     Level("avx512", "x86_64", ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"),
           ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma", "f16c"), int8=True),
     Level("avx2", "x86_64", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c"), int8=True),
@@ -99,13 +102,15 @@ def choose(features: set[str] | None = None, forced: str | None = None, machine:
 
 
 def activations(level: Level, forced: str | None = None) -> str:
-    """How the packed products of ``level`` take x: ``float32`` (the default: what the dequantized
-    weights compute), or ``int8`` per group of 32 as llama.cpp's CPU backend and our GPU decode
-    do, faster, when ``NEURON_CPU_ACTIVATIONS`` (``forced``) asks and the level has it; ``int8``
-    on a level without it is refused by name."""
+    """How the packed products of ``level`` take x: ``int16`` per group of 32 where the level has
+    integer products (the default there: within 1 part in 65,534 of each group's largest value,
+    the float32 path's answers at integer speed), ``int8`` per group of 32 as llama.cpp's CPU
+    backend does, or ``float32`` (the default elsewhere: what the dequantized weights compute), as
+    ``NEURON_CPU_ACTIVATIONS`` (``forced``) asks; an integer form on a level without it is refused
+    by name."""
     forced = os.environ.get(ACTIVATIONS_ENV, "").strip().lower() if forced is None else forced.strip().lower()
-    if forced not in ("", "int8", "float32"):
-        raise IsaError(f"{ACTIVATIONS_ENV}={forced!r} is not one of int8, float32")
-    if forced == "int8" and not level.int8:
-        raise IsaError(f"{ACTIVATIONS_ENV}=int8: the {level.name} kernels multiply in float32 only")
-    return forced or "float32"
+    if forced not in ("", "int16", "int8", "float32"):
+        raise IsaError(f"{ACTIVATIONS_ENV}={forced!r} is not one of int16, int8, float32")
+    if forced in ("int16", "int8") and not level.int8:
+        raise IsaError(f"{ACTIVATIONS_ENV}={forced}: the {level.name} kernels multiply in float32 only")
+    return forced or ("int16" if level.int8 else "float32")

@@ -37,6 +37,21 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat([g & 15, g >> 4], dim=-1).reshape(T, 2 * half)
 
 
+def host_tensors(q: QuantWeight) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``q`` as the CPU kernels take it (``kernels.cpu.PackedKernel``), its rows as the file holds
+    them: bits, u, and s, m float16 (d, dm empty), or, for the K-quants, exactly the integers and
+    float16s the file builds its scales from: s, m int8 and d, dm float16."""
+    q = q.on_host()
+    bits = 4 if q.bits <= 4 else 8
+    u = _packed(q, bits, torch.device("cpu"))
+    if q.sup is not None:
+        return (bits, u, torch.from_numpy(q.sup.sc.copy()), torch.from_numpy(q.sup.mn.copy()),
+                torch.from_numpy(q.sup.d.copy()), torch.from_numpy(q.sup.dm.copy()))
+    empty = torch.empty(0, 0, dtype=torch.float16)
+    return (bits, u, torch.from_numpy(q.s).to(torch.float16).contiguous(),
+            torch.from_numpy(q.m).to(torch.float16).contiguous(), empty, empty)
+
+
 class PackedLinear:
     """``y = x W^T + b`` from ``W`` packed in groups of 32 (4-bit, or 8-bit for wider types),
     computed by the CPU kernel with float32 activations; other activation dtypes are converted at
@@ -69,19 +84,10 @@ class PackedLinear:
             self.stacked = False  # u and sm: views of a stack of experts (models/moe.stack_packed)
             self._plain = False
             return
-        q = q.on_host()
-        self.u = _packed(q, self.bits, self.device)
-        if q.sup is not None:  # exact: the integers and float16s the file builds its scales from
-            self.s, self.m = torch.from_numpy(q.sup.sc.copy()), torch.from_numpy(q.sup.mn.copy())
-            self.d = torch.from_numpy(q.sup.d.copy())
-            self.dm = torch.from_numpy(q.sup.dm.copy())
-        else:
-            self.s = torch.from_numpy(q.s).to(torch.float16).contiguous()
-            self.m = torch.from_numpy(q.m).to(torch.float16).contiguous()
-            self.d = self.dm = torch.empty(0, 0, dtype=torch.float16)
         from neuron.kernels.cpu import cpu_kernels
 
-        self._kernel = cpu_kernels().packed(self.bits, self.u, self.s, self.m, self.d, self.dm)
+        self._kernel = cpu_kernels().packed(*host_tensors(q))
+        self.u, self.s, self.m, self.d, self.dm = self._kernel.tensors  # in blocks of rows where it uses them so
         self._plain = self.perm is None and self.bias is None
 
     @property
@@ -123,6 +129,8 @@ class PackedLinear:
             from neuron.kernels.gpu import dequantize
 
             return dequantize(self.u, self.sm, self.bits, self.dtype, ids=ids.reshape(-1)).view(*ids.shape, self.k)
+        if self._kernel.blocked:
+            return self._kernel.rows(ids.reshape(-1)).view(*ids.shape, self.k).to(self.dtype)
         u = self.u[ids]
         if self.bits == 4:
             u = unpack_nibbles(u)

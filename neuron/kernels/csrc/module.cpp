@@ -8,6 +8,7 @@
 #include <Python.h>
 
 #include "ops.h"
+#include "qblock.h"
 #include "qlinear.h"
 #include "sync.h"
 
@@ -128,6 +129,89 @@ PyObject* dequant(PyObject*, PyObject* const* args, Py_ssize_t n) {
   Py_RETURN_NONE;
 }
 
+// to_blocks(bits, u, s, m, d, dm, N, K, ns, nd, u_out, s_out, m_out, d_out, dm_out, threads):
+// W's bytes and scales in qblock.h's blocks of 16 rows, into the *_out buffers (same sizes).
+PyObject* to_blocks(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  Args a{args, n};
+  if (!a.count(16, "to_blocks")) return nullptr;
+  const int64_t bits = a.i(0);
+  const uint8_t* u = a.p<const uint8_t>(1);
+  const kernels::Scales scales = scales_at(a, 2, 8);
+  const int64_t N = a.i(6), K = a.i(7);
+  uint8_t* out[5] = {a.p<uint8_t>(10), a.p<uint8_t>(11), a.p<uint8_t>(12), a.p<uint8_t>(13), a.p<uint8_t>(14)};
+  const int threads = static_cast<int>(a.i(15));
+  if (!a.ok) return nullptr;
+  if (!fits(bits, K, scales) || N % kernels::blocked::R) return done("to_blocks: bits, N, K and the scales do not fit together");
+  const int64_t ns = scales.ns, nd = scales.nd;
+  Py_BEGIN_ALLOW_THREADS
+  if (bits == 4) {
+    kernels::blocked::to_blocks<4>(u, N, K, out[0], threads);
+  } else {
+    kernels::blocked::to_blocks<8>(u, N, K, out[0], threads);
+  }
+  if (nd > 0) {
+    kernels::blocked::scales_to_blocks(reinterpret_cast<const uint8_t*>(scales.sc), N, ns, 1, out[1]);
+    kernels::blocked::scales_to_blocks(reinterpret_cast<const uint8_t*>(scales.mn), N, ns, 1, out[2]);
+    kernels::blocked::scales_to_blocks(reinterpret_cast<const uint8_t*>(scales.d), N, nd, 2, out[3]);
+    kernels::blocked::scales_to_blocks(reinterpret_cast<const uint8_t*>(scales.dm), N, nd, 2, out[4]);
+  } else {
+    kernels::blocked::scales_to_blocks(reinterpret_cast<const uint8_t*>(scales.s16), N, ns, 2, out[1]);
+    kernels::blocked::scales_to_blocks(reinterpret_cast<const uint8_t*>(scales.m16), N, ns, 2, out[2]);
+  }
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+// qlinear16(bits, x, u, s, m, d, dm, y, M, K, N, ns, nd, threads): y = x W^T, W in blocks
+// (to_blocks), x in int16 per group of 32 (qblock.h), where the level has it.
+PyObject* qlinear16(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  Args a{args, n};
+  if (!a.count(14, "qlinear16")) return nullptr;
+  const int64_t bits = a.i(0);
+  const float* x = a.p<const float>(1);
+  const uint8_t* u = a.p<const uint8_t>(2);
+  const kernels::Scales scales = scales_at(a, 3, 11);
+  float* y = a.p<float>(7);
+  const int64_t M = a.i(8), K = a.i(9), N = a.i(10);
+  const int threads = static_cast<int>(a.i(13));
+  if (!a.ok) return nullptr;
+  if (!fits(bits, K, scales) || N % kernels::blocked::R) return done("qlinear16: bits, N, K and the scales do not fit together");
+  if (!kernels::blocked::AVAILABLE) return done("qlinear16: this level has no int16 products");
+  Py_BEGIN_ALLOW_THREADS
+  if (bits == 4) {
+    kernels::blocked::qlinear16<4>(x, u, scales, y, M, K, N, threads);
+  } else {
+    kernels::blocked::qlinear16<8>(x, u, scales, y, M, K, N, threads);
+  }
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+// dequant16(bits, u, s, m, d, dm, out, K, n0, ids, T, ns, nd, threads): rows of a blocked W as
+// float32, out [T, K]: ids[t] (int64), or n0 + t where ids is 0.
+PyObject* dequant16(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  Args a{args, n};
+  if (!a.count(14, "dequant16")) return nullptr;
+  const int64_t bits = a.i(0);
+  const uint8_t* u = a.p<const uint8_t>(1);
+  const kernels::Scales scales = scales_at(a, 2, 11);
+  float* out = a.p<float>(6);
+  const int64_t K = a.i(7), n0 = a.i(8);
+  const int64_t* ids = a.p<const int64_t>(9);
+  const int64_t T = a.i(10);
+  const int threads = static_cast<int>(a.i(13));
+  if (!a.ok) return nullptr;
+  if (!fits(bits, K, scales) || T < 0 || n0 < 0) return done("dequant16: bits, K, rows and scales do not fit together");
+  Py_BEGIN_ALLOW_THREADS
+  if (bits == 4) {
+    kernels::blocked::dequant_rows<4>(u, scales, K, n0, ids, T, out, threads);
+  } else {
+    kernels::blocked::dequant_rows<8>(u, scales, K, n0, ids, T, out, threads);
+  }
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
 // rms_norm(x, sx, w, out, T, H, eps, threads), x's rows sx apart; add_rms_norm(x, residual, w,
 // out, T, H, eps, threads), residual += x first.
 template <bool ADD>
@@ -223,6 +307,12 @@ PyMethodDef methods[] = {
      "y = x W^T, W packed in groups of 32"},
     {"dequant", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(dequant)), METH_FASTCALL,
      "rows of a packed W as float32"},
+    {"to_blocks", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(to_blocks)), METH_FASTCALL,
+     "a packed W's bytes and scales in blocks of 16 rows"},
+    {"qlinear16", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(qlinear16)), METH_FASTCALL,
+     "y = x W^T, W in blocks of 16 rows, x in int16 per group of 32"},
+    {"dequant16", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(dequant16)), METH_FASTCALL,
+     "rows of a blocked W as float32"},
     {"rms_norm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(norm<false>)), METH_FASTCALL,
      "RMS norm of x [T, H] times w"},
     {"add_rms_norm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(norm<true>)), METH_FASTCALL,
@@ -246,7 +336,8 @@ PyMODINIT_FUNC NEURON_CAT(PyInit_, NEURON_MODULE)(void) {
   PyObject* m = PyModule_Create(&module);
   if (m == nullptr) return nullptr;
   if (PyModule_AddStringConstant(m, "ISA", simd::NAME) < 0 || PyModule_AddIntConstant(m, "LANES", simd::W) < 0 ||
-      PyModule_AddIntConstant(m, "INT8_ROWS", kernels::int8::AVAILABLE) < 0) {
+      PyModule_AddIntConstant(m, "INT8_ROWS", kernels::int8::AVAILABLE) < 0 ||
+      PyModule_AddIntConstant(m, "INT16_BLOCKS", kernels::blocked::AVAILABLE) < 0) {
     Py_DECREF(m);
     return nullptr;
   }

@@ -5,14 +5,19 @@
 // x86-64, NEON on any aarch64). Torch-free: the kernels' arithmetic is tested by a plain C++
 // program too (tests/csrc/kernel_check.cpp), under emulation for a level the machine lacks.
 //
-// Exactly one of NEURON_ISA_AVX512, NEURON_ISA_AVX2, NEURON_ISA_NEON, NEURON_ISA_PORTABLE is
-// defined by the build (setup.py, one extension per level), with the compiler flags that level needs.
+// Exactly one of NEURON_ISA_AVX512VNNI, NEURON_ISA_AVX512, NEURON_ISA_AVX2, NEURON_ISA_NEON,
+// NEURON_ISA_PORTABLE is defined by the build (setup.py, one extension per level), with the compiler flags that level needs.
 
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+
+#if defined(NEURON_ISA_AVX512VNNI)  // AVX-512 with VNNI (vpdpwssd): the AVX-512 level's code, its integer sums fused
+#define NEURON_ISA_AVX512 1
+#define NEURON_ISA_NAME "avx512vnni"
+#endif
 
 #if defined(NEURON_ISA_AVX512) || defined(NEURON_ISA_AVX2)
 #include <immintrin.h>
@@ -45,7 +50,11 @@ inline float half_to_float(uint16_t h) {
 }
 
 #if defined(NEURON_ISA_AVX512)
+#ifdef NEURON_ISA_NAME
+constexpr const char* NAME = NEURON_ISA_NAME;
+#else
 constexpr const char* NAME = "avx512";
+#endif
 constexpr int W = 16;
 constexpr int REGISTERS = 32;
 using V = __m512;
