@@ -97,15 +97,11 @@ class PackedKernel:
         _check(x.dtype == torch.float32 and K == self.k and x.is_cpu, "x must be float32 [M, K] on the CPU")
         if not x.is_contiguous():
             x = x.contiguous()
-        y = torch.empty(M, self.n, dtype=torch.float32)
-        if self.blocked:
-            self.mod.qlinear16(self.bits, x.data_ptr(), *self.args, y.data_ptr(), M, self.k, self.n, self.ns, self.nd,
-                               torch.get_num_threads())
-            return y
-        if M >= GEMM_ROWS and not self.int8:
+        if M >= GEMM_ROWS and not (self.int8 or self.blocked):
             return self.gemm(x)
+        y = torch.empty(M, self.n, dtype=torch.float32)
         self.mod.qlinear(self.bits, x.data_ptr(), *self.args, y.data_ptr(), M, self.k, self.n, self.ns, self.nd,
-                         torch.get_num_threads(), self.int8)
+                         torch.get_num_threads(), 2 if self.blocked else int(self.int8))
         return y
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:

@@ -81,8 +81,9 @@ bool fits(int64_t bits, int64_t K, const kernels::Scales& scales) {
          (scales.nd == 0 || scales.ns % scales.nd == 0);
 }
 
-// qlinear(bits, x, u, s, m, d, dm, y, M, K, N, ns, nd, threads, int8): d == 0 for float16 s, m;
-// int8: x in int8 (qdot.h), where the level has it.
+// qlinear(bits, x, u, s, m, d, dm, y, M, K, N, ns, nd, threads, form): d == 0 for float16 s, m;
+// form 0: x in float32, 1: in int8 (qdot.h), 2: in int16 on W in blocks (qblock.h's to_blocks),
+// the integer forms where the level has them.
 PyObject* qlinear(PyObject*, PyObject* const* args, Py_ssize_t n) {
   Args a{args, n};
   if (!a.count(15, "qlinear")) return nullptr;
@@ -93,12 +94,21 @@ PyObject* qlinear(PyObject*, PyObject* const* args, Py_ssize_t n) {
   float* y = a.p<float>(7);
   const int64_t M = a.i(8), K = a.i(9), N = a.i(10);
   const int threads = static_cast<int>(a.i(13));
-  const bool int8 = a.i(14) != 0;
+  const int64_t form = a.i(14);
+  const bool int8 = form == 1;
   if (!a.ok) return nullptr;
-  if (!fits(bits, K, scales)) return done("qlinear: bits, K and the scale counts do not fit together");
+  if (!fits(bits, K, scales) || form < 0 || form > 2) return done("qlinear: bits, K, the scale counts and the form do not fit together");
   if (int8 && !kernels::int8::AVAILABLE) return done("qlinear: this level has no int8 products");
+  if (form == 2 && (!kernels::blocked::AVAILABLE || N % kernels::blocked::R))
+    return done("qlinear: no int16 products here, or N is not a multiple of 16");
   Py_BEGIN_ALLOW_THREADS
-  if (bits == 4) {
+  if (form == 2) {
+    if (bits == 4) {
+      kernels::blocked::qlinear16<4>(x, u, scales, y, M, K, N, threads);
+    } else {
+      kernels::blocked::qlinear16<8>(x, u, scales, y, M, K, N, threads);
+    }
+  } else if (bits == 4) {
     kernels::qlinear<4>(x, u, scales, y, M, K, N, threads, int8);
   } else {
     kernels::qlinear<8>(x, u, scales, y, M, K, N, threads, int8);
@@ -157,31 +167,6 @@ PyObject* to_blocks(PyObject*, PyObject* const* args, Py_ssize_t n) {
   } else {
     kernels::blocked::scales_to_blocks(reinterpret_cast<const uint8_t*>(scales.s16), N, ns, 2, out[1]);
     kernels::blocked::scales_to_blocks(reinterpret_cast<const uint8_t*>(scales.m16), N, ns, 2, out[2]);
-  }
-  Py_END_ALLOW_THREADS
-  Py_RETURN_NONE;
-}
-
-// qlinear16(bits, x, u, s, m, d, dm, y, M, K, N, ns, nd, threads): y = x W^T, W in blocks
-// (to_blocks), x in int16 per group of 32 (qblock.h), where the level has it.
-PyObject* qlinear16(PyObject*, PyObject* const* args, Py_ssize_t n) {
-  Args a{args, n};
-  if (!a.count(14, "qlinear16")) return nullptr;
-  const int64_t bits = a.i(0);
-  const float* x = a.p<const float>(1);
-  const uint8_t* u = a.p<const uint8_t>(2);
-  const kernels::Scales scales = scales_at(a, 3, 11);
-  float* y = a.p<float>(7);
-  const int64_t M = a.i(8), K = a.i(9), N = a.i(10);
-  const int threads = static_cast<int>(a.i(13));
-  if (!a.ok) return nullptr;
-  if (!fits(bits, K, scales) || N % kernels::blocked::R) return done("qlinear16: bits, N, K and the scales do not fit together");
-  if (!kernels::blocked::AVAILABLE) return done("qlinear16: this level has no int16 products");
-  Py_BEGIN_ALLOW_THREADS
-  if (bits == 4) {
-    kernels::blocked::qlinear16<4>(x, u, scales, y, M, K, N, threads);
-  } else {
-    kernels::blocked::qlinear16<8>(x, u, scales, y, M, K, N, threads);
   }
   Py_END_ALLOW_THREADS
   Py_RETURN_NONE;
@@ -309,8 +294,6 @@ PyMethodDef methods[] = {
      "rows of a packed W as float32"},
     {"to_blocks", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(to_blocks)), METH_FASTCALL,
      "a packed W's bytes and scales in blocks of 16 rows"},
-    {"qlinear16", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(qlinear16)), METH_FASTCALL,
-     "y = x W^T, W in blocks of 16 rows, x in int16 per group of 32"},
     {"dequant16", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(dequant16)), METH_FASTCALL,
      "rows of a blocked W as float32"},
     {"rms_norm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(norm<false>)), METH_FASTCALL,
