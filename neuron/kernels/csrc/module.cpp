@@ -160,13 +160,13 @@ PyObject* to_blocks(PyObject*, PyObject* const* args, Py_ssize_t n) {
     kernels::blocked::to_blocks<8>(u, N, K, out[0], threads);
   }
   if (nd > 0) {
-    kernels::blocked::scales_to_blocks(reinterpret_cast<const uint8_t*>(scales.sc), N, ns, 1, out[1]);
-    kernels::blocked::scales_to_blocks(reinterpret_cast<const uint8_t*>(scales.mn), N, ns, 1, out[2]);
-    kernels::blocked::scales_to_blocks(reinterpret_cast<const uint8_t*>(scales.d), N, nd, 2, out[3]);
-    kernels::blocked::scales_to_blocks(reinterpret_cast<const uint8_t*>(scales.dm), N, nd, 2, out[4]);
+    kernels::blocked::scales_to_blocks(scales.sc, N, ns, reinterpret_cast<int8_t*>(out[1]), threads);
+    kernels::blocked::scales_to_blocks(scales.mn, N, ns, reinterpret_cast<int8_t*>(out[2]), threads);
+    kernels::blocked::scales_to_blocks(scales.d, N, nd, reinterpret_cast<uint16_t*>(out[3]), threads);
+    kernels::blocked::scales_to_blocks(scales.dm, N, nd, reinterpret_cast<uint16_t*>(out[4]), threads);
   } else {
-    kernels::blocked::scales_to_blocks(reinterpret_cast<const uint8_t*>(scales.s16), N, ns, 2, out[1]);
-    kernels::blocked::scales_to_blocks(reinterpret_cast<const uint8_t*>(scales.m16), N, ns, 2, out[2]);
+    kernels::blocked::scales_to_blocks(scales.s16, N, ns, reinterpret_cast<uint16_t*>(out[1]), threads);
+    kernels::blocked::scales_to_blocks(scales.m16, N, ns, reinterpret_cast<uint16_t*>(out[2]), threads);
   }
   Py_END_ALLOW_THREADS
   Py_RETURN_NONE;

@@ -84,12 +84,16 @@ void to_blocks(const uint8_t* u, int64_t N, int64_t K, uint8_t* out, int threads
   });
 }
 
-// A row's scales [N, cols] as [N / 16][cols][16] (bytes of `size` each).
-inline void scales_to_blocks(const uint8_t* in, int64_t N, int64_t cols, int size, uint8_t* out) {
-  for (int64_t b = 0; b < N / R; ++b)
-    for (int64_t j = 0; j < cols; ++j)
-      for (int i = 0; i < R; ++i)
-        std::memcpy(out + ((b * cols + j) * R + i) * size, in + ((b * R + i) * cols + j) * size, size);
+// A row's scales [N, cols] as [N / 16][cols][16].
+template <typename T>
+void scales_to_blocks(const T* in, int64_t N, int64_t cols, T* out, int threads) {
+  parallel_for(N / R, 16, threads, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int i = 0; i < R; ++i) {
+        const T* row = in + (b * R + i) * cols;
+        for (int64_t j = 0; j < cols; ++j) out[(b * cols + j) * R + i] = row[j];
+      }
+  });
 }
 
 // Scale group j of row n of a blocked W, as float32: s and m.
