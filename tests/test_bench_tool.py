@@ -45,3 +45,5 @@ def test_the_cpu_bench_refuses_a_ratio_against_a_peer_built_without_the_cpus_ins
     cpu = bench["cpu_isa"]()
     assert (refusal("native", avx2) is None) == ("avx512" not in cpu)
     assert refusal("native", native | cpu) is None
+    # neuron's native level fuses its integer sums with VNNI where the CPU has it: so must the peer
+    assert (refusal("native", native) is None) == ("avx512_vnni" not in cpu)
