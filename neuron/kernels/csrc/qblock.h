@@ -333,16 +333,17 @@ void run(const float* x, const uint8_t* u, const Scales& sc, float* y, int64_t M
       quantize16<GS>(x + r * K, K, q.data() + r * K, dx.data() + r * groups, xs.data() + r * ns);
   });
   const int64_t block_bytes = groups * group_bytes<BITS>();
+  constexpr int ROWS = simd::REGISTERS >= 32 ? 8 : 4;  // rows of x a pass: their sums stay in registers
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / block_bytes);
   parallel_for(N / R, grain, threads, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
       for (int o = 0; o < R; o += simd::W)
-        for (int64_t r = 0; r < M; r += 8) {
+        for (int64_t r = 0; r < M; r += ROWS) {
           const uint8_t* ub = u + b * block_bytes;
           const int16_t* qr = q.data() + r * K;
           const float *d = dx.data() + r * groups, *s = xs.data() + r * ns;
           float* yr = y + r * N + b * R + o;
-          switch (std::min<int64_t>(8, M - r)) {
+          switch (std::min<int64_t>(ROWS, M - r)) {
             case 1: block_rows<BITS, HALF, 1>(ub, o, sc, b, qr, d, s, K, yr, N); break;
             case 2: block_rows<BITS, HALF, 2>(ub, o, sc, b, qr, d, s, K, yr, N); break;
             case 3: block_rows<BITS, HALF, 3>(ub, o, sc, b, qr, d, s, K, yr, N); break;
