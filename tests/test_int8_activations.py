@@ -1,7 +1,8 @@
 """Packed products with x in int8 (NEURON_CPU_ACTIVATIONS=int8, csrc/qdot.h), as llama.cpp's CPU
-backend and our GPU decode multiply. The kernels equal the float product of x's int8 form exactly
-(test_cpu_isa.py); here, the whole default model on real text: int8 moves the logits (it is in
-use) but not, on the whole, what the model predicts."""
+backend and our GPU decode multiply, and in int16 (the x86 default, csrc/qblock.h). The kernels
+equal the float product of x's integer form (test_cpu_isa.py); here, the whole default model on
+real text: int8 moves the logits (it is in use) but not, on the whole, what the model predicts;
+int16 moves them a hundredth as much and changes no prediction."""
 
 from __future__ import annotations
 
@@ -45,3 +46,26 @@ def test_int8_activations_move_the_logits_but_not_the_default_models_predictions
     assert moved > 1e-3  # the int8 products really ran
     assert abs(nll["int8"] - nll["float32"]) <= 0.02 * nll["float32"]  # seen: +0.2% (avx2), +0.6% (avx512)
     assert agree >= 0.93  # seen: 0.98, 0.97
+
+
+@pytest.mark.skipif(not isa.choose().int8, reason="this CPU's kernels multiply in float32 only")
+def test_int16_activations_predict_what_float32_x_predicts_on_the_default_model(one_torch_thread):
+    """The x86 default (csrc/qblock.h): x rounded to 16 bits per group of 32 leaves the default
+    model's predictions on real text as float32 x gives them, where int8 x moves some."""
+    path = default_model_path()
+    spec = load_spec(str(path))
+    ids = spec.tokenizer.tokenizer.encode(TEXT, add_special_tokens=False).ids
+    job = ParityJob("smollm2", "gguf", [str(path)], spec.config, [ids[:8]], 0, score=[ids], keep_scored=True,
+                    max_len=512)
+    out = {}
+    for kind in ("float32", "int16"):
+        with cpu_activations(kind):
+            out[kind] = run_parity([job], 1)[0]
+    target = torch.tensor(ids[1:])
+    nll = {k: float(F.cross_entropy(r.scored[0][:-1], target)) for k, r in out.items()}
+    agree = sum(a == b for a, b in zip(out["float32"].argmax[0], out["int16"].argmax[0])) / len(ids)
+    moved = float((out["float32"].scored[0] - out["int16"].scored[0]).abs().max())
+    print(f"{len(ids)} tokens: nll {nll}, top-1 agreement {agree:.4f}, max |logit diff| {moved:.4f}")
+    assert 0 < moved <= 0.05  # seen: 0.0065 (int8 x: 1.14)
+    assert abs(nll["int16"] - nll["float32"]) <= 0.001 * nll["float32"]  # seen: +0.0002%
+    assert agree >= 0.995  # seen: 1.0, every one of the 163
