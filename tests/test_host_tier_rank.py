@@ -83,8 +83,10 @@ def pool(slots: int, recurrent: bool = True, device: str = "cpu") -> StatePool:
 
 def test_the_tier_takes_as_many_blocks_as_its_bytes_hold_and_two_snapshots_at_least():
     kv = filled("cpu", blocks=8)
+    k0, v0 = kv.k.clone(), kv.v.clone()
     per_block = 2 * 3 * 4 * 2 * 8 * 4
     assert host_tier(kv, 10 * per_block + per_block - 1, pool(0, False), 0).slots == 10
+    assert torch.equal(kv.k, k0) and torch.equal(kv.v, v0)  # its first moves (the ops' first use) change nothing
     assert host_tier(kv, per_block - 1, pool(0, False), 0) is None
     states = pool(4)
     assert states.slot_bytes == (200 + 240) * 4 + 130 * 2  # more than one block: two pieces
@@ -190,6 +192,27 @@ def disk_round_trip(device: str, tmp_path, dtype=torch.float32) -> None:
 
 def test_blocks_written_to_disk_and_read_back_through_host_slots_hold_their_k_and_v(tmp_path):
     disk_round_trip("cpu", tmp_path)
+
+
+def test_a_wait_for_the_disk_s_news_returns_once_every_read_under_way_is_done(tmp_path):
+    """A step with nothing else to do waits for all the reads under way, not for the first, so a
+    prefix read in from disk comes back in one step's news."""
+    import protocol as p
+    from neuron.runner.disk_tier import DiskKvStore
+
+    kv = filled("cpu", blocks=64)
+    tier = HostKvTier(kv, 60, pinned=False)
+    tier.disk = DiskKvStore(tmp_path / "kv", "m", "id", 0, tier.block_bytes, 1 << 30)
+    hashes = [bytes([i]) * 16 for i in range(48)]
+    tier.step_moves(p.Step(id=1, epoch=0, step_id=1, seqs=[], offload=[(i, i) for i in range(48)]))
+    tier.step_moves(p.Step(id=2, epoch=0, step_id=2, seqs=[], spill=list(zip(range(48), hashes))))
+    tier.step_moves(p.Step(id=3, epoch=0, step_id=3, seqs=[], offload=[(60, s) for s in range(48)]))  # writes done
+    assert tier.disk_news() == ([], [])
+    tier.step_moves(p.Step(id=4, epoch=0, step_id=4, seqs=[], fetch=list(zip(hashes, range(48)))))
+    tier.wait_for_disk(30.0)
+    fetched, lost = tier.disk_news()
+    assert sorted(fetched) == sorted(hashes) and lost == []
+    tier.disk.close()
 
 
 @pytest.mark.gpu

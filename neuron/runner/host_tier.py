@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, wait
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -52,6 +52,7 @@ class HostKvTier:
         # event on the stream), or the disk tier's thread writing it out or reading it in.
         self._copying: dict[int, torch.cuda.Event] = {}
         self._disk_io: dict[int, Future] = {}
+        self._reads: dict[int, Future] = {}
         self.pieces = -(-states.slot_bytes // self.block_bytes) if states is not None else 0
 
     @property
@@ -70,6 +71,7 @@ class HostKvTier:
         event = self._copying.pop(slot, None) if wait_copy else None
         if event is not None:
             event.synchronize()
+        self._reads.pop(slot, None)
         io = self._disk_io.pop(slot, None)
         if io is None:
             return None
@@ -96,12 +98,17 @@ class HostKvTier:
         times = self.move(msg.offload, msg.restore, msg.state_offload, msg.state_restore)
         for h, slot in msg.fetch:
             self._quiet(slot)
-            self._disk_io[slot] = self.disk.fetch(h, self._bytes(slot))
+            self._disk_io[slot] = self._reads[slot] = self.disk.fetch(h, self._bytes(slot))
         return times
 
     def wait_for_disk(self, timeout: float) -> None:
-        """Until one of the disk tier's reads or writes is done, ``timeout`` at most (a step with
-        nothing else to do waits here for the disk tier's news)."""
+        """Until every read of the disk tier is done, or with none under way until one of its
+        writes is, ``timeout`` at most (a step with nothing else to do waits here for the disk
+        tier's news: all reads at once, so that a prefix read in comes back in few steps)."""
+        self._reads = {slot: f for slot, f in self._reads.items() if not f.done()}
+        if self._reads:
+            wait(list(self._reads.values()), timeout, ALL_COMPLETED)
+            return
         pending = [f for f in self._disk_io.values() if not f.done()]
         if pending:
             wait(pending, timeout, FIRST_COMPLETED)
@@ -115,6 +122,12 @@ class HostKvTier:
             elif not ok or kind == "evict":
                 lost.append(h)
         return fetched, lost
+
+    def warm(self) -> None:
+        """Block 0 to host slot 0 and back, before the cache holds anything: the first restore
+        after a start (a disk tier's prefix coming back) then pays no first-use costs of its ops."""
+        self.move([(0, 0)], [(0, 0)])
+        self._quiet(0)
 
     @property
     def nbytes(self) -> int:
@@ -227,6 +240,7 @@ def host_tier(kv: PagedKvCache, host_bytes: int, states: StatePool, rank: int, d
                         rank, slots, pieces)
         return None
     tier = HostKvTier(kv, slots, kv.k.device.type == "cuda", states if pieces else None)
+    tier.warm()
     log.info("rank %d: host tier of the prefix cache: %d blocks, %.2f GB%s%s", rank, slots, tier.nbytes / 1e9,
              " pinned" if kv.k.device.type == "cuda" else "",
              f"; a state snapshot takes {pieces} of them" if pieces else "")

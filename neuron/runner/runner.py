@@ -216,8 +216,8 @@ class ModelRunner:
             if self.host is None:
                 raise StepRejected("a step moves KV blocks to or from a host tier this rank does not have")
             moves = self.host.step_moves(msg)
-        if not seqs:  # moves only, or (nothing to move) a short wait for the disk tier's news
-            if self.host is not None and moves is None:
+        if not seqs:  # moves only; with nothing to move or with reads begun, a short wait for the disk's news
+            if self.host is not None and (moves is None or msg.fetch):
                 self.host.wait_for_disk(0.002)
             done = moves.marks[-1] if moves is not None and moves.cuda else None
             return PendingStep(0, [], [], torch.zeros(0, dtype=torch.int64), None, done, t0, 0.0, moves=moves) \
