@@ -30,6 +30,7 @@ def filled(device: str, blocks: int = 200, dtype=torch.float32) -> PagedKvCache:
 def round_trip(device: str, dtype=torch.float32) -> None:
     kv = filled(device, blocks=300, dtype=dtype)
     tier = HostKvTier(kv, 180, pinned=device == "cuda")
+    assert tier.store.is_pinned() == (device == "cuda")  # page-locked in place, not by torch's allocator
     k0, v0 = kv.k.clone(), kv.v.clone()
     blocks = list(range(5, 5 + CHUNK + 40))  # more than a chunk
     slots = list(range(100, 100 + 30)) + list(range(0, CHUNK + 10))  # two runs, out of order
@@ -45,6 +46,8 @@ def round_trip(device: str, dtype=torch.float32) -> None:
         assert torch.equal(kv.k[:, to], k0[:, b]) and torch.equal(kv.v[:, to], v0[:, b])
     untouched = [b for b in range(kv.blocks) if b not in back]
     assert not kv.k[:, untouched].any()
+    tier.close()
+    assert not tier.store.is_pinned()  # unlocked when the rank unloads
 
 
 def test_blocks_moved_into_host_slots_and_back_hold_their_k_and_v():
@@ -93,6 +96,12 @@ def test_the_tier_takes_as_many_blocks_as_its_bytes_hold_and_two_snapshots_at_le
     tier = host_tier(kv, 10 * per_block, states, 0)
     assert tier.slots == 10 and tier.pieces == 2
     assert host_tier(kv, 3 * per_block, states, 0) is None  # less than two snapshots
+
+
+def test_a_host_tier_the_host_cannot_hold_fails_the_load_by_its_setting_s_name():
+    kv = filled("cpu", blocks=8)
+    with pytest.raises(torch.OutOfMemoryError, match=r"the host tier needs .* GiB and this host has .* available: lower \[cache\] host_gb"):
+        host_tier(kv, 1 << 52, pool(0, False), 0)
 
 
 def state_round_trip(device: str) -> None:

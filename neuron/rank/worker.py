@@ -239,8 +239,8 @@ class DeviceWorker:
             torch.cuda.synchronize(self.device)
 
     def _unload(self) -> None:
-        if self.runner is not None and self.runner.host is not None and self.runner.host.disk is not None:
-            self.runner.host.disk.close()
+        if self.runner is not None and self.runner.host is not None:
+            self.runner.host.close()
         self.model = None
         self.runner = None
         self.model_id = None

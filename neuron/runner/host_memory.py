@@ -33,13 +33,42 @@ def zeroed(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype, wha
     """A zeroed tensor; on the CPU backed by an anonymous mapping (zero pages until written)."""
     if device.type != "cpu":
         return torch.zeros(shape, device=device, dtype=dtype)
+    return mapped(shape, dtype, what, "lower max_slots, max_model_len or kv_cache_tokens")
+
+
+def mapped(shape: tuple[int, ...], dtype: torch.dtype, what: str, remedy: str) -> torch.Tensor:
+    """A zeroed CPU tensor over an anonymous mapping of exactly its bytes, refused (``remedy``
+    says what to lower) where the host has not that much memory available."""
     count = math.prod(shape)
     nbytes = count * torch.empty(0, dtype=dtype).element_size()
     free = available_bytes()
     if nbytes > free:
         raise torch.OutOfMemoryError(
-            f"the {what} needs {nbytes / 2**30:.2f} GiB and this host has {free / 2**30:.2f} GiB available: "
-            f"lower max_slots, max_model_len or kv_cache_tokens")
+            f"the {what} needs {nbytes / 2**30:.2f} GiB and this host has {free / 2**30:.2f} GiB available: {remedy}")
     if not count:
         return torch.zeros(shape, dtype=dtype)
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=count).view(shape)
+
+
+class Pinned:
+    """A CPU tensor the GPU copies to and from asynchronously (``.tensor``): ``mapped``, then
+    page-locked in place with cudaHostRegister, until ``release``. Not torch's pinned allocator:
+    it rounds every allocation up to a power of two, so a host tier of 48 GB took 64 GiB of
+    locked memory, and one of 80 GB asked for 128 GiB and failed on a 128 GiB host."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, what: str, remedy: str) -> None:
+        self.tensor = mapped(shape, dtype, what, remedy)
+        self._ptr = 0
+        nbytes = self.tensor.numel() * self.tensor.element_size()
+        if nbytes:
+            err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)
+            if int(err) != 0:
+                raise torch.OutOfMemoryError(f"the {what}'s {nbytes / 2**30:.2f} GiB could not be page-locked "
+                                             f"(cudaHostRegister: CUDA error {int(err)}): {remedy}")
+            self._ptr = self.tensor.data_ptr()
+
+    def release(self) -> None:
+        """Unlock the pages (the tensor stays usable as plain memory)."""
+        if self._ptr:
+            torch.cuda.cudart().cudaHostUnregister(self._ptr)
+            self._ptr = 0

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from .attention import PagedKvCache
+from .host_memory import Pinned, mapped
 from .inputs import StepRejected
 from .sampler import upload
 from .state import StatePool
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("neuron.runner")
 
 CHUNK = 64  # blocks gathered (or scattered) on the device at a time
+REMEDY = "lower [cache] host_gb"
 IO_TIMEOUT = 60.0  # seconds a step waits at most for the disk tier's read or write of a slot
 
 
@@ -46,7 +48,9 @@ class HostKvTier:
         self.states = states
         layers, _, bs, n_kv, head_dim = kv.k.shape
         self.slots = slots
-        self.store = torch.empty((slots, 2, layers, bs, n_kv, head_dim), dtype=kv.k.dtype, pin_memory=pinned)
+        shape = (slots, 2, layers, bs, n_kv, head_dim)
+        self._pinned = Pinned(shape, kv.k.dtype, "host tier", REMEDY) if pinned else None
+        self.store = self._pinned.tensor if pinned else mapped(shape, kv.k.dtype, "host tier", REMEDY)
         self.disk: DiskKvStore | None = None
         # What a host-side use of a slot must wait for: the device's last copy to or from it (an
         # event on the stream), or the disk tier's thread writing it out or reading it in.
@@ -122,6 +126,13 @@ class HostKvTier:
             elif not ok or kind == "evict":
                 lost.append(h)
         return fetched, lost
+
+    def close(self) -> None:
+        """Stop the disk tier's threads and unlock the pinned slots (a rank unloading its model)."""
+        if self.disk is not None:
+            self.disk.close()
+        if self._pinned is not None:
+            self._pinned.release()
 
     def warm(self) -> None:
         """Block 0 to host slot 0 and back, before the cache holds anything: the first restore
@@ -239,10 +250,11 @@ def host_tier(kv: PagedKvCache, host_bytes: int, states: StatePool, rank: int, d
             log.warning("rank %d: no host tier: %d slots hold less than two state snapshots of %d slots each",
                         rank, slots, pieces)
         return None
-    tier = HostKvTier(kv, slots, kv.k.device.type == "cuda", states if pieces else None)
+    pinned = kv.k.device.type == "cuda"
+    tier = HostKvTier(kv, slots, pinned, states if pieces else None)
     tier.warm()
     log.info("rank %d: host tier of the prefix cache: %d blocks, %.2f GB%s%s", rank, slots, tier.nbytes / 1e9,
-             " pinned" if kv.k.device.type == "cuda" else "",
+             " pinned" if pinned else "",
              f"; a state snapshot takes {pieces} of them" if pieces else "")
     if disk and disk[0] and disk[1] >= per_block:
         from .disk_tier import DiskKvStore
