@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import start_server
+from test_gpu import needs_gpu
 from test_hybrid_prefix_cache import complete, models, words
 
 BLOCK = 16
@@ -53,6 +54,36 @@ def test_a_prompt_whose_snapshots_left_the_ranks_restarts_from_the_host_tier_wit
         assert "a state snapshot takes" in server.log()
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_gpu])])
+def test_a_chat_s_next_turn_restarts_at_the_end_of_the_last_answer_from_the_host_tier(ckpt, tmp_path, device):
+    """An end-of-answer snapshot and the partial block it hangs on go down to the host tier as
+    the ranks evict them: the next turn (the whole last turn and a question) restarts at the very
+    end of the last answer, not at its prompt's last full block, and answers as no cache does.
+    On a GPU, through the tier's page-locked slots."""
+    rng = random.Random(11)
+    prompt, others, question = words(rng, 100), [words(rng, 100) for _ in range(3)], words(rng, 20)
+    args = ["--device", device]
+    on = start_server(tmp_path, config=config(ckpt), args=args)
+    try:
+        answer, _ = complete(on, prompt, 10)
+        for other in others:  # the ranks' two snapshot slots and 16 blocks go to these
+            complete(on, other)
+        before = models(on)["prefix_cache_tiers"]["host"]
+        turn = prompt + answer + question
+        got, cached = complete(on, turn, 8)
+        after = models(on)["prefix_cache_tiers"]["host"]
+    finally:
+        on.stop()
+    assert cached == 100 + 10 - 1  # every token whose K/V the last turn computed: 6 blocks and 13 more
+    assert after["snapshots_restored"] == before["snapshots_restored"] + 1
+    off = start_server(tmp_path, config=config(ckpt).replace("prefix_caching = true", "prefix_caching = false")
+                       .replace("[cache]\nhost_gb = 0.05\n", ""), args=args)
+    try:
+        assert got == complete(off, turn, 8)[0]
+    finally:
+        off.stop()
 
 
 def test_a_restarted_daemon_restarts_a_hybrid_prompt_from_the_disk_tier(ckpt, tmp_path):

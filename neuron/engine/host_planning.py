@@ -5,7 +5,9 @@ number ``restore_per_step`` blocks at most, a restore into a block whose own off
 counting twice, so the copies do not stall the streams); its prompt runs on from the step that
 carries its last restore. A restored block is cached in the rank's cache again once that step
 has answered. Cached blocks are copied into the tier early with the room a step has left (four
-times as much in a step with no decodes)."""
+times as much in a step with no decodes). A hybrid model's end-of-answer snapshot goes into the
+tier as the ranks evict it, with the partial block it hangs on (``StateCache.on_evict_tail``);
+a next turn that continues the whole of that answer restarts there (``_tier_tail``)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from contextlib import nullcontext
 
 from .host_tier import HostTier
 from .request import GenRequest
+from .state_cache import tail_name
 from .tier_moves import Moves
 
 
@@ -37,54 +40,89 @@ class HostPlanning:
                 self.host.use_states(state_pieces, self.states.holds, self.states.num_slots)
                 self.states.on_keep.append(self.host.note_state)
                 self.states.on_evict.append(self.host.offload_state)
+                self.states.on_evict_tail.append(self._tail_evicted)
             if disk_blocks:
                 self.host.use_disk(disk_blocks, list(disk_hashes))
 
     def _restart_point(self, req: GenRequest, tokens: list[int], hits: list[int], hashes: list[bytes]):
         """Where a model with recurrent state restarts ``tokens``: the deepest snapshot of its state
         along them, the ranks' (``StateCache.find``; its blocks in the ranks' cache or the host
-        tier) or the host tier's (its pieces restored into the request's own state slot), and the
-        blocks it needs. (hits, hashes, start, the ranks' snapshot, tier blocks, state pieces)."""
+        tier) or the host tier's (its pieces restored into the request's own state slot, and for
+        an end-of-answer one its partial block too), and the blocks it needs. (hits, hashes,
+        start, the ranks' snapshot, tier blocks, state pieces, the tier's (slot, tokens) of a
+        partial block or None)."""
         if not self.states.caching:
-            return [], [], 0, None, [], []
+            return [], [], 0, None, [], [], None
         bs, limit, key = self.blocks.block_size, len(tokens) - 1, self.blocks.key(req.cache_salt)
         counted = len(hits) * bs  # as match counted them
         chain = hashes + (self.host.reach(tokens, limit, hashes, key) if self.host is not None else [])
         found = self.states.find(tokens, limit, chain, key)
         depth, snap = found if found else (0, None)
-        state = []
-        deeper = next((d for d in range(len(chain), depth, -1) if self.host.state_at(chain[d - 1])), 0) \
-            if self.host is not None and self.host.pieces else 0
-        if deeper:
-            state = self.host.take_state(chain[deeper - 1])
-            if state:
-                depth, snap = deeper, None
+        state, tail = [], None
+        if self.host is not None and self.host.pieces:
+            reached = snap.position if snap is not None else depth * bs
+            deeper = next((d for d in range(len(chain), depth, -1) if self.host.state_at(chain[d - 1])), 0)
+            tail = self._tier_tail(tokens, limit, chain, key, reached)
+            if tail is not None:
+                depth, snap, state, tail = len(chain), None, tail[2], tail[:2]
+            elif deeper:
+                state = self.host.take_state(chain[deeper - 1])
+                if state:
+                    depth, snap = deeper, None
         own = min(len(hits), depth)
-        tiered = self.host.extend(tokens, depth * bs, hashes[:own], key, [s for s, _ in state]) if depth > own else []
+        keep = [s for s, _ in state] + ([tail[0]] if tail else [])
+        tiered = self.host.extend(tokens, depth * bs, hashes[:own], key, keep) if depth > own else []
         if own + len(tiered) < depth:  # the tier could not give them all: the ranks' own snapshots only
             found = self.states.find(tokens, limit, hashes, key)
-            (own, snap), state, tiered = found if found else (0, None), [], []
+            (own, snap), state, tiered, tail = found if found else (0, None), [], [], None
             depth = own
-        start = snap.position if snap is not None else depth * bs if state else 0
+        start = snap.position if snap is not None else depth * bs + (tail[1] if tail else 0) if state else 0
         self.blocks.hits += start - counted - len(tiered) * bs  # _from_host counts the tier's blocks
-        return hits[:own], hashes[:own], start, snap, tiered, state
+        return hits[:own], hashes[:own], start, snap, tiered, state, tail
 
-    def _from_host(self, req: GenRequest, found: list[tuple[int, bytes]], state: list[tuple[int, bytes]] = ()) -> None:
-        """``req``'s table goes on with new blocks for the ``found`` (slot, hash) of the tier, its
-        state slot takes the pieces of ``state`` (slot, name) last."""
-        self.host.pin([s for s, _ in [*found, *state]])
+    def _tier_tail(self, tokens: list[int], limit: int, chain: list[bytes], key: bytes, reached: int):
+        """An end-of-answer snapshot in the tier past ``reached`` tokens, on the last block of
+        ``chain`` (where a chat's next turn finds one: its blocks end where the last turn's full
+        blocks did): (slot of its partial block, its tokens, its pieces' (slot, name)), or None."""
+        bs, d = self.blocks.block_size, len(chain)
+        parent = chain[-1] if chain else self.states.root(key)
+        for n in range(min(bs - 1, limit - d * bs), max(0, reached - d * bs), -1):
+            name = tail_name(parent, tokens[d * bs: d * bs + n])
+            if self.host.has(name) and self.host.state_at(name):
+                pieces = self.host.take_state(name)
+                slot = self.host.take(name, [s for s, _ in pieces]) if pieces else None
+                return (slot, n, pieces) if slot is not None else None
+        return None
+
+    def _tail_evicted(self, slot: int, block: int, name: bytes) -> None:
+        """An end-of-answer snapshot leaves the ranks: its pieces and its partial block go into the
+        tier with the next step (unless the tier holds them)."""
+        if not (self.host.has(name) and self.host.state_at(name)) and self.host.offload_state(slot, name):
+            if not self.host.has(name):
+                self.host.copy_block(block, name)
+
+    def _from_host(self, req: GenRequest, found: list[tuple[int, bytes]], state: list[tuple[int, bytes]] = (),
+                   tail: tuple[int, int] | None = None) -> None:
+        """``req``'s table goes on with new blocks for the ``found`` (slot, hash) of the tier (and
+        the partial block of ``tail``, (slot, tokens), never cached under a name), its state slot
+        takes the pieces of ``state`` (slot, name) last."""
+        partial = [tail[0]] if tail else []
+        self.host.pin([s for s, _ in [*found, *state]] + partial)
         first = len(req.blocks)
-        req.blocks += self.blocks.allocate(len(found))
+        req.blocks += self.blocks.allocate(len(found) + len(partial))
         req.hashes = req.hashes + [h for _, h in found]
         req.restoring = [(s, first + i, h) for i, (s, h) in enumerate(found)] + \
+            [(s, first + len(found), None) for s in partial] + \
             [(s, -1 - j, k) for j, (s, k) in enumerate(state)]  # a piece's entry: -1 - its index
         req.host_run = req.run
-        tokens = len(found) * self.blocks.block_size
-        from_disk = sum(s in self.host.fetching for s, _ in found) * self.blocks.block_size
-        self.host.hits += tokens - from_disk
+        bs, extra = self.blocks.block_size, tail[1] if tail else 0
+        tokens = len(found) * bs
+        from_disk = sum(s in self.host.fetching for s, _ in found) * bs + \
+            sum(extra for s in partial if s in self.host.fetching)
+        self.host.hits += tokens + extra - from_disk
         self.blocks.hits += tokens
         if not req.preempted:
-            req.host_tokens, req.disk_tokens = tokens, from_disk
+            req.host_tokens, req.disk_tokens = tokens + extra, from_disk
 
     def _forget_restores(self, req: GenRequest) -> None:
         if req.restoring:
@@ -130,7 +168,7 @@ class HostPlanning:
                                      [(slot, req.states[0], -1 - entry) for req, _, entry, slot, _ in live if entry < 0])
         self.host.unpin([slot for _, _, _, slot, _ in self._restores])  # once no offload of the step may take them
         self._restores = []
-        moves.cached = [(req, run, entry, h) for req, run, entry, _, h in live if entry >= 0]
+        moves.cached = [(req, run, entry, h) for req, run, entry, _, h in live if entry >= 0 and h is not None]
         self._moves_out.append(moves)
         return moves
 

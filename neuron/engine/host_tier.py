@@ -115,8 +115,11 @@ class HostTier:
     def state_at(self, h: bytes) -> bool:
         """Whether the tier (or the disk below it) holds every piece of the snapshot after ``h``."""
         first = state_keys(h, 1)[0]  # most blocks have no snapshot: name the rest only where the first is
-        return bool(self.pieces) and (first in self._by_hash or self._on_disk(first)) and \
-            all(k in self._by_hash or self._on_disk(k) for k in state_keys(h, self.pieces)[1:])
+        return bool(self.pieces) and self.has(first) and all(self.has(k) for k in state_keys(h, self.pieces)[1:])
+
+    def has(self, h: bytes) -> bool:
+        """Whether the tier holds ``h`` (a block or a piece), or the disk below it, to be read."""
+        return h in self._by_hash or self._on_disk(h)
 
     def _on_disk(self, h: bytes) -> bool:
         """Whether ``h`` is on disk, to be read (not where computing it again is faster)."""
@@ -127,7 +130,7 @@ class HostTier:
         and a read), or [] where a piece cannot be had."""
         found: list[tuple[int, bytes]] = []
         for k in state_keys(h, self.pieces):
-            slot = self._take(k, [s for s, _ in found])
+            slot = self.take(k, [s for s, _ in found])
             if slot is None:
                 return []
             found.append((slot, k))
@@ -199,9 +202,9 @@ class HostTier:
         if slot is not None:  # the tier has it already (copied early, or it came back from here)
             self._lru.move_to_end(slot)
             return
-        self._copy(block, h)
+        self.copy_block(block, h)
 
-    def _copy(self, block: int, h: bytes) -> bool:
+    def copy_block(self, block: int, h: bytes) -> bool:
         slot = self._slot()
         if slot is None:
             return False
@@ -257,7 +260,7 @@ class HostTier:
             block, h = self._early.popleft()
             if h in self._by_hash or not self.blocks.holds(block, h):
                 continue  # in the tier already, or gone from the rank's cache (offloaded then)
-            if not self._copy(block, h):  # no slot free to take now: a later step copies it
+            if not self.copy_block(block, h):  # no slot free to take now: a later step copies it
                 self._early.appendleft((block, h))
                 return
             room -= 1
@@ -292,7 +295,7 @@ class HostTier:
         parent = hashes[-1] if hashes else b""
         for i in range(len(hashes), min(limit, len(tokens)) // bs):
             h = chain_hash(parent, tokens[i * bs: (i + 1) * bs], key)
-            if h not in self._by_hash and not self._on_disk(h):
+            if not self.has(h):
                 break
             found.append(h)
             parent = h
@@ -306,14 +309,14 @@ class HostTier:
         found: list[tuple[int, bytes]] = []
         for h in self.reach(tokens, limit, hashes, key):
             reads = len(self._fetch)
-            slot = self._take(h, [*keep, *(s for s, _ in found)])
+            slot = self.take(h, [*keep, *(s for s, _ in found)])
             if slot is None:
                 break
             self.disk_hits += self.blocks.block_size * (len(self._fetch) - reads)
             found.append((slot, h))
         return found
 
-    def _take(self, h: bytes, keep: list[int]) -> int | None:
+    def take(self, h: bytes, keep: list[int]) -> int | None:
         """The slot holding ``h`` (a block, or a snapshot's piece): in the tier, or one it is read
         into from disk (no slot of ``keep`` is evicted for it); None where neither can be."""
         slot = self._by_hash.get(h)

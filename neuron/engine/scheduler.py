@@ -83,13 +83,13 @@ class Scheduler(DraftPlanning, HostPlanning):
                 break
             if full and not self._yield_slot(req, running):
                 break
-            tokens, tiered, state = req.keyed(), [], []
+            tokens, tiered, state, tail = req.keyed(), [], [], None
             # The longest cached prefix of whole blocks; the last token is always computed, since
             # its logits give the next token.
             hits, hashes = self.blocks.match(tokens, len(tokens) - 1, req.cache_salt)
             start, snap = len(hits) * self.blocks.block_size, None
             if self.states.num_slots:  # cached K/V is of use only up to a snapshot of the state
-                hits, hashes, start, snap, tiered, state = self._restart_point(req, tokens, hits, hashes)
+                hits, hashes, start, snap, tiered, state, tail = self._restart_point(req, tokens, hits, hashes)
             elif self.host is not None:  # the cached prefix may run on in the host tier
                 tiered = self.host.extend(tokens, len(tokens) - 1, hashes, self.blocks.key(req.cache_salt))
                 start += len(tiered) * self.blocks.block_size
@@ -112,7 +112,7 @@ class Scheduler(DraftPlanning, HostPlanning):
             req.state_tiered = bool(state)
             with self.admitting(req):
                 if tiered or state:
-                    self._from_host(req, tiered, state)
+                    self._from_host(req, tiered, state, tail)
                 self.blocks.grow(req.blocks, len(tokens))
             req.sent_blocks = 0
             req.computed = req.confirmed = req.snapshot_floor = start

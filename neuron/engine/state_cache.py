@@ -22,7 +22,9 @@ recently used first: when a slot is wanted and none is free, and with the KV blo
 (their prefix can no longer be matched). A snapshot being restored is pinned until the restoring
 sequence's first step is planned (the rank copies it out in that step, before any later step
 may reuse the slot). With a host tier, snapshots at block boundaries are told to it as they are
-kept and as they are evicted (``on_keep``, ``on_evict``): they go down the tiers (``host_tier.py``).
+kept and as they are evicted (``on_keep``, ``on_evict``): they go down the tiers (``host_tier.py``);
+so do the end-of-answer snapshots as they are evicted (``on_evict_tail``), with the partial
+block they hang on, both named by ``tail_name``.
 """
 
 from __future__ import annotations
@@ -30,7 +32,16 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from .blocks import BlockManager, OutOfBlocks
+from .blocks import BlockManager, OutOfBlocks, chain_hash
+
+
+TAIL = b"tail snapshot"
+
+
+def tail_name(parent: bytes, tail) -> bytes:
+    """What names a snapshot ``tail`` tokens past the block hashed ``parent`` (and the partial
+    block of K/V it hangs on) in the tiers below the ranks."""
+    return chain_hash(parent, tuple(tail), TAIL)
 
 
 @dataclass(eq=False)
@@ -63,6 +74,7 @@ class StateCache:
         # evicted (before its slot is handed out again): the host tier's copies.
         self.on_keep: list = []
         self.on_evict: list = []
+        self.on_evict_tail: list = []  # told (slot, its block, tail_name) of an end-of-answer snapshot
         blocks.on_evict.append(self._block_evicted)
 
     @property
@@ -215,6 +227,8 @@ class StateCache:
         if not snap.tail:
             for tell in self.on_evict:
                 tell(snap.slot, snap.parent)
+        for tell in self.on_evict_tail if snap.tail and snap.block >= 0 else ():
+            tell(snap.slot, snap.block, tail_name(snap.parent, snap.tail))
         del self._by_key[(snap.parent, snap.tail)]
         del self._lru[snap]
         if snap.tail:
