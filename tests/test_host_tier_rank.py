@@ -169,6 +169,21 @@ def test_on_a_gpu_moves_are_ordered_with_the_device_s_work():
     assert torch.all(got == 7) and torch.all(kv.v[:, 20] == 9) and torch.all(kv.k[:, 3] == 0)
 
 
+@pytest.mark.gpu
+@needs_gpu
+def test_on_a_gpu_tiers_dropped_without_close_unlock_their_slots():
+    """A new tier's mapping may take a dropped one's addresses: those must be unlocked by then."""
+    import gc
+
+    kv = filled("cuda", blocks=8)
+    for _ in range(4):
+        tier = HostKvTier(kv, 4, pinned=True)
+        assert tier.store.is_pinned()
+        del tier
+        gc.collect()
+    torch.cuda.synchronize()
+
+
 def disk_round_trip(device: str, tmp_path, dtype=torch.float32) -> None:
     """Blocks offloaded, written to disk by the next step (the device's copies not awaited), the
     slots and blocks then overwritten, read back from disk into other slots and restored into other

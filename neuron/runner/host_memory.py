@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import weakref
 
 import torch
 
@@ -52,23 +53,40 @@ def mapped(shape: tuple[int, ...], dtype: torch.dtype, what: str, remedy: str) -
 
 class Pinned:
     """A CPU tensor the GPU copies to and from asynchronously (``.tensor``): ``mapped``, then
-    page-locked in place with cudaHostRegister, until ``release``. Not torch's pinned allocator:
-    it rounds every allocation up to a power of two, so a host tier of 48 GB took 64 GiB of
-    locked memory, and one of 80 GB asked for 128 GiB and failed on a 128 GiB host."""
+    page-locked in place with cudaHostRegister, until ``release`` or until it is collected
+    (before its mapping can go: a new mapping at the same address could not be registered).
+    Not torch's pinned allocator: it rounds every allocation up to a power of two, so a host tier
+    of 48 GB took 64 GiB of locked memory, and one of 80 GB asked for 128 GiB and failed on a
+    128 GiB host."""
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, what: str, remedy: str) -> None:
         self.tensor = mapped(shape, dtype, what, remedy)
-        self._ptr = 0
         nbytes = self.tensor.numel() * self.tensor.element_size()
+        self._unlock = None
         if nbytes:
-            err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)
-            if int(err) != 0:
+            cudart = torch.cuda.cudart()
+            err = int(cudart.cudaHostRegister(self.tensor.data_ptr(), nbytes, 0))
+            if err:
+                clear_cuda_error()
                 raise torch.OutOfMemoryError(f"the {what}'s {nbytes / 2**30:.2f} GiB could not be page-locked "
-                                             f"(cudaHostRegister: CUDA error {int(err)}): {remedy}")
-            self._ptr = self.tensor.data_ptr()
+                                             f"(cudaHostRegister: CUDA error {err}): {remedy}")
+            self._unlock = weakref.finalize(self, cudart.cudaHostUnregister, self.tensor.data_ptr())
 
     def release(self) -> None:
         """Unlock the pages (the tensor stays usable as plain memory)."""
-        if self._ptr:
-            torch.cuda.cudart().cudaHostUnregister(self._ptr)
-            self._ptr = 0
+        if self._unlock is not None:
+            self._unlock()
+
+
+def clear_cuda_error() -> None:
+    """Take back the CUDA runtime's last error (a failed cudaHostRegister leaves it, and torch
+    would raise it at its next check of some unrelated call)."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as f:
+            path = next((line.split()[-1] for line in f if "libcudart" in line), None)
+        if path:
+            ctypes.CDLL(path).cudaGetLastError()
+    except OSError:
+        pass
