@@ -109,6 +109,35 @@ def test_a_restarted_daemon_restarts_a_hybrid_prompt_from_the_disk_tier(ckpt, tm
         again.stop()
 
 
+def test_a_restarted_daemon_resumes_a_chat_at_the_end_of_its_last_answer_from_the_disk_tier(ckpt, tmp_path):
+    """An idle daemon copies its end-of-answer snapshot down with its partial block, as it does its
+    blocks and boundary snapshots, so the next turn after a restart starts at the answer's end."""
+    disk, rng = tmp_path / "kv", random.Random(12)
+    prompt, question = words(rng, 100), words(rng, 20)
+    first = start_server(tmp_path, config=config(ckpt, disk=disk))
+    try:
+        answer, _ = complete(first, prompt, 10)
+        written, deadline = -1, time.monotonic() + 60
+        while written != (written := models(first)["prefix_cache_tiers"]["disk"]["written"]) or written < 8:
+            assert time.monotonic() < deadline, models(first)["prefix_cache_tiers"]
+            time.sleep(0.5)  # until the idle daemon has written all it will
+    finally:
+        first.stop()
+    turn = prompt + answer + question
+    again = start_server(tmp_path, config=config(ckpt, disk=disk))
+    try:
+        got, cached = complete(again, turn, 8)
+    finally:
+        again.stop()
+    assert cached == 100 + 10 - 1
+    off = start_server(tmp_path, config=config(ckpt).replace("prefix_caching = true", "prefix_caching = false")
+                       .replace("[cache]\nhost_gb = 0.05\n", ""))
+    try:
+        assert got == complete(off, turn, 8)[0]
+    finally:
+        off.stop()
+
+
 def test_concurrent_requests_through_small_tiers_answer_as_no_cache_does(ckpt, tmp_path):
     """Six clients, four slots, two snapshot slots a 32-token interval apart and a 384-token rank
     cache: snapshots and blocks go down and come back while other sequences run beside them, three

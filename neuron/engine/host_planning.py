@@ -6,7 +6,7 @@ counting twice, so the copies do not stall the streams); its prompt runs on from
 carries its last restore. A restored block is cached in the rank's cache again once that step
 has answered. Cached blocks are copied into the tier early with the room a step has left (four
 times as much in a step with no decodes). A hybrid model's end-of-answer snapshot goes into the
-tier as the ranks evict it, with the partial block it hangs on (``StateCache.on_evict_tail``);
+tier with the partial block it hangs on, early as boundary snapshots do or as the ranks evict it;
 a next turn that continues the whole of that answer restarts there (``_tier_tail``)."""
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ class HostPlanning:
                 self.host.use_states(state_pieces, self.states.holds, self.states.num_slots)
                 self.states.on_keep.append(self.host.note_state)
                 self.states.on_evict.append(self.host.offload_state)
+                self.states.on_keep_tail.append(self.host.note_state)
                 self.states.on_evict_tail.append(self._tail_evicted)
             if disk_blocks:
                 self.host.use_disk(disk_blocks, list(disk_hashes))
@@ -94,7 +95,7 @@ class HostPlanning:
                 return (slot, n, pieces) if slot is not None else None
         return None
 
-    def _tail_evicted(self, slot: int, block: int, name: bytes) -> None:
+    def _tail_evicted(self, slot: int, name: bytes, block: int) -> None:
         """An end-of-answer snapshot leaves the ranks: its pieces and its partial block go into the
         tier with the next step (unless the tier holds them)."""
         if not (self.host.has(name) and self.host.state_at(name)) and self.host.offload_state(slot, name):

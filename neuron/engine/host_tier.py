@@ -76,10 +76,11 @@ class HostTier:
         self.pieces, self._state_live = pieces, live
         self._early_states = deque(maxlen=max(1, snapshots))
 
-    def note_state(self, slot: int, h: bytes) -> None:
-        """The ranks keep a snapshot after block ``h`` in ``slot``: copied in when a step has room."""
+    def note_state(self, slot: int, h: bytes, block: int = -1) -> None:
+        """The ranks keep a snapshot after block ``h`` in ``slot`` (or, with the partial ``block``
+        it hangs on, one named ``h`` by ``tail_name``): copied in when a step has room."""
         if self.pieces:
-            self._early_states.append((slot, h))
+            self._early_states.append((slot, h, block))
 
     def offload_state(self, slot: int, h: bytes) -> bool:
         """The ranks' snapshot after block ``h`` in state ``slot`` is copied in by the next step,
@@ -265,11 +266,12 @@ class HostTier:
                 return
             room -= 1
         while self._early_states and (room >= self.pieces or idle and room > 0):
-            slot, h = self._early_states.popleft()
-            if self._state_live(slot, h) and not self.state_at(h):
-                if not self.offload_state(slot, h):
+            slot, h, block = self._early_states.popleft()
+            if self._state_live(slot, h) and not (self.state_at(h) and (block < 0 or h in self._by_hash)):
+                if not self.offload_state(slot, h) or block >= 0 and h not in self._by_hash and \
+                        not self.copy_block(block, h):
                     return
-                room -= self.pieces
+                room -= self.pieces + (block >= 0)
 
     def _slot(self) -> int | None:
         if self._fresh < self.slots:
@@ -383,16 +385,8 @@ class HostTier:
     def reset(self) -> None:
         """Forget every slot (a step that failed may have left its moves undone)."""
         self._fresh = 0
-        self._free.clear()
-        self._by_hash.clear()
-        self._hash_of.clear()
-        self._lru.clear()
-        self._pins.clear()
-        self._offload = []
-        self._deferred.clear()
-        self._early.clear()
-        self._early_states.clear()
-        self._state_offload = []
-        self.fetching.clear()
-        self._spill, self._fetch, self._written_next = [], [], []
+        for kept in (self._free, self._by_hash, self._hash_of, self._lru, self._pins, self._deferred, self._early,
+                     self._early_states, self.fetching):
+            kept.clear()
+        self._offload, self._state_offload, self._spill, self._fetch, self._written_next = [], [], [], [], []
         self.epoch += 1

@@ -23,8 +23,8 @@ recently used first: when a slot is wanted and none is free, and with the KV blo
 sequence's first step is planned (the rank copies it out in that step, before any later step
 may reuse the slot). With a host tier, snapshots at block boundaries are told to it as they are
 kept and as they are evicted (``on_keep``, ``on_evict``): they go down the tiers (``host_tier.py``);
-so do the end-of-answer snapshots as they are evicted (``on_evict_tail``), with the partial
-block they hang on, both named by ``tail_name``.
+so do the end-of-answer snapshots (``on_keep_tail``, ``on_evict_tail``), with the partial block
+they hang on, both named by ``tail_name``.
 """
 
 from __future__ import annotations
@@ -74,7 +74,10 @@ class StateCache:
         # evicted (before its slot is handed out again): the host tier's copies.
         self.on_keep: list = []
         self.on_evict: list = []
-        self.on_evict_tail: list = []  # told (slot, its block, tail_name) of an end-of-answer snapshot
+        # told (slot, tail_name, its partial block) of each end-of-answer snapshot kept, and evicted
+        self.on_keep_tail: list = []
+        self.on_evict_tail: list = []
+        self._named: dict[bytes, Snapshot] = {}  # end-of-answer snapshots by tail_name
         blocks.on_evict.append(self._block_evicted)
 
     @property
@@ -177,14 +180,19 @@ class StateCache:
         self._lru[snap] = None
         if tail:
             self._tails.setdefault(parent, []).append(snap)
+            if block >= 0:
+                self._named[tail_name(parent, tail)] = snap
+                for tell in self.on_keep_tail:
+                    tell(slot, tail_name(parent, tail), block)
         else:
             for tell in self.on_keep:
                 tell(slot, parent)
         return True
 
-    def holds(self, slot: int, parent: bytes) -> bool:
-        """Whether ``slot`` holds the snapshot right after the block hashed ``parent``."""
-        snap = self._by_key.get((parent, ()))
+    def holds(self, slot: int, h: bytes) -> bool:
+        """Whether ``slot`` holds the snapshot right after the block hashed ``h``, or the
+        end-of-answer one ``tail_name`` names ``h``."""
+        snap = self._by_key.get((h, ())) or self._named.get(h)
         return snap is not None and snap.slot == slot
 
     def find(self, tokens: list[int], limit: int, hashes: list[bytes], key: bytes) -> tuple[int, Snapshot] | None:
@@ -227,8 +235,11 @@ class StateCache:
         if not snap.tail:
             for tell in self.on_evict:
                 tell(snap.slot, snap.parent)
-        for tell in self.on_evict_tail if snap.tail and snap.block >= 0 else ():
-            tell(snap.slot, snap.block, tail_name(snap.parent, snap.tail))
+        if snap.tail and snap.block >= 0:
+            name = tail_name(snap.parent, snap.tail)
+            del self._named[name]
+            for tell in self.on_evict_tail:
+                tell(snap.slot, name, snap.block)
         del self._by_key[(snap.parent, snap.tail)]
         del self._lru[snap]
         if snap.tail:
