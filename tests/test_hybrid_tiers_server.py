@@ -56,16 +56,16 @@ def test_a_prompt_whose_snapshots_left_the_ranks_restarts_from_the_host_tier_wit
         server.stop()
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_gpu])])
-def test_a_chat_s_next_turn_restarts_at_the_end_of_the_last_answer_from_the_host_tier(ckpt, tmp_path, device):
+@pytest.mark.parametrize("device,tp", [("cpu", 1), ("cpu", 2), pytest.param("cuda", 1, marks=[pytest.mark.gpu, needs_gpu])])
+def test_a_chat_s_next_turn_restarts_at_the_end_of_the_last_answer_from_the_host_tier(ckpt, tmp_path, device, tp):
     """An end-of-answer snapshot and the partial block it hangs on go down to the host tier as
     the ranks evict them: the next turn (the whole last turn and a question) restarts at the very
     end of the last answer, not at its prompt's last full block, and answers as no cache does.
-    On a GPU, through the tier's page-locked slots."""
+    At TP=2 each rank moves its own share; on a GPU, through the tier's page-locked slots."""
     rng = random.Random(11)
     prompt, others, question = words(rng, 100), [words(rng, 100) for _ in range(3)], words(rng, 20)
     args = ["--device", device]
-    on = start_server(tmp_path, config=config(ckpt), args=args)
+    on = start_server(tmp_path, config=config(ckpt, tp), args=args)
     try:
         answer, _ = complete(on, prompt, 10)
         for other in others:  # the ranks' two snapshot slots and 16 blocks go to these
