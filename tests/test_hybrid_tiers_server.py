@@ -127,9 +127,10 @@ def test_a_restarted_daemon_resumes_a_chat_at_the_end_of_its_last_answer_from_th
     again = start_server(tmp_path, config=config(ckpt, disk=disk))
     try:
         got, cached = complete(again, turn, 8)
+        disk = models(again)["prefix_cache_tiers"]["disk"]
     finally:
         again.stop()
-    assert cached == 100 + 10 - 1
+    assert cached == 100 + 10 - 1 and disk["hits"] == cached  # all of it read from disk
     off = start_server(tmp_path, config=config(ckpt).replace("prefix_caching = true", "prefix_caching = false")
                        .replace("[cache]\nhost_gb = 0.05\n", ""))
     try:

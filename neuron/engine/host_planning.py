@@ -118,8 +118,9 @@ class HostPlanning:
         req.host_run = req.run
         bs, extra = self.blocks.block_size, tail[1] if tail else 0
         tokens = len(found) * bs
-        from_disk = sum(s in self.host.fetching for s, _ in found) * bs + \
-            sum(extra for s in partial if s in self.host.fetching)
+        tail_read = sum(extra for s in partial if s in self.host.fetching)
+        from_disk = sum(s in self.host.fetching for s, _ in found) * bs + tail_read
+        self.host.disk_hits += tail_read  # the blocks' own were counted as their reads were asked
         self.host.hits += tokens + extra - from_disk
         self.blocks.hits += tokens
         if not req.preempted:
