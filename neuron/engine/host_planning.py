@@ -61,9 +61,9 @@ class HostPlanning:
         depth, snap = found if found else (0, None)
         state, tail = [], None
         if self.host is not None and self.host.pieces:
-            reached = snap.position if snap is not None else depth * bs
-            deeper = next((d for d in range(len(chain), depth, -1) if self.host.state_at(chain[d - 1])), 0)
-            tail = self._tier_tail(tokens, limit, chain, key, reached)
+            tail = self._tier_tail(tokens, limit, chain, key, snap.position if snap is not None else depth * bs)
+            deeper = 0 if tail is not None else \
+                next((d for d in range(len(chain), depth, -1) if self.host.state_at(chain[d - 1])), 0)
             if tail is not None:
                 depth, snap, state, tail = len(chain), None, tail[2], tail[:2]
             elif deeper:

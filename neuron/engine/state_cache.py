@@ -181,9 +181,10 @@ class StateCache:
         if tail:
             self._tails.setdefault(parent, []).append(snap)
             if block >= 0:
-                self._named[tail_name(parent, tail)] = snap
+                name = tail_name(parent, tail)
+                self._named[name] = snap
                 for tell in self.on_keep_tail:
-                    tell(slot, tail_name(parent, tail), block)
+                    tell(slot, name, block)
         else:
             for tell in self.on_keep:
                 tell(slot, parent)
