@@ -236,6 +236,8 @@ def test_the_best_level_the_cpu_reports_is_chosen_and_a_forced_one_is_refused_by
     assert isa.choose(X86 | {"avx512_vnni"}, "", "x86_64").name == "avx512vnni"
     assert isa.choose(X86 | {"avx512_vnni"}, "avx512", "x86_64").name == "avx512"
     assert isa.choose({"avx2", "fma", "f16c"}, "", "x86_64").name == "avx2"
+    assert isa.choose({"avx2", "fma", "f16c", "avx_vnni"}, "", "x86_64").name == "avx2vnni"  # Alder Lake, no AVX-512
+    assert isa.choose(X86 | {"avx_vnni"}, "", "x86_64").name == "avx512"
     assert isa.choose({"avx2", "fma"}, "", "x86_64").name == "portable"  # no F16C: no AVX2 level
     assert isa.choose({"fp", "asimd"}, "", "aarch64").name == "neon"
     assert isa.choose(set(), "", "riscv64").name == "portable"
@@ -245,7 +247,7 @@ def test_the_best_level_the_cpu_reports_is_chosen_and_a_forced_one_is_refused_by
         isa.choose({"avx2", "fma", "f16c"}, "avx512", "x86_64")
     with pytest.raises(isa.IsaError, match="NEURON_CPU_ISA=avx512vnni: this CPU lacks avx512_vnni"):
         isa.choose(X86, "avx512vnni", "x86_64")
-    with pytest.raises(isa.IsaError, match="its levels are avx512vnni, avx512, avx2, portable"):
+    with pytest.raises(isa.IsaError, match="its levels are avx512vnni, avx512, avx2vnni, avx2, portable"):
         isa.choose(X86, "neon", "x86_64")
     with pytest.raises(isa.IsaError, match="'sse9' is not a level"):
         isa.choose(X86, "sse9", "x86_64")

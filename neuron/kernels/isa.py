@@ -33,6 +33,8 @@ LEVELS = (
           ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni", "avx2", "fma", "f16c"), int8=True),
     Level("avx512", "x86_64", ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"),
           ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma", "f16c"), int8=True),
+    Level("avx2vnni", "x86_64", ("-mavx2", "-mfma", "-mf16c", "-mavxvnni"), ("avx2", "fma", "f16c", "avx_vnni"),
+          int8=True),
     Level("avx2", "x86_64", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c"), int8=True),
     Level("neon", "aarch64", ("-march=armv8-a",), ("asimd", "fp")),
     Level("portable", "", (), ()),

@@ -167,7 +167,13 @@ template <int S>
 inline VI srli(VI a) {
   return _mm256_srli_epi32(a, S);
 }
-inline VI dot2(VI acc, VI w, VI x) { return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x)); }
+inline VI dot2(VI acc, VI w, VI x) {
+#ifdef __AVXVNNI__
+  return _mm256_dpwssd_avx_epi32(acc, w, x);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
+#endif
+}
 inline simd::V to_float(VI a) { return _mm256_cvtepi32_ps(a); }
 inline simd::V bytes_to_float(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));

@@ -5,7 +5,7 @@
 // x86-64, NEON on any aarch64). Torch-free: the kernels' arithmetic is tested by a plain C++
 // program too (tests/csrc/kernel_check.cpp), under emulation for a level the machine lacks.
 //
-// Exactly one of NEURON_ISA_AVX512VNNI, NEURON_ISA_AVX512, NEURON_ISA_AVX2, NEURON_ISA_NEON,
+// Exactly one of NEURON_ISA_AVX512VNNI, NEURON_ISA_AVX512, NEURON_ISA_AVX2VNNI, NEURON_ISA_AVX2, NEURON_ISA_NEON,
 // NEURON_ISA_PORTABLE is defined by the build (setup.py, one extension per level), with the compiler flags that level needs.
 
 #pragma once
@@ -17,6 +17,10 @@
 #if defined(NEURON_ISA_AVX512VNNI)  // AVX-512 with VNNI (vpdpwssd): the AVX-512 level's code, its integer sums fused
 #define NEURON_ISA_AVX512 1
 #define NEURON_ISA_NAME "avx512vnni"
+#endif
+#if defined(NEURON_ISA_AVX2VNNI)  // AVX2 with AVX-VNNI (vpdpwssd on ymm): the AVX2 level's code, its sums fused
+#define NEURON_ISA_AVX2 1
+#define NEURON_ISA_NAME "avx2vnni"
 #endif
 
 #if defined(NEURON_ISA_AVX512) || defined(NEURON_ISA_AVX2)
@@ -89,7 +93,11 @@ inline void group8(const uint8_t* p, V* out) {
 }
 
 #elif defined(NEURON_ISA_AVX2)
+#ifdef NEURON_ISA_NAME
+constexpr const char* NAME = NEURON_ISA_NAME;
+#else
 constexpr const char* NAME = "avx2";
+#endif
 constexpr int W = 8;
 constexpr int REGISTERS = 16;
 using V = __m256;
