@@ -192,3 +192,36 @@ def test_snapshots_through_host_and_disk_and_a_restart_give_what_no_cache_gives(
     assert again == reference
     if not damaged and disk_files >= 30:
         assert cached[0] > 0 and sched.host.states_restored > 0  # the first job restarts from the disk
+
+
+
+def one_by_one(jobs, blocks: int, host: int, snapshots: int, pieces: int, block_size: int = 4):
+    """The jobs one at a time, each to its end before the next arrives; outputs, cached tokens."""
+    async def main():
+        slots = 3
+        sched = Scheduler(max_slots=slots, max_len=256, num_blocks=blocks, block_size=block_size, max_batch_tokens=24,
+                          prefill_chunk=8, cache_key=b"model" if host >= 0 else None, state_slots=slots + snapshots,
+                          state_snapshots=snapshots, snapshot_interval=2 * block_size)
+        sched.use_host(max(host, 0), 3, state_pieces=pieces)
+        device = TieredDevice(block_size, slots + snapshots, pieces)
+        reqs = []
+        for job in jobs:
+            reqs += run_jobs(sched, lambda plan: device.step(plan, sched.take_moves(plan)), [job], 1, 0)
+        return [r.output for r in reqs], [r.cached_tokens for r in reqs]
+    return asyncio.run(main())
+
+
+def test_snapshots_a_session_passed_leave_the_tier_first():
+    """Six sessions of one system prompt, one at a time, each keeping snapshots every 8 tokens of
+    its history, then each back with a new turn. The host tier (80 slots) holds every session's
+    blocks and last snapshots, not also the ones each passed on its way: those go first, and every
+    session comes back to its whole prompt (evicted least recently used, the tier lost the first
+    four sessions' to the later ones' and recomputed theirs from the system prompt)."""
+    rng = random.Random(5)
+    system = [rng.randrange(1, VOCAB) for _ in range(16)]
+    sessions = [system + [rng.randrange(1, VOCAB) for _ in range(24)] for _ in range(6)]
+    jobs = [(s, 4) for s in sessions] + [(s + [7, 8, 9, 10], 4) for s in sessions]
+    reference, _ = one_by_one(jobs, 4096, -1, 1, 2)
+    got, cached = one_by_one(jobs, 30, 80, 2, 2)
+    assert got == reference
+    assert cached[6:] == [40] * 6, cached

@@ -18,7 +18,8 @@ docs/architecture.md#the-host-tier tells the whole story; in short:
   found only there are read where reading is faster than computing them (``tier_choice.py``).
 - A model with recurrent state (``use_states``) keeps its snapshots here too, each as ``pieces``
   slots named by ``state_keys``: copied in early (``note_state``) or as the ranks evict them
-  (``offload_state``, carried by the next step), found by ``state_at`` and taken by ``take_state``.
+  (``offload_state``, carried by the next step), found by ``state_at`` and taken by ``take_state``;
+  one its own sequence has passed (``StateCache.passed``) is the first evicted (``demote``).
 """
 
 from __future__ import annotations
@@ -70,11 +71,18 @@ class HostTier:
         return (self.hits, self.offloaded, self.restored, self.disk_hits, self.disk_written, self.disk_read,
                 self.states_offloaded, self.states_restored, skipped)
 
-    def use_states(self, pieces: int, live, snapshots: int) -> None:
+    def use_states(self, pieces: int, live, snapshots: int, passed=lambda h: False) -> None:
         """Snapshots of ``pieces`` slots each; ``live(slot, h)``: whether the ranks' slot still holds
-        the one after block ``h``; at most ``snapshots`` wait to be copied early."""
-        self.pieces, self._state_live = pieces, live
+        the one after block ``h``; at most ``snapshots`` wait to be copied early; ``passed(h)``:
+        whether it is one to evict first (``demote``)."""
+        self.pieces, self._state_live, self._passed = pieces, live, passed
         self._early_states = deque(maxlen=max(1, snapshots))
+
+    def demote(self, h: bytes) -> None:
+        """The snapshot after block ``h`` goes first when a slot is wanted (``StateCache.passed``)."""
+        for k in state_keys(h, self.pieces):
+            if k in self._by_hash:
+                self._lru.move_to_end(self._by_hash[k], last=False)
 
     def note_state(self, slot: int, h: bytes, block: int = -1) -> None:
         """The ranks keep a snapshot after block ``h`` in ``slot`` (or, with the partial ``block``
@@ -91,7 +99,7 @@ class HostTier:
         held = [self._by_hash[k] for k in keys if k in self._by_hash]
         if len(held) == len(keys):
             for s in held:
-                self._lru.move_to_end(s)
+                self._lru.move_to_end(s, last=not self._passed(h))
             return True
         new = []
         self.pin(held)
@@ -111,6 +119,8 @@ class HostTier:
         self._state_offload += new
         self.offloaded += len(new)
         self.states_offloaded += 1
+        if self._passed(h):
+            self.demote(h)
         return True
 
     def state_at(self, h: bytes) -> bool:
@@ -341,15 +351,12 @@ class HostTier:
         return slot
 
     def pin(self, slots: list[int]) -> None:
-        for s in slots:
-            self._pins[s] = self._pins.get(s, 0) + 1
+        self._pins.update((s, self._pins.get(s, 0) + 1) for s in slots)
 
     def unpin(self, slots: list[int]) -> None:
         for s in slots:
-            left = self._pins[s] - 1
-            if left:
-                self._pins[s] = left
-            else:
+            self._pins[s] -= 1
+            if not self._pins[s]:
                 del self._pins[s]
 
     def take_moves(self, restores: list[tuple[int, int]], room: int = 0, written: frozenset[int] | set[int] = frozenset(),

@@ -225,9 +225,18 @@ class Scheduler(DraftPlanning, HostPlanning):
                 continue
             self._register(req, req.confirmed // bs)
             for at, slot in x.snapshots:
-                self.states.keep(slot, at, req.hashes[at // bs - 1])
+                if self.states.keep(slot, at, req.hashes[at // bs - 1]):
+                    self._kept(req, at, req.hashes[at // bs - 1])
             if closing and req.confirmed >= req.computed:
                 self._close(req)
+
+    def _kept(self, req: GenRequest, at: int, h: bytes) -> None:
+        """``req`` kept a snapshot of its own after ``at`` tokens (block ``h``): the one it kept
+        before at an interval inside its prompt is passed (``StateCache.passed``); one at its
+        prompt's last full block is not (the same prompt again restarts there)."""
+        if req.passing:
+            self.states.passed(req.passing)
+        req.passing = h if at != (len(req.prompt) - 1) // self.blocks.block_size * self.blocks.block_size else b""
 
     def _preempt(self, req: GenRequest, requeue: bool = False) -> None:
         self.running.remove(req)

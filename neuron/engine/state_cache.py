@@ -52,6 +52,8 @@ class Snapshot:
     tail: tuple[int, ...]
     block: int = -1  # the KV block holding the tail's K/V (held while the snapshot lives), or -1
     pins: int = 0
+    used: bool = False  # a sequence has restarted from it
+    passed: bool = False  # its own sequence kept a deeper one inside its prompt, and none restarted here
 
 
 class StateCache:
@@ -78,6 +80,7 @@ class StateCache:
         self.on_keep_tail: list = []
         self.on_evict_tail: list = []
         self._named: dict[bytes, Snapshot] = {}  # end-of-answer snapshots by tail_name
+        self.on_pass: list = []  # told the hash of each snapshot ``passed``
         blocks.on_evict.append(self._block_evicted)
 
     @property
@@ -217,7 +220,22 @@ class StateCache:
 
     def pin(self, snap: Snapshot) -> None:
         snap.pins += 1
+        snap.used, snap.passed = True, False
         self.restored += 1
+
+    def passed(self, parent: bytes) -> None:
+        """The sequence that kept the snapshot after block ``parent`` kept a deeper one inside its
+        prompt since: unless a sequence has restarted from it (a shared prefix, a branch), the tiers
+        below evict it before the snapshots sequences ended at or restarted from."""
+        snap = self._by_key.get((parent, ()))
+        if snap is not None and not snap.used:
+            snap.passed = True
+            for tell in self.on_pass:
+                tell(parent)
+
+    def is_passed(self, h: bytes) -> bool:
+        snap = self._by_key.get((h, ()))
+        return snap is not None and snap.passed
 
     def unpin(self, snap: Snapshot) -> None:
         snap.pins -= 1
