@@ -97,3 +97,14 @@ def tiers_loaded(cfg, handle, oks: dict, state_slots: int) -> tuple[int, int, di
     if host and state_slots:
         tiers["state_pieces"] = max(ok.state_pieces for ok in oks.values())
     return host, RESTORE_BYTES // max(1, *per_block), tiers
+
+
+# Host memory a rank gives back a second at least, its host tier's pages unlocked and unmapped
+# (half what an H200 host did: docs/architecture.md#the-host-tier).
+FREED_BYTES_S = 4e9
+
+
+def leave_s(handle, base: float) -> float:
+    """How long ``handle``'s ranks may take to leave: ``base``, and the time their host tier's
+    memory takes to go back to the host (a rank says bye once it has)."""
+    return base + max(handle.host_bytes, default=0) / FREED_BYTES_S

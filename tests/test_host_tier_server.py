@@ -6,10 +6,13 @@ and that prompt coming back is restored from there and answers exactly as it did
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import httpx
 import pytest
 
 from conftest import DEFAULT_MODEL, json_log, start_server
+from neuron.prefix_tiers import leave_s
 
 TOPICS = ["garden tools and the care of their wooden handles", "the history of the bicycle in northern towns",
           "how a small bakery plans its week of bread", "knots a sailor learns first and why"]
@@ -74,3 +77,10 @@ def test_tp2_pp2_and_tp1_answer_alike_through_the_tier(servers):
     for topic in (TOPICS[1], TOPICS[2]):
         answers = [ask(server, topic)["choices"][0]["token_ids"] for server in servers]
         assert answers[0] == answers[1] == answers[2]
+
+
+def test_ranks_with_a_large_host_tier_get_the_time_to_give_it_back():
+    """Unlocking and unmapping a host tier of tens of GB takes seconds, before a rank says bye: a
+    shutdown or an unload waits for it beyond its usual limit rather than call the rank unclean."""
+    assert leave_s(SimpleNamespace(host_bytes=[]), 5.0) == 5.0
+    assert leave_s(SimpleNamespace(host_bytes=[40e9, 40e9]), 5.0) >= 5.0 + 9.0
