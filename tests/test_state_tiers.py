@@ -225,3 +225,18 @@ def test_snapshots_a_session_passed_leave_the_tier_first():
     got, cached = one_by_one(jobs, 30, 80, 2, 2)
     assert got == reference
     assert cached[6:] == [40] * 6, cached
+
+
+def test_the_ranks_evict_the_snapshots_a_session_passed_first():
+    """No host tier, ten snapshot slots: four sessions one at a time each keep two snapshots they
+    pass on their way and three they end at (their prompt's last block, the prompt's end, the
+    answer's end). Passed ones go first, so each session comes back to its whole prompt (least
+    recently used, none did: the system prompt's snapshot was all that was left of each)."""
+    rng = random.Random(5)
+    system = [rng.randrange(1, VOCAB) for _ in range(16)]
+    sessions = [system + [rng.randrange(1, VOCAB) for _ in range(24)] for _ in range(4)]
+    jobs = [(s, 4) for s in sessions] + [(s + [7, 8, 9, 10], 4) for s in sessions]
+    reference, _ = one_by_one(jobs, 4096, -1, 1, 2)
+    got, cached = one_by_one(jobs, 4096, 0, 10, 2)
+    assert got == reference
+    assert cached[4:] == [40] * 4, cached

@@ -14,6 +14,9 @@ snapshot holds one, the rest are free. Snapshots are kept where reuse is likely:
   partial block after the last full one stays held with it; the next turn copies it into a
   block of its own (``kv_from``) and writes the rest.
 
+A snapshot inside a prompt that its own sequence has passed with a deeper one (``passed``), and
+that no sequence has restarted from, is the first evicted.
+
 A snapshot is keyed by the chain hash of the last full KV block before its point (``parent``:
 that hash names every token before it, the model and the cache salt) and the tokens after that
 block (``tail``, empty at a block boundary). A request finds its longest cached run of full
@@ -230,6 +233,7 @@ class StateCache:
         snap = self._by_key.get((parent, ()))
         if snap is not None and not snap.used:
             snap.passed = True
+            self._lru.move_to_end(snap, last=False)
             for tell in self.on_pass:
                 tell(parent)
 
