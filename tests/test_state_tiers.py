@@ -211,32 +211,32 @@ def one_by_one(jobs, blocks: int, host: int, snapshots: int, pieces: int, block_
     return asyncio.run(main())
 
 
-def test_snapshots_a_session_passed_leave_the_tier_first():
-    """Six sessions of one system prompt, one at a time, each keeping snapshots every 8 tokens of
-    its history, then each back with a new turn. The host tier (80 slots) holds every session's
-    blocks and last snapshots, not also the ones each passed on its way: those go first, and every
-    session comes back to its whole prompt (evicted least recently used, the tier lost the first
-    four sessions' to the later ones' and recomputed theirs from the system prompt)."""
+def returning_sessions(n: int, blocks: int, host: int, snapshots: int) -> list[int]:
+    """``n`` sessions of one 16-token system prompt and 24 tokens of their own, one at a time,
+    then each back with a new turn: the returns' cached tokens (their answers checked against a
+    scheduler without any cache)."""
     rng = random.Random(5)
     system = [rng.randrange(1, VOCAB) for _ in range(16)]
-    sessions = [system + [rng.randrange(1, VOCAB) for _ in range(24)] for _ in range(6)]
+    sessions = [system + [rng.randrange(1, VOCAB) for _ in range(24)] for _ in range(n)]
     jobs = [(s, 4) for s in sessions] + [(s + [7, 8, 9, 10], 4) for s in sessions]
     reference, _ = one_by_one(jobs, 4096, -1, 1, 2)
-    got, cached = one_by_one(jobs, 30, 80, 2, 2)
+    got, cached = one_by_one(jobs, blocks, host, snapshots, 2)
     assert got == reference
-    assert cached[6:] == [40] * 6, cached
+    return cached[n:]
+
+
+def test_snapshots_a_session_passed_leave_the_tier_first():
+    """Six sessions, each keeping snapshots every 8 tokens of its history. The host tier (80 slots)
+    holds every session's blocks and last snapshots, not also the ones each passed on its way:
+    those go first, and every session comes back to its whole prompt (evicted least recently used,
+    the tier lost the first four sessions' to the later ones' and recomputed theirs from the
+    system prompt)."""
+    assert returning_sessions(6, 30, 80, 2) == [40] * 6
 
 
 def test_the_ranks_evict_the_snapshots_a_session_passed_first():
-    """No host tier, ten snapshot slots: four sessions one at a time each keep two snapshots they
-    pass on their way and three they end at (their prompt's last block, the prompt's end, the
-    answer's end). Passed ones go first, so each session comes back to its whole prompt (least
-    recently used, none did: the system prompt's snapshot was all that was left of each)."""
-    rng = random.Random(5)
-    system = [rng.randrange(1, VOCAB) for _ in range(16)]
-    sessions = [system + [rng.randrange(1, VOCAB) for _ in range(24)] for _ in range(4)]
-    jobs = [(s, 4) for s in sessions] + [(s + [7, 8, 9, 10], 4) for s in sessions]
-    reference, _ = one_by_one(jobs, 4096, -1, 1, 2)
-    got, cached = one_by_one(jobs, 4096, 0, 10, 2)
-    assert got == reference
-    assert cached[4:] == [40] * 4, cached
+    """No host tier, ten snapshot slots: four sessions each keep two snapshots they pass on their
+    way and three they end at (their prompt's last block, the prompt's end, the answer's end).
+    Passed ones go first, so each session comes back to its whole prompt (least recently used,
+    none did: the system prompt's snapshot was all that was left of each)."""
+    assert returning_sessions(4, 4096, 0, 10) == [40] * 4
