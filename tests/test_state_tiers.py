@@ -240,3 +240,16 @@ def test_the_ranks_evict_the_snapshots_a_session_passed_first():
     Passed ones go first, so each session comes back to its whole prompt (least recently used,
     none did: the system prompt's snapshot was all that was left of each)."""
     assert returning_sessions(4, 4096, 0, 10) == [40] * 4
+
+
+def test_a_system_prompt_s_deepest_snapshot_outlives_those_passed_before_it():
+    """Three snapshot slots: a first session passes the snapshots inside its 40-token system prompt
+    on its way; the first passed go first, so a second session with the same system prompt still
+    restarts at its end (evicting the most recently passed first, it restarted at 16)."""
+    rng = random.Random(7)
+    system = [rng.randrange(1, VOCAB) for _ in range(40)]
+    jobs = [(system + [rng.randrange(1, VOCAB) for _ in range(16)], 4) for _ in range(2)]
+    reference, _ = one_by_one(jobs, 4096, -1, 1, 2)
+    got, cached = one_by_one(jobs, 4096, 0, 3, 2)
+    assert got == reference
+    assert cached == [0, 40]

@@ -1,25 +1,22 @@
 """The host tier of the prefix cache: which host slot holds which evicted block. Plain Python on the
 leader, as ``blocks`` is: the ranks hold the slots (``runner/host_tier.py``), one block of their
-own share of the K/V each, and move blocks as the steps say (``Step.offload``, ``Step.restore``).
-docs/architecture.md#the-host-tier tells the whole story; in short:
+own share of the K/V each, and move them as the steps say. docs/architecture.md#the-host-tier:
 
-- A block the rank's cache caches is copied into a slot a few a step (``take_moves``) while it
-  stays there too, so its eviction costs no copy; one evicted before its turn is offloaded with
-  the step that hands its block out again, or, evicted while a request takes its blocks
-  (``held_by``), with the step that first writes it (bounded, as that request's chunks are).
-- A prompt whose cached prefix runs on past the rank's cache finds the rest here (``extend``):
-  each block gets a new block of the rank's cache and a restore, and is cached there again once
-  that step has answered. Slots are evicted least recently used first; a slot with a restore still
-  to be sent is pinned. A failed step makes the tier forget everything (``reset``, ``epoch``).
+- A cached block is copied into a slot a few a step (``take_moves``) while the rank's cache keeps
+  it, so its eviction costs no copy; one evicted before its turn is offloaded with the step that
+  hands its block out again, or (``held_by``) with the step that first writes it.
+- A prompt whose cached prefix runs on past the rank's cache finds the rest here (``extend``),
+  restored into new blocks and cached there again once that step has answered. Slots go least
+  recently used first; one with a restore still to be sent is pinned. A failed step makes the
+  tier forget everything (``reset``, ``epoch``).
 - Below it the disk tier (``use_disk``) keeps what the host tier holds, written through
-  (``Step.spill``; a slot evicted before its write is written by the step that reuses it); a
-  block found only there gets a slot and a read (``Step.fetch``), restored once the read's news
-  is in (``news``); a failed read takes it out of both tiers and its requests start again. Blocks
-  found only there are read where reading is faster than computing them (``tier_choice.py``).
+  (``Step.spill``); a block found only there gets a slot and a read (``Step.fetch``), restored
+  once the read's news is in (``news``), where reading is faster than computing (``tier_choice``);
+  a failed read takes it out of both tiers and its requests start again.
 - A model with recurrent state (``use_states``) keeps its snapshots here too, each as ``pieces``
   slots named by ``state_keys``: copied in early (``note_state``) or as the ranks evict them
-  (``offload_state``, carried by the next step), found by ``state_at`` and taken by ``take_state``;
-  one its own sequence has passed (``StateCache.passed``) is the first evicted (``demote``).
+  (``offload_state``), found by ``state_at``, taken by ``take_state``; one its own sequence has
+  passed (``StateCache.passed``) goes before the rest (``demote``).
 """
 
 from __future__ import annotations
@@ -41,6 +38,7 @@ class HostTier:
         self._by_hash: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()
+        self._demoted: OrderedDict[int, None] = OrderedDict()  # slots evicted first (``demote``), in order
         self._pins: dict[int, int] = {}
         self._offload: list[tuple[int, int]] = []
         # block -> (slot, the request holding it, its run): offloads that wait for the block's first write
@@ -79,10 +77,8 @@ class HostTier:
         self._early_states = deque(maxlen=max(1, snapshots))
 
     def demote(self, h: bytes) -> None:
-        """The snapshot after block ``h`` goes first when a slot is wanted (``StateCache.passed``)."""
-        for k in state_keys(h, self.pieces):
-            if k in self._by_hash:
-                self._lru.move_to_end(self._by_hash[k], last=False)
+        """The snapshot after ``h`` goes before the rest, the first demoted first (``StateCache.passed``)."""
+        self._demoted.update((self._by_hash[k], None) for k in state_keys(h, self.pieces) if k in self._by_hash)
 
     def note_state(self, slot: int, h: bytes, block: int = -1) -> None:
         """The ranks keep a snapshot after block ``h`` in ``slot`` (or, with the partial ``block``
@@ -99,7 +95,7 @@ class HostTier:
         held = [self._by_hash[k] for k in keys if k in self._by_hash]
         if len(held) == len(keys):
             for s in held:
-                self._lru.move_to_end(s, last=not self._passed(h))
+                self._lru.move_to_end(s)
             return True
         new = []
         self.pin(held)
@@ -205,6 +201,7 @@ class HostTier:
         """What ``slots`` hold is gone; with ``free`` they are free now."""
         for s in slots:
             del self._by_hash[self._hash_of.pop(s)], self._lru[s]
+            self._demoted.pop(s, None)
         if free:
             self.free(slots)
 
@@ -291,9 +288,12 @@ class HostTier:
             return self._free.popleft()
         # its block goes in with the next step: not yet there
         filling = {s for _, s in self._offload} | {s for _, _, s in self._state_offload}
-        victim = next((s for s in self._lru if s not in self._pins and s not in filling), None)
+        victim = next((s for s in self._demoted if s not in self._pins and s not in filling), None)
+        if victim is None:
+            victim = next((s for s in self._lru if s not in self._pins and s not in filling), None)
         if victim is not None:
             del self._lru[victim]
+            self._demoted.pop(victim, None)
             h = self._hash_of.pop(victim)
             del self._by_hash[h]
             self._to_disk(victim, h)
@@ -348,6 +348,7 @@ class HostTier:
             self._fetch.append((h, slot))
         if slot is not None:
             self._lru.move_to_end(slot)
+            self._demoted.pop(slot, None)
         return slot
 
     def pin(self, slots: list[int]) -> None:
@@ -392,8 +393,8 @@ class HostTier:
     def reset(self) -> None:
         """Forget every slot (a step that failed may have left its moves undone)."""
         self._fresh = 0
-        for kept in (self._free, self._by_hash, self._hash_of, self._lru, self._pins, self._deferred, self._early,
-                     self._early_states, self.fetching):
+        for kept in (self._free, self._by_hash, self._hash_of, self._lru, self._demoted, self._pins, self._deferred,
+                     self._early, self._early_states, self.fetching):
             kept.clear()
         self._offload, self._state_offload, self._spill, self._fetch, self._written_next = [], [], [], [], []
         self.epoch += 1

@@ -84,6 +84,7 @@ class StateCache:
         self.on_evict_tail: list = []
         self._named: dict[bytes, Snapshot] = {}  # end-of-answer snapshots by tail_name
         self.on_pass: list = []  # told the hash of each snapshot ``passed``
+        self._passed: OrderedDict[Snapshot, None] = OrderedDict()  # in the order they were passed
         blocks.on_evict.append(self._block_evicted)
 
     @property
@@ -110,7 +111,8 @@ class StateCache:
         ``last_resort``) one of those kept."""
         if len(self._free) > self.keep_free:
             return self._free.popleft()
-        victim = next((s for s in self._lru if not s.pins), None)
+        victim = next((s for s in self._passed if not s.pins), None) \
+            or next((s for s in self._lru if not s.pins), None)
         if victim is None:
             return self._free.popleft() if last_resort and self._free else None
         self._drop(victim, free=False)
@@ -224,16 +226,18 @@ class StateCache:
     def pin(self, snap: Snapshot) -> None:
         snap.pins += 1
         snap.used, snap.passed = True, False
+        self._passed.pop(snap, None)
         self.restored += 1
 
     def passed(self, parent: bytes) -> None:
         """The sequence that kept the snapshot after block ``parent`` kept a deeper one inside its
-        prompt since: unless a sequence has restarted from it (a shared prefix, a branch), the tiers
-        below evict it before the snapshots sequences ended at or restarted from."""
+        prompt since: unless a sequence has restarted from it (a shared prefix, a branch), it is
+        evicted before the others, the first passed first (a sequence's shallowest), here and in
+        the tiers below."""
         snap = self._by_key.get((parent, ()))
         if snap is not None and not snap.used:
             snap.passed = True
-            self._lru.move_to_end(snap, last=False)
+            self._passed[snap] = None
             for tell in self.on_pass:
                 tell(parent)
 
@@ -265,6 +269,7 @@ class StateCache:
                 tell(snap.slot, name, snap.block)
         del self._by_key[(snap.parent, snap.tail)]
         del self._lru[snap]
+        self._passed.pop(snap, None)
         if snap.tail:
             self._tails[snap.parent].remove(snap)
             if not self._tails[snap.parent]:
