@@ -66,7 +66,7 @@ def serve(jobs, blocks: int, block_size: int, host: int, snapshots: int, pieces:
         device = TieredDevice(block_size, slots + snapshots, pieces)
         reqs = run_jobs(sched, lambda plan: device.step(plan, sched.take_moves(plan)), jobs, in_flight, seed, fail)
         if sched.host is not None:
-            assert not sched.host._pins and not sched._restores
+            assert not sched.host.pool.pins and not sched._restores
         return [r.output for r in reqs], [r.cached_tokens for r in reqs], sched, device
     return asyncio.run(main())
 

@@ -109,7 +109,7 @@ class HostPlanning:
         the partial block of ``tail``, (slot, tokens), never cached under a name), its state slot
         takes the pieces of ``state`` (slot, name) last."""
         partial = [tail[0]] if tail else []
-        self.host.pin([s for s, _ in [*found, *state]] + partial)
+        self.host.pool.pin([s for s, _ in [*found, *state]] + partial)
         first = len(req.blocks)
         req.blocks += self.blocks.allocate(len(found) + len(partial))
         req.hashes = req.hashes + [h for _, h in found]
@@ -129,7 +129,7 @@ class HostPlanning:
 
     def _forget_restores(self, req: GenRequest) -> None:
         if req.restoring:
-            self.host.unpin([s for s, _, _ in req.restoring])
+            self.host.pool.unpin([s for s, _, _ in req.restoring])
             req.restoring = []
 
     def _drain_restores(self, decoding: bool) -> None:
@@ -169,7 +169,7 @@ class HostPlanning:
                                      self.restore_per_step * (1 if self._decoding else 4), written,
                                      not self._decoding,
                                      [(slot, req.states[0], -1 - entry) for req, _, entry, slot, _ in live if entry < 0])
-        self.host.unpin([slot for _, _, _, slot, _ in self._restores])  # once no offload of the step may take them
+        self.host.pool.unpin([slot for _, _, _, slot, _ in self._restores])  # once no offload of the step may take them
         self._restores = []
         moves.cached = [(req, run, entry, h) for req, run, entry, _, h in live if entry >= 0 and h is not None]
         self._moves_out.append(moves)
@@ -193,7 +193,7 @@ class HostPlanning:
             failed = set(self.host.news(fetched, lost))
             for req in [r for r in self.running if failed.intersection(s for s, _, _ in r.restoring)]:
                 self._preempt(req, requeue=True)
-            self.host.free(list(failed))
+            self.host.pool.free.extend(failed)
         moves = self._moves_out.popleft()
         if moves.epoch != self.host.epoch:
             return
@@ -209,6 +209,6 @@ class HostPlanning:
         self._moves_out.popleft()
         for req in [r for r in self.running if r.host_run == r.run]:
             self._preempt(req, requeue=True)
-        self.host.unpin([slot for _, _, _, slot, _ in self._restores])
+        self.host.pool.unpin([slot for _, _, _, slot, _ in self._restores])
         self._restores = []
         self.host.reset()

@@ -1,6 +1,7 @@
 """The host tier of the prefix cache: which host slot holds which evicted block. Plain Python on the
 leader, as ``blocks`` is: the ranks hold the slots (``runner/host_tier.py``), one block of their
-own share of the K/V each, and move them as the steps say. docs/architecture.md#the-host-tier:
+own share of the K/V each, and move them as the steps say; ``host_slots.SlotPool`` keeps their
+names and the order they leave in. docs/architecture.md#the-host-tier:
 
 - A cached block is copied into a slot a few a step (``take_moves``) while the rank's cache keeps
   it, so its eviction costs no copy; one evicted before its turn is offloaded with the step that
@@ -25,6 +26,7 @@ from collections import OrderedDict, deque
 from contextlib import contextmanager
 
 from .blocks import BlockManager, chain_hash
+from .host_slots import SlotPool
 from .tier_choice import ReadOrCompute
 from .tier_moves import Moves, state_keys
 
@@ -33,13 +35,7 @@ class HostTier:
     def __init__(self, slots: int, blocks: BlockManager) -> None:
         self.slots = slots
         self.blocks = blocks
-        self._fresh = 0
-        self._free: deque[int] = deque()
-        self._by_hash: dict[bytes, int] = {}
-        self._hash_of: dict[int, bytes] = {}
-        self._lru: OrderedDict[int, None] = OrderedDict()
-        self._demoted: OrderedDict[int, None] = OrderedDict()  # slots evicted first (``demote``), in order
-        self._pins: dict[int, int] = {}
+        self.pool = SlotPool(slots)
         self._offload: list[tuple[int, int]] = []
         # block -> (slot, the request holding it, its run): offloads that wait for the block's first write
         self._deferred: dict[int, tuple[int, object, int]] = {}
@@ -62,7 +58,7 @@ class HostTier:
 
     @property
     def used(self) -> int:
-        return len(self._hash_of)
+        return self.pool.used
 
     def counts(self) -> tuple[int, ...]:
         skipped = self.choice.skipped if self.disk is not None else 0
@@ -78,7 +74,7 @@ class HostTier:
 
     def demote(self, h: bytes) -> None:
         """The snapshot after ``h`` goes before the rest, the first demoted first (``StateCache.passed``)."""
-        self._demoted.update((self._by_hash[k], None) for k in state_keys(h, self.pieces) if k in self._by_hash)
+        self.pool.demote(self.pool.by_hash[k] for k in state_keys(h, self.pieces) if k in self.pool.by_hash)
 
     def note_state(self, slot: int, h: bytes, block: int = -1) -> None:
         """The ranks keep a snapshot after block ``h`` in ``slot`` (or, with the partial ``block``
@@ -92,25 +88,25 @@ class HostTier:
         if not self.pieces:
             return False
         keys = state_keys(h, self.pieces)
-        held = [self._by_hash[k] for k in keys if k in self._by_hash]
+        held = [self.pool.by_hash[k] for k in keys if k in self.pool.by_hash]
         if len(held) == len(keys):
             for s in held:
-                self._lru.move_to_end(s)
+                self.pool.lru.move_to_end(s)
             return True
         new = []
-        self.pin(held)
+        self.pool.pin(held)
         for j, k in enumerate(keys):
-            if k in self._by_hash:
+            if k in self.pool.by_hash:
                 continue
             got = self._slot()
             if got is None:
                 break
-            self._by_hash[k], self._hash_of[got], self._lru[got] = got, k, None
-            self.pin([got])
+            self.pool.name(got, k)
+            self.pool.pin([got])
             new.append((slot, j, got))
-        self.unpin(held + [s for _, _, s in new])
+        self.pool.unpin(held + [s for _, _, s in new])
         if len(held) + len(new) < len(keys):
-            self.forget([s for _, _, s in new])
+            self.pool.forget([s for _, _, s in new])
             return False
         self._state_offload += new
         self.offloaded += len(new)
@@ -126,7 +122,7 @@ class HostTier:
 
     def has(self, h: bytes) -> bool:
         """Whether the tier holds ``h`` (a block or a piece), or the disk below it, to be read."""
-        return h in self._by_hash or self._on_disk(h)
+        return h in self.pool.by_hash or self._on_disk(h)
 
     def _on_disk(self, h: bytes) -> bool:
         """Whether ``h`` is on disk, to be read (not where computing it again is faster)."""
@@ -177,38 +173,27 @@ class HostTier:
         gone from both tiers: ``free`` them once no request waits for them)."""
         self.choice.landed(fetched)
         for h in fetched:
-            slot = self._by_hash.get(h)
+            slot = self.pool.by_hash.get(h)
             if slot is not None and self.fetching.get(slot) == h:
                 del self.fetching[slot]
-                self.unpin([slot])
+                self.pool.unpin([slot])
                 self.disk_read += 1
         failed = []
         for h in lost:
             if self.disk is not None:
                 self.disk.pop(h, None)
-            slot = self._by_hash.get(h)
+            slot = self.pool.by_hash.get(h)
             if slot is not None and self.fetching.get(slot) == h:
                 del self.fetching[slot]
-                self.unpin([slot])
-                self.forget([slot], free=False)
+                self.pool.unpin([slot])
+                self.pool.forget([slot], free=False)
                 failed.append(slot)
         return failed
 
-    def free(self, slots: list[int]) -> None:
-        self._free.extend(slots)
-
-    def forget(self, slots: list[int], free: bool = True) -> None:
-        """What ``slots`` hold is gone; with ``free`` they are free now."""
-        for s in slots:
-            del self._by_hash[self._hash_of.pop(s)], self._lru[s]
-            self._demoted.pop(s, None)
-        if free:
-            self.free(slots)
-
     def _evicted(self, block: int, h: bytes) -> None:
-        slot = self._by_hash.get(h)
+        slot = self.pool.by_hash.get(h)
         if slot is not None:  # the tier has it already (copied early, or it came back from here)
-            self._lru.move_to_end(slot)
+            self.pool.lru.move_to_end(slot)
             return
         self.copy_block(block, h)
 
@@ -216,11 +201,10 @@ class HostTier:
         slot = self._slot()
         if slot is None:
             return False
-        self._by_hash[h], self._hash_of[slot] = slot, h
-        self._lru[slot] = None
+        self.pool.name(slot, h)
         if self._holder is not None:
             self._deferred[block] = (slot, *self._holder)
-            self.pin([slot])
+            self.pool.pin([slot])
         else:
             self._offload.append((block, slot))
         self.offloaded += 1
@@ -258,7 +242,7 @@ class HostTier:
                     continue
             del self._deferred[block]
             self._offload.append((block, slot))
-            self.unpin([slot])
+            self.pool.unpin([slot])
 
     def _copy_early(self, room: int, idle: bool) -> None:
         """Up to ``room`` cached blocks into the tier ahead of their eviction, oldest first, then
@@ -266,7 +250,7 @@ class HostTier:
         outnumber the room)."""
         while room > 0 and self._early:
             block, h = self._early.popleft()
-            if h in self._by_hash or not self.blocks.holds(block, h):
+            if h in self.pool.by_hash or not self.blocks.holds(block, h):
                 continue  # in the tier already, or gone from the rank's cache (offloaded then)
             if not self.copy_block(block, h):  # no slot free to take now: a later step copies it
                 self._early.appendleft((block, h))
@@ -274,30 +258,22 @@ class HostTier:
             room -= 1
         while self._early_states and (room >= self.pieces or idle and room > 0):
             slot, h, block = self._early_states.popleft()
-            if self._state_live(slot, h) and not (self.state_at(h) and (block < 0 or h in self._by_hash)):
-                if not self.offload_state(slot, h) or block >= 0 and h not in self._by_hash and \
+            if self._state_live(slot, h) and not (self.state_at(h) and (block < 0 or h in self.pool.by_hash)):
+                if not self.offload_state(slot, h) or block >= 0 and h not in self.pool.by_hash and \
                         not self.copy_block(block, h):
                     return
                 room -= self.pieces + (block >= 0)
 
     def _slot(self) -> int | None:
-        if self._fresh < self.slots:
-            self._fresh += 1
-            return self._fresh - 1
-        if self._free:
-            return self._free.popleft()
+        slot = self.pool.unused()
+        if slot is not None:
+            return slot
         # its block goes in with the next step: not yet there
-        filling = {s for _, s in self._offload} | {s for _, _, s in self._state_offload}
-        victim = next((s for s in self._demoted if s not in self._pins and s not in filling), None)
-        if victim is None:
-            victim = next((s for s in self._lru if s not in self._pins and s not in filling), None)
-        if victim is not None:
-            del self._lru[victim]
-            self._demoted.pop(victim, None)
-            h = self._hash_of.pop(victim)
-            del self._by_hash[h]
-            self._to_disk(victim, h)
-        return victim
+        evicted = self.pool.evict({s for _, s in self._offload} | {s for _, _, s in self._state_offload})
+        if evicted is None:
+            return None
+        self._to_disk(*evicted)
+        return evicted[0]
 
     def reach(self, tokens: list[int], limit: int, hashes: list[bytes], key: bytes) -> list[bytes]:
         """The hashes of the blocks that continue the cached prefix ``hashes`` of ``tokens`` (at
@@ -331,34 +307,24 @@ class HostTier:
     def take(self, h: bytes, keep: list[int]) -> int | None:
         """The slot holding ``h`` (a block, or a snapshot's piece): in the tier, or one it is read
         into from disk (no slot of ``keep`` is evicted for it); None where neither can be."""
-        slot = self._by_hash.get(h)
+        slot = self.pool.by_hash.get(h)
         if slot is None and self.disk is not None and h in self.disk:
             self.disk.move_to_end(h)
-            self.pin(keep)
+            self.pool.pin(keep)
             slot = self._slot()
-            self.unpin(keep)
+            self.pool.unpin(keep)
             if slot is not None and h not in self.disk:  # writing the slot's block out pushed h off
-                self._free.append(slot)
+                self.pool.free.append(slot)
                 slot = None
             if slot is None:
                 return None
-            self._by_hash[h], self._hash_of[slot], self._lru[slot] = slot, h, None
+            self.pool.name(slot, h)
             self.fetching[slot] = h
-            self.pin([slot])  # until the read is in
+            self.pool.pin([slot])  # until the read is in
             self._fetch.append((h, slot))
         if slot is not None:
-            self._lru.move_to_end(slot)
-            self._demoted.pop(slot, None)
+            self.pool.touch(slot)
         return slot
-
-    def pin(self, slots: list[int]) -> None:
-        self._pins.update((s, self._pins.get(s, 0) + 1) for s in slots)
-
-    def unpin(self, slots: list[int]) -> None:
-        for s in slots:
-            self._pins[s] -= 1
-            if not self._pins[s]:
-                del self._pins[s]
 
     def take_moves(self, restores: list[tuple[int, int]], room: int = 0, written: frozenset[int] | set[int] = frozenset(),
                    everything: bool = False, state_restores: list[tuple[int, int, int]] = ()) -> Moves:
@@ -367,7 +333,7 @@ class HostTier:
         while the moves number fewer than ``room``, then ``restores`` ((slot, block)) and
         ``state_restores`` ((slot, state slot, piece)) ."""
         for slot, h in self._written_next:  # offloaded by the step before: on the host now
-            if self._hash_of.get(slot) == h:
+            if self.pool.hash_of.get(slot) == h:
                 self._to_disk(slot, h)
         self._due(restores, written, everything)
         self._copy_early(room - len(self._offload) - len(self._state_offload) - len(restores) - len(state_restores),
@@ -375,7 +341,7 @@ class HostTier:
         moves = Moves(self._offload, restores, epoch=self.epoch, spill=self._spill, fetch=self._fetch, drop=self._drop,
                       state_offload=self._state_offload, state_restore=list(state_restores))
         written = [*(s for _, s in self._offload), *(s for _, _, s in self._state_offload)]
-        self._written_next = [(slot, self._hash_of[slot]) for slot in written] if self.disk is not None else []
+        self._written_next = [(slot, self.pool.hash_of[slot]) for slot in written] if self.disk is not None else []
         if self._fetch:
             self.choice.sent([h for h, _ in self._fetch])
         self._offload, self._spill, self._fetch, self._drop, self._state_offload = [], [], [], [], []
@@ -392,9 +358,8 @@ class HostTier:
 
     def reset(self) -> None:
         """Forget every slot (a step that failed may have left its moves undone)."""
-        self._fresh = 0
-        for kept in (self._free, self._by_hash, self._hash_of, self._lru, self._demoted, self._pins, self._deferred,
-                     self._early, self._early_states, self.fetching):
+        self.pool.reset()
+        for kept in (self._deferred, self._early, self._early_states, self.fetching):
             kept.clear()
         self._offload, self._state_offload, self._spill, self._fetch, self._written_next = [], [], [], [], []
         self.epoch += 1
