@@ -60,21 +60,26 @@ class HostPlanning:
         chain = hashes + (self.host.reach(tokens, limit, hashes, key) if self.host is not None else [])
         found = self.states.find(tokens, limit, chain, key)
         depth, snap = found if found else (0, None)
-        state, tail = [], None
+        options = []  # the tier's restart points past the ranks', deepest first: (depth, tail tokens, name)
         if self.host is not None and self.host.pieces:
             tail = self._tier_tail(tokens, limit, chain, key, snap.position if snap is not None else depth * bs)
-            deeper = 0 if tail is not None else \
-                next((d for d in range(len(chain), depth, -1) if self.host.state_at(chain[d - 1])), 0)
-            if tail is not None:
-                depth, snap, state, tail = len(chain), None, tail[2], tail[:2]
-            elif deeper:
-                state = self.host.take_state(chain[deeper - 1])
-                if state:
-                    depth, snap = deeper, None
-        own = min(len(hits), depth)
-        keep = [s for s, _ in state] + ([tail[0]] if tail else [])
-        tiered = self.host.extend(tokens, depth * bs, hashes[:own], key, keep) if depth > own else []
-        if own + len(tiered) < depth:  # the tier could not give them all: the ranks' own snapshots only
+            options = ([(len(chain), tail[1], tail[0])] if tail else []) + \
+                [(d, 0, chain[d - 1]) for d in range(len(chain), depth, -1) if self.host.state_at(chain[d - 1])]
+        for d, n, name in options + [(depth, 0, None)]:  # the first whose slots the tier can give
+            if name is not None and self.host.pieces + bool(n) + d - min(len(hits), d) > \
+                    self.host.slots - len(self.host.pool.pins):
+                continue  # more slots at once than the tier has unpinned: taking them would read some in vain
+            state = self.host.take_state(name) if name is not None else []
+            partial = self.host.take(name, [s for s, _ in state]) if n and state else None
+            if name is not None and (not state or n and partial is None):
+                continue
+            own = min(len(hits), d)
+            keep = [s for s, _ in state] + ([partial] if n else [])
+            tiered = self.host.extend(tokens, d * bs, hashes[:own], key, keep) if d > own else []
+            if own + len(tiered) == d:
+                depth, snap, tail = d, snap if name is None else None, (partial, n) if n else None
+                break
+        else:  # not even the ranks' snapshot's blocks: the ranks' own snapshots only
             found = self.states.find(tokens, limit, hashes, key)
             (own, snap), state, tiered, tail = found if found else (0, None), [], [], None
             depth = own
@@ -85,15 +90,13 @@ class HostPlanning:
     def _tier_tail(self, tokens: list[int], limit: int, chain: list[bytes], key: bytes, reached: int):
         """An end-of-answer snapshot in the tier past ``reached`` tokens, on the last block of
         ``chain`` (where a chat's next turn finds one: its blocks end where the last turn's full
-        blocks did): (slot of its partial block, its tokens, its pieces' (slot, name)), or None."""
+        blocks did): (its name, its tokens past the block), or None."""
         bs, d = self.blocks.block_size, len(chain)
         parent = chain[-1] if chain else self.states.root(key)
         for n in range(min(bs - 1, limit - d * bs), max(0, reached - d * bs), -1):
             name = tail_name(parent, tokens[d * bs: d * bs + n])
             if self.host.has(name) and self.host.state_at(name):
-                pieces = self.host.take_state(name)
-                slot = self.host.take(name, [s for s, _ in pieces]) if pieces else None
-                return (slot, n, pieces) if slot is not None else None
+                return name, n
         return None
 
     def _tail_evicted(self, slot: int, name: bytes, block: int) -> None:
@@ -103,13 +106,22 @@ class HostPlanning:
             if not self.host.has(name):
                 self.host.copy_block(block, name)
 
+    def _hold_tiered(self, found: list[tuple[int, bytes]], state: list[tuple[int, bytes]] = (),
+                     tail: tuple[int, int] | None = None) -> list[int]:
+        """Pin the tier's slots a request being admitted found (``_from_host``'s arguments) from now
+        on: taking its state slot may evict one of the ranks' snapshots into the tier, which must
+        not reuse them. The slots pinned (unpinned by the caller if it is not admitted after all)."""
+        held = [s for s, _ in [*found, *state]] + ([tail[0]] if tail else [])
+        if held:
+            self.host.pool.pin(held)
+        return held
+
     def _from_host(self, req: GenRequest, found: list[tuple[int, bytes]], state: list[tuple[int, bytes]] = (),
                    tail: tuple[int, int] | None = None) -> None:
         """``req``'s table goes on with new blocks for the ``found`` (slot, hash) of the tier (and
         the partial block of ``tail``, (slot, tokens), never cached under a name), its state slot
-        takes the pieces of ``state`` (slot, name) last."""
+        takes the pieces of ``state`` (slot, name) last: their slots pinned (``_hold_tiered``)."""
         partial = [tail[0]] if tail else []
-        self.host.pool.pin([s for s, _ in [*found, *state]] + partial)
         first = len(req.blocks)
         req.blocks += self.blocks.allocate(len(found) + len(partial))
         req.hashes = req.hashes + [h for _, h in found]

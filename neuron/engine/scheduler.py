@@ -93,11 +93,13 @@ class Scheduler(DraftPlanning, HostPlanning):
             elif self.host is not None:  # the cached prefix may run on in the host tier
                 tiered = self.host.extend(tokens, len(tokens) - 1, hashes, self.blocks.key(req.cache_salt))
                 start += len(tiered) * self.blocks.block_size
+            held = self._hold_tiered(tiered, state, tail)
             need = self.blocks.blocks_for(len(tokens)) - len(hits) + self.blocks.revived(hits)
             # Keep a block in hand for each running sequence, which may cross into a new one next.
-            if need > self.blocks.free_count - len(self.running):
-                break
-            if self.states.num_slots and self.states.free_count <= (snap is not None and not snap.pins):
+            if need > self.blocks.free_count - len(self.running) or \
+                    self.states.num_slots and self.states.free_count <= (snap is not None and not snap.pins):
+                if held:
+                    self.host.pool.unpin(held)
                 break
             self.waiting.pop(req)
             running[req.principal] += 1
