@@ -73,7 +73,7 @@ def serve(jobs, blocks: int, block_size: int, host: int, snapshots: int, pieces:
     return asyncio.run(main())
 
 
-@settings(max_examples=60, deadline=None, derandomize=True)
+@settings(max_examples=200, deadline=None, derandomize=True)
 @given(
     prefixes=st.lists(st.lists(st.integers(1, VOCAB - 1), min_size=3, max_size=40), min_size=1, max_size=3),
     picks=st.lists(st.tuples(st.integers(0, 2), st.lists(st.integers(1, VOCAB - 1), max_size=6),
@@ -169,7 +169,7 @@ def run_disk(jobs, disk: dict, blocks: int, host: int, disk_files: int, pieces: 
     return asyncio.run(main())
 
 
-@settings(max_examples=40, deadline=None, derandomize=True)
+@settings(max_examples=200, deadline=None, derandomize=True)
 @given(
     picks=st.lists(st.tuples(st.integers(0, 2), st.lists(st.integers(1, VOCAB - 1), max_size=5),
                              st.integers(1, 6)), min_size=2, max_size=8),
