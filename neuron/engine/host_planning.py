@@ -60,12 +60,7 @@ class HostPlanning:
         chain = hashes + (self.host.reach(tokens, limit, hashes, key) if self.host is not None else [])
         found = self.states.find(tokens, limit, chain, key)
         depth, snap = found if found else (0, None)
-        options = []  # the tier's restart points past the ranks', deepest first: (depth, tail tokens, name)
-        if self.host is not None and self.host.pieces:
-            tail = self._tier_tail(tokens, limit, chain, key, snap.position if snap is not None else depth * bs)
-            options = ([(len(chain), tail[1], tail[0])] if tail else []) + \
-                [(d, 0, chain[d - 1]) for d in range(len(chain), depth, -1) if self.host.state_at(chain[d - 1])]
-        for d, n, name in options + [(depth, 0, None)]:  # the first whose slots the tier can give
+        for d, n, name in self._restart_options(tokens, limit, chain, key, depth, snap):
             if name is not None and self.host.pieces + bool(n) + d - min(len(hits), d) > \
                     self.host.slots - len(self.host.pool.pins):
                 continue  # more slots at once than the tier has unpinned: taking them would read some in vain
@@ -86,6 +81,20 @@ class HostPlanning:
         start = snap.position if snap is not None else depth * bs + (tail[1] if tail else 0) if state else 0
         self.blocks.hits += start - counted - len(tiered) * bs  # _from_host counts the tier's blocks
         return hits[:own], hashes[:own], start, snap, tiered, state, tail
+
+    def _restart_options(self, tokens: list[int], limit: int, chain: list[bytes], key: bytes, depth: int, snap):
+        """Where ``_restart_point`` may restart, deepest first, each looked up only once the one
+        before could not be had: the tier's end-of-answer snapshot, its boundary snapshots past
+        the ranks' (at ``depth`` blocks, ``snap``), then the ranks'. (depth, tail tokens, name or None)."""
+        if self.host is not None and self.host.pieces:
+            reached = snap.position if snap is not None else depth * self.blocks.block_size
+            tail = self._tier_tail(tokens, limit, chain, key, reached)
+            if tail is not None:
+                yield len(chain), tail[1], tail[0]
+            for d in range(len(chain), depth, -1):
+                if self.host.state_at(chain[d - 1]):
+                    yield d, 0, chain[d - 1]
+        yield depth, 0, None
 
     def _tier_tail(self, tokens: list[int], limit: int, chain: list[bytes], key: bytes, reached: int):
         """An end-of-answer snapshot in the tier past ``reached`` tokens, on the last block of
