@@ -104,7 +104,7 @@ def tiers_loaded(cfg, handle, oks: dict, state_slots: int) -> tuple[int, int, di
 FREED_BYTES_S = 4e9
 
 
-def leave_s(handle, base: float) -> float:
-    """How long ``handle``'s ranks may take to leave: ``base``, and the time their host tier's
-    memory takes to go back to the host (a rank says bye once it has)."""
-    return base + max(handle.host_bytes, default=0) / FREED_BYTES_S
+def leave_s(host_bytes: list[int], base: float) -> float:
+    """How long a model's ranks, whose host tiers hold ``host_bytes`` each, may take to leave:
+    ``base``, and the time that memory takes to go back to the host (a rank says bye once it has)."""
+    return base + max(host_bytes, default=0) / FREED_BYTES_S

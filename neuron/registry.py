@@ -321,7 +321,7 @@ class Registry:
         await handle.engine.stop()
         self._forget(handle)
         if handle.group is not None:
-            await handle.group.shutdown(timeout=leave_s(handle, 10.0))
+            await handle.group.shutdown(timeout=leave_s(handle.host_bytes, 10.0))
         log.info("%s unloaded", model_id)
         return "load_cancelled" if cancelled_load else "unloaded"
 
@@ -353,7 +353,7 @@ class Registry:
             handle.engine.detach("the server is shutting down", "shutting_down")
             await handle.engine.stop()
             if handle.group is not None:
-                await handle.group.shutdown(timeout=leave_s(handle, 5.0))
+                await handle.group.shutdown(timeout=leave_s(handle.host_bytes, 5.0))
         self._close()
 
     def kill_all(self) -> None:
