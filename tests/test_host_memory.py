@@ -1,10 +1,11 @@
 """The CPU rank's large zeroed buffers (its KV cache): zeros that cost memory only once written,
-and refused up front when the host has not the memory for them."""
+and refused up front when the host has not the memory for them; a host tier's, faulted in at
+once before they are page-locked."""
 
 import pytest
 import torch
 
-from neuron.runner.host_memory import available_bytes, zeroed
+from neuron.runner.host_memory import available_bytes, fault_in, zeroed
 
 
 def _rss() -> int:
@@ -27,3 +28,13 @@ def test_a_buffer_larger_than_the_memory_available_is_refused_by_name():
     too_big = available_bytes() // 4 + (1 << 30)  # float32 elements: more bytes than are available
     with pytest.raises(torch.OutOfMemoryError, match="the KV cache needs .* GiB available: lower max_slots"):
         zeroed((too_big,), torch.device("cpu"), torch.float32, "KV cache")
+
+
+def test_faulting_a_buffer_in_takes_all_its_pages_keeps_its_zeros_and_the_threads():
+    t = zeroed((256, 1024, 1024), torch.device("cpu"), torch.uint8, "test buffer")  # 256 MiB
+    threads = torch.get_num_threads()
+    before = _rss()
+    fault_in(t)
+    assert _rss() - before > 240 << 20
+    assert not t[::4096].any() and not t[-1].any()
+    assert torch.get_num_threads() == threads

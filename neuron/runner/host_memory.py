@@ -64,6 +64,7 @@ class Pinned:
         nbytes = self.tensor.numel() * self.tensor.element_size()
         self._unlock = None
         if nbytes:
+            fault_in(self.tensor)
             cudart = torch.cuda.cudart()
             err = int(cudart.cudaHostRegister(self.tensor.data_ptr(), nbytes, 0))
             if err:
@@ -76,6 +77,20 @@ class Pinned:
         """Unlock the pages (the tensor stays usable as plain memory)."""
         if self._unlock is not None:
             self._unlock()
+
+
+def fault_in(tensor: torch.Tensor) -> None:
+    """Every page of ``tensor`` taken from the kernel now, by as many threads as the host has
+    cores: cudaHostRegister (like mlock) faults in what is missing on one thread, which is most of
+    its time."""
+    import os
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(threads, os.cpu_count() or 1))
+    try:
+        tensor.zero_()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def clear_cuda_error() -> None:
