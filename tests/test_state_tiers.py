@@ -218,51 +218,71 @@ def staged_from_disk(disk: dict, prompt: list[int], pieces: int, host: int, bs: 
 
 
 
+class OneByOne:
+    """A scheduler (its host tier ``host`` slots; -1: no cache at all) on the tiered device, each
+    job it is given run to its end before the next arrives."""
+
+    def __init__(self, blocks: int, host: int, snapshots: int, pieces: int, block_size: int = 4) -> None:
+        slots = 3
+        self.sched = Scheduler(max_slots=slots, max_len=256, num_blocks=blocks, block_size=block_size,
+                               max_batch_tokens=24, prefill_chunk=8, cache_key=b"model" if host >= 0 else None,
+                               state_slots=slots + snapshots, state_snapshots=snapshots,
+                               snapshot_interval=2 * block_size)
+        self.sched.use_host(max(host, 0), 3, state_pieces=pieces)
+        self.device = TieredDevice(block_size, slots + snapshots, pieces)
+
+    def __call__(self, job):
+        sched = self.sched
+        return run_jobs(sched, lambda plan: self.device.step(plan, sched.take_moves(plan)), [job], 1, 0)[0]
+
+
 def one_by_one(jobs, blocks: int, host: int, snapshots: int, pieces: int, block_size: int = 4):
     """The jobs one at a time, each to its end before the next arrives; outputs, cached tokens."""
     async def main():
-        slots = 3
-        sched = Scheduler(max_slots=slots, max_len=256, num_blocks=blocks, block_size=block_size, max_batch_tokens=24,
-                          prefill_chunk=8, cache_key=b"model" if host >= 0 else None, state_slots=slots + snapshots,
-                          state_snapshots=snapshots, snapshot_interval=2 * block_size)
-        sched.use_host(max(host, 0), 3, state_pieces=pieces)
-        device = TieredDevice(block_size, slots + snapshots, pieces)
-        reqs = []
-        for job in jobs:
-            reqs += run_jobs(sched, lambda plan: device.step(plan, sched.take_moves(plan)), [job], 1, 0)
+        serve = OneByOne(blocks, host, snapshots, pieces, block_size)
+        reqs = [serve(job) for job in jobs]
         return [r.output for r in reqs], [r.cached_tokens for r in reqs]
     return asyncio.run(main())
 
 
-def returning_sessions(n: int, blocks: int, host: int, snapshots: int) -> list[int]:
-    """``n`` sessions of one 16-token system prompt and 24 tokens of their own, one at a time,
-    then each back with a new turn: the returns' cached tokens (their answers checked against a
-    scheduler without any cache)."""
+def chats(n: int, rounds: int, blocks: int, host: int, snapshots: int) -> list[list[int]]:
+    """``n`` chats of one 16-token system prompt and 24 tokens of their own, one at a time, then
+    ``rounds`` times each back in turn as a chat client sends it (the whole chat so far, its
+    answer included, and a new message): each round of returns' cached tokens, the answers
+    checked against a scheduler without any cache."""
     rng = random.Random(5)
     system = [rng.randrange(1, VOCAB) for _ in range(16)]
-    sessions = [system + [rng.randrange(1, VOCAB) for _ in range(24)] for _ in range(n)]
-    jobs = [(s, 4) for s in sessions] + [(s + [7, 8, 9, 10], 4) for s in sessions]
-    reference, _ = one_by_one(jobs, 4096, -1, 1, 2)
-    got, cached = one_by_one(jobs, blocks, host, snapshots, 2)
-    assert got == reference
-    return cached[n:]
+    prompts = [system + [rng.randrange(1, VOCAB) for _ in range(24)] for _ in range(n)]
+
+    async def main(prompts):
+        plain, cached = OneByOne(4096, -1, 1, 2), OneByOne(blocks, host, snapshots, 2)
+        hits = []
+        for r in range(rounds + 1):
+            want = [plain((p, 4)).output for p in prompts]
+            got = [cached((p, 4)) for p in prompts]
+            assert [g.output for g in got] == want
+            hits.append([g.cached_tokens for g in got])
+            prompts = [p + w + [7 + r, 8, 9, 10] for p, w in zip(prompts, want)]
+        return hits[1:]
+    return asyncio.run(main(prompts))
 
 
-def test_snapshots_a_session_passed_leave_the_tier_first():
-    """Six sessions, each keeping snapshots every 8 tokens of its history. The host tier (80 slots)
-    holds every session's blocks and last snapshots, not also the ones each passed on its way:
-    those go first, and every session comes back to its whole prompt (evicted least recently used,
-    the tier lost the first four sessions' to the later ones' and recomputed theirs from the
-    system prompt)."""
-    assert returning_sessions(6, 30, 80, 2) == [40] * 6
+def test_snapshots_a_chat_passed_leave_the_tier_first():
+    """Six chats, each keeping snapshots every 8 tokens of its history. The host tier (80 slots)
+    holds every chat's blocks and last snapshot, not also the ones each passed on its way: those
+    go first, and every chat comes back to the whole of its first turn (least recently used first,
+    every chat restarted at the end of the system prompt; passing only the snapshots a chat kept
+    inside its prompt, the third to fifth did)."""
+    assert chats(6, 1, 30, 80, 2) == [[43] * 6]
 
 
-def test_the_ranks_evict_the_snapshots_a_session_passed_first():
-    """No host tier, ten snapshot slots: four sessions each keep two snapshots they pass on their
-    way and three they end at (their prompt's last block, the prompt's end, the answer's end).
-    Passed ones go first, so each session comes back to its whole prompt (least recently used,
-    none did: the system prompt's snapshot was all that was left of each)."""
-    assert returning_sessions(4, 4096, 0, 10) == [40] * 4
+def test_a_chat_passes_the_snapshot_it_started_from():
+    """No host tier, six snapshot slots, four chats of four turns: each turn starts at the end of
+    the last one's answer and keeps its own prompt's last block and answer's end past it. The
+    snapshot it started from and the one at its prompt's last block are passed, so the ranks hold
+    each chat's latest end and every turn finds its whole history (passing only the snapshots a
+    chat kept inside its prompt, or none, every turn restarted at the end of the system prompt)."""
+    assert chats(4, 3, 4096, 0, 6) == [[43] * 4, [51] * 4, [59] * 4]
 
 
 def test_a_system_prompt_s_deepest_snapshot_outlives_those_passed_before_it():

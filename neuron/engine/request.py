@@ -31,7 +31,8 @@ class GenRequest:
     states: list[int] = field(default_factory=list)  # its state slot, for a model with recurrent layers
     restore: Any = None  # the state snapshot (state_cache.Snapshot) its first step starts from, pinned
     snapshot_floor: int = 0  # where its state started (snapshots are taken past it)
-    passing: bytes = b""  # the block its last snapshot at an interval inside its prompt follows
+    passing: bytes = b""  # the snapshot it passes when it keeps a deeper one: its own last, by name
+    passing_start: bool = False  # ... or the one it started from (``StateCache.passed``)
     blocks: list[int] = field(default_factory=list)  # its KV-cache block table
     sent_blocks: int = 0  # entries of ``blocks`` the ranks have been sent
     computed: int = 0  # tokens in the KV cache, or on their way in a step in flight

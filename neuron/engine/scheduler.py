@@ -28,7 +28,7 @@ from .draft_planning import DEVICE_TOKEN, DraftPlanning
 from .planned import Planned
 from .request import GenRequest
 from .speculative import DraftPolicy, Speculation, may_draft
-from .state_cache import StateCache
+from .state_cache import StateCache, tail_name
 from .step_budget import StepBudget, prompt_takes
 
 
@@ -118,6 +118,9 @@ class Scheduler(DraftPlanning, HostPlanning):
                 self.blocks.grow(req.blocks, len(tokens))
             req.sent_blocks = 0
             req.computed = req.confirmed = req.snapshot_floor = start
+            if self.states.num_slots and start % self.states.interval:  # an earlier turn's end, say
+                parent, tail = self._point(req, start)
+                req.passing, req.passing_start = tail_name(parent, tail) if tail else parent, True
             if not req.preempted:
                 req.cached_tokens = req.computed
             req.order = next(self._order)
@@ -175,13 +178,22 @@ class Scheduler(DraftPlanning, HostPlanning):
         far (the next turn of a chat starts there), its full blocks are cached, and its partial
         last block stays with the snapshot."""
         self.closing.discard(req)
-        bs, n = self.blocks.block_size, req.computed
-        self._register(req, n // bs)
-        full = n // bs
-        tail = tuple(req.keyed()[full * bs: n])
-        parent = req.hashes[full - 1] if full else self.states.root(self.blocks.key(req.cache_salt))
-        self.states.keep(req.states.pop(), n, parent, tail, req.blocks[full] if tail else -1, running=True)
+        n = req.computed
+        self._register(req, n // self.blocks.block_size)
+        parent, tail = self._point(req, n)
+        self.states.keep(req.states.pop(), n, parent, tail, req.blocks[n // self.blocks.block_size] if tail else -1,
+                         running=True)
+        if req.passing:
+            self.states.passed(req.passing, req.passing_start)
+            req.passing = b""
         self._drop(req)
+
+    def _point(self, req: GenRequest, n: int) -> tuple[bytes, tuple[int, ...]]:
+        """What keys a snapshot after ``req``'s first ``n`` tokens: the hash of its last full block
+        (cached), and the tokens past it."""
+        full = n // self.blocks.block_size
+        parent = req.hashes[full - 1] if full else self.states.root(self.blocks.key(req.cache_salt))
+        return parent, tuple(req.keyed()[full * self.blocks.block_size: n])
 
     def _unpin(self, req: GenRequest) -> None:
         if req.restore is not None:
@@ -233,12 +245,12 @@ class Scheduler(DraftPlanning, HostPlanning):
                 self._close(req)
 
     def _kept(self, req: GenRequest, at: int, h: bytes) -> None:
-        """``req`` kept a snapshot of its own after ``at`` tokens (block ``h``): the one it kept
-        before at an interval inside its prompt is passed (``StateCache.passed``); one at its
-        prompt's last full block is not (the same prompt again restarts there)."""
+        """``req`` kept a snapshot of its own after ``at`` tokens (block ``h``) inside its prompt:
+        the one before it is passed (``StateCache.passed``); so is this one when ``req`` ends with
+        its answer's (``_close``)."""
         if req.passing:
-            self.states.passed(req.passing)
-        req.passing = h if at != (len(req.prompt) - 1) // self.blocks.block_size * self.blocks.block_size else b""
+            self.states.passed(req.passing, req.passing_start)
+        req.passing, req.passing_start = h, False
 
     def _preempt(self, req: GenRequest, requeue: bool = False) -> None:
         self.running.remove(req)

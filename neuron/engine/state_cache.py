@@ -14,8 +14,12 @@ snapshot holds one, the rest are free. Snapshots are kept where reuse is likely:
   partial block after the last full one stays held with it; the next turn copies it into a
   block of its own (``kv_from``) and writes the rest.
 
-A snapshot inside a prompt that its own sequence has passed with a deeper one (``passed``), and
-that no sequence has restarted from, is the first evicted.
+A snapshot a sequence has gone past is **passed** and evicted first (``passed``): one it kept
+inside its prompt, once it keeps a deeper one (unless a sequence has restarted from it: a shared
+system prompt); and one it started from that is not at a multiple of ``interval`` (an earlier
+turn's end, a prompt's last block), once it keeps one past it. A chat's next turn starts at the
+end of the last one and keeps its own end, so each conversation holds one snapshot that is not
+passed, its latest.
 
 A snapshot is keyed by the chain hash of the last full KV block before its point (``parent``:
 that hash names every token before it, the model and the cache salt) and the tokens after that
@@ -56,7 +60,7 @@ class Snapshot:
     block: int = -1  # the KV block holding the tail's K/V (held while the snapshot lives), or -1
     pins: int = 0
     used: bool = False  # a sequence has restarted from it
-    passed: bool = False  # its own sequence kept a deeper one inside its prompt, and none restarted here
+    passed: bool = False  # a sequence went past it (``StateCache.passed``)
 
 
 class StateCache:
@@ -83,7 +87,7 @@ class StateCache:
         self.on_keep_tail: list = []
         self.on_evict_tail: list = []
         self._named: dict[bytes, Snapshot] = {}  # end-of-answer snapshots by tail_name
-        self.on_pass: list = []  # told the hash of each snapshot ``passed``
+        self.on_pass: list = []  # told the name of each snapshot ``passed``
         self._passed: OrderedDict[Snapshot, None] = OrderedDict()  # in the order they were passed
         blocks.on_evict.append(self._block_evicted)
 
@@ -229,20 +233,23 @@ class StateCache:
         self._passed.pop(snap, None)
         self.restored += 1
 
-    def passed(self, parent: bytes) -> None:
-        """The sequence that kept the snapshot after block ``parent`` kept a deeper one inside its
-        prompt since: unless a sequence has restarted from it (a shared prefix, a branch), it is
-        evicted before the others, the first passed first (a sequence's shallowest), here and in
-        the tiers below."""
-        snap = self._by_key.get((parent, ()))
-        if snap is not None and not snap.used:
+    def passed(self, name: bytes, started: bool = False) -> None:
+        """A sequence kept a snapshot deeper than the one ``name`` names (the one after the block
+        hashed ``name``, or the end-of-answer one ``tail_name`` names so), which it kept itself or,
+        with ``started``, started from: that one is evicted before the others, the first passed
+        first, here and in the tiers below. One it kept itself stays as it is if a sequence has
+        restarted from it (a shared prefix, a branch)."""
+        snap = self._by_key.get((name, ())) or self._named.get(name)
+        if snap is not None and (started or not snap.used):
             snap.passed = True
             self._passed[snap] = None
-            for tell in self.on_pass:
-                tell(parent)
+        elif not started:
+            return
+        for tell in self.on_pass:
+            tell(name)
 
-    def is_passed(self, h: bytes) -> bool:
-        snap = self._by_key.get((h, ()))
+    def is_passed(self, name: bytes) -> bool:
+        snap = self._by_key.get((name, ())) or self._named.get(name)
         return snap is not None and snap.passed
 
     def unpin(self, snap: Snapshot) -> None:
