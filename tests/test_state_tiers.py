@@ -285,6 +285,16 @@ def test_a_chat_passes_the_snapshot_it_started_from():
     assert chats(4, 3, 4096, 0, 6) == [[43] * 4, [51] * 4, [59] * 4]
 
 
+def test_a_system_prompt_s_snapshot_outlives_while_chats_restart_past_it():
+    """Six chats of four turns, the tier too small for their last turns: a turn that cannot have
+    its whole history still restarts at the end of the system prompt. Restarts past it keep its
+    snapshot as recently used as themselves (without, the chats that found their whole history
+    for two turns let it age out, and four of the last turns started from nothing)."""
+    rounds = chats(6, 3, 30, 80, 2)
+    assert rounds[:2] == [[43] * 6, [51] * 6]
+    assert min(rounds[2]) == 16
+
+
 def test_a_system_prompt_s_deepest_snapshot_outlives_those_passed_before_it():
     """Three snapshot slots: a first session passes the snapshots inside its 40-token system prompt
     on its way; the first passed go first, so a second session with the same system prompt still

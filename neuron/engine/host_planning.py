@@ -39,6 +39,7 @@ class HostPlanning:
             if state_pieces:
                 self.host.use_states(state_pieces, self.states.holds, self.states.num_slots, self.states.is_passed)
                 self.states.on_pass.append(self.host.demote)
+                self.states.on_touch.append(self.host.touch_state)
                 self.states.on_keep.append(self.host.note_state)
                 self.states.on_evict.append(self.host.offload_state)
                 self.states.on_keep_tail.append(self.host.note_state)

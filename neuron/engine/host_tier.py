@@ -76,6 +76,12 @@ class HostTier:
         """The snapshot after ``h`` goes before the rest, the first demoted first (``StateCache.passed``)."""
         self.pool.demote(self.pool.by_hash[k] for k in state_keys(h, self.pieces) if k in self.pool.by_hash)
 
+    def touch_state(self, h: bytes) -> None:
+        """The snapshot after ``h`` was just used (``StateCache.touch_path``): it leaves last."""
+        for k in state_keys(h, self.pieces):
+            if k in self.pool.by_hash:
+                self.pool.touch(self.pool.by_hash[k])
+
     def note_state(self, slot: int, h: bytes, block: int = -1) -> None:
         """The ranks keep a snapshot after block ``h`` in ``slot`` (or, with the partial ``block``
         it hangs on, one named ``h`` by ``tail_name``): copied in when a step has room."""

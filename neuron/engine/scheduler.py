@@ -118,9 +118,13 @@ class Scheduler(DraftPlanning, HostPlanning):
                 self.blocks.grow(req.blocks, len(tokens))
             req.sent_blocks = 0
             req.computed = req.confirmed = req.snapshot_floor = start
-            if self.states.num_slots and start % self.states.interval:  # an earlier turn's end, say
+            if self.states.num_slots and start:
                 parent, tail = self._point(req, start)
-                req.passing, req.passing_start = tail_name(parent, tail) if tail else parent, True
+                if start % self.states.interval:  # an earlier turn's end, say
+                    req.passing, req.passing_start = tail_name(parent, tail) if tail else parent, True
+                else:  # a prefix others may share
+                    self.states.share(parent)
+                self.states.touch_path(req.hashes[: start // self.blocks.block_size])
             if not req.preempted:
                 req.cached_tokens = req.computed
             req.order = next(self._order)

@@ -19,7 +19,8 @@ inside its prompt, once it keeps a deeper one (unless a sequence has restarted f
 system prompt); and one it started from that is not at a multiple of ``interval`` (an earlier
 turn's end, a prompt's last block), once it keeps one past it. A chat's next turn starts at the
 end of the last one and keeps its own end, so each conversation holds one snapshot that is not
-passed, its latest.
+passed, its latest. A snapshot restarted from at a multiple of ``interval`` (a shared system
+prompt's) is kept as recently used as the deepest restart past it (``share``, ``touch_path``).
 
 A snapshot is keyed by the chain hash of the last full KV block before its point (``parent``:
 that hash names every token before it, the model and the cache salt) and the tokens after that
@@ -43,6 +44,7 @@ from .blocks import BlockManager, OutOfBlocks, chain_hash
 
 
 TAIL = b"tail snapshot"
+SHARED = 4096  # names of shared snapshots known (``StateCache.share``)
 
 
 def tail_name(parent: bytes, tail) -> bytes:
@@ -89,6 +91,8 @@ class StateCache:
         self._named: dict[bytes, Snapshot] = {}  # end-of-answer snapshots by tail_name
         self.on_pass: list = []  # told the name of each snapshot ``passed``
         self._passed: OrderedDict[Snapshot, None] = OrderedDict()  # in the order they were passed
+        self._shared: OrderedDict[bytes, None] = OrderedDict()  # ``share``d, least recently restarted past first
+        self.on_touch: list = []  # told the name of each shared snapshot a restart went past
         blocks.on_evict.append(self._block_evicted)
 
     @property
@@ -247,6 +251,28 @@ class StateCache:
             return
         for tell in self.on_pass:
             tell(name)
+
+    def share(self, name: bytes) -> None:
+        """A sequence restarted from the snapshot after the block hashed ``name``, at a multiple
+        of ``interval``: a prefix others may share (a system prompt), kept as recently used as
+        the deepest restart past it (``touch_path``). The last ``SHARED`` such names are known."""
+        self._shared[name] = None
+        self._shared.move_to_end(name)
+        if len(self._shared) > SHARED:
+            self._shared.popitem(last=False)
+
+    def touch_path(self, hashes: list[bytes]) -> None:
+        """A sequence restarted past the blocks ``hashes``: the shared snapshots along them were
+        just used, here and in the tiers below (a chat that finds its whole history keeps its
+        system prompt's snapshot from aging out, as a match keeps the prompt's blocks)."""
+        for h in hashes if self._shared else ():
+            if h in self._shared:
+                self._shared.move_to_end(h)
+                snap = self._by_key.get((h, ()))
+                if snap is not None:
+                    self._lru.move_to_end(snap)
+                for tell in self.on_touch:
+                    tell(h)
 
     def is_passed(self, name: bytes) -> bool:
         snap = self._by_key.get((name, ())) or self._named.get(name)
