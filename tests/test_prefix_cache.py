@@ -219,3 +219,36 @@ def test_requests_with_different_cache_salts_share_nothing():
             found.append(req.cached_tokens)
         return found
     assert asyncio.run(main()) == [0, 0, 28]
+
+
+def test_a_prompt_waiting_for_room_hashes_its_blocks_once(monkeypatch):
+    """A prompt whose first 40 tokens are cached waits at the head of the queue for blocks while
+    another request runs, and is matched again at every step: each of its blocks is hashed once
+    (its hashes kept with it, ``GenRequest.chain``), not at every attempt (99 hashes before)."""
+    import neuron.engine.blocks as blocks_mod
+
+    calls = []
+    real = blocks_mod.chain_hash
+    monkeypatch.setattr(blocks_mod, "chain_hash", lambda *a: calls.append(1) or real(*a))
+
+    async def main():
+        sched = Scheduler(max_slots=4, max_len=256, num_blocks=24, block_size=4, max_batch_tokens=24,
+                          prefill_chunk=8, cache_key=b"model")
+        device = Device(4)
+        prefix = [1 + i % 90 for i in range(40)]
+        run_alone(sched, device, request(prefix, 1))
+        sched.waiting.append(request([50 + i % 40 for i in range(40)], 4))  # holds 10-11 blocks while it runs
+        sched.admit()
+        back = request(prefix + [3] * 20, 1)
+        sched.waiting.append(back)
+        calls.clear()
+        attempts = 0
+        while not back.finished:
+            attempts += back.slot < 0
+            sched.admit()
+            plan = sched.schedule()
+            take_tokens(sched, plan, device.run(plan))
+        return attempts, back.cached_tokens
+    attempts, cached = asyncio.run(main())
+    assert attempts >= 8 and cached == 40  # it waited, and found its prefix
+    assert len(calls) <= 20  # its 15 blocks and the other's last, once each

@@ -32,6 +32,14 @@ def chain_hash(parent: bytes, tokens: list[int] | tuple[int, ...], key: bytes) -
     return h.digest()
 
 
+def chain_of(tokens: list[int], blocks: int, bs: int, key: bytes, known: list[bytes]) -> list[bytes]:
+    """``known`` (the chain hashes of the first full blocks of ``tokens``) extended in place to
+    ``blocks`` of them."""
+    for i in range(len(known), blocks):
+        known.append(chain_hash(known[-1] if known else b"", tokens[i * bs: (i + 1) * bs], key))
+    return known
+
+
 @lru_cache(maxsize=256)
 def _mac_key(key: bytes) -> bytes:
     return hashlib.blake2b(key, digest_size=32).digest()
@@ -131,9 +139,11 @@ class BlockManager:
         assert self.cache_key is not None
         return self.cache_key + b"|" + salt if salt else self.cache_key
 
-    def match(self, tokens: list[int], limit: int, salt: bytes = b"") -> tuple[list[int], list[bytes]]:
+    def match(self, tokens: list[int], limit: int, salt: bytes = b"",
+              chain: list[bytes] | None = None) -> tuple[list[int], list[bytes]]:
         """The cached blocks (and their hashes) that hold the longest prefix of ``tokens`` made of
-        full blocks, at most ``limit`` tokens long. Counted as a query; not yet taken."""
+        full blocks, at most ``limit`` tokens long (``chain``: the hashes of those full blocks,
+        if known). Counted as a query; not yet taken."""
         if self.cache_key is None:
             return [], []
         key = self.key(salt)
@@ -142,7 +152,7 @@ class BlockManager:
         hashes: list[bytes] = []
         parent = b""
         for i in range(min(limit, len(tokens)) // bs):
-            h = chain_hash(parent, tokens[i * bs: (i + 1) * bs], key)
+            h = chain[i] if chain is not None else chain_hash(parent, tokens[i * bs: (i + 1) * bs], key)
             b = self._by_hash.get(h)
             if b is None:
                 break

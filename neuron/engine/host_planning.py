@@ -47,8 +47,10 @@ class HostPlanning:
             if disk_blocks:
                 self.host.use_disk(disk_blocks, list(disk_hashes))
 
-    def _restart_point(self, req: GenRequest, tokens: list[int], hits: list[int], hashes: list[bytes]):
-        """Where a model with recurrent state restarts ``tokens``: the deepest snapshot of its state
+    def _restart_point(self, req: GenRequest, tokens: list[int], hits: list[int], hashes: list[bytes],
+                       full: list[bytes] | None):
+        """Where a model with recurrent state restarts ``tokens`` (``full``: the hashes of all its
+        full blocks before the last token, None where nothing is cached): the deepest snapshot of its state
         along them, the ranks' (``StateCache.find``; its blocks in the ranks' cache or the host
         tier) or the host tier's (its pieces restored into the request's own state slot, and for
         an end-of-answer one its partial block too), and the blocks it needs. (hits, hashes,
@@ -58,7 +60,7 @@ class HostPlanning:
             return [], [], 0, None, [], [], None
         bs, limit, key = self.blocks.block_size, len(tokens) - 1, self.blocks.key(req.cache_salt)
         counted = len(hits) * bs  # as match counted them
-        chain = hashes + (self.host.reach(tokens, limit, hashes, key) if self.host is not None else [])
+        chain = hashes + (self.host.reach(full, len(hashes)) if self.host is not None else [])
         found = self.states.find(tokens, limit, chain, key)
         depth, snap = found if found else (0, None)
         for d, n, name in self._restart_options(tokens, limit, chain, key, depth, snap):
@@ -71,7 +73,7 @@ class HostPlanning:
                 continue
             own = min(len(hits), d)
             keep = [s for s, _ in state] + ([partial] if n else [])
-            tiered = self.host.extend(tokens, d * bs, hashes[:own], key, keep) if d > own else []
+            tiered = self.host.extend(full[:d], own, keep) if d > own else []
             if own + len(tiered) == d:
                 depth, snap, tail = d, snap if name is None else None, (partial, n) if n else None
                 break

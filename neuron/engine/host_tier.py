@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from contextlib import contextmanager
 
-from .blocks import BlockManager, chain_hash
+from .blocks import BlockManager
 from .host_slots import SlotPool
 from .tier_choice import ReadOrCompute
 from .tier_moves import Moves, state_keys
@@ -281,33 +281,30 @@ class HostTier:
         self._to_disk(*evicted)
         return evicted[0]
 
-    def reach(self, tokens: list[int], limit: int, hashes: list[bytes], key: bytes) -> list[bytes]:
-        """The hashes of the blocks that continue the cached prefix ``hashes`` of ``tokens`` (at
-        most ``limit`` tokens in all) in the tier or on disk below it."""
-        bs = self.blocks.block_size
+    def reach(self, chain: list[bytes], start: int) -> list[bytes]:
+        """The hashes of ``chain`` from its ``start``-th on that the tier (or the disk below it)
+        holds, one after another."""
         found: list[bytes] = []
-        parent = hashes[-1] if hashes else b""
-        for i in range(len(hashes), min(limit, len(tokens)) // bs):
-            h = chain_hash(parent, tokens[i * bs: (i + 1) * bs], key)
+        for h in chain[start:]:
             if not self.has(h):
                 break
             found.append(h)
-            parent = h
         return found
 
-    def extend(self, tokens: list[int], limit: int, hashes: list[bytes], key: bytes,
-               keep: list[int] = ()) -> list[tuple[int, bytes]]:
-        """The (slot, hash) of each block that continues the cached prefix ``hashes`` of
-        ``tokens`` (at most ``limit`` tokens in all) from the tier; a slot read from disk for one
-        never takes ``keep``'s."""
+    def extend(self, chain: list[bytes], start: int, keep: list[int] = ()) -> list[tuple[int, bytes]]:
+        """The (slot, hash) of each block of ``chain`` from its ``start``-th on (those after the
+        cached prefix) from the tier; a slot read from disk for one never takes ``keep``'s."""
         found: list[tuple[int, bytes]] = []
-        for h in self.reach(tokens, limit, hashes, key):
+        self.pool.pin(keep)  # and each slot found, while the rest are found: none is evicted for another
+        for h in self.reach(chain, start):
             reads = len(self._fetch)
-            slot = self.take(h, [*keep, *(s for s, _ in found)])
+            slot = self.take(h, ())
             if slot is None:
                 break
+            self.pool.pin([slot])
             self.disk_hits += self.blocks.block_size * (len(self._fetch) - reads)
             found.append((slot, h))
+        self.pool.unpin([*keep, *(s for s, _ in found)])
         return found
 
     def take(self, h: bytes, keep: list[int]) -> int | None:

@@ -15,6 +15,8 @@ from protocol import Sampling
 from protocol.api_core import EngineRequest, Image
 from protocol.engine_client import OutputSink, TokenConstraint
 
+from .blocks import chain_of
+
 _ids = itertools.count(1)
 
 
@@ -64,6 +66,8 @@ class GenRequest:
     images: list[Image] = field(default_factory=list)
     end_reason: str = "abort"  # what ends it when cancelled: "stop" when its API side found a stop string
     keyed_prompt: list[int] = field(init=False)
+    chain_key: bytes = b""  # the key of ``chain_memo``
+    chain_memo: list[bytes] = field(default_factory=list)  # chain hashes of its leading full blocks, so far
 
     @classmethod
     def of(cls, r: EngineRequest, sink: OutputSink, constraint: TokenConstraint | None) -> GenRequest:
@@ -83,6 +87,15 @@ class GenRequest:
     def keyed(self) -> list[int]:
         """Its tokens as the prefix cache hashes them (``prompt + output`` but for images)."""
         return self.keyed_prompt + self.output
+
+    def chain(self, blocks: int, key: bytes, bs: int) -> list[bytes]:
+        """The chain hashes of its first ``blocks`` full blocks (``keyed()``) under ``key``, each
+        computed once: a request waiting at the head of the queue is matched again every step."""
+        if key != self.chain_key:
+            self.chain_key, self.chain_memo = key, []
+        if len(self.chain_memo) < blocks:
+            chain_of(self.keyed(), blocks, bs, key, self.chain_memo)
+        return self.chain_memo[:blocks]
 
     @property
     def rest(self) -> int:

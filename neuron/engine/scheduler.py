@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter, deque
 
-from .blocks import BlockManager, OutOfBlocks, chain_hash
+from .blocks import BlockManager, OutOfBlocks
 from .fair import FairQueue, slot_victim
 from .host_planning import HostPlanning
 from .draft_planning import DEVICE_TOKEN, DraftPlanning
@@ -86,12 +86,14 @@ class Scheduler(DraftPlanning, HostPlanning):
             tokens, tiered, state, tail = req.keyed(), [], [], None
             # The longest cached prefix of whole blocks; the last token is always computed, since
             # its logits give the next token.
-            hits, hashes = self.blocks.match(tokens, len(tokens) - 1, req.cache_salt)
+            chain = req.chain((len(tokens) - 1) // self.blocks.block_size, self.blocks.key(req.cache_salt),
+                              self.blocks.block_size) if self.blocks.cache_key is not None else None
+            hits, hashes = self.blocks.match(tokens, len(tokens) - 1, req.cache_salt, chain)
             start, snap = len(hits) * self.blocks.block_size, None
             if self.states.num_slots:  # cached K/V is of use only up to a snapshot of the state
-                hits, hashes, start, snap, tiered, state, tail = self._restart_point(req, tokens, hits, hashes)
+                hits, hashes, start, snap, tiered, state, tail = self._restart_point(req, tokens, hits, hashes, chain)
             elif self.host is not None:  # the cached prefix may run on in the host tier
-                tiered = self.host.extend(tokens, len(tokens) - 1, hashes, self.blocks.key(req.cache_salt))
+                tiered = self.host.extend(chain, len(hashes))
                 start += len(tiered) * self.blocks.block_size
             held = self._hold_tiered(tiered, state, tail)
             need = self.blocks.blocks_for(len(tokens)) - len(hits) + self.blocks.revived(hits)
@@ -206,14 +208,12 @@ class Scheduler(DraftPlanning, HostPlanning):
 
     def _register(self, req: GenRequest, full: int) -> None:
         """Cache the request's first ``full`` blocks (their K/V is computed) under their hashes."""
-        tokens = None
+        if len(req.hashes) >= full:
+            return
+        chain = req.chain(full, self.blocks.key(req.cache_salt), self.blocks.block_size)
         for i in range(len(req.hashes), full):
-            tokens = tokens or req.keyed()
-            h = chain_hash(req.hashes[-1] if req.hashes else b"", tokens[i * self.blocks.block_size:
-                                                                         (i + 1) * self.blocks.block_size],
-                           self.blocks.key(req.cache_salt))
-            self.blocks.register(req.blocks[i], h)
-            req.hashes.append(h)
+            self.blocks.register(req.blocks[i], chain[i])
+            req.hashes.append(chain[i])
 
     def abandon(self, plan: list[Planned]) -> None:
         """A step failed: the snapshots it was to take are not kept, nor those of the requests
