@@ -135,6 +135,7 @@ class Finished(msgspec.Struct, array_like=True, gc=False, frozen=True):
     cached_tokens: int = 0
     host_tokens: int = 0  # of cached_tokens, those the prefix cache's host tier held
     disk_tokens: int = 0  # ... of host_tokens, those read back from its disk tier
+    preemptions: int = 0  # times it gave its blocks up to running sequences and was computed again
 
 
 class Outputs(ApiFrame, tag="outputs"):

@@ -36,6 +36,7 @@ class FinishEvent:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     host_tokens: int = 0  # ... of them, from its host tier
     disk_tokens: int = 0  # ... of those, read back from the disk tier
+    preemptions: int = 0  # times it gave its blocks up to running sequences and was computed again
 
 
 @dataclass

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from conftest import DEFAULT_MODEL, start_server
+from conftest import DEFAULT_MODEL, json_log, start_server
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea,",
            "List three colours:", "def fibonacci(n):", "Water boils at", "The quick brown fox",
@@ -53,8 +53,8 @@ def wide(tmp_path_factory):
 def small_cache(tmp_path_factory):
     """Room for about two and a half of the requests below at once: the rest wait, and running
     ones get preempted."""
-    config = (f'[[models]]\nmodel = "{DEFAULT_MODEL}"\nmax_model_len = 192\nmax_slots = 6\n'
-              f'kv_cache_tokens = 192\nblock_size = 16\n[engine]\nmax_queue_wait_s = 600\n')
+    config = (f'[server]\nlog_format = "json"\n\n[[models]]\nmodel = "{DEFAULT_MODEL}"\nmax_model_len = 192\n'
+              f'max_slots = 6\nkv_cache_tokens = 192\nblock_size = 16\n[engine]\nmax_queue_wait_s = 600\n')
     server = start_server(tmp_path_factory.mktemp("small-cache"), config=config)
     yield server
     server.stop()
@@ -79,6 +79,8 @@ def test_requests_wait_for_blocks_and_preempted_ones_are_recomputed_to_the_same_
     assert all(r["usage"]["completion_tokens"] == 72 for r in results)
     assert info["preemptions"] > before, "the cache was meant to run out"
     assert info["kv_usage"] == 0 and info["running"] == 0 and info["waiting"] == 0
+    lines = [r for r in json_log(small_cache) if r.get("msg") == "request finished"]
+    assert sum(r["preemptions"] for r in lines) == info["preemptions"]  # each request's line counts its own
 
 
 def test_a_stop_with_the_next_step_in_flight_emits_nothing_after_it(wide):

@@ -77,7 +77,7 @@ class Sink:
         box = self.box
         e = event
         box.finished.append(m.Finished(self.key, e.reason, e.prompt_tokens, e.completion_tokens, e.error, e.error_kind,
-                                       e.cached_tokens, e.host_tokens, e.disk_tokens))
+                                       e.cached_tokens, e.host_tokens, e.disk_tokens, e.preemptions))
         box.requests.pop(self.key, None)
         box.due()
 

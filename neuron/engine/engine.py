@@ -370,12 +370,13 @@ class Engine:
         self.late.send(self.group, [req])
         self.sched.release(req, keep=error is None)
         event = FinishEvent(reason, len(req.prompt), len(req.output), error, kind, req.cached_tokens,
-                            req.host_tokens, req.disk_tokens)
+                            req.host_tokens, req.disk_tokens, req.preempted)
         req.sink.finish(event)
         if not req.admitted.done():
             req.admitted.set_result(True)
-        log.info("%s %s finished: %s, %d prompt + %d completion tokens%s", self.model_id, req.request_id,
-                 reason, len(req.prompt), len(req.output), f" ({error})" if error else "")
+        log.info("%s %s finished: %s, %d prompt + %d completion tokens%s%s", self.model_id, req.request_id,
+                 reason, len(req.prompt), len(req.output), f", preempted {req.preempted}x" if req.preempted else "",
+                 f" ({error})" if error else "")
 
     def _fail(self, req: GenRequest, message: str, kind: str) -> None:
         if not req.admitted.done():

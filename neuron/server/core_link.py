@@ -187,7 +187,7 @@ class CoreLink:
             if held is not None:
                 self._finish(f.key, held, FinishEvent(f.reason, f.prompt_tokens, f.completion_tokens, f.error,
                                                       f.error_kind, f.cached_tokens, f.host_tokens,
-                                                      f.disk_tokens))
+                                                      f.disk_tokens, f.preemptions))
         for r in o.refused:
             held = requests.pop(r.key, None)
             if held is not None:

@@ -74,7 +74,7 @@ def log_finish(model: str, req: OutputState, fin: FinishEvent, trace: RequestTra
         "request_id": req.request_id, "model": model, "principal": req.wire.principal, "finish_reason": fin.reason,
         "prompt_tokens": fin.prompt_tokens, "cached_tokens": fin.cached_tokens,
         "cached_host_tokens": fin.host_tokens, "cached_disk_tokens": fin.disk_tokens,
-        "completion_tokens": fin.completion_tokens,
+        "completion_tokens": fin.completion_tokens, "preemptions": fin.preemptions,
         "queue_s": None if queue is None else round(queue, 4),
         "ttft_s": None if ttft is None else round(ttft, 4), "duration_s": round(now - req.arrival, 4),
         "error": fin.error,
