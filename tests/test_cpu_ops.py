@@ -1,7 +1,7 @@
-"""The CPU step's fused C++ ops (neuron/kernels/csrc/ops.h), at every instruction-set level this
-machine runs, against their torch references, on the shapes the model gives them: q a strided
-view of qkv, grouped and ungrouped KV heads (an uneven tensor-parallel split), sequences scattered
-over the paged cache."""
+"""The CPU step's fused C++ ops (neuron/kernels/csrc/ops.h, attention.h), at every
+instruction-set level this machine runs, against their torch references, on the shapes the model
+gives them: q a strided view of qkv, grouped and ungrouped KV heads (an uneven tensor-parallel
+split), sequences scattered over the paged cache."""
 
 from __future__ import annotations
 
@@ -40,6 +40,32 @@ def test_paged_decode_attends_each_sequence_over_its_own_blocks(C, n_q, n_kv, hd
     scale = hd ** -0.5
     out = C.paged_decode(q, kc, vc, tables, slots, ctx, kv_of_q.int(), scale)
     assert (out.double() - reference_decode(q, kc, vc, tables, slots, ctx, kv_of_q, scale)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("n_q,n_kv,hd", [(9, 3, 64), (8, 2, 128), (4, 2, 32), (4, 4, 24), (6, 3, 48)])
+def test_a_prompt_s_rows_get_the_bits_each_gets_alone(C, n_q, n_kv, hd):
+    """Runs of rows of one slot whose contexts grow by one (prompt chunks, a token and its drafts)
+    beside decodes and each other: each row is the same bits as that row's query alone, whatever
+    tile of the run it falls in, and the attention of its own keys."""
+    g = torch.Generator().manual_seed(hd)
+    bs, blocks, max_blocks = 16, 80, 16
+    kc = torch.randn(blocks, bs, n_kv, hd, generator=g)
+    vc = torch.randn(blocks, bs, n_kv, hd, generator=g)
+    tables = torch.randperm(blocks, generator=g)[: 5 * max_blocks].view(5, max_blocks).int()
+    # (slot, first context, rows): runs of 1 to 9 rows, a prompt from its start, one after a
+    # cached prefix, rows of one slot whose contexts do not follow on, a long run (threads)
+    runs = [(0, 1, 9), (3, 40, 1), (1, 17, 5), (2, 5, 3), (2, 30, 2), (4, 100, 7), (3, 200, 4), (0, 11, 150)]
+    slots = torch.tensor([s for s, _, n in runs for _ in range(n)])
+    ctx = torch.tensor([c + i for _, c, n in runs for i in range(n)])
+    q = torch.randn(len(slots), n_q + 2 * n_kv, hd, generator=g)[:, :n_q]
+    kv_of_q = (torch.arange(n_q) // (n_q // n_kv)).int()
+    scale = hd ** -0.5
+    out = C.paged_decode(q, kc, vc, tables, slots, ctx, kv_of_q, scale)
+    for b in range(len(slots)):
+        alone = C.paged_decode(q[b: b + 1], kc, vc, tables, slots[b: b + 1], ctx[b: b + 1], kv_of_q, scale)
+        assert torch.equal(out[b: b + 1], alone), f"row {b}"
+    reference = reference_decode(q, kc, vc, tables, slots, ctx, kv_of_q.long(), scale)
+    assert (out.double() - reference).abs().max() < 1e-5
 
 
 def test_paged_decode_refuses_a_table_entry_outside_the_cache(C):

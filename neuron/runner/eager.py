@@ -21,6 +21,10 @@ def eager_inputs(runner, seqs: list[p.StepSeq], states: bool = True):
     r = runner
     ids, positions, slot_of, store, decode_rows, prefills, ends = flatten(seqs, r.tables_host, r.bs)
     T = len(ids)
+    if not r.triton and r.cpu_kernels is not None:
+        # The C++ attention takes a prompt's rows as it takes decodes (kernels/csrc/attention.h):
+        # a row's sums then do not depend on the rest of the step or on its prompt's chunks.
+        decode_rows, prefills = list(range(T)), []
     # Rows of an even length: each starts 16-byte aligned whatever T, as Triton assumes of the
     # pointers it compiled a kernel for (an odd T compiled rope_store anew: seconds of a prompt)
     rows = np.zeros((4, T + T % 2), np.int64)

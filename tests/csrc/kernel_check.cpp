@@ -8,10 +8,12 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "attention.h"
 #include "ops.h"
 #include "qlinear.h"
 #include "sync.h"
@@ -297,6 +299,42 @@ void check_paged_decode(int64_t n_q, int64_t n_kv, int64_t hd, int64_t bs, int t
   expect(kernels::paged_decode(a, threads) != nullptr, "paged_decode refuses a block past the cache", 0, 0);
 }
 
+// Rows of one slot whose contexts grow by one (a prompt's chunk) beside a decode: each row the
+// same bits as that row alone.
+void check_runs_alone(int64_t n_q, int64_t n_kv, int64_t hd, int threads) {
+  const int64_t bs = 16, blocks = 24, max_blocks = 12, B = 47;
+  std::vector<float> kc(blocks * bs * n_kv * hd), vc(kc.size()), q(B * n_q * hd), out(B * n_q * hd), one(n_q * hd);
+  for (auto& v : kc) v = uniform(-1, 1);
+  for (auto& v : vc) v = uniform(-1, 1);
+  for (auto& v : q) v = uniform(-1, 1);
+  std::vector<int32_t> tables(2 * max_blocks);
+  for (auto& v : tables) v = std::uniform_int_distribution<int32_t>(0, blocks - 1)(rng);
+  std::vector<int64_t> slots(B), ctx(B);
+  for (int64_t b = 0; b < B; ++b) {  // row 0 a decode of slot 1, then a run of slot 0 from context 100
+    slots[b] = b == 0 ? 1 : 0;
+    ctx[b] = b == 0 ? 30 : 99 + b;
+  }
+  std::vector<int32_t> kv_of_q(n_q);
+  for (int64_t h = 0; h < n_q; ++h) kv_of_q[h] = static_cast<int32_t>(h * n_kv / n_q);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+  kernels::PagedDecode a{q.data(), B, n_q, hd, n_q * hd, hd, kc.data(), vc.data(), blocks, bs, n_kv, tables.data(),
+                         2, max_blocks, slots.data(), ctx.data(), kv_of_q.data(), scale, out.data()};
+  expect(kernels::paged_decode(a, threads) == nullptr, "paged_decode ran", 0, 0);
+  int64_t differ = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    kernels::PagedDecode alone = a;
+    alone.q = q.data() + b * n_q * hd;
+    alone.B = 1;
+    alone.slots = slots.data() + b;
+    alone.ctx = ctx.data() + b;
+    alone.out = one.data();
+    kernels::paged_decode(alone, threads);
+    differ += std::memcmp(one.data(), out.data() + b * n_q * hd, one.size() * sizeof(float)) != 0;
+  }
+  expect(differ == 0, "paged_decode's rows of a run equal each row alone, hd " + std::to_string(hd),
+         static_cast<double>(differ), 0);
+}
+
 // The host collectives' meeting point: publishes the round, returns once every counter has it,
 // gives up by its deadline when one never does, refuses a bad rank.
 void check_sync() {
@@ -333,6 +371,9 @@ int main() {
     check_paged_decode(9, 3, 64, 16, threads);
     check_paged_decode(5, 2, 24, 8, threads);
     check_paged_decode(4, 4, 16, 16, threads);
+    check_runs_alone(9, 3, 64, threads);
+    check_runs_alone(4, 2, 128, threads);
+    check_runs_alone(4, 2, 24, threads);
   }
   std::printf("ok %s %d\n", simd::NAME, checks);
   return 0;

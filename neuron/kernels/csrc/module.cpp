@@ -1,12 +1,14 @@
-// The CPython binding of one instruction-set level of the CPU kernels (qlinear.h, ops.h, sync.h): each
-// function takes the addresses and sizes of its operands as integers (neuron/kernels/cpu.py
-// checks the tensors and passes them) and runs without the GIL, as torch's own ops do, so a rank's
-// socket loop answers pings and sends heartbeats while its device thread is inside a kernel.
+// The CPython binding of one instruction-set level of the CPU kernels (qlinear.h, qblock.h, ops.h,
+// attention.h, sync.h): each function takes the addresses and sizes of its operands as integers
+// (neuron/kernels/cpu.py checks the tensors and passes them) and runs without the GIL, as torch's
+// own ops do, so a rank's socket loop answers pings and sends heartbeats while its device thread
+// is inside a kernel.
 // Built once per level by setup.py (its extension()) as neuron.kernels._cpu_<level>; no torch here.
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "attention.h"
 #include "ops.h"
 #include "qblock.h"
 #include "qlinear.h"

@@ -8,8 +8,8 @@
 //   silu_mul          [T, 2I] (gate | up, rows `s` apart) -> silu(gate) * up [T, I]
 //   rope_store        qkv [T, n_q + 2 n_kv, hd]: optional per-head RMS norm of q and k (qwen3),
 //                     neox RoPE; q rotated in place, k rotated and v written to the paged cache
-//   paged_decode      one query token per sequence over its keys in the paged cache: the
-//                     scores, a softmax over them, the weighted values
+//
+// The attention over the paged cache is in attention.h.
 //
 // Indices that come from the step (positions, cache rows, block tables) are checked before any
 // is used: a bad one is an error message, never a write out of bounds.
@@ -126,135 +126,6 @@ inline const char* rope_store(const RopeStore& a, int threads) {
     for (int64_t h = 0; h < n_kv; ++h)
       norm_rope(row + (n_q + h) * hd, kdst + h * hd, hd, c, s, a.k_norm, a.eps, tmp.data());
     std::copy(row + (n_q + n_kv) * hd, row + (n_q + 2 * n_kv) * hd, a.v_cache + a.index[t] * n_kv * hd);
-  });
-  return nullptr;
-}
-
-// out[j] = scale * (q . k[j]) for C keys; four keys reduced together.
-inline void scores(const float* q, const float* const* k, int64_t C, int64_t hd, float scale, float* out) {
-  int64_t j = 0;
-  if (hd % W == 0) {
-    for (; j + 4 <= C; j += 4) {
-      V a0 = zero(), a1 = a0, a2 = a0, a3 = a0;
-      for (int64_t d = 0; d < hd; d += W) {
-        const V qd = load(q + d);
-        a0 = fma(qd, load(k[j] + d), a0);
-        a1 = fma(qd, load(k[j + 1] + d), a1);
-        a2 = fma(qd, load(k[j + 2] + d), a2);
-        a3 = fma(qd, load(k[j + 3] + d), a3);
-      }
-      out[j] = sum(a0) * scale;
-      out[j + 1] = sum(a1) * scale;
-      out[j + 2] = sum(a2) * scale;
-      out[j + 3] = sum(a3) * scale;
-    }
-  }
-  for (; j < C; ++j) out[j] = dot(q, k[j], hd) * scale;
-}
-
-// out = scale * sum_j p[j] v[j] (acc: hd floats of scratch), 4 W dimensions at a time in registers.
-inline void weighted_sum(const float* p, const float* const* v, int64_t C, int64_t hd, float scale, float* acc,
-                         float* out) {
-  int64_t d0 = 0;
-  for (; d0 + 4 * W <= hd; d0 += 4 * W) {
-    V a0 = zero(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t j = 0; j < C; ++j) {
-      const V w = set1(p[j]);
-      const float* vj = v[j] + d0;
-      a0 = fma(w, load(vj), a0);
-      a1 = fma(w, load(vj + W), a1);
-      a2 = fma(w, load(vj + 2 * W), a2);
-      a3 = fma(w, load(vj + 3 * W), a3);
-    }
-    const V sc = set1(scale);
-    store(out + d0, mul(a0, sc));
-    store(out + d0 + W, mul(a1, sc));
-    store(out + d0 + 2 * W, mul(a2, sc));
-    store(out + d0 + 3 * W, mul(a3, sc));
-  }
-  if (d0 == hd) return;
-  std::fill(acc + d0, acc + hd, 0.0f);
-  for (int64_t j = 0; j < C; ++j) scale_add(acc + d0, 1.0f, v[j] + d0, p[j], hd - d0);
-  for (int64_t d = d0; d < hd; ++d) out[d] = acc[d] * scale;
-}
-
-// p = exp(p - max p) in place; returns its sum.
-inline float softmax_in_place(float* p, int64_t C) {
-  float m = -INFINITY;
-  for (int64_t j = 0; j < C; ++j) m = std::max(m, p[j]);
-  int64_t j = 0;
-  V total = zero();
-  const V vm = set1(m);
-  for (; j + W <= C; j += W) {
-    const V e = exp_nonpositive(sub(load(p + j), vm));
-    store(p + j, e);
-    total = add(total, e);
-  }
-  float s = sum(total);
-  for (; j < C; ++j) {
-    p[j] = std::exp(p[j] - m);
-    s += p[j];
-  }
-  return s;
-}
-
-struct PagedDecode {
-  const float* q;  // [B, n_q, hd], rows sb apart, heads sh apart
-  int64_t B, n_q, hd, sb, sh;
-  const float *k_cache, *v_cache;  // [blocks, bs, n_kv, hd]
-  int64_t blocks, bs, n_kv;
-  const int32_t* tables;  // [table_rows, max_blocks]
-  int64_t table_rows, max_blocks;
-  const int64_t *slots, *ctx;  // [B]
-  const int32_t* kv_of_q;      // [n_q]
-  double scale;
-  float* out;  // [B, n_q, hd]
-};
-
-inline const char* paged_decode(const PagedDecode& a, int threads) {
-  for (int64_t b = 0; b < a.B; ++b)
-    if (a.slots[b] < 0 || a.slots[b] >= a.table_rows || a.ctx[b] <= 0 || a.ctx[b] > a.max_blocks * a.bs)
-      return "slot or context out of range";
-  for (int64_t h = 0; h < a.n_q; ++h)
-    if (a.kv_of_q[h] < 0 || a.kv_of_q[h] >= a.n_kv) return "kv_of_q out of range";
-  int64_t keys = 0;
-  for (int64_t b = 0; b < a.B; ++b) {
-    const int32_t* table = a.tables + a.slots[b] * a.max_blocks;
-    for (int64_t i = 0; i < (a.ctx[b] + a.bs - 1) / a.bs; ++i)
-      if (table[i] < 0 || table[i] >= a.blocks) return "block table entry out of range";
-    keys += a.ctx[b];
-  }
-  const int64_t hd = a.hd, n_q = a.n_q, n_kv = a.n_kv, bs = a.bs;
-  // The query heads of each KV head: they share its key and value rows.
-  std::vector<std::vector<int64_t>> heads_of(n_kv);
-  for (int64_t h = 0; h < n_q; ++h) heads_of[a.kv_of_q[h]].push_back(h);
-  // One task per (sequence, KV head); a thread takes enough of them to be worth waking.
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / std::max<int64_t>(keys / a.B * hd * n_q / n_kv, 1));
-  parallel_for(a.B * n_kv, grain, threads, [&](int64_t w0, int64_t w1) {
-    std::vector<float> acc(hd), p;
-    std::vector<const float*> krow, vrow;
-    for (int64_t w = w0; w < w1; ++w) {
-      const int64_t b = w / n_kv, g = w % n_kv, C = a.ctx[b];
-      if (heads_of[g].empty()) continue;
-      const int32_t* table = a.tables + a.slots[b] * a.max_blocks;
-      krow.resize(C);
-      vrow.resize(C);
-      for (int64_t j0 = 0, i = 0; j0 < C; j0 += bs, ++i) {  // block by block: no division a key
-        const float* kb = a.k_cache + (table[i] * bs * n_kv + g) * hd;
-        const float* vb = a.v_cache + (table[i] * bs * n_kv + g) * hd;
-        for (int64_t j = j0; j < std::min(C, j0 + bs); ++j) {
-          krow[j] = kb + (j - j0) * n_kv * hd;
-          vrow[j] = vb + (j - j0) * n_kv * hd;
-        }
-      }
-      p.resize(C);
-      for (const int64_t h : heads_of[g]) {
-        // The scores of every key, the softmax weights in their place, then the weighted values.
-        scores(a.q + b * a.sb + h * a.sh, krow.data(), C, hd, static_cast<float>(a.scale), p.data());
-        const float total = softmax_in_place(p.data(), C);
-        weighted_sum(p.data(), vrow.data(), C, hd, 1.0f / total, acc.data(), a.out + (b * n_q + h) * hd);
-      }
-    }
   });
   return nullptr;
 }

@@ -72,7 +72,26 @@ inline V add(V a, V b) { return _mm512_add_ps(a, b); }
 inline V sub(V a, V b) { return _mm512_sub_ps(a, b); }
 inline V max(V a, V b) { return _mm512_max_ps(a, b); }
 inline V div(V a, V b) { return _mm512_div_ps(a, b); }
-inline float sum(V v) { return _mm512_reduce_add_ps(v); }
+// The lanes' sum by halves: lane i + lane i + 8, then + 4, + 2, + 1 (sum4's order too).
+inline float sum(V v) {
+  const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
+}
+// out[k] = sum(ak) * scale for four vectors at once, each summed in sum()'s order.
+inline void sum4(V a0, V a1, V a2, V a3, float scale, float* out) {
+  const V x01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_f32x4(a0, a1, _MM_SHUFFLE(3, 2, 3, 2)));
+  const V x23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_f32x4(a2, a3, _MM_SHUFFLE(3, 2, 3, 2)));
+  const V b = _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(3, 1, 3, 1)));
+  const V c = _mm512_add_ps(b, _mm512_permute_ps(b, _MM_SHUFFLE(1, 0, 3, 2)));
+  const V d = _mm512_add_ps(c, _mm512_permute_ps(c, _MM_SHUFFLE(2, 3, 0, 1)));
+  const __m128 lanes = _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), d));
+  _mm_storeu_ps(out, _mm_mul_ps(lanes, _mm_set1_ps(scale)));
+}
 inline V round(V v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline V pow2(V n) { return _mm512_scalef_ps(set1(1.0f), n); }  // 2^n, n integral
 inline V select_ge0(V x, V a, V b) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, zero(), _CMP_GE_OQ), b, a); }
@@ -253,6 +272,15 @@ inline V silu(V x) {
   const V one = set1(1.0f);
   return mul(x, div(select_ge0(x, one, e), add(one, e)));
 }
+
+#if !defined(NEURON_ISA_AVX512)
+inline void sum4(V a0, V a1, V a2, V a3, float scale, float* out) {
+  out[0] = sum(a0) * scale;
+  out[1] = sum(a1) * scale;
+  out[2] = sum(a2) * scale;
+  out[3] = sum(a3) * scale;
+}
+#endif
 
 inline float dot(const float* a, const float* b, int64_t n) {
   V acc = zero();
