@@ -259,77 +259,88 @@ void check_rope_store(int64_t n_q, int64_t n_kv, int64_t hd, bool norm, int thre
   expect(kernels::rope_store(a, threads) != nullptr, "rope_store refuses a position past the table", 0, 0);
 }
 
+// Random caches, queries and block tables for the attention checks, and paged_decode's
+// arguments over them.
+struct AttentionCase {
+  int64_t n_q, n_kv, hd, bs, blocks, max_blocks, table_rows, B;
+  std::vector<float> kc, vc, q, out;
+  std::vector<int32_t> tables, kv_of_q;
+  double scale;
+
+  AttentionCase(int64_t n_q_, int64_t n_kv_, int64_t hd_, int64_t bs_, int64_t max_blocks_, int64_t table_rows_,
+                int64_t B_)
+      : n_q(n_q_), n_kv(n_kv_), hd(hd_), bs(bs_), blocks(24), max_blocks(max_blocks_), table_rows(table_rows_), B(B_),
+        kc(blocks * bs * n_kv * hd), vc(kc.size()), q(B * n_q * hd), out(B * n_q * hd),
+        tables(table_rows * max_blocks), kv_of_q(n_q), scale(1.0 / std::sqrt(static_cast<double>(hd))) {
+    for (auto& v : kc) v = uniform(-1, 1);
+    for (auto& v : vc) v = uniform(-1, 1);
+    for (auto& v : q) v = uniform(-1, 1);
+    for (auto& v : tables) v = std::uniform_int_distribution<int32_t>(0, static_cast<int32_t>(blocks) - 1)(rng);
+    for (int64_t h = 0; h < n_q; ++h) kv_of_q[h] = static_cast<int32_t>(h * n_kv / n_q);
+  }
+
+  kernels::PagedDecode args(const int64_t* slots, const int64_t* ctx) {
+    return {q.data(), B, n_q, hd, n_q * hd, hd, kc.data(), vc.data(), blocks, bs, n_kv, tables.data(),
+            table_rows, max_blocks, slots, ctx, kv_of_q.data(), scale, out.data()};
+  }
+};
+
 void check_paged_decode(int64_t n_q, int64_t n_kv, int64_t hd, int64_t bs, int threads) {
-  const int64_t blocks = 24, max_blocks = 8, B = 3;
-  std::vector<float> kc(blocks * bs * n_kv * hd), vc(blocks * bs * n_kv * hd), q(B * n_q * hd), out(B * n_q * hd);
-  for (auto& v : kc) v = uniform(-1, 1);
-  for (auto& v : vc) v = uniform(-1, 1);
-  for (auto& v : q) v = uniform(-1, 1);
-  std::vector<int32_t> tables(4 * max_blocks);
-  for (auto& v : tables) v = std::uniform_int_distribution<int32_t>(0, blocks - 1)(rng);
-  std::vector<int64_t> slots = {2, 0, 3}, ctx = {1, 5, max_blocks * bs - 1};
-  std::vector<int32_t> kv_of_q(n_q);
-  for (int64_t h = 0; h < n_q; ++h) kv_of_q[h] = static_cast<int32_t>(h * n_kv / n_q);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
-  kernels::PagedDecode a{q.data(), B, n_q, hd, n_q * hd, hd, kc.data(), vc.data(), blocks, bs, n_kv, tables.data(),
-                         4, max_blocks, slots.data(), ctx.data(), kv_of_q.data(), scale, out.data()};
+  AttentionCase c(n_q, n_kv, hd, bs, 8, 4, 3);
+  const std::vector<int64_t> slots = {2, 0, 3}, ctx = {1, 5, c.max_blocks * bs - 1};
+  kernels::PagedDecode a = c.args(slots.data(), ctx.data());
   expect(kernels::paged_decode(a, threads) == nullptr, "paged_decode ran", 0, 0);
   double err = 0;
-  for (int64_t b = 0; b < B; ++b)
+  for (int64_t b = 0; b < c.B; ++b)
     for (int64_t h = 0; h < n_q; ++h) {
       std::vector<double> p(ctx[b]);
       double mx = -1e300, total = 0;
-      auto row = [&](int64_t j) { return ((tables[slots[b] * max_blocks + j / bs] * bs + j % bs) * n_kv + kv_of_q[h]) * hd; };
+      auto row = [&](int64_t j) {
+        return ((c.tables[slots[b] * c.max_blocks + j / bs] * bs + j % bs) * n_kv + c.kv_of_q[h]) * hd;
+      };
       for (int64_t j = 0; j < ctx[b]; ++j) {
         double s = 0;
-        for (int64_t d = 0; d < hd; ++d) s += static_cast<double>(q[(b * n_q + h) * hd + d]) * kc[row(j) + d];
-        p[j] = s * scale;
+        for (int64_t d = 0; d < hd; ++d) s += static_cast<double>(c.q[(b * n_q + h) * hd + d]) * c.kc[row(j) + d];
+        p[j] = s * c.scale;
         mx = std::max(mx, p[j]);
       }
       for (auto& v : p) total += (v = std::exp(v - mx));
       for (int64_t d = 0; d < hd; ++d) {
         double want = 0;
-        for (int64_t j = 0; j < ctx[b]; ++j) want += p[j] * vc[row(j) + d];
-        err = std::max(err, std::fabs(want / total - out[(b * n_q + h) * hd + d]));
+        for (int64_t j = 0; j < ctx[b]; ++j) want += p[j] * c.vc[row(j) + d];
+        err = std::max(err, std::fabs(want / total - c.out[(b * n_q + h) * hd + d]));
       }
     }
   expect(err < 1e-5, "paged_decode n_q " + std::to_string(n_q) + " n_kv " + std::to_string(n_kv) + " hd " +
                          std::to_string(hd), err, 1e-5);
-  tables[0] = static_cast<int32_t>(blocks);  // slot 0's first block: past the cache
+  c.tables[0] = static_cast<int32_t>(c.blocks);  // slot 0's first block: past the cache
   expect(kernels::paged_decode(a, threads) != nullptr, "paged_decode refuses a block past the cache", 0, 0);
 }
 
 // Rows of one slot whose contexts grow by one (a prompt's chunk) beside a decode: each row the
 // same bits as that row alone.
 void check_runs_alone(int64_t n_q, int64_t n_kv, int64_t hd, int threads) {
-  const int64_t bs = 16, blocks = 24, max_blocks = 12, B = 47;
-  std::vector<float> kc(blocks * bs * n_kv * hd), vc(kc.size()), q(B * n_q * hd), out(B * n_q * hd), one(n_q * hd);
-  for (auto& v : kc) v = uniform(-1, 1);
-  for (auto& v : vc) v = uniform(-1, 1);
-  for (auto& v : q) v = uniform(-1, 1);
-  std::vector<int32_t> tables(2 * max_blocks);
-  for (auto& v : tables) v = std::uniform_int_distribution<int32_t>(0, blocks - 1)(rng);
-  std::vector<int64_t> slots(B), ctx(B);
-  for (int64_t b = 0; b < B; ++b) {  // row 0 a decode of slot 1, then a run of slot 0 from context 100
+  AttentionCase c(n_q, n_kv, hd, 16, 12, 2, 47);
+  std::vector<int64_t> slots(c.B), ctx(c.B);
+  // Row 0 a decode of slot 1, then a run of slot 0 from context 99: four rows' tile then sums some
+  // keys in a group of four that the row alone sums one by one.
+  for (int64_t b = 0; b < c.B; ++b) {
     slots[b] = b == 0 ? 1 : 0;
-    ctx[b] = b == 0 ? 30 : 99 + b;
+    ctx[b] = b == 0 ? 30 : 98 + b;
   }
-  std::vector<int32_t> kv_of_q(n_q);
-  for (int64_t h = 0; h < n_q; ++h) kv_of_q[h] = static_cast<int32_t>(h * n_kv / n_q);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
-  kernels::PagedDecode a{q.data(), B, n_q, hd, n_q * hd, hd, kc.data(), vc.data(), blocks, bs, n_kv, tables.data(),
-                         2, max_blocks, slots.data(), ctx.data(), kv_of_q.data(), scale, out.data()};
+  const kernels::PagedDecode a = c.args(slots.data(), ctx.data());
   expect(kernels::paged_decode(a, threads) == nullptr, "paged_decode ran", 0, 0);
+  std::vector<float> one(n_q * hd);
   int64_t differ = 0;
-  for (int64_t b = 0; b < B; ++b) {
+  for (int64_t b = 0; b < c.B; ++b) {
     kernels::PagedDecode alone = a;
-    alone.q = q.data() + b * n_q * hd;
+    alone.q = c.q.data() + b * n_q * hd;
     alone.B = 1;
     alone.slots = slots.data() + b;
     alone.ctx = ctx.data() + b;
     alone.out = one.data();
     kernels::paged_decode(alone, threads);
-    differ += std::memcmp(one.data(), out.data() + b * n_q * hd, one.size() * sizeof(float)) != 0;
+    differ += std::memcmp(one.data(), c.out.data() + b * n_q * hd, one.size() * sizeof(float)) != 0;
   }
   expect(differ == 0, "paged_decode's rows of a run equal each row alone, hd " + std::to_string(hd),
          static_cast<double>(differ), 0);
