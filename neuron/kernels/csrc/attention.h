@@ -131,31 +131,26 @@ void tile_scores(const float* const* q, const float* const* k, const int64_t* c,
       if (j < c[r]) p[r][j] = dot(q[r], k[j], hd) * scale;
 }
 
-// weighted_sum()'s sums for the same RT rows over values j0 .. j1, added to acc[r] (hd a
-// multiple of 4 W): each value row read once for all of them, each row's sums taken in
-// weighted_sum's order.
-template <int RT>
+// weighted_sum()'s sums for the same RT rows over values j0 .. j1, NV vectors of dimensions from
+// d0, added to acc[r]: each value row read once for all of them, each row's sums taken in
+// weighted_sum's order (its four vectors at a time, then the rest, scale_add's fma by 1 exact).
+template <int RT, int NV>
 void tile_weighted_sum(const float* const* p, const float* const* v, const int64_t* c, int64_t j0, int64_t j1,
-                       int64_t hd, float* const* acc) {
+                       int64_t d0, float* const* acc) {
   const int64_t C = std::min(j1, c[RT - 1]);
-  for (int64_t d0 = 0; d0 < hd; d0 += 4 * W) {
-    V a[RT][4];
-    for (int r = 0; r < RT; ++r)
-      for (int i = 0; i < 4; ++i) a[r][i] = load(acc[r] + d0 + i * W);
-    for (int64_t j = j0; j < C; ++j) {
-      const float* vj = v[j] + d0;
-      const V v0 = load(vj), v1 = load(vj + W), v2 = load(vj + 2 * W), v3 = load(vj + 3 * W);
-      for (int r = j < c[0] ? 0 : static_cast<int>(j - c[0]) + 1; r < RT; ++r) {
-        const V w = set1(p[r][j]);
-        a[r][0] = fma(w, v0, a[r][0]);
-        a[r][1] = fma(w, v1, a[r][1]);
-        a[r][2] = fma(w, v2, a[r][2]);
-        a[r][3] = fma(w, v3, a[r][3]);
-      }
+  V a[RT][NV];
+  for (int r = 0; r < RT; ++r)
+    for (int i = 0; i < NV; ++i) a[r][i] = load(acc[r] + d0 + i * W);
+  for (int64_t j = j0; j < C; ++j) {
+    V vj[NV];
+    for (int i = 0; i < NV; ++i) vj[i] = load(v[j] + d0 + i * W);
+    for (int r = j < c[0] ? 0 : static_cast<int>(j - c[0]) + 1; r < RT; ++r) {
+      const V w = set1(p[r][j]);
+      for (int i = 0; i < NV; ++i) a[r][i] = fma(w, vj[i], a[r][i]);
     }
-    for (int r = 0; r < RT; ++r)
-      for (int i = 0; i < 4; ++i) store(acc[r] + d0 + i * W, a[r][i]);
   }
+  for (int r = 0; r < RT; ++r)
+    for (int i = 0; i < NV; ++i) store(acc[r] + d0 + i * W, a[r][i]);
 }
 
 struct PagedDecode {
@@ -193,15 +188,27 @@ struct Tile {
     tile_scores<RT>(q, krow, a.ctx + b0 + r0, j0, j1, a.hd, static_cast<float>(a.scale), pr);
   }
 
-  template <int RT>
-  void values(int64_t r0, int64_t j0, int64_t j1, const float* p, int64_t C, float* acc) const {
+  template <int RT, int NV>
+  void values(int64_t r0, int64_t j0, int64_t j1, int64_t d0, const float* p, int64_t C, float* acc) const {
     const float* pr[RT];
     float* ar[RT];
     for (int r = 0; r < RT; ++r) {
       pr[r] = p + (r0 + r) * C;
       ar[r] = acc + (r0 + r) * a.hd;
     }
-    tile_weighted_sum<RT>(pr, vrow, a.ctx + b0 + r0, j0, j1, a.hd, ar);
+    tile_weighted_sum<RT, NV>(pr, vrow, a.ctx + b0 + r0, j0, j1, d0, ar);
+  }
+
+  template <int RT>
+  void values(int64_t r0, int64_t j0, int64_t j1, const float* p, int64_t C, float* acc) const {
+    int64_t d0 = 0;
+    for (; d0 + 4 * W <= a.hd; d0 += 4 * W) values<RT, 4>(r0, j0, j1, d0, p, C, acc);
+    switch ((a.hd - d0) / W) {
+      case 1: values<RT, 1>(r0, j0, j1, d0, p, C, acc); break;
+      case 2: values<RT, 2>(r0, j0, j1, d0, p, C, acc); break;
+      case 3: values<RT, 3>(r0, j0, j1, d0, p, C, acc); break;
+      default: break;
+    }
   }
 
   // One query head: the scores of every row, KEYS keys at a time for all of them, the softmax of
@@ -220,12 +227,6 @@ struct Tile {
       }
     float scale[TILE];
     for (int64_t r = 0; r < n; ++r) scale[r] = 1.0f / softmax_in_place(p.data() + r * C, a.ctx[b0 + r]);
-    if (hd % (4 * W) != 0) {
-      acc.resize(hd);
-      for (int64_t r = 0; r < n; ++r)
-        weighted_sum(p.data() + r * C, vrow, a.ctx[b0 + r], hd, scale[r], acc.data(), a.out + ((b0 + r) * a.n_q + h) * hd);
-      return;
-    }
     acc.assign(n * hd, 0.0f);
     for (int64_t j0 = 0; j0 < C; j0 += KEYS)
       for (int64_t r0 = 0; r0 < n; r0 += SUB) {
