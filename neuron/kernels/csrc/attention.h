@@ -4,8 +4,9 @@
 //   paged_decode      rows of queries, each with its sequence's slot and context length: the
 //                     scores, a softmax over them, the weighted values. A decode is one row; a
 //                     prompt's chunk (or a token and its drafts) is a run of rows of one slot
-//                     whose contexts grow by one, taken in tiles of up to four rows that read
-//                     each key and value once. A row's sums are the same bits in a tile as alone,
+//                     whose contexts grow by one, taken in tiles of up to TILE rows that read
+//                     each key and value once (a row alone takes the plain loop: scores,
+//                     softmax_in_place, weighted_sum). A row's sums are the same bits in a tile as alone,
 //                     so a prompt's answer does not depend on the other sequences of its step,
 //                     on where its prompt was cut into chunks, or on which of its tokens came
 //                     from the prefix cache.
@@ -294,7 +295,7 @@ inline const char* paged_decode(const PagedDecode& a, int threads) {
           vrow[j] = vb + (j - j0) * n_kv * hd;
         }
       }
-      if (hd % W == 0) {
+      if (hd % W == 0 && n > 1) {
         const Tile tile{a, b0, n, krow.data(), vrow.data()};
         for (const int64_t h : heads_of[g]) tile.run(h, p, acc);
         continue;
