@@ -253,10 +253,10 @@ def test_packed_experts_on_a_gpu_agree_with_their_dequantized_weights(tmp_path):
 
 @needs_gpu
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", ["awq", "gptq4-act", "gptq8", "fp8-block128", "fp8-rows"])
+@pytest.mark.parametrize("name", ["awq", "gptq4-act", "gptq8", "fp8-block128", "fp8-rows", "fp8-in-situ"])
 def test_publisher_quantized_checkpoints_on_a_gpu_agree_with_their_dequantized_weights(tmp_path, monkeypatch, name):
-    """AWQ, GPTQ (4-bit with desc_act, 8-bit) and FP8 (block and per-row scales) checkpoints on
-    the GPU against the same model with their weights dequantized to bfloat16 on the GPU: top-1
+    """AWQ, GPTQ (4-bit with desc_act, 8-bit) and FP8 (block and per-row scales; quantized at
+    load) checkpoints on the GPU against the same model with their weights dequantized to bfloat16 on the GPU: top-1
     agreement >= 99% teacher-forced, greedy continuations identical on >= 90% of prompts. On a GPU
     with FP8 tensor cores the FP8 products quantize x as well (the checkpoints' dynamic activation
     scheme, as transformers runs them there), which moves the flat logits of these random models
@@ -285,12 +285,17 @@ def test_publisher_quantized_checkpoints_on_a_gpu_agree_with_their_dequantized_w
     w8a8_in_torch.calls = 0
 
     src = make_checkpoint("qwen3", tmp_path / "qwen3", seed=31)
-    d = write_quantized(src, tmp_path / name, *FORMATS[name])
-    spec = load_spec(str(d))
+    if name == "fp8-in-situ":  # ``quantize = "fp8"`` on the float checkpoint
+        paths, spec = [str(p) for p in sorted(src.glob("*.safetensors"))], load_spec(str(src))
+        own = {"quant": "fp8"}
+    else:
+        d = write_quantized(src, tmp_path / name, *FORMATS[name])
+        paths, spec = [str(d / "model.safetensors")], load_spec(str(d))
+        own = {"checkpoint_quant": spec.checkpoint_quant}
 
     def job(**kw):
-        return ParityJob(name, "safetensors", [str(d / "model.safetensors")], spec.config, PROMPTS, NEW_TOKENS,
-                         dtype="bfloat16", max_len=128, device="cuda", checkpoint_quant=spec.checkpoint_quant, **kw)
+        return ParityJob(name, "safetensors", paths, spec.config, PROMPTS, NEW_TOKENS, dtype="bfloat16", max_len=128,
+                         device="cuda", **own, **kw)
 
     (dense,) = run_parity([job(dense=True, score_greedy=True)])
     want = dense

@@ -289,7 +289,8 @@ def test_a_desc_act_share_that_cuts_a_32_column_run_is_refused_naming_it():
 
 def test_in_situ_fp8_keeps_one_byte_a_weight_and_equals_its_dequantized_model(checkpoints):
     """``quantize = "fp8"`` on a float checkpoint: the same greedy tokens at TP=1, 2 and 3 as the
-    float model of its dequantized weights (a scale per row and 32 columns, so every split reads
+    float model of its dequantized weights (a scale per row and 128 columns where they divide the
+    matrix, else 64 or 32; a rank quantizes the groups its share cuts whole, so every split reads
     the same values), in about a quarter of the float32 bytes."""
     src = checkpoints["awq"].with_name("qwen3")
     paths = [str(p) for p in sorted(src.glob("*.safetensors"))]
@@ -300,6 +301,29 @@ def test_in_situ_fp8_keeps_one_byte_a_weight_and_equals_its_dequantized_model(ch
         (got,) = run_parity([ParityJob("fp8", "safetensors", paths, cfg, PROMPTS, NEW_TOKENS, quant="fp8")], world=world)
         assert got.greedy == ref.greedy, world
         assert sum(got.weight_bytes) < 0.45 * dense, got.weight_bytes
+
+
+def test_in_situ_fp8_shares_cut_inside_a_column_group_hold_the_whole_matrix_s_values(tmp_path):
+    """A rank's share of columns that starts or ends inside a group of 128: the group is quantized
+    whole, so the shares' values and scales are the whole matrix's; a share of whole groups keeps
+    the 128-column scales the FP8 tensor cores take, and a matrix whose columns 128 does not
+    divide takes 64, else 32."""
+    from neuron.loader.insitu import QuantizingSource, fp8_columns
+    from neuron.loader.safetensors_source import SafetensorsSource
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(48, 384, generator=g) * torch.logspace(-3, 1, 384)[None, :]
+    save_file({"layer.weight": w.to(torch.bfloat16)}, tmp_path / "w.safetensors")
+    src = QuantizingSource(SafetensorsSource([str(tmp_path / "w.safetensors")]), "fp8")
+    whole = src.get_fp8("layer.weight")
+    assert whole.scale.shape == (48, 3) and torch.equal(whole.col_block, torch.arange(384) // 128)
+    for cuts in ([0, 160, 384], [0, 96, 200, 384], [0, 128, 256, 384]):
+        shares = [src.get_fp8("layer.weight", dim=1, part=range(a, b)) for a, b in zip(cuts, cuts[1:])]
+        assert torch.equal(torch.cat([s.dequantize() for s in shares], 1), whole.dequantize()), cuts
+        for (a, b), s in zip(zip(cuts, cuts[1:]), shares):
+            assert s.values.shape == (48, b - a) and int(s.col_block[0]) == 0
+            assert torch.equal(s.scale, whole.scale[:, a // 128:(b - 1) // 128 + 1])
+    assert [fp8_columns(k) for k in (4096, 192, 96, 12288)] == [128, 64, 32, 128]
 
 
 @pytest.mark.parametrize("world", [1, 2])

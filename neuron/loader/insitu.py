@@ -16,6 +16,12 @@ from neuron.models.quant import GROUP, SCHEMES, QuantWeight, quantize
 _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
 
 
+def fp8_columns(k: int) -> int:
+    """In-situ FP8's column group for a matrix of ``k`` columns: the widest that the FP8 tensor
+    cores take (128, 64) and that divides ``k``, else 32 (then its products unpack the weight)."""
+    return next((c for c in (128, 64) if k % c == 0), 32)
+
+
 def quantizable(name: str) -> bool:
     """Projection and vocabulary matrices; norms and the MoE router stay as they are."""
     return name.endswith(".weight") and not name.endswith("norm.weight") and not name.endswith("mlp.gate.weight")
@@ -49,8 +55,19 @@ class QuantizingSource:
         packed = getattr(self.src, "get_quant", None)
         if packed is not None and packed(name, dim=dim, part=part) is not None:
             return None  # a weight the file holds packed stays as it is
-        w = self._float(name, dim, part)
-        return quantize_fp8(w, device=self.device) if w is not None else None
+        if dim != 1 or part is None or not self.src.has(name):
+            w = self._float(name, dim, part)
+            return quantize_fp8(w, fp8_columns(w.shape[1]), self.device) if w is not None else None
+        # A share of the columns: the groups it cuts are quantized whole, so that every rank holds
+        # the whole matrix's values and scales whatever the split.
+        k = self.src.shape(name)[1] if hasattr(self.src, "shape") else self.src.get(name).shape[1]
+        c = fp8_columns(k)
+        lo, hi = part.start - part.start % c, min(k, -(-part.stop // c) * c)
+        w = self._float(name, 1, range(lo, hi))
+        if w is None:
+            return None
+        q, keep = quantize_fp8(w, c, self.device), slice(part.start - lo, part.stop - lo)
+        return Fp8Weight(q.values[:, keep].contiguous(), q.scale, q.col_block[keep], q.source)
 
     def _float(self, name: str, dim: int | None, part: range | None) -> torch.Tensor | None:
         """A projection's float share, to quantize (None: not one)."""
@@ -80,7 +97,7 @@ class QuantizingSource:
                 return w
             flat = w.reshape(-1, w.shape[-1])
             if self.scheme == "fp8":
-                return quantize_fp8(flat).dequantize().view(w.shape)
+                return quantize_fp8(flat, fp8_columns(flat.shape[1])).dequantize().view(w.shape)
             return torch.from_numpy(quantize(flat, self.scheme, self.device).dequantize()).view(w.shape)
         f = self.get_fp8(name, dim=dim, part=part)
         if f is not None:

@@ -32,8 +32,9 @@ class Fp8Weight:
 
 def quantize_fp8(w: torch.Tensor, columns: int = 32, device: torch.device | None = None) -> Fp8Weight:
     """In-situ FP8 (``quantize = "fp8"``): e4m3 values with a float32 scale per row and
-    ``columns`` columns (a tensor-parallel share splits on those, so every rank's values are the
-    whole matrix's). ``device``: where to compute it (a rank's GPU; the values stay there)."""
+    ``columns`` columns (``loader/insitu.fp8_columns``: 128 where they divide the matrix, so the
+    products go to the FP8 tensor cores). ``device``: where to compute it (a rank's GPU; the
+    values stay there)."""
     N, K = w.shape
     x = w.detach().to(device or "cpu").float().reshape(N, -1, columns)
     scale = x.abs().amax(-1) / torch.tensor(448.0, device=x.device)  # a true division on every device
