@@ -4,6 +4,8 @@ A level the compiler cannot build is skipped with a warning, and with no compile
 still installs and runs its float path (the kernels are optional). Everything else is in
 pyproject.toml."""
 
+import copy
+import os
 import runpy
 import shutil
 from pathlib import Path
@@ -32,9 +34,16 @@ def extension(level) -> Extension:
 
 
 class BuildExt(build_ext):
-    """A module this tree already holds, built in place (the editable install of scripts/setup),
-    is copied into a wheel instead of compiled again when it is newer than every file it is built
+    """The levels compile side by side, one a core, each from a source of its own (a file in the
+    build directory that includes module.cpp), so that no two write the same object file. A
+    module this tree already holds, built in place (the editable install of scripts/setup), is
+    copied into a wheel instead of compiled again when it is newer than every file it is built
     from: its sources, headers, this file and isa.py (the flags)."""
+
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        if not self.parallel:
+            self.parallel = os.cpu_count() or 1
 
     def build_extension(self, ext: Extension) -> None:
         built = HERE / self.get_ext_filename(ext.name)
@@ -44,7 +53,15 @@ class BuildExt(build_ext):
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(built, target)
             return
-        super().build_extension(ext)
+        own = Path(self.build_temp).resolve() / "levels" / f"{ext.name.rsplit('.', 1)[1]}.cpp"
+        own.parent.mkdir(parents=True, exist_ok=True)
+        text = '#include "module.cpp"\n'
+        if not own.exists() or own.read_text() != text:
+            own.write_text(text)
+        level = copy.copy(ext)
+        level.sources, level.depends = [str(own)], [*ext.sources, *ext.depends]
+        level.include_dirs = [str(HERE / d) for d in ext.include_dirs]
+        super().build_extension(level)
 
 
 setup(ext_modules=[extension(level) for level in isa["levels_for"]()], cmdclass={"build_ext": BuildExt})
