@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
+import openai
 
 from conftest import DEFAULT_MODEL, alive, start_server
 
@@ -74,3 +76,32 @@ def test_a_bad_config_file_is_refused_before_anything_starts(server_tmp):
     server = start_server(server_tmp, config="[server]\nport = 'eighty'\n", healthy=False)
     assert server.proc.wait(30) == 2
     assert "server.port: expected int" in server.log()
+
+
+def test_a_request_while_the_startup_models_load_is_told_to_retry_and_the_sdk_gets_its_answer(server_tmp):
+    """A client started beside the daemon (an agent under the same supervisor) asks before the
+    default model serves: 503 with Retry-After, not 404, so the OpenAI SDK retries and gets its
+    answer; once the startup is over, a name no model serves is 404."""
+    server = start_server(server_tmp, config=CONFIG, healthy=False)
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # the port's first answer: the model is still loading
+            try:
+                health = httpx.get(f"{server.url}/health", timeout=2)
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline and server.proc.poll() is None, server.log()[-2000:]
+                time.sleep(0.02)
+        assert health.status_code == 503 and health.json()["status"] == "starting", health.text
+        chat = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        early = httpx.post(f"{server.base}/chat/completions", json=chat, timeout=10)
+        assert early.status_code == 503 and early.json()["error"]["code"] == "model_unavailable", early.text
+        assert int(early.headers["retry-after"]) > 0
+        client = openai.OpenAI(base_url=server.base, api_key="unused", max_retries=5, timeout=60)
+        answer = client.chat.completions.create(**chat)
+        assert answer.choices[0].finish_reason in ("length", "stop")
+        assert httpx.get(f"{server.url}/health", timeout=2).status_code == 200
+        gone = httpx.post(f"{server.base}/chat/completions", json={**chat, "model": "no-such-model"}, timeout=10)
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
+    finally:
+        server.stop()

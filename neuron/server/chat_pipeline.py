@@ -30,7 +30,7 @@ def serving(state: AppState, model: str) -> ModelView:
     """The model a request names, if it is loaded and the server is not shutting down."""
     if state.draining:
         raise ApiError(503, "shutting_down", "the server is shutting down")
-    handle = state.engine_client.get(model)
+    handle = state.model(model)
     if handle.status != "loaded":
         raise ApiError(503, "model_unavailable", f"model {model!r} is {handle.status}", retry_after=5)
     return handle

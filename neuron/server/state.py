@@ -9,7 +9,7 @@ from typing import Callable
 
 from starlette.requests import Request
 
-from protocol.engine_client import EngineClient
+from protocol.engine_client import EngineClient, ModelView
 
 from neuron.config import Config
 from neuron.server.grammar.worker import GrammarCompiler
@@ -43,6 +43,18 @@ class AppState:
     on_startup_failure: Callable[[str], None] | None = None
     responses: ResponseStore = field(default_factory=lambda: ResponseStore(256))
     keys: KeyRing = field(default_factory=KeyRing)
+
+    def model(self, name: str) -> ModelView:
+        """The model ``name`` names. While the startup models load, a name that none serves yet
+        is answered 503 with Retry-After (as llama.cpp's server answers while it loads, and as the
+        OpenAI and Anthropic SDKs retry), not the 404 it gets once they serve."""
+        try:
+            return self.engine_client.get(name)
+        except ApiError as exc:
+            if exc.status == 404 and self.starting and self.startup_error is None:
+                raise ApiError(503, "model_unavailable", f"model {name!r} is not serving yet: the startup models "
+                               "are loading", param="model", retry_after=5) from None
+            raise
 
 
 def require_key(request: Request, state: AppState, *, admin: bool) -> None:

@@ -27,7 +27,7 @@ def _json(body: msgspec.Struct) -> Response:
 
 def _model(state: AppState, name: str | None) -> ModelView:
     if name is not None:
-        return state.engine_client.get(name)
+        return state.model(name)
     models = list(state.engine_client.models.values())
     if len(models) != 1:
         raise ApiError(400, "invalid_request", f"model is required when {len(models)} models are loaded",
