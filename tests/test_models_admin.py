@@ -97,7 +97,8 @@ def test_a_request_while_the_startup_models_load_is_told_to_retry_and_the_sdk_ge
         early = httpx.post(f"{server.base}/chat/completions", json=chat, timeout=10)
         assert early.status_code == 503 and early.json()["error"]["code"] == "model_unavailable", early.text
         assert int(early.headers["retry-after"]) > 0
-        client = openai.OpenAI(base_url=server.base, api_key="unused", max_retries=5, timeout=60)
+        # Retry-After is 5 s: twenty retries give a load on a CPU many times slower than this one 100 s.
+        client = openai.OpenAI(base_url=server.base, api_key="unused", max_retries=20, timeout=60)
         answer = client.chat.completions.create(**chat)
         assert answer.choices[0].finish_reason in ("length", "stop")
         assert httpx.get(f"{server.url}/health", timeout=2).status_code == 200
